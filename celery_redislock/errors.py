@@ -1,0 +1,113 @@
+"""The exceptions raised by celery_redislock.
+
+Every error this package raises on purpose derives from :class:`LockError`, so
+one ``except LockError`` catches them all::
+
+    LockError
+    ├── LockNotOwnedError        release/extend of a lock this owner does not hold
+    │   └── LockLostError        a held lock expired or was taken over while in use
+    ├── LockTimeoutError         a blocking acquire gave up after its timeout
+    ├── LockConflictError        a singleton task found its key held (on_conflict="raise"/"wait")
+    ├── TaskSkippedError         a duplicate was skipped inside a chain or chord
+    ├── LockBackendError         Redis could not be reached or answered with an error
+    ├── KeyDerivationError       the task's arguments cannot be turned into a lock key
+    └── ServerNotFoundError      no Redis-compatible server binary for the embedded helper
+
+Bad arguments (a negative TTL, an unknown option value) raise the built-in
+``ValueError``/``TypeError`` naming the argument instead: they are programming
+errors, not lock outcomes.
+"""
+
+from __future__ import annotations
+
+
+class LockError(Exception):
+    """Base class of every error raised by celery_redislock."""
+
+
+class _StructuredError(LockError):
+    """An error whose constructor arguments are kept in ``args``.
+
+    Celery stores a failed task's exception as its class and ``args`` and rebuilds
+    it with ``cls(*args)`` on the client; keeping every constructor argument in
+    ``args`` (and the message last) makes that round trip exact.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[-1])
+
+
+class LockNotOwnedError(_StructuredError):
+    """The lock is not held by this owner, so it cannot be released or extended.
+
+    Nothing was changed in Redis. ``name`` is the lock's name.
+    """
+
+    def __init__(self, name: str, message: str | None = None) -> None:
+        self.name = name
+        super().__init__(
+            name,
+            message
+            or f"lock {name!r} is not held by this owner: it expired or another owner took it "
+            "(raise the TTL, or keep the heartbeat on, if the work outlives it)",
+        )
+
+
+class LockLostError(LockNotOwnedError):
+    """A lock that was held has been lost: it expired or another owner took it over."""
+
+    def __init__(self, name: str, message: str | None = None) -> None:
+        super().__init__(
+            name,
+            message
+            or f"lock {name!r} was lost while held: it could not be renewed in time; "
+            "stop touching the protected resource",
+        )
+
+
+class LockTimeoutError(_StructuredError):
+    """A blocking acquire did not get the lock before its timeout."""
+
+    def __init__(self, name: str, timeout: float | None, message: str | None = None) -> None:
+        self.name = name
+        self.timeout = timeout
+        super().__init__(
+            name, timeout, message or f"could not acquire lock {name!r} within {timeout} s"
+        )
+
+
+class LockConflictError(_StructuredError):
+    """A singleton task found its lock held by another task.
+
+    ``key`` is the lock name and ``holder`` the task id that holds it (``None``
+    if the holder is not a task or could not be read).
+    """
+
+    def __init__(self, key: str, holder: str | None, message: str | None = None) -> None:
+        self.key = key
+        self.holder = holder
+        super().__init__(
+            key,
+            holder,
+            message or f"lock {key!r} is held by task {holder!r}; this duplicate did not run",
+        )
+
+
+class TaskSkippedError(LockConflictError):
+    """A duplicate was skipped (``on_conflict="skip"``) while part of a chain or chord.
+
+    Raised instead of returning a skip marker so the rest of the workflow does not
+    run with a result it did not expect; the workflow's error callbacks run.
+    """
+
+
+class LockBackendError(LockError):
+    """Redis could not be reached, or answered with an error, while locking."""
+
+
+class KeyDerivationError(LockError, TypeError):
+    """The task's arguments cannot be serialised into a lock key."""
+
+
+class ServerNotFoundError(LockError):
+    """No Redis-compatible server binary was found for the embedded server helper."""

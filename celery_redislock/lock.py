@@ -1,0 +1,379 @@
+"""The lock engine: a re-entrant, fenced, self-renewing Redis lock.
+
+Example::
+
+    from celery_redislock import RedisLock
+
+    lock = RedisLock("redis://127.0.0.1:6379/0", "invoice:42", ttl=30)
+    with lock:                       # waits for the lock, renews it while held
+        write(invoice, fence=lock.token)
+
+Keys, for a lock named ``N`` with the default prefix::
+
+    redislock:{N}          hash: owner, lease, count, fence   (lives as long as the lock)
+    redislock:{N}:fence    fencing counter                    (expires FENCE_TTL after use)
+    redislock:{N}:released pub/sub channel, never a key       (one message per release)
+
+Acquire, release and extend are each one round trip (an ``EVALSHA``). A waiter
+subscribes to the release channel, re-checks the lock, then waits for a message
+or for the holder's remaining TTL, whichever comes first — a lock that expires
+publishes nothing, so the TTL bounds every wait.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import redis
+
+from celery_redislock import scripts
+from celery_redislock.client import as_client
+from celery_redislock.errors import (
+    LockBackendError,
+    LockLostError,
+    LockNotOwnedError,
+    LockTimeoutError,
+)
+from celery_redislock.heartbeat import Heartbeat, get_heartbeat
+
+#: How long a name's fencing counter outlives the last acquire, in ms. After it
+#: expires the next token is seeded from the server clock (microseconds), so
+#: tokens still increase.
+FENCE_TTL_MS = 3_600_000
+
+#: Default key prefix.
+DEFAULT_PREFIX = "redislock"
+
+#: Default TTL of a lock, in seconds.
+DEFAULT_TTL = 60.0
+
+
+def check_ttl(value: object, argument: str = "ttl") -> float:
+    """Return ``value`` as a positive number of seconds, or raise naming ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{argument} must be a number of seconds, not {type(value).__name__}")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{argument} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def check_timeout(value: object, argument: str = "timeout") -> float | None:
+    """Return ``value`` as a non-negative number of seconds or ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"{argument} must be a number of seconds or None, not {type(value).__name__}"
+        )
+    if not value >= 0:
+        raise ValueError(f"{argument} must be >= 0 seconds or None, got {value!r}")
+    return float(value)
+
+
+class _Scripts:
+    """The engine's scripts registered on one client (``EVALSHA`` with reload)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.acquire = client.register_script(scripts.ACQUIRE)
+        self.release = client.register_script(scripts.RELEASE)
+        self.extend = client.register_script(scripts.EXTEND)
+        self.release_lease = client.register_script(scripts.RELEASE_LEASE)
+
+
+_registered: dict[int, tuple[redis.Redis, _Scripts]] = {}
+
+
+def scripts_for(client: redis.Redis) -> _Scripts:
+    """Return the scripts registered on ``client`` (registered once per client)."""
+    entry = _registered.get(id(client))
+    if entry is None or entry[0] is not client:
+        entry = (client, _Scripts(client))
+        _registered[id(client)] = entry
+    return entry[1]
+
+
+def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> tuple[str, str, str]:
+    """Return ``(lock key, fence key, release channel)`` for a lock name."""
+    base = f"{prefix}:{{{name}}}"
+    return base, f"{base}:fence", f"{base}:released"
+
+
+class RedisLock:
+    """A distributed lock held by an owner token, not by a thread.
+
+    Arguments:
+        client_or_url: a ``redis.Redis`` client or a ``redis://`` URL (clients for
+            a URL are shared per process).
+        name: the lock's name; every holder of the same name excludes the others.
+        ttl: seconds the lock lives without renewal. Mandatory and > 0; a crashed
+            holder's lock frees itself after at most this long.
+        owner: the owner token. Default: 128 random bits. Two ``RedisLock``
+            objects with the same owner are the same holder (re-entrant).
+        lease: an optional lease id (a Celery task id). A new owner of the same
+            lease takes the lock over instead of waiting, with a new fencing
+            token; the old owner's next renewal finds it lost.
+        heartbeat: renew the lock in the background while held (default on).
+        heartbeat_interval: seconds between renewals; default ``ttl / 3``.
+        on_lost: called with the lock, from the heartbeat thread, if it is lost.
+        blocking_timeout: how long ``with lock:`` waits before raising
+            :class:`~celery_redislock.errors.LockTimeoutError`; ``None`` waits forever.
+        prefix: key prefix.
+
+    Raises:
+        TypeError, ValueError: an argument is invalid; the message names it.
+    """
+
+    def __init__(
+        self,
+        client_or_url: redis.Redis | str,
+        name: str,
+        ttl: float = DEFAULT_TTL,
+        *,
+        owner: str | None = None,
+        lease: str | None = None,
+        heartbeat: bool = True,
+        heartbeat_interval: float | None = None,
+        on_lost: Callable[[RedisLock], Any] | None = None,
+        blocking_timeout: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        _heartbeat: Heartbeat | None = None,
+    ) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, not {type(name).__name__}")
+        if not name:
+            raise ValueError("name must be a non-empty string")
+        self.ttl = check_ttl(ttl)
+        if heartbeat_interval is None:
+            self.heartbeat_interval = self.ttl / 3
+        else:
+            self.heartbeat_interval = check_ttl(heartbeat_interval, "heartbeat_interval")
+            if self.heartbeat_interval >= self.ttl:
+                raise ValueError(
+                    f"heartbeat_interval ({heartbeat_interval}) must be shorter than ttl ({ttl}), "
+                    "or the lock expires between renewals"
+                )
+        if owner is not None and (not isinstance(owner, str) or not owner):
+            raise ValueError("owner must be a non-empty string or None")
+        if lease is not None and not isinstance(lease, str):
+            raise TypeError(f"lease must be a str or None, not {type(lease).__name__}")
+        self.blocking_timeout = check_timeout(blocking_timeout, "blocking_timeout")
+        self.client = as_client(client_or_url)
+        self.name = name
+        self.prefix = prefix
+        self.key, self.fence_key, self.channel = lock_keys(name, prefix)
+        #: The owner token (≥128 random bits unless given).
+        self.owner = owner or secrets.token_hex(16)
+        self.lease = lease or ""
+        self.heartbeat = heartbeat
+        self.on_lost = on_lost
+        #: The fencing token of the current hold; strictly increasing per name.
+        self.token: int | None = None
+        #: True once a held lock could not be renewed or was found taken.
+        self.lost = False
+        self._holds = 0
+        self._expiry = 0.0
+        self._state = threading.Lock()
+        self._heartbeat = _heartbeat
+        self._scripts = scripts_for(self.client)
+
+    def __repr__(self) -> str:
+        return f"<RedisLock {self.name!r} owner={self.owner[:8]}… token={self.token}>"
+
+    # The heartbeat's view of the lock.
+    @property
+    def ttl_ms(self) -> int:
+        """The TTL in whole milliseconds (at least 1)."""
+        return max(1, int(self.ttl * 1000))
+
+    @property
+    def renew_interval(self) -> float:
+        """Seconds between heartbeat renewals."""
+        return self.heartbeat_interval
+
+    def _renewed(self, now: float) -> None:
+        self._expiry = now + self.ttl
+
+    def _expires_at(self) -> float:
+        return self._expiry
+
+    def _mark_lost(self) -> None:
+        with self._state:
+            if self.lost or self._holds == 0:
+                return
+            self.lost = True
+        if self.on_lost is not None:
+            self.on_lost(self)
+
+    # Public API.
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        """Take the lock; return whether it was taken.
+
+        Arguments:
+            blocking: wait for the lock if another owner holds it.
+            timeout: with ``blocking``, give up after this many seconds
+                (``None``: wait as long as it takes).
+
+        Raises:
+            LockBackendError: Redis could not be reached.
+        """
+        timeout = check_timeout(timeout)
+        started = time.monotonic()
+        reply = self._try_acquire()
+        if reply[0]:
+            return True
+        if not blocking or timeout == 0:
+            return False
+        deadline = None if timeout is None else started + timeout
+        return self._wait(deadline)
+
+    def release(self) -> None:
+        """Drop one hold; the last hold frees the lock and wakes a waiter.
+
+        Raises:
+            LockNotOwnedError: this owner does not hold the lock (nothing deleted).
+            LockLostError: this object held it, but it expired or was taken over.
+        """
+        try:
+            result = self._scripts.release(keys=[self.key], args=[self.owner, self.channel])
+        except redis.RedisError as exc:
+            raise LockBackendError(f"could not release lock {self.name!r}: {exc}") from exc
+        if result == 0:
+            was_held = self._forget()
+            if was_held:
+                self.lost = True
+                raise LockLostError(self.name)
+            raise LockNotOwnedError(self.name)
+        with self._state:
+            self._holds = max(0, self._holds - 1)
+            done = result == 1 or self._holds == 0
+        if done:
+            self._forget()
+
+    def extend(self, ttl: float | None = None) -> None:
+        """Reset the remaining TTL to ``ttl`` seconds (default: the lock's TTL).
+
+        Raises:
+            LockNotOwnedError: this owner does not hold the lock.
+            LockLostError: this object held it, but it expired or was taken over.
+        """
+        new_ttl = self.ttl if ttl is None else check_ttl(ttl)
+        try:
+            result = self._scripts.extend(
+                keys=[self.key], args=[self.owner, max(1, int(new_ttl * 1000))]
+            )
+        except redis.RedisError as exc:
+            raise LockBackendError(f"could not extend lock {self.name!r}: {exc}") from exc
+        if result != 1:
+            if self._forget():
+                self.lost = True
+                raise LockLostError(self.name)
+            raise LockNotOwnedError(self.name)
+        self._expiry = time.monotonic() + new_ttl
+
+    def locked(self) -> bool:
+        """Whether any owner holds the lock now."""
+        try:
+            return bool(self.client.exists(self.key))
+        except redis.RedisError as exc:
+            raise LockBackendError(f"could not read lock {self.name!r}: {exc}") from exc
+
+    def owned(self) -> bool:
+        """Whether this owner holds the lock now (asks Redis)."""
+        try:
+            owner = self.client.hget(self.key, "owner")
+        except redis.RedisError as exc:
+            raise LockBackendError(f"could not read lock {self.name!r}: {exc}") from exc
+        return _text(owner) == self.owner
+
+    def holder_lease(self) -> str | None:
+        """The lease (task id) of whoever holds the lock now, if any."""
+        return _text(self.client.hget(self.key, "lease")) or None
+
+    def __enter__(self) -> RedisLock:
+        if not self.acquire(blocking=True, timeout=self.blocking_timeout):
+            raise LockTimeoutError(self.name, self.blocking_timeout)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    # Internal steps.
+    def _try_acquire(self) -> list[Any]:
+        try:
+            reply: list[Any] = self._scripts.acquire(
+                keys=[self.key, self.fence_key],
+                args=[self.owner, self.ttl_ms, self.lease, FENCE_TTL_MS],
+            )
+        except redis.RedisError as exc:
+            raise LockBackendError(f"could not acquire lock {self.name!r}: {exc}") from exc
+        if reply[0]:
+            now = time.monotonic()
+            with self._state:
+                first = self._holds == 0
+                self._holds = 1 if reply[0] == 1 else self._holds + 1
+                self.token = int(reply[1])
+                self.lost = False
+                self._expiry = now + self.ttl
+            if first and self.heartbeat:
+                self._beat().register(self)
+        return reply
+
+    def _wait(self, deadline: float | None) -> bool:
+        pubsub = self.client.pubsub()  # type: ignore[no-untyped-call]
+        try:
+            pubsub.subscribe(self.channel)
+            while True:
+                reply = self._try_acquire()
+                if reply[0]:
+                    return True
+                pttl = int(reply[1])
+                wait = pttl / 1000 if pttl > 0 else 0.001
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    wait = min(wait, remaining)
+                _wait_for_message(pubsub, wait)
+        except redis.RedisError as exc:
+            raise LockBackendError(f"could not wait for lock {self.name!r}: {exc}") from exc
+        finally:
+            pubsub.close()
+
+    def _beat(self) -> Heartbeat:
+        return self._heartbeat or get_heartbeat()
+
+    def _forget(self) -> bool:
+        """Drop local hold state; return whether this object thought it held the lock."""
+        with self._state:
+            was_held = self._holds > 0
+            self._holds = 0
+        if self.heartbeat:
+            self._beat().unregister(self)
+        return was_held
+
+
+def _text(value: bytes | str | None) -> str | None:
+    """Decode a reply from a client that may or may not decode responses."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _wait_for_message(pubsub: redis.client.PubSub, seconds: float) -> None:
+    """Block until a published message arrives or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        message = pubsub.get_message(timeout=remaining)
+        if message is not None and message.get("type") == "message":
+            return

@@ -1,0 +1,1 @@
+"""The seckill example (filled in by the example issue)."""

