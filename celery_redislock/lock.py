@@ -377,3 +377,19 @@ def _wait_for_message(pubsub: redis.client.PubSub, seconds: float) -> None:
         message = pubsub.get_message(timeout=remaining)
         if message is not None and message.get("type") == "message":
             return
+
+
+def release_lease(
+    client_or_url: redis.Redis | str, name: str, lease: str, prefix: str = DEFAULT_PREFIX
+) -> bool:
+    """Free lock ``name`` if the given lease (task id) holds it, whatever its hold count.
+
+    For paths where the holder's process cannot release it itself: a task
+    revoked while queued, or terminated while running. Returns whether it was freed.
+    """
+    client = as_client(client_or_url)
+    key, _fence, channel = lock_keys(name, prefix)
+    try:
+        return bool(scripts_for(client).release_lease(keys=[key], args=[lease, channel]))
+    except redis.RedisError as exc:
+        raise LockBackendError(f"could not release lock {name!r}: {exc}") from exc
