@@ -28,6 +28,7 @@ from celery_redislock.errors import (
 )
 from celery_redislock.lock import RedisLock
 from celery_redislock.server import RedisServer
+from celery_redislock.task import LockHandle, SingletonTask, is_skipped
 
 __version__ = "0.1.0"
 
@@ -36,12 +37,15 @@ __all__ = [
     "LockBackendError",
     "LockConflictError",
     "LockError",
+    "LockHandle",
     "LockLostError",
     "LockNotOwnedError",
     "LockTimeoutError",
     "RedisLock",
     "RedisServer",
     "ServerNotFoundError",
+    "SingletonTask",
     "TaskSkippedError",
     "__version__",
+    "is_skipped",
 ]

@@ -294,6 +294,15 @@ class RedisLock:
         """The lease (task id) of whoever holds the lock now, if any."""
         return _text(self.client.hget(self.key, "lease")) or None
 
+    def detach(self) -> None:
+        """Stop renewing and forget the hold locally, leaving Redis untouched.
+
+        The lock then lives until its TTL runs out, unless another owner of the
+        same lease takes it over first (how a retried Celery task keeps its lock
+        across the retry).
+        """
+        self._forget()
+
     def __enter__(self) -> RedisLock:
         if not self.acquire(blocking=True, timeout=self.blocking_timeout):
             raise LockTimeoutError(self.name, self.blocking_timeout)
