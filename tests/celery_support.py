@@ -1,0 +1,77 @@
+"""Helpers shared by the Celery integration tests: apps, gates and polling."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from celery import Celery
+
+#: Events a test opens to let a held task finish, by name.
+GATES: dict[str, threading.Event] = {}
+#: What each task execution recorded, in order.
+RUNS: list[tuple[str, Any]] = []
+_runs_guard = threading.Lock()
+
+
+def gate(name: str) -> threading.Event:
+    """The gate called ``name`` (created closed on first use)."""
+    return GATES.setdefault(name, threading.Event())
+
+
+def record(kind: str, value: Any) -> None:
+    """Append an execution record (thread-safe)."""
+    with _runs_guard:
+        RUNS.append((kind, value))
+
+
+def runs(kind: str) -> list[Any]:
+    """The values recorded under ``kind``."""
+    with _runs_guard:
+        return [value for k, value in RUNS if k == kind]
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 15.0, what: str = "") -> None:
+    """Poll ``condition`` until it is truthy, failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        time.sleep(0.01)
+
+
+def make_app(url: str, name: str = "t") -> Celery:
+    """A Celery app whose broker, backend and lock store are the server at ``url``.
+
+    The broker and results use database 1 and the locks database 0, so tests can
+    inspect and clean lock keys without touching queued messages.
+    """
+    queue_url = url.rsplit("/", 1)[0] + "/1"
+    app = Celery(name, broker=queue_url, backend=queue_url, set_as_current=False)
+    app.conf.update(
+        redislock_url=url,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        task_store_eager_result=True,
+        result_expires=None,
+    )
+    return app
+
+
+def lock_keys(client: redis.Redis) -> list[str]:
+    """Lock hashes currently in Redis (fence counters excluded)."""
+    return sorted(k.decode() for k in client.scan_iter("redislock:*") if not k.endswith(b":fence"))
+
+
+def close_app(app: Celery) -> None:
+    """Drop pending results and close the app while its server still runs.
+
+    Unreferenced ``AsyncResult`` objects unsubscribe from the result backend when
+    collected; doing that before the server stops keeps teardown quiet.
+    """
+    gc.collect()
+    app.close()

@@ -1,0 +1,589 @@
+"""SingletonTask against a real Redis and a real in-process Celery worker (threads pool)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, chain, group
+from celery.contrib.testing.worker import start_worker
+from celery.exceptions import Ignore, Reject
+
+from celery_redislock import (
+    LockBackendError,
+    LockConflictError,
+    LockLostError,
+    SingletonTask,
+    TaskSkippedError,
+    is_skipped,
+)
+from celery_redislock.server import RedisServer, free_port
+from tests.celery_support import close_app, gate, lock_keys, make_app, record, runs, wait_for
+
+TIMEOUT = 20
+
+
+def define_tasks(app: Celery) -> SimpleNamespace:
+    """Register the tasks the tests drive; returns them by name."""
+
+    @app.task(base=SingletonTask, shared=False, bind=True, name="t.hold")
+    def hold(self: Any, name: str, extra: int = 0) -> int | None:
+        record("hold", (name, self.request.id, self.lock.token))
+        gate(name).wait(TIMEOUT)
+        return self.lock.token  # type: ignore[no-any-return]
+
+    @app.task(base=SingletonTask, shared=False, bind=True, name="t.hold_raise", on_conflict="raise")
+    def hold_raise(self: Any, name: str) -> str:
+        record("hold_raise", name)
+        gate(name).wait(TIMEOUT)
+        return "done"
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        bind=True,
+        name="t.hold_wait",
+        on_conflict="wait",
+        lock_wait=TIMEOUT,
+        lock_on=("name",),
+    )
+    def hold_wait(self: Any, name: str, who: str) -> str:
+        record("hold_wait", who)
+        gate(f"{name}:{who}").wait(TIMEOUT)
+        return who
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        bind=True,
+        name="t.short_wait",
+        on_conflict="wait",
+        lock_wait=0.2,
+    )
+    def short_wait(self: Any, name: str) -> str:
+        gate(name).wait(TIMEOUT)
+        return "done"
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        bind=True,
+        name="t.hold_retry",
+        on_conflict="retry",
+        lock_retry_delay=0.05,
+        max_retries=50,
+    )
+    def hold_retry(self: Any, name: str) -> int:
+        record("hold_retry", (name, self.request.retries))
+        gate(name).wait(TIMEOUT)
+        return int(self.request.retries)
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        bind=True,
+        name="t.retry_exhausted",
+        on_conflict="retry",
+        lock_retry_delay=0.01,
+        max_retries=2,
+    )
+    def retry_exhausted(self: Any, name: str) -> str:
+        return "ran"
+
+    @app.task(base=SingletonTask, shared=False, bind=True, name="t.self_retry", max_retries=3)
+    def self_retry(self: Any, name: str) -> int:
+        record("self_retry", self.request.retries)
+        if self.request.retries < 2:
+            raise self.retry(countdown=0.05)
+        return int(self.request.retries)
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        bind=True,
+        name="t.until_executed",
+        lock_strategy="until_executed",
+        max_retries=3,
+    )
+    def until_executed(self: Any, name: str, retry_countdown: float = 0) -> int:
+        record("until_executed", (name, self.request.retries))
+        gate(f"{name}:{self.request.retries}").wait(TIMEOUT)
+        if retry_countdown and self.request.retries == 0:
+            raise self.retry(countdown=retry_countdown)
+        return int(self.request.retries)
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        bind=True,
+        name="t.until_executing",
+        lock_strategy="until_executing",
+    )
+    def until_executing(self: Any, name: str) -> str:
+        record("until_executing", name)
+        gate(name).wait(TIMEOUT)
+        return "done"
+
+    @app.task(base=SingletonTask, shared=False, bind=True, name="t.ends")
+    def ends(self: Any, how: str) -> str:
+        if how == "ignore":
+            raise Ignore()
+        if how == "reject":
+            raise Reject("no", requeue=False)
+        if how == "error":
+            raise RuntimeError("boom")
+        return how
+
+    @app.task(base=SingletonTask, shared=False, bind=True, name="t.lose", lock_ttl=0.6)
+    def lose(self: Any, name: str) -> str:
+        assert self.lock.held
+        self.lock.check()
+        redis.Redis.from_url(app.conf.redislock_url).delete(f"redislock:{{{self.lock.key}}}")
+        wait_for(lambda: self.lock.lost, what="the heartbeat to notice the lost lock")
+        try:
+            self.lock.check()
+        except LockLostError:
+            return "stopped"
+        return "not stopped"
+
+    @app.task(base=SingletonTask, shared=False, name="t.add")
+    def add(x: int, y: int) -> int:
+        record("add", (x, y))
+        return x + y
+
+    @app.task(shared=False, name="t.plain_hold")
+    def plain_hold(name: str) -> str:
+        gate(name).wait(TIMEOUT)
+        return name
+
+    return SimpleNamespace(**{t.__name__: t for t in [
+        hold, hold_raise, hold_wait, short_wait, hold_retry, retry_exhausted, self_retry,
+        until_executed, until_executing, ends, lose, add, plain_hold,
+    ]})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def app(redislock_server: RedisServer) -> Iterator[Celery]:
+    """A Celery app on the session server with the test tasks registered."""
+    app = make_app(redislock_server.url)
+    app.tasks_ns = define_tasks(app)
+    yield app
+    close_app(app)
+
+
+@pytest.fixture(scope="module")
+def tasks(app: Celery) -> SimpleNamespace:
+    """The registered test tasks."""
+    return app.tasks_ns  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def worker(app: Celery) -> Iterator[Any]:
+    """A real worker (threads pool, 6 slots) consuming in this process."""
+    with start_worker(app, pool="threads", concurrency=6, perform_ping_check=False) as w:
+        yield w
+
+
+@pytest.fixture
+def locks(redislock_server: RedisServer) -> Iterator[redis.Redis]:
+    """A client to the lock database; every test must leave no lock behind."""
+    client = redislock_server.client()
+    yield client
+    wait_for(lambda: not lock_keys(client), timeout=10, what="locks to be released")
+    client.close()
+
+
+def unique(prefix: str) -> str:
+    """A name no other test uses."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def running(kind: str, match: object) -> bool:
+    """Whether a task recorded ``match`` (or a tuple starting with it)."""
+    return any(v == match or (isinstance(v, tuple) and v[0] == match) for v in runs(kind))
+
+
+@pytest.mark.usefixtures("worker")
+class TestConflictModes:
+    """What a duplicate does at execution time."""
+
+    def test_skip_resolves_with_holder(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """A skipped duplicate's result resolves and names the lock and holder task id."""
+        name = unique("skip")
+        first = tasks.hold.delay(name)
+        wait_for(lambda: running("hold", name))
+        second = tasks.hold.delay(name=name, extra=0)  # same call, other spelling
+        outcome = second.get(timeout=TIMEOUT)
+        gate(name).set()
+        token = first.get(timeout=TIMEOUT)
+        assert is_skipped(outcome)
+        assert outcome["holder"] == first.id
+        assert outcome["lock_key"].startswith("t.hold:")
+        assert isinstance(token, int)
+
+    def test_raise_names_key_and_holder(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """on_conflict='raise' fails the duplicate with LockConflictError naming the holder."""
+        name = unique("raise")
+        first = tasks.hold_raise.delay(name)
+        wait_for(lambda: running("hold_raise", name))
+        second = tasks.hold_raise.delay(name)
+        with pytest.raises(LockConflictError) as excinfo:
+            second.get(timeout=TIMEOUT)
+        gate(name).set()
+        assert first.get(timeout=TIMEOUT) == "done"
+        assert excinfo.value.holder == first.id
+        assert first.id in str(excinfo.value)
+        assert "t.hold_raise:" in str(excinfo.value)
+
+    def test_wait_runs_after_holder(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """on_conflict='wait' runs the duplicate right after the holder releases, never together."""
+        name = unique("wait")
+        first = tasks.hold_wait.delay(name, "a")
+        wait_for(lambda: "a" in runs("hold_wait"))
+        second = tasks.hold_wait.delay(name, "b")
+        time.sleep(0.3)  # give the duplicate a chance to (wrongly) start
+        assert "b" not in runs("hold_wait")
+        gate(f"{name}:a").set()
+        gate(f"{name}:b").set()
+        assert first.get(timeout=TIMEOUT) == "a"
+        assert second.get(timeout=TIMEOUT) == "b"
+
+    def test_wait_gives_up(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """on_conflict='wait' fails like 'raise' once lock_wait has passed."""
+        name = unique("short")
+        first = tasks.short_wait.delay(name)
+        wait_for(lambda: locks.exists(f"redislock:{{{tasks.short_wait.lock_name((name,), {})}}}"))
+        with pytest.raises(LockConflictError) as excinfo:
+            tasks.short_wait.delay(name).get(timeout=TIMEOUT)
+        gate(name).set()
+        first.get(timeout=TIMEOUT)
+        assert "after waiting 0.2 s" in str(excinfo.value)
+
+    def test_retry_requeues_until_free(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """on_conflict='retry' re-queues the duplicate, which runs once the lock is free."""
+        name = unique("retry")
+        first = tasks.hold_retry.delay(name)
+        wait_for(lambda: running("hold_retry", name))
+        second = tasks.hold_retry.delay(name)
+        wait_for(lambda: second.state == "RETRY", what="the duplicate to be re-queued")
+        gate(name).set()
+        assert first.get(timeout=TIMEOUT) == 0
+        assert second.get(timeout=TIMEOUT) >= 1
+
+    def test_retry_is_bounded(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """on_conflict='retry' gives up after max_retries with LockConflictError."""
+        name = unique("exhaust")
+        key = tasks.retry_exhausted.lock_name((name,), {})
+        from celery_redislock import RedisLock
+
+        blocker = RedisLock(locks, key, ttl=30)
+        assert blocker.acquire(blocking=False)
+        try:
+            with pytest.raises(LockConflictError):
+                tasks.retry_exhausted.delay(name).get(timeout=TIMEOUT)
+        finally:
+            blocker.release()
+
+
+@pytest.mark.usefixtures("worker")
+class TestEndPaths:
+    """Every way a task can end frees (or keeps) its lock as documented."""
+
+    @pytest.mark.parametrize("how", ["ok", "error", "ignore", "reject"])
+    def test_lock_freed_on_every_end(
+        self, how: str, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """Success, exception, Ignore and Reject all release the lock."""
+        result = tasks.ends.delay(how)
+        if how == "ok":
+            assert result.get(timeout=TIMEOUT) == "ok"
+        elif how == "error":
+            with pytest.raises(RuntimeError):
+                result.get(timeout=TIMEOUT)
+        else:
+            key = f"redislock:{{{tasks.ends.lock_name((how,), {})}}}"
+            wait_for(lambda: not locks.exists(key) and bool(runs_of_fence(locks, key)))
+
+    def test_self_retry_really_requeues(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """self.retry() is re-queued and each attempt runs under the lock, which ends free."""
+        result = tasks.self_retry.delay(unique("selfretry"))
+        assert result.get(timeout=TIMEOUT) == 2
+
+    def test_lost_lock_is_visible_in_body(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """A lock lost mid-task flips self.lock.lost and check() raises LockLostError."""
+        assert tasks.lose.delay(unique("lose")).get(timeout=TIMEOUT) == "stopped"
+
+    def test_fencing_tokens_increase(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """Successive executions on one key see strictly increasing fencing tokens."""
+        name = unique("fence")
+        tokens = []
+        for _ in range(3):
+            result = tasks.hold.delay(name)
+            gate(name).set()
+            tokens.append(result.get(timeout=TIMEOUT))
+        assert tokens == sorted(tokens)
+        assert len(set(tokens)) == 3
+
+
+def runs_of_fence(client: redis.Redis, key: str) -> bool:
+    """Whether the lock at ``key`` was ever taken (its fence counter exists)."""
+    return bool(client.exists(f"{key}:fence"))
+
+
+@pytest.mark.usefixtures("worker")
+class TestEnqueueStrategies:
+    """until_executed and until_executing take the lock when the task is sent."""
+
+    def test_until_executed_dedupes_enqueue(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """A duplicate sent while the first is pending publishes nothing and gets its result."""
+        name = unique("ue")
+        first = tasks.until_executed.delay(name)
+        second = tasks.until_executed.delay(name)
+        assert second.id == first.id
+        wait_for(lambda: running("until_executed", name))
+        third = tasks.until_executed.apply_async((name,))
+        assert third.id == first.id
+        gate(f"{name}:0").set()
+        assert first.get(timeout=TIMEOUT) == 0
+        assert [v for v in runs("until_executed") if v[0] == name] == [(name, 0)]
+        wait_for(lambda: not lock_keys(locks))
+        again = tasks.until_executed.delay(name)
+        assert again.id != first.id
+        gate(f"{name}:0").set()
+        again.get(timeout=TIMEOUT)
+
+    def test_until_executed_survives_retry_countdown(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """Through a self.retry(countdown) the lock stays taken and the retry takes it back."""
+        name = unique("uer")
+        first = tasks.until_executed.delay(name, retry_countdown=1.0)
+        gate(f"{name}:0").set()
+        wait_for(lambda: first.state == "RETRY", what="the retry")
+        assert tasks.until_executed.delay(name, retry_countdown=1.0).id == first.id
+        gate(f"{name}:1").set()
+        assert first.get(timeout=TIMEOUT) == 1
+
+    def test_until_executed_outlives_countdown(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """A lock taken for a countdown task lives at least as long as the countdown."""
+        name = unique("uec")
+        first = tasks.until_executed.apply_async((name,), countdown=2)
+        key = f"redislock:{{{tasks.until_executed.lock_name((name,), {})}}}"
+        assert locks.pttl(key) > 60_000
+        assert tasks.until_executed.apply_async((name,)).id == first.id
+        gate(f"{name}:0").set()
+        assert first.get(timeout=TIMEOUT) == 0
+
+    def test_until_executing_frees_at_start(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """until_executing dedupes while queued and frees the key once the body starts."""
+        name = unique("uing")
+        key = f"redislock:{{{tasks.until_executing.lock_name((name,), {})}}}"
+        first = tasks.until_executing.delay(name)
+        wait_for(lambda: running("until_executing", name))
+        assert not locks.exists(key)
+        second = tasks.until_executing.delay(name)
+        assert second.id != first.id
+        gate(name).set()
+        assert first.get(timeout=TIMEOUT) == "done"
+        assert second.get(timeout=TIMEOUT) == "done"
+
+    def test_revoked_in_queue_frees_lock(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """Revoking a queued until_executed task frees its lock."""
+        name = unique("revoke")
+        key = f"redislock:{{{tasks.until_executed.lock_name((name,), {})}}}"
+        result = tasks.until_executed.apply_async((name,), countdown=1)
+        assert locks.exists(key)
+        result.revoke()
+        wait_for(lambda: not locks.exists(key), what="the revoked task's lock to go")
+        assert not running("until_executed", name)
+
+
+@pytest.mark.usefixtures("worker")
+class TestWorkflows:
+    """Chains, groups and chords containing singleton tasks."""
+
+    def test_chain_of_singletons(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """A chain of singleton tasks runs each under its lock and passes results on."""
+        result = chain(tasks.add.s(1, 2), tasks.add.s(10)).apply_async()
+        assert result.get(timeout=TIMEOUT) == 13
+
+    def test_skip_inside_chain_fails_the_chain(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """A duplicate skipped inside a chain raises TaskSkippedError instead of passing on a marker."""
+        name = unique("chain")
+        first = tasks.hold.delay(name)
+        wait_for(lambda: running("hold", name))
+        result = chain(tasks.hold.s(name), tasks.add.s(1, 2)).apply_async()
+        with pytest.raises(TaskSkippedError) as excinfo:
+            result.get(timeout=TIMEOUT)
+        gate(name).set()
+        first.get(timeout=TIMEOUT)
+        assert excinfo.value.holder == first.id
+
+    def test_group_of_duplicates(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """A group of same-key singletons: one runs, the others resolve as skipped."""
+        name = unique("group")
+        result = group(tasks.hold.s(name) for _ in range(3)).apply_async()
+        wait_for(lambda: running("hold", name))
+        time.sleep(0.2)
+        gate(name).set()
+        outcomes = result.get(timeout=TIMEOUT)
+        assert sum(1 for o in outcomes if is_skipped(o)) >= 1
+        assert sum(1 for o in outcomes if isinstance(o, int)) >= 1
+
+
+class TestEager:
+    """apply() and task_always_eager lock exactly like a worker."""
+
+    def test_apply_skips_when_held(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """apply() of a duplicate while the key is held returns the skip marker."""
+        from celery_redislock import RedisLock
+
+        key = tasks.add.lock_name((5, 6), {})
+        holder = RedisLock(locks, key, ttl=30, lease="someone")
+        assert holder.acquire(blocking=False)
+        try:
+            outcome = tasks.add.apply((5, 6)).get()
+        finally:
+            holder.release()
+        assert is_skipped(outcome)
+        assert outcome["holder"] == "someone"
+        assert tasks.add.apply((5, 6)).get() == 11
+
+    def test_eager_self_retry(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """An eager self.retry() runs the retries inline and leaves no lock."""
+        assert tasks.self_retry.apply((unique("eager"),)).get() == 2
+
+    def test_always_eager_until_executed(
+        self, app: Celery, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """With task_always_eager, until_executed runs at once and frees its lock."""
+        name = unique("always")
+        gate(f"{name}:0").set()
+        app.conf.task_always_eager = True
+        try:
+            assert tasks.until_executed.delay(name).get() == 0
+        finally:
+            app.conf.task_always_eager = False
+
+    def test_direct_call_is_plain(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
+        """Calling the task object directly runs the function without a lock."""
+        assert tasks.add(2, 3) == 5
+
+
+class TestRedisTrouble:
+    """The redislock_on_redis_error policy when the lock store is away."""
+
+    def make(self, mode: str) -> Any:
+        dead = f"redis://127.0.0.1:{free_port()}/0"
+        app = Celery("trouble", set_as_current=False)
+        app.conf.update(redislock_url=dead, redislock_on_redis_error=mode)
+
+        @app.task(base=SingletonTask, bind=True, shared=False, name=f"trouble.{mode}")
+        def body(self: Any) -> str:
+            record("trouble", mode)
+            return "held" if self.lock.held else "unlocked"
+
+        return body
+
+    def test_fail_runs_no_body(self) -> None:
+        """'fail' (default): the task fails with LockBackendError and the body never runs."""
+        task = self.make("fail")
+        result = task.apply()
+        assert isinstance(result.result, LockBackendError)
+        assert "fail" not in runs("trouble")
+
+    def test_run_fails_open(self, caplog: pytest.LogCaptureFixture) -> None:
+        """'run': the body runs unlocked and a warning is logged."""
+        task = self.make("run")
+        caplog.set_level(logging.WARNING, logger="celery_redislock")
+        assert task.apply().get() == "unlocked"
+        assert "unlocked" in caplog.text
+
+
+class TestOptions:
+    """Invalid options fail when the task is defined, naming the option."""
+
+    @pytest.mark.parametrize(
+        ("options", "named"),
+        [
+            ({"on_conflict": "explode"}, "on_conflict"),
+            ({"lock_strategy": "sometimes"}, "lock_strategy"),
+            ({"lock_ttl": -1}, "lock_ttl"),
+            ({"lock_ttl": "10"}, "lock_ttl"),
+            ({"lock_wait": 0}, "lock_wait"),
+            ({"lock_on_redis_error": "ignore"}, "lock_on_redis_error"),
+            ({"lock_on": "event_id"}, "lock_on"),
+            ({"lock_on": ("nope",)}, "lock_on"),
+            ({"lock_key": 42}, "lock_key"),
+        ],
+    )
+    def test_bad_task_option(self, options: dict[str, Any], named: str) -> None:
+        """A bad task option raises at definition, and the message names it."""
+        app = Celery("opts", set_as_current=False)
+        app.finalize()
+        with pytest.raises((ValueError, TypeError)) as excinfo:
+
+            @app.task(base=SingletonTask, shared=False, **options)
+            def purchase(event_id: int, user_id: int) -> None: ...
+
+        assert named in str(excinfo.value)
+
+    def test_bad_conf_names_setting(self) -> None:
+        """A bad app.conf value names the redislock_* setting it came from."""
+        app = Celery("conf", set_as_current=False)
+        app.conf.redislock_on_conflict = "sometimes"
+        app.finalize()
+        with pytest.raises(ValueError) as excinfo:
+
+            @app.task(base=SingletonTask, shared=False)
+            def job() -> None: ...
+
+        assert "app.conf.redislock_on_conflict" in str(excinfo.value)
+
+    def test_conf_defaults_apply(self) -> None:
+        """Options left unset take app.conf.redislock_* values; explicit ones win."""
+        app = Celery("conf2", set_as_current=False)
+        app.conf.update(redislock_ttl=12, redislock_on_conflict="raise")
+        app.finalize()
+
+        @app.task(base=SingletonTask, shared=False, on_conflict="wait")
+        def job() -> None: ...
+
+        assert job.lock_ttl == 12
+        assert job.on_conflict == "wait"
+        assert job.lock_strategy == "while_executing"
+
+    def test_broker_url_is_default_store(self) -> None:
+        """Without redislock_url the lock store is the broker when it is Redis."""
+        app = Celery("b", broker="redis://127.0.0.1:6390/3", set_as_current=False)
+
+        @app.task(base=SingletonTask, shared=False)
+        def job() -> None: ...
+
+        kwargs = job.lock_client.connection_pool.connection_kwargs
+        assert (kwargs["port"], kwargs["db"]) == (6390, 3)
+
+    def test_non_redis_broker_needs_url(self) -> None:
+        """With a non-Redis broker and no redislock_url the error says what to set."""
+        app = Celery("b", broker="amqp://guest@localhost//", set_as_current=False)
+
+        @app.task(base=SingletonTask, shared=False)
+        def job() -> None: ...
+
+        with pytest.raises(ValueError) as excinfo:
+            job.lock_client  # noqa: B018
+        assert "redislock_url" in str(excinfo.value)
