@@ -14,6 +14,9 @@ Keys, for a lock named ``N`` with the default prefix::
     redislock:{N}:fence    fencing counter                    (expires FENCE_TTL after use)
     redislock:{N}:released pub/sub channel, never a key       (one message per release)
 
+(a name starting with ``}`` or ``\\`` is written ``\\N`` inside the braces, so the
+hash tag is never empty and all three share one cluster slot).
+
 Acquire, release and extend are each one round trip (an ``EVALSHA``). A waiter
 subscribes to the release channel, re-checks the lock, then waits for a message
 or for the holder's remaining TTL, whichever comes first — a lock that expires
@@ -97,8 +100,33 @@ def scripts_for(client: redis.Redis) -> _Scripts:
     return entry[1]
 
 
+def _empty_hash_tag(text: str) -> bool:
+    """Whether the first ``{`` in ``text`` is directly followed by ``}`` (an empty tag,
+    which Redis Cluster ignores, hashing the whole key instead)."""
+    start = text.find("{")
+    return start != -1 and text[start + 1 : start + 2] == "}"
+
+
 def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> tuple[str, str, str]:
-    """Return ``(lock key, fence key, release channel)`` for a lock name."""
+    """Return ``(lock key, fence key, release channel)`` for a lock name.
+
+    The name is the ``{hash tag}`` of every key, so the keys one script touches
+    share a cluster slot. A name starting with ``}`` would make that tag empty, so
+    such names (and, to keep the mapping one-to-one, names starting with ``\\``)
+    get a ``\\`` in front inside the braces.
+
+    Raises:
+        ValueError: ``prefix`` itself contains an empty hash tag (``{}``).
+    """
+    if _empty_hash_tag(prefix):
+        raise ValueError(
+            f"prefix {prefix!r} contains an empty {{hash tag}}; the lock's keys would "
+            "land on different cluster slots"
+        )
+    if not name:
+        raise ValueError("name must be a non-empty string")
+    if name.startswith(("}", "\\")):
+        name = "\\" + name
     base = f"{prefix}:{{{name}}}"
     return base, f"{base}:fence", f"{base}:released"
 
@@ -292,7 +320,11 @@ class RedisLock:
 
     def holder_lease(self) -> str | None:
         """The lease (task id) of whoever holds the lock now, if any."""
-        return _text(self.client.hget(self.key, "lease")) or None
+        try:
+            lease = self.client.hget(self.key, "lease")
+        except redis.RedisError as exc:
+            raise LockBackendError(f"could not read lock {self.name!r}: {exc}") from exc
+        return _text(lease) or None
 
     def detach(self) -> None:
         """Stop renewing and forget the hold locally, leaving Redis untouched.

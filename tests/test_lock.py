@@ -1,0 +1,774 @@
+"""Tests for the lock engine (RedisLock) against a real server."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from celery_redislock import (
+    LockBackendError,
+    LockError,
+    LockLostError,
+    LockNotOwnedError,
+    LockTimeoutError,
+    RedisLock,
+)
+from celery_redislock.heartbeat import get_heartbeat
+from celery_redislock.lock import FENCE_TTL_MS, lock_keys, release_lease
+from celery_redislock.server import RedisServer
+
+#: Names that exercise the ``{hash tag}`` rules and unusual characters.
+TRICKY_NAMES = [
+    "plain",
+    "a{b}c",
+    "}x{",
+    "}",
+    "{",
+    "{}",
+    "}}{{",
+    "\\",
+    "\\}x",
+    "a:b:c",
+    "with space",
+    "new\nline",
+    "ünïcødé ✓",
+    "x" * 300,
+]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass; return its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+def no_subscribers(client: redis.Redis, lock: RedisLock) -> bool:
+    """Whether no connection is subscribed to anything (the lock's channel included)."""
+    channels = client.pubsub_channels()
+    numsub = client.pubsub_numsub(lock.channel)
+    return channels == [] and numsub == [(lock.channel.encode(), 0)]
+
+
+class Waiter:
+    """Runs ``lock.acquire(timeout=...)`` in a thread and keeps the outcome."""
+
+    def __init__(self, lock: RedisLock, timeout: float | None) -> None:
+        self.lock = lock
+        self.result: bool | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(timeout,), daemon=True)
+        self.thread.start()
+
+    def _run(self, timeout: float | None) -> None:
+        try:
+            self.result = self.lock.acquire(blocking=True, timeout=timeout)
+        except BaseException as exc:
+            self.error = exc
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+
+@pytest.fixture
+def client(redislock_client: redis.Redis) -> redis.Redis:
+    """A client to the session server, flushed for this test."""
+    return redislock_client
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[RedisLock]]:
+    """Locks appended here are released (if still held) after the test."""
+    locks: list[RedisLock] = []
+    yield locks
+    for lock in locks:
+        while True:
+            try:
+                lock.release()
+            except LockError:
+                break
+
+
+# Atomic acquire, one round trip each way.
+
+
+def test_acquire_sets_ttl_atomically(client: redis.Redis) -> None:
+    """Right after acquire the lock key already carries its TTL (set in the same script)."""
+    lock = RedisLock(client, "ttl", ttl=30)
+    assert lock.acquire(blocking=False)
+    pttl = client.pttl(lock.key)
+    assert 0 < pttl <= 30_000
+    assert client.hgetall(lock.key) == {
+        b"owner": lock.owner.encode(),
+        b"lease": b"",
+        b"count": b"1",
+        b"fence": str(lock.token).encode(),
+    }
+    lock.release()
+
+
+def _server_counters(client: redis.Redis) -> tuple[int, int]:
+    """(socket reads the server processed, EVALSHA calls) so far; the INFO calls
+    that read them cost one read each."""
+    reads = client.info("stats")["total_reads_processed"]
+    evalsha = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    return int(reads), int(evalsha)
+
+
+@pytest.mark.parametrize("heartbeat", [False, True], ids=["heartbeat-off", "heartbeat-on"])
+def test_acquire_release_is_two_round_trips(
+    heartbeat: bool, redislock_server_factory: Callable[..., RedisServer]
+) -> None:
+    """Uncontended acquire + release costs two requests to the server, both EVALSHA."""
+    server = redislock_server_factory()
+    client = server.client()
+    lock = RedisLock(client, "round-trips", ttl=60, heartbeat=heartbeat)
+    # Warm up: open the connection and load the scripts.
+    assert lock.acquire()
+    lock.release()
+
+    # What measuring alone costs (the two INFO calls).
+    reads_0, evalsha_0 = _server_counters(client)
+    reads_1, evalsha_1 = _server_counters(client)
+    assert lock.acquire()
+    lock.release()
+    reads_2, evalsha_2 = _server_counters(client)
+
+    measuring = reads_1 - reads_0
+    assert reads_2 - reads_1 - measuring == 2
+    assert evalsha_2 - evalsha_1 == 2
+    assert evalsha_1 == evalsha_0
+
+
+# Owner tokens and ownership.
+
+
+def test_owner_tokens_are_random_128_bits(client: redis.Redis) -> None:
+    """Default owners are 32 hex digits (128 bits from ``secrets``) and never repeat."""
+    owners = {RedisLock(client, "owners", ttl=5).owner for _ in range(1000)}
+    assert len(owners) == 1000
+    assert all(re.fullmatch(r"[0-9a-f]{32}", owner) for owner in owners)
+
+
+def test_explicit_owner_is_kept(client: redis.Redis) -> None:
+    """An owner given by the caller is used as it is."""
+    assert RedisLock(client, "owners", ttl=5, owner="task-1:abc").owner == "task-1:abc"
+
+
+def test_release_by_non_owner_raises_and_deletes_nothing(client: redis.Redis) -> None:
+    """Releasing another owner's lock raises LockNotOwnedError and leaves that lock intact."""
+    holder = RedisLock(client, "not-mine", ttl=30)
+    other = RedisLock(client, "not-mine", ttl=30)
+    assert holder.acquire(blocking=False)
+    before = client.hgetall(holder.key)
+
+    with pytest.raises(LockNotOwnedError) as excinfo:
+        other.release()
+
+    assert type(excinfo.value) is LockNotOwnedError  # never held, so not "lost"
+    assert excinfo.value.name == "not-mine"
+    assert client.hgetall(holder.key) == before
+    assert holder.owned()
+    holder.release()
+
+
+def test_release_of_free_lock_raises(client: redis.Redis) -> None:
+    """Releasing a lock nobody holds raises LockNotOwnedError."""
+    lock = RedisLock(client, "free", ttl=5)
+    with pytest.raises(LockNotOwnedError) as excinfo:
+        lock.release()
+    assert type(excinfo.value) is LockNotOwnedError
+
+
+def test_extend_by_non_owner_raises(client: redis.Redis) -> None:
+    """Extending another owner's lock raises LockNotOwnedError and keeps its TTL."""
+    holder = RedisLock(client, "extend-not-mine", ttl=5)
+    assert holder.acquire()
+    other = RedisLock(client, "extend-not-mine", ttl=5)
+    with pytest.raises(LockNotOwnedError) as excinfo:
+        other.extend(100)
+    assert type(excinfo.value) is LockNotOwnedError
+    assert client.pttl(holder.key) <= 5_000
+    holder.release()
+
+
+def test_extend_resets_ttl(client: redis.Redis) -> None:
+    """extend() sets the remaining TTL (default: the lock's TTL; or the given one)."""
+    lock = RedisLock(client, "extend", ttl=5, heartbeat=False)
+    assert lock.acquire()
+    lock.extend(100)
+    assert 5_000 < client.pttl(lock.key) <= 100_000
+    lock.extend()
+    assert client.pttl(lock.key) <= 5_000
+    lock.release()
+
+
+def test_locked_owned_and_holder_lease(client: redis.Redis) -> None:
+    """locked() sees any holder, owned() only this owner, holder_lease() the holder's lease."""
+    mine = RedisLock(client, "query", ttl=5, lease="task-9")
+    other = RedisLock(client, "query", ttl=5)
+    assert not mine.locked()
+    assert not mine.owned()
+    assert mine.holder_lease() is None
+    assert mine.acquire()
+    assert mine.locked()
+    assert other.locked()
+    assert mine.owned()
+    assert not other.owned()
+    assert other.holder_lease() == "task-9"
+    mine.release()
+    assert not other.locked()
+
+
+# Re-entrancy and thread independence.
+
+
+def test_reentrant_same_object(client: redis.Redis) -> None:
+    """The same object acquires twice; only the second release frees the lock."""
+    lock = RedisLock(client, "reentrant", ttl=30)
+    assert lock.acquire(blocking=False)
+    token = lock.token
+    assert lock.acquire(blocking=False)
+    assert lock.token == token
+    lock.release()
+    assert lock.owned()
+    assert client.hget(lock.key, "count") == b"1"
+    lock.release()
+    assert not lock.locked()
+
+
+def test_reentrant_same_owner_other_object(client: redis.Redis) -> None:
+    """A second object with the same ``owner=`` is the same holder: re-entrant, same token."""
+    first = RedisLock(client, "reentrant-owner", ttl=30, owner="job-1")
+    second = RedisLock(client, "reentrant-owner", ttl=30, owner="job-1")
+    assert first.acquire(blocking=False)
+    assert second.acquire(blocking=False)
+    assert second.token == first.token
+    second.release()
+    assert first.owned()
+    first.release()
+    assert not first.locked()
+
+
+def test_reentrant_with_statement(client: redis.Redis) -> None:
+    """Nested ``with`` blocks on one lock hold it until the outer block ends."""
+    lock = RedisLock(client, "nested", ttl=30)
+    with lock:
+        with lock:
+            assert client.hget(lock.key, "count") == b"2"
+        assert lock.owned()
+    assert not lock.locked()
+
+
+def test_another_thread_can_release(client: redis.Redis) -> None:
+    """Ownership belongs to the owner token, not the thread: any thread may release."""
+    lock = RedisLock(client, "cross-thread", ttl=30)
+    results: list[bool] = []
+    thread = threading.Thread(target=lambda: results.append(lock.acquire(timeout=10)))
+    thread.start()
+    thread.join(10)
+    assert results == [True]
+    assert lock.owned()
+    lock.release()
+    assert not lock.locked()
+
+
+# Lease takeover.
+
+
+def test_lease_takeover(client: redis.Redis, cleanup: list[RedisLock]) -> None:
+    """A new owner of the same lease takes the lock over with a larger token; the old
+    owner's release raises LockLostError (a LockNotOwnedError) and frees nothing."""
+    old = RedisLock(client, "lease", ttl=30, lease="task-1")
+    assert old.acquire(blocking=False)
+    new = RedisLock(client, "lease", ttl=30, lease="task-1")
+    cleanup.append(new)
+    assert new.acquire(blocking=False)
+    assert old.token is not None
+    assert new.token is not None
+    assert new.token > old.token
+
+    with pytest.raises(LockNotOwnedError) as excinfo:
+        old.release()
+
+    assert isinstance(excinfo.value, LockLostError)
+    assert old.lost
+    assert new.owned()
+    assert new.holder_lease() == "task-1"
+    assert client.hget(new.key, "fence") == str(new.token).encode()
+
+
+def test_other_lease_cannot_take_over(client: redis.Redis) -> None:
+    """Only the same lease takes over; another lease, or none, has to wait."""
+    holder = RedisLock(client, "lease-only", ttl=30, lease="task-1")
+    assert holder.acquire(blocking=False)
+    assert not RedisLock(client, "lease-only", ttl=30, lease="task-2").acquire(blocking=False)
+    assert not RedisLock(client, "lease-only", ttl=30).acquire(blocking=False)
+    assert holder.owned()
+    holder.release()
+
+
+def test_no_lease_never_takes_over(client: redis.Redis) -> None:
+    """Two lease-less owners exclude each other (an empty lease matches nothing)."""
+    holder = RedisLock(client, "no-lease", ttl=30)
+    assert holder.acquire(blocking=False)
+    assert not RedisLock(client, "no-lease", ttl=30).acquire(blocking=False)
+    holder.release()
+
+
+def test_release_lease(client: redis.Redis) -> None:
+    """release_lease frees the lock whatever its hold count, only for the holding lease."""
+    lock = RedisLock(client, "by-lease", ttl=30, lease="task-3")
+    assert lock.acquire()
+    assert lock.acquire()
+    assert not release_lease(client, "by-lease", "task-4")
+    assert not release_lease(client, "by-lease", "")
+    assert lock.locked()
+    assert release_lease(client, "by-lease", "task-3")
+    assert not lock.locked()
+    assert not release_lease(client, "by-lease", "task-3")
+
+
+# Blocking, timeouts and wake-ups.
+
+
+def test_non_blocking_returns_false_when_held(client: redis.Redis) -> None:
+    """acquire(blocking=False) on a held lock returns False and changes nothing."""
+    holder = RedisLock(client, "busy", ttl=30)
+    assert holder.acquire()
+    before = client.hgetall(holder.key)
+    other = RedisLock(client, "busy", ttl=30)
+    assert other.acquire(blocking=False) is False
+    assert other.acquire(timeout=0) is False
+    assert other.token is None
+    assert client.hgetall(holder.key) == before
+    holder.release()
+
+
+def test_blocking_timeout_returns_false(client: redis.Redis) -> None:
+    """A blocking acquire that times out returns False; the first owner still holds it."""
+    holder = RedisLock(client, "timeout", ttl=30)
+    assert holder.acquire()
+    other = RedisLock(client, "timeout", ttl=30)
+    assert other.acquire(timeout=0.3) is False
+    assert holder.owned()
+    assert not other.owned()
+    assert wait_until(lambda: no_subscribers(client, other))
+    holder.release()
+
+
+def test_with_statement_times_out(client: redis.Redis) -> None:
+    """``with lock:`` raises LockTimeoutError once ``blocking_timeout`` runs out."""
+    holder = RedisLock(client, "with-timeout", ttl=30)
+    assert holder.acquire()
+    other = RedisLock(client, "with-timeout", ttl=30, blocking_timeout=0.2)
+    with pytest.raises(LockTimeoutError) as excinfo, other:
+        pytest.fail("the body must not run")
+    assert excinfo.value.name == "with-timeout"
+    assert excinfo.value.timeout == 0.2
+    assert holder.owned()
+    holder.release()
+
+
+def test_release_wakes_waiter(client: redis.Redis, cleanup: list[RedisLock]) -> None:
+    """A waiter blocked on a long-TTL lock gets it as soon as the holder releases it."""
+    holder = RedisLock(client, "wake", ttl=60)
+    assert holder.acquire()
+    waiter_lock = RedisLock(client, "wake", ttl=60)
+    cleanup.append(waiter_lock)
+    waiter = Waiter(waiter_lock, timeout=30)
+    # The waiter is parked on the release channel before the release happens.
+    assert wait_until(lambda: client.pubsub_numsub(holder.channel)[0][1] == 1)
+    assert not waiter.done()
+
+    holder.release()
+
+    # Well before the 30 s timeout and the 60 s TTL.
+    assert wait_until(waiter.done, timeout=10)
+    assert waiter.error is None
+    assert waiter.result is True
+    assert waiter_lock.owned()
+    assert waiter_lock.token is not None
+    assert holder.token is not None
+    assert waiter_lock.token > holder.token
+    assert wait_until(lambda: no_subscribers(client, waiter_lock))
+
+
+def test_expiry_wakes_waiter_and_old_holder_lost_it(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """A holder without heartbeat loses the lock after its TTL, a blocked waiter gets it,
+    and the old holder's release raises LockNotOwnedError (LockLostError)."""
+    holder = RedisLock(client, "expiry", ttl=1, heartbeat=False)
+    assert holder.acquire()
+    waiter_lock = RedisLock(client, "expiry", ttl=30)
+    cleanup.append(waiter_lock)
+    waiter = Waiter(waiter_lock, timeout=30)
+
+    assert wait_until(waiter.done, timeout=15)
+    assert waiter.error is None
+    assert waiter.result is True
+    assert waiter_lock.owned()
+    assert not holder.owned()
+
+    with pytest.raises(LockNotOwnedError) as excinfo:
+        holder.release()
+
+    assert isinstance(excinfo.value, LockLostError)
+    assert holder.lost
+    assert waiter_lock.owned()
+    assert wait_until(lambda: no_subscribers(client, waiter_lock))
+
+
+def test_many_waiters_each_get_it_once(client: redis.Redis) -> None:
+    """Several blocked waiters are served one after another as each releases."""
+    holder = RedisLock(client, "queue", ttl=60)
+    assert holder.acquire()
+    locks = [RedisLock(client, "queue", ttl=60) for _ in range(5)]
+    order: list[int] = []
+    errors: list[BaseException] = []
+
+    def wait_then_release(index: int) -> None:
+        try:
+            if locks[index].acquire(timeout=30):
+                order.append(index)
+                locks[index].release()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wait_then_release, args=(i,)) for i in range(5)]
+    for thread in threads:
+        thread.start()
+    assert wait_until(lambda: client.pubsub_numsub(holder.channel)[0][1] == 5)
+    holder.release()
+    for thread in threads:
+        thread.join(30)
+    assert errors == []
+    assert sorted(order) == list(range(5))
+    assert not holder.locked()
+    assert wait_until(lambda: no_subscribers(client, holder))
+
+
+# Fencing tokens.
+
+
+def test_tokens_increase_across_cycles_and_owners(client: redis.Redis) -> None:
+    """Tokens strictly increase over acquire/release cycles, whoever the owner is."""
+    locks = [RedisLock(client, "fence", ttl=30) for _ in range(3)]
+    tokens: list[int] = []
+    for i in range(30):
+        lock = locks[i % 3]
+        assert lock.acquire(blocking=False)
+        assert lock.token is not None
+        tokens.append(lock.token)
+        lock.release()
+    assert all(a < b for a, b in itertools.pairwise(tokens))
+
+
+def test_token_unchanged_on_reentry(client: redis.Redis) -> None:
+    """A re-entrant acquire keeps the current token."""
+    lock = RedisLock(client, "fence-reentry", ttl=30)
+    assert lock.acquire()
+    token = lock.token
+    assert lock.acquire()
+    assert lock.token == token
+    lock.release()
+    lock.release()
+
+
+def test_token_increases_after_fence_counter_expired(client: redis.Redis) -> None:
+    """When the fence counter is gone (expired), the next token is still larger."""
+    lock = RedisLock(client, "fence-expired", ttl=30)
+    tokens: list[int] = []
+    for _ in range(3):
+        assert lock.acquire()
+        assert lock.token is not None
+        tokens.append(lock.token)
+        lock.release()
+        assert client.delete(lock.fence_key) == 1
+    assert tokens[0] < tokens[1] < tokens[2]
+
+
+def test_fence_counter_has_ttl(client: redis.Redis) -> None:
+    """The fence counter expires FENCE_TTL_MS after the last acquire."""
+    lock = RedisLock(client, "fence-ttl", ttl=30)
+    assert lock.acquire()
+    lock.release()
+    assert 0 < client.pttl(lock.fence_key) <= FENCE_TTL_MS
+
+
+# Bounded memory.
+
+
+def test_many_names_leave_only_fence_counters(client: redis.Redis) -> None:
+    """10,000 distinct names leave only their expiring fence counters: no lock hashes,
+    no channels."""
+    count = 10_000
+    for i in range(count):
+        lock = RedisLock(client, f"bounded-{i}", ttl=30, heartbeat=False)
+        assert lock.acquire(blocking=False)
+        lock.release()
+    keys = sorted(key.decode() for key in client.scan_iter(count=1000))
+    assert keys == sorted(lock_keys(f"bounded-{i}")[1] for i in range(count))
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.pttl(key)
+    ttls = pipe.execute()
+    assert all(0 < ttl <= FENCE_TTL_MS for ttl in ttls)
+    assert client.pubsub_channels() == []
+
+
+# Cluster-safe keys.
+
+
+@pytest.mark.parametrize("name", TRICKY_NAMES)
+def test_lock_and_fence_keys_share_a_slot(name: str) -> None:
+    """The lock hash and its fence counter hash to the same cluster slot (one script
+    touches both)."""
+    key, fence, _channel = lock_keys(name)
+    assert key_slot(key.encode()) == key_slot(fence.encode())
+    assert key != fence
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.text(min_size=1), prefix=st.sampled_from(["redislock", "app", "a{b}", "x}"]))
+def test_keys_share_a_slot_for_any_name(name: str, prefix: str) -> None:
+    """For any name and prefix, the lock key and fence key share a slot."""
+    key, fence, _channel = lock_keys(name, prefix)
+    assert key_slot(key.encode()) == key_slot(fence.encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(first=st.text(min_size=1), second=st.text(min_size=1))
+def test_distinct_names_get_distinct_keys(first: str, second: str) -> None:
+    """Two different names never share a lock key, fence key or channel."""
+    if first != second:
+        assert set(lock_keys(first)).isdisjoint(lock_keys(second))
+
+
+def test_escaped_names_do_not_collide() -> None:
+    """Names that need escaping never land on another name's keys."""
+    keys = [lock_keys(name) for name in TRICKY_NAMES]
+    flat = [key for triple in keys for key in triple]
+    assert len(flat) == len(set(flat))
+
+
+@pytest.mark.parametrize("name", TRICKY_NAMES)
+def test_tricky_names_lock_and_exclude(client: redis.Redis, name: str) -> None:
+    """Unusual names lock, exclude each other and release like any other."""
+    lock = RedisLock(client, name, ttl=30)
+    assert lock.acquire(blocking=False)
+    assert not RedisLock(client, name, ttl=30).acquire(blocking=False)
+    lock.release()
+    assert not lock.locked()
+
+
+# Bad arguments.
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "argument"),
+    [
+        ({"name": ""}, ValueError, "name"),
+        ({"name": 42}, TypeError, "name"),
+        ({"name": None}, TypeError, "name"),
+        ({"ttl": 0}, ValueError, "ttl"),
+        ({"ttl": -1}, ValueError, "ttl"),
+        ({"ttl": float("nan")}, ValueError, "ttl"),
+        ({"ttl": float("inf")}, ValueError, "ttl"),
+        ({"ttl": True}, TypeError, "ttl"),
+        ({"ttl": "1"}, TypeError, "ttl"),
+        ({"ttl": None}, TypeError, "ttl"),
+        ({"ttl": 10, "heartbeat_interval": 10}, ValueError, "heartbeat_interval"),
+        ({"ttl": 10, "heartbeat_interval": 11}, ValueError, "heartbeat_interval"),
+        ({"ttl": 10, "heartbeat_interval": 0}, ValueError, "heartbeat_interval"),
+        ({"ttl": 10, "heartbeat_interval": "1"}, TypeError, "heartbeat_interval"),
+        ({"blocking_timeout": -1}, ValueError, "blocking_timeout"),
+        ({"blocking_timeout": "5"}, TypeError, "blocking_timeout"),
+        ({"owner": ""}, ValueError, "owner"),
+        ({"lease": 5}, TypeError, "lease"),
+        ({"client_or_url": None}, TypeError, "client_or_url"),
+        ({"client_or_url": ""}, ValueError, "client_or_url"),
+        ({"prefix": "app{}"}, ValueError, "prefix"),
+    ],
+)
+def test_bad_constructor_arguments(
+    client: redis.Redis, kwargs: dict[str, Any], error: type[Exception], argument: str
+) -> None:
+    """Invalid constructor arguments raise ValueError/TypeError whose message names them."""
+    arguments: dict[str, Any] = {"client_or_url": client, "name": "bad", "ttl": 5, **kwargs}
+    with pytest.raises(error) as excinfo:
+        RedisLock(**arguments)
+    assert type(excinfo.value) is error
+    assert str(excinfo.value).startswith(argument)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error"), [(-1, ValueError), (-0.001, ValueError), ("1", TypeError)]
+)
+def test_bad_acquire_timeout(client: redis.Redis, timeout: Any, error: type[Exception]) -> None:
+    """acquire() rejects a negative or non-numeric timeout, naming it."""
+    lock = RedisLock(client, "bad-timeout", ttl=5)
+    with pytest.raises(error) as excinfo:
+        lock.acquire(timeout=timeout)
+    assert str(excinfo.value).startswith("timeout")
+    assert not lock.locked()
+
+
+@pytest.mark.parametrize(("ttl", "error"), [(0, ValueError), (-5, ValueError), ("9", TypeError)])
+def test_bad_extend_ttl(client: redis.Redis, ttl: Any, error: type[Exception]) -> None:
+    """extend() rejects a bad TTL, naming it, and leaves the lock as it was."""
+    lock = RedisLock(client, "bad-extend", ttl=5)
+    assert lock.acquire()
+    with pytest.raises(error) as excinfo:
+        lock.extend(ttl)
+    assert str(excinfo.value).startswith("ttl")
+    assert lock.owned()
+    lock.release()
+
+
+# Redis down.
+
+
+def test_unreachable_server_raises_backend_error(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """Every call against a stopped server raises LockBackendError (a LockError)."""
+    server = redislock_server_factory()
+    # No client-side retries: each call fails on its first refused connection.
+    client = server.client(retry=Retry(NoBackoff(), 0))
+    held = RedisLock(client, "down", ttl=30, heartbeat=False)
+    assert held.acquire()
+    fresh = RedisLock(client, "down", ttl=30, heartbeat=False)
+    server.stop()
+
+    calls: list[Callable[[], object]] = [
+        fresh.acquire,
+        lambda: fresh.acquire(blocking=False),
+        held.release,
+        held.extend,
+        held.locked,
+        held.owned,
+        held.holder_lease,
+        lambda: release_lease(client, "down", "task"),
+    ]
+    for call in calls:
+        with pytest.raises(LockBackendError) as excinfo:
+            call()
+        assert isinstance(excinfo.value, LockError)
+        assert isinstance(excinfo.value.__cause__, redis.ConnectionError)
+        assert "'down'" in str(excinfo.value)
+
+
+def test_unreachable_url_raises_backend_error(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """A lock built from the URL of a stopped server raises LockBackendError on acquire."""
+    server = redislock_server_factory()
+    url = server.url
+    server.stop()
+    lock = RedisLock(url, "down-url", ttl=5)
+    with pytest.raises(LockBackendError) as excinfo:
+        lock.acquire(blocking=False)
+    assert "down-url" in str(excinfo.value)
+    assert lock not in get_heartbeat().held()
+
+
+# Mutual exclusion under real contention, checked from the recorded history.
+
+
+def _history_worker(
+    url: str,
+    name: str,
+    counter_key: str,
+    threads: int,
+    sections: int,
+    start: Any,
+    out: Any,
+) -> None:
+    """One process of the mutual-exclusion test: ``threads`` threads, each doing
+    ``sections`` critical sections with its own RedisLock object."""
+    client = redis.Redis.from_url(url)
+
+    def run() -> None:
+        try:
+            lock = RedisLock(url, name, ttl=30)
+            records: list[tuple[float, float, int]] = []
+            start.wait(60)
+            for _ in range(sections):
+                if not lock.acquire(timeout=60):
+                    raise RuntimeError("acquire timed out")
+                acquired = time.time()
+                token = lock.token
+                assert token is not None
+                # A deliberately non-atomic read-modify-write.
+                value = int(client.get(counter_key) or 0)
+                client.set(counter_key, value + 1)
+                released = time.time()
+                lock.release()
+                records.append((acquired, released, token))
+            out.put(("ok", records))
+        except BaseException as exc:
+            out.put(("error", repr(exc)))
+
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+
+
+@pytest.mark.slow
+def test_mutual_exclusion_history(redislock_url: str, client: redis.Redis) -> None:
+    """8 processes x 3 threads contend for one lock: no two critical sections overlap,
+    no increment is lost, and tokens increase in the order the lock was taken."""
+    processes, threads, sections = 8, 3, 8
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(processes * threads)
+    out = ctx.Queue()
+    workers = [
+        ctx.Process(
+            target=_history_worker,
+            args=(redislock_url, "contended", "counter", threads, sections, start, out),
+        )
+        for _ in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        results = [out.get(timeout=60) for _ in range(processes * threads)]
+    except queue.Empty:
+        pytest.fail("a worker thread did not report within 60 s")
+    finally:
+        for worker in workers:
+            worker.join(30)
+            if worker.is_alive():
+                worker.kill()
+
+    assert [error for status, error in results if status == "error"] == []
+    history = sorted(record for _status, records in results for record in records)
+    assert len(history) == processes * threads * sections
+    assert int(client.get("counter") or 0) == len(history)
+    for (_, prev_released, prev_token), (acquired, _, token) in itertools.pairwise(history):
+        assert acquired >= prev_released, "two critical sections overlapped"
+        assert token > prev_token, "tokens did not increase in acquisition order"
+    assert all(worker.exitcode == 0 for worker in workers)
+    assert wait_until(lambda: client.pubsub_channels() == [])
+    assert not client.exists(lock_keys("contended")[0])
