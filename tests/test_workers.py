@@ -1,0 +1,210 @@
+"""SingletonTask with real ``celery worker`` subprocesses (prefork): contention and faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redislock.server import RedisServer
+from tests.celery_support import close_app, lock_keys, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+
+
+class Worker:
+    """A ``celery worker`` subprocess on the test app."""
+
+    def __init__(self, url: str, name: str, concurrency: int = 2, pool: str = "prefork") -> None:
+        self.name = f"{name}-{uuid.uuid4().hex[:6]}@localhost"
+        env = dict(os.environ, REDISLOCK_TEST_URL=url, PYTHONPATH=str(ROOT))
+        self.process = subprocess.Popen(
+            [
+                sys.executable, "-m", "celery", "-A", "tests.worker_app", "worker",
+                "-P", pool, "-c", str(concurrency), "-n", self.name, "-l", "warning",
+                "--without-gossip", "--without-mingle", "--without-heartbeat",
+            ],
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def wait_ready(self, app: Any) -> Worker:
+        """Block until the worker answers a ping."""
+        wait_for(
+            lambda: (
+                self.process.poll() is None
+                and app.control.ping(destination=[self.name], timeout=0.5)
+            ),
+            timeout=60,
+            what=f"worker {self.name} to start",
+        )
+        return self
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the worker's main process only."""
+        self.process.send_signal(signum)
+
+    def kill_all(self) -> None:
+        """SIGKILL the worker and its pool children, like a machine dying."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        """Warm shutdown, then SIGKILL if it lingers."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+
+
+@pytest.fixture
+def env(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> Iterator[tuple[Any, redis.Redis, Callable[..., Worker]]]:
+    """A private server, the test app bound to it, and a worker launcher."""
+    server = redislock_server_factory()
+    os.environ["REDISLOCK_TEST_URL"] = server.url
+    sys.modules.pop("tests.worker_app", None)
+    import tests.worker_app as worker_app
+
+    started: list[Worker] = []
+
+    def launch(name: str = "w", concurrency: int = 2, pool: str = "prefork") -> Worker:
+        worker = Worker(server.url, name, concurrency, pool).wait_ready(worker_app.app)
+        started.append(worker)
+        return worker
+
+    client = server.client()
+    yield worker_app, client, launch
+    for worker in started:
+        worker.stop()
+    close_app(worker_app.app)
+    sys.modules.pop("tests.worker_app", None)
+    os.environ.pop("REDISLOCK_TEST_URL", None)
+
+
+def records(client: redis.Redis, kind: str) -> list[dict[str, Any]]:
+    """The JSON records the tasks logged under ``kind``."""
+    return [json.loads(raw) for raw in client.lrange(f"log:{kind}", 0, -1)]
+
+
+def test_contention_history(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
+    """60 same-key tasks on 4 worker processes: executions never overlap, tokens increase."""
+    mod, client, launch = env
+    launch("a", concurrency=2)
+    launch("b", concurrency=2)
+    results = [mod.critical.delay("seckill", n) for n in range(60)]
+    assert sorted(r.get(timeout=120) for r in results) == list(range(60))
+    history = sorted(records(client, "critical"), key=lambda r: r["start"])
+    assert len(history) == 60
+    assert int(client.get("counter:seckill") or 0) == 60
+    assert len({r["pid"] for r in history}) >= 2
+    for before, after in pairwise(history):
+        assert after["start"] >= before["end"], "two executions overlapped"
+        assert after["token"] > before["token"]
+    assert lock_keys(client) == []
+    assert client.pubsub_channels() == []
+
+
+def test_killed_worker_lock_expires(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
+    """SIGKILL mid-task: the heartbeat dies with the process and the TTL frees the lock."""
+    mod, client, launch = env
+    doomed = launch("doomed", concurrency=1)
+    mod.sleeper.delay("k", 60)
+    wait_for(lambda: records(client, "sleeper"), what="the task to start")
+    key = f"redislock:{{{mod.sleeper.lock_name(('k', 60), {})}}}"
+    assert client.exists(key)
+    doomed.kill_all()
+    wait_for(lambda: not client.exists(key), timeout=10, what="the TTL to free the lock")
+    launch("next", concurrency=1)
+    assert mod.sleeper.delay("k", 0.1).get(timeout=30) == "k"  # same key, new holder
+
+
+def test_heartbeat_keeps_long_task_locked(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """A task running for several TTLs keeps its lock the whole time (prefork child heartbeat)."""
+    mod, client, launch = env
+    launch("hb", concurrency=1)
+    result = mod.sleeper.delay("long", 5)  # lock_ttl is 2 s
+    wait_for(lambda: records(client, "sleeper"), what="the task to start")
+    key = f"redislock:{{{mod.sleeper.lock_name(('long', 5), {})}}}"
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        assert client.exists(key), "the lock expired while its task was running"
+        time.sleep(0.1)
+    assert result.get(timeout=30) == "long"
+    assert not client.exists(key)
+
+
+def test_acks_late_redelivery_runs(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
+    """An acks_late task whose worker died is redelivered and runs despite the stale lock."""
+    mod, client, launch = env
+    doomed = launch("late1", concurrency=1)
+    result = mod.late.delay("r", 60)
+    wait_for(lambda: records(client, "late"), what="the first run")
+    key = f"redislock:{{{mod.late.lock_name(('r', 60), {})}}}"
+    assert client.pttl(key) > 10_000  # the stale lock outlives the redelivery delay
+    doomed.kill_all()
+    launch("late2", concurrency=1)
+    assert result.get(timeout=60) == "r"
+    runs = records(client, "late_done")
+    assert [r["run"] for r in runs] == [2]
+    assert {r["id"] for r in records(client, "late")} == {result.id}
+    wait_for(lambda: not client.exists(key), what="the lock to be released")
+
+
+def test_soft_time_limit_releases(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
+    """A task stopped by its soft time limit releases its lock at once."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    mod, client, launch = env
+    launch("soft", concurrency=1)
+    with pytest.raises(SoftTimeLimitExceeded):
+        mod.overrun.delay("s").get(timeout=30)
+    assert lock_keys(client) == []
+
+
+def test_revoke_terminate_releases(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
+    """Revoking a running task with terminate=True frees its lock right away."""
+    mod, client, launch = env
+    launch("term", concurrency=1)
+    result = mod.sleeper.delay("t", 60)
+    wait_for(lambda: records(client, "sleeper"), what="the task to start")
+    key = f"redislock:{{{mod.sleeper.lock_name(('t', 60), {})}}}"
+    assert client.exists(key)
+    result.revoke(terminate=True, signal="SIGKILL")
+    wait_for(lambda: not client.exists(key), timeout=10, what="the lock to be freed")
+    assert not records(client, "sleeper_done")
+
+
+def test_warm_shutdown_finishes_and_releases(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """SIGTERM (warm shutdown) lets the running task finish and release its lock."""
+    mod, client, launch = env
+    worker = launch("warm", concurrency=1)
+    result = mod.sleeper.delay("w", 1.5)
+    wait_for(lambda: records(client, "sleeper"), what="the task to start")
+    worker.signal(signal.SIGTERM)
+    worker.process.wait(30)
+    assert result.get(timeout=10) == "w"
+    assert lock_keys(client) == []

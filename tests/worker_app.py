@@ -1,0 +1,76 @@
+"""A Celery app for the tests that run real ``celery worker`` subprocesses.
+
+The server URL comes from ``REDISLOCK_TEST_URL``; every execution records what
+it saw in Redis lists so the tests can check the history afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+
+from celery_redislock import SingletonTask
+from tests.celery_support import make_app
+
+URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6379/0")
+app = make_app(URL, "workers")
+app.conf.update(
+    broker_transport_options={
+        "visibility_timeout": 4,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+    worker_prefetch_multiplier=1,
+    worker_cancel_long_running_tasks_on_connection_loss=False,
+)
+store = redis.Redis.from_url(URL)
+
+
+def log(kind: str, **fields: Any) -> None:
+    """Append one JSON record to the ``log:<kind>`` list."""
+    store.rpush(f"log:{kind}", json.dumps(fields))
+
+
+@app.task(base=SingletonTask, bind=True, on_conflict="wait", lock_wait=120, lock_on=("key",))
+def critical(self: Any, key: str, n: int) -> int:
+    """A critical section: non-atomic read-modify-write of a counter."""
+    started = time.time()
+    value = int(store.get(f"counter:{key}") or 0)
+    time.sleep(0.005)
+    store.set(f"counter:{key}", value + 1)
+    log("critical", n=n, start=started, end=time.time(), token=self.lock.token, pid=os.getpid())
+    return n
+
+
+@app.task(
+    base=SingletonTask, bind=True, lock_ttl=2, on_conflict="wait", lock_wait=60, lock_on=("name",)
+)
+def sleeper(self: Any, name: str, seconds: float) -> str:
+    """Sleep while holding the lock (to be killed, timed out or shut down)."""
+    log("sleeper", name=name, id=self.request.id, pid=os.getpid(), token=self.lock.token)
+    time.sleep(seconds)
+    log("sleeper_done", name=name, id=self.request.id)
+    return name
+
+
+@app.task(base=SingletonTask, bind=True, lock_ttl=30, acks_late=True)
+def late(self: Any, name: str, seconds: float) -> str:
+    """An acks_late task: its first run sleeps (to be killed), a redelivery finishes."""
+    run = store.incr(f"late-runs:{name}")
+    log("late", name=name, id=self.request.id, run=run, token=self.lock.token)
+    if run == 1:
+        time.sleep(seconds)
+    log("late_done", name=name, id=self.request.id, run=run)
+    return name
+
+
+@app.task(base=SingletonTask, bind=True, soft_time_limit=0.5, lock_ttl=30)
+def overrun(self: Any, name: str) -> str:
+    """Runs past its soft time limit."""
+    log("overrun", name=name)
+    time.sleep(5)
+    return name
