@@ -157,6 +157,24 @@ def _check_options(opts: Mapping[str, Any], source: Callable[[str], str]) -> Non
         raise ValueError(f"{source('lock_prefix')} must be a non-empty string")
 
 
+def lock_store_url(app: Any) -> str:
+    """The lock store of ``app``: ``redislock_url``, else the broker URL if it is Redis.
+
+    Raises:
+        ValueError: neither is a Redis URL; the message says what to set.
+    """
+    url = app.conf.get("redislock_url")
+    if url:
+        return str(url)
+    broker = app.conf.broker_url or ""
+    if not broker.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(
+            "no Redis URL for the locks: set app.conf.redislock_url (or the task's "
+            f"lock_url); the broker URL {broker!r} is not a Redis URL"
+        )
+    return str(broker)
+
+
 def _body_signature(cls: type[Task]) -> Any:
     """The signature calls are bound to: ``run`` without ``self`` for bound tasks."""
     import inspect
@@ -247,16 +265,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     @property
     def lock_client(self) -> redis.Redis:
         """The (per-process, shared) client of the lock store."""
-        url = self.lock_url
-        if url is None:
-            broker = self.app.conf.broker_url or ""
-            if not broker.startswith(("redis://", "rediss://", "unix://")):
-                raise ValueError(
-                    "no Redis URL for the locks: set app.conf.redislock_url (or the task's "
-                    f"lock_url); the broker URL {broker!r} is not a Redis URL"
-                )
-            url = broker
-        return get_client(url)
+        return get_client(self.lock_url or lock_store_url(self.app))
 
     def lock_name(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
         """The lock name of a call: ``<task name>:<digest of its key material>``."""

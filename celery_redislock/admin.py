@@ -1,0 +1,68 @@
+"""Read and repair lock state: what the ``celery redislock`` command shows and does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from celery_redislock.lock import DEFAULT_PREFIX, lock_keys
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One held lock as stored in Redis."""
+
+    #: The lock name (for a task: ``<task name>:<digest>``).
+    name: str
+    #: The lease (task id) of the holder, or ``None`` for a plain lock.
+    holder: str | None
+    #: How many times the holder has taken it (re-entrant holds).
+    count: int
+    #: The fencing token of the current hold.
+    fence: int
+    #: Milliseconds until it expires without renewal.
+    ttl_ms: int
+
+
+def _name_of(key: str, prefix: str) -> str:
+    return key[len(prefix) + 2 : -1]
+
+
+def list_locks(
+    client: redis.Redis, pattern: str = "*", prefix: str = DEFAULT_PREFIX
+) -> list[LockInfo]:
+    """Every lock whose name matches the glob ``pattern``, sorted by name."""
+    found: list[LockInfo] = []
+    for raw in client.scan_iter(f"{prefix}:{{{pattern}}}", count=1000):
+        key = raw.decode() if isinstance(raw, bytes) else str(raw)
+        pipe = client.pipeline(transaction=False)
+        pipe.hmget(key, "lease", "count", "fence")
+        pipe.pttl(key)
+        (lease, count, fence), ttl = pipe.execute()
+        if count is None:  # released between SCAN and HMGET
+            continue
+        found.append(
+            LockInfo(
+                name=_name_of(key, prefix),
+                holder=lease.decode() if lease else None,
+                count=int(count),
+                fence=int(fence or 0),
+                ttl_ms=int(ttl),
+            )
+        )
+    return sorted(found, key=lambda info: info.name)
+
+
+def force_release(client: redis.Redis, name: str, prefix: str = DEFAULT_PREFIX) -> bool:
+    """Delete a lock whoever holds it and wake its waiters; return whether it existed.
+
+    For operators only: the holder keeps running, unprotected, and finds the
+    lock lost at its next heartbeat.
+    """
+    key, _fence, channel = lock_keys(name, prefix)
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(key)
+    pipe.publish(channel, "1")
+    deleted, _receivers = pipe.execute()
+    return bool(deleted)
