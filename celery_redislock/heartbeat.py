@@ -166,7 +166,12 @@ class Heartbeat:
         with self._cond:
             registered = self._due.pop(lock, None) is not None
         if registered:
-            lock._mark_lost()
+            try:
+                lock._mark_lost()
+            except Exception:
+                # A failing on_lost callback must not cut the round short for the
+                # other locks (or kill the thread).
+                logger.exception("celery_redislock: on_lost callback for %s failed", lock.key)
 
 
 _EXTEND_SHA: str | None = None

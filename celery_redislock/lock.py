@@ -365,7 +365,9 @@ class RedisLock:
                 self.token = int(reply[1])
                 self.lost = False
                 self._expiry = now + self.ttl
-            if first and self.heartbeat:
+            # A new hold (reply 1) is registered even if this object still counted
+            # holds from a lock it lost: losing it took it off the heartbeat.
+            if self.heartbeat and (first or reply[0] == 1):
                 self._beat().register(self)
         return reply
 

@@ -1,0 +1,452 @@
+"""Tests for the heartbeat: background renewal of held locks, against a real server."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from celery_redislock import LockLostError, RedisLock
+from celery_redislock import client as client_module
+from celery_redislock.heartbeat import Heartbeat, get_heartbeat
+from celery_redislock.scripts import EXTEND
+from celery_redislock.server import RedisServer
+
+#: Forking a process that runs threads warns on Python >= 3.12; the fork test
+#: below does it on purpose, as Celery's prefork pool does.
+FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass; return its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+def stays_true(predicate: Callable[[], bool], seconds: float) -> bool:
+    """Check ``predicate`` over and over for ``seconds``; False as soon as it fails once."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if not predicate():
+            return False
+        time.sleep(0.02)
+    return predicate()
+
+
+class LostCalls:
+    """An ``on_lost`` callback that records the locks it was called with."""
+
+    def __init__(self) -> None:
+        self.locks: list[RedisLock] = []
+
+    def __call__(self, lock: RedisLock) -> None:
+        self.locks.append(lock)
+
+
+def counting_client(server: RedisServer) -> tuple[redis.Redis, list[int]]:
+    """A client whose connections count the writes they make (one per round trip;
+    a pipeline writes all its commands at once)."""
+    sends = [0]
+
+    class CountingConnection(redis.Connection):
+        def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            sends[0] += 1
+            super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
+
+    pool = redis.ConnectionPool(
+        host=server.host, port=server.port, connection_class=CountingConnection
+    )
+    client = redis.Redis(connection_pool=pool)
+    return client, sends
+
+
+@pytest.fixture
+def client(redislock_client: redis.Redis) -> redis.Redis:
+    """A client to the session server, flushed for this test."""
+    return redislock_client
+
+
+@pytest.fixture
+def private_heartbeat() -> Iterator[Heartbeat]:
+    """A heartbeat of this test's own, stopped afterwards."""
+    heartbeat = Heartbeat()
+    yield heartbeat
+    heartbeat.stop()
+
+
+def test_held_lock_outlives_its_ttl(client: redis.Redis) -> None:
+    """A lock with a 1 s TTL stays held for 3 s while its owner holds it."""
+    lock = RedisLock(client, "kept-alive", ttl=1)
+    assert lock.acquire()
+    assert lock in get_heartbeat().held()
+    assert stays_true(lock.owned, 3.0)
+    assert not lock.lost
+    assert 0 < client.pttl(lock.key) <= 1000
+    lock.release()
+    assert lock not in get_heartbeat().held()
+
+
+def test_release_unregisters(client: redis.Redis) -> None:
+    """Only the last release of a re-entrant hold stops the renewal."""
+    lock = RedisLock(client, "unregister", ttl=5)
+    assert lock.acquire()
+    assert lock.acquire()
+    lock.release()
+    assert lock in get_heartbeat().held()
+    lock.release()
+    assert lock not in get_heartbeat().held()
+
+
+def test_heartbeat_off_is_not_registered(client: redis.Redis) -> None:
+    """A lock taken with heartbeat=False is never handed to the heartbeat."""
+    lock = RedisLock(client, "no-heartbeat", ttl=5, heartbeat=False)
+    assert lock.acquire()
+    assert lock not in get_heartbeat().held()
+    lock.release()
+
+
+def test_renew_is_one_round_trip_for_many_locks(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """Renewing 50 locks on one server is one pipelined write: 50 EVALSHAs, one round trip."""
+    server = redislock_server_factory()
+    client, sends = counting_client(server)
+    locks = [RedisLock(client, f"many-{i}", ttl=30, heartbeat=False) for i in range(50)]
+    for lock in locks:
+        assert lock.acquire()
+    for lock in locks:
+        client.pexpire(lock.key, 5_000)
+    heartbeat = Heartbeat()
+    heartbeat.renew(locks)  # loads the script once; not counted below
+
+    for lock in locks:
+        client.pexpire(lock.key, 5_000)
+    evalsha_before = client.info("commandstats")["cmdstat_evalsha"]["calls"]
+    rounds_before, sends_before = heartbeat.rounds, sends[0]
+    heartbeat.renew(locks)
+    rounds_after, sends_after = heartbeat.rounds, sends[0]
+    evalsha_after = client.info("commandstats")["cmdstat_evalsha"]["calls"]
+
+    assert sends_after - sends_before == 1
+    assert rounds_after - rounds_before == 1
+    assert evalsha_after - evalsha_before == 50
+    assert all(client.pttl(lock.key) > 5_000 for lock in locks)
+    assert not any(lock.lost for lock in locks)
+    for lock in locks:
+        lock.release()
+
+
+def test_renew_reloads_flushed_script(client: redis.Redis) -> None:
+    """After SCRIPT FLUSH (a restarted server) renewal loads the script again and succeeds."""
+    lock = RedisLock(client, "flushed", ttl=30, heartbeat=False)
+    assert lock.acquire()
+    client.pexpire(lock.key, 5_000)
+    client.script_flush()
+    Heartbeat().renew([lock])
+    assert client.pttl(lock.key) > 5_000
+    assert not lock.lost
+    lock.release()
+
+
+def test_renew_groups_by_client(redislock_server_factory: Callable[..., RedisServer]) -> None:
+    """Locks on two servers are renewed with one round trip to each."""
+    first, second = redislock_server_factory(), redislock_server_factory()
+    (client_a, sends_a), (client_b, sends_b) = counting_client(first), counting_client(second)
+    locks = [
+        RedisLock(client, f"group-{i}", ttl=30, heartbeat=False)
+        for client in (client_a, client_b)
+        for i in range(10)
+    ]
+    for lock in locks:
+        assert lock.acquire()
+    heartbeat = Heartbeat()
+    heartbeat.renew(locks)  # script loads
+    before = (sends_a[0], sends_b[0], heartbeat.rounds)
+    heartbeat.renew(locks)
+    assert (sends_a[0] - before[0], sends_b[0] - before[1], heartbeat.rounds - before[2]) == (
+        1,
+        1,
+        1,
+    )
+    for lock in locks:
+        lock.release()
+
+
+def test_thread_batches_locks_into_rounds(
+    redislock_server_factory: Callable[..., RedisServer], private_heartbeat: Heartbeat
+) -> None:
+    """The background thread keeps 50 short-TTL locks alive with one round trip per round."""
+    server = redislock_server_factory()
+    client, sends = counting_client(server)
+    observer = server.client()
+    client.script_load(EXTEND)
+    locks = [
+        RedisLock(client, f"batch-{i}", ttl=1.5, _heartbeat=private_heartbeat) for i in range(50)
+    ]
+    for lock in locks:
+        assert lock.acquire()
+    # The first round is due one interval (0.5 s) after the first registration.
+    rounds_before, sends_before = private_heartbeat.rounds, sends[0]
+    assert rounds_before == 0
+
+    deadline = time.monotonic() + 30
+    while private_heartbeat.rounds < 4 and time.monotonic() < deadline:
+        assert observer.exists(*(lock.key for lock in locks)) == 50
+        time.sleep(0.02)
+    private_heartbeat.stop()  # waits for a round in flight
+
+    rounds = private_heartbeat.rounds - rounds_before
+    assert rounds >= 4
+    assert sends[0] - sends_before == rounds
+    assert observer.exists(*(lock.key for lock in locks)) == 50
+    assert not any(lock.lost for lock in locks)
+    for lock in locks:
+        lock.release()
+
+
+def test_lost_when_key_deleted(client: redis.Redis, private_heartbeat: Heartbeat) -> None:
+    """A lock deleted behind its back is marked lost, reported once and never renewed again."""
+    on_lost = LostCalls()
+    lock = RedisLock(client, "deleted", ttl=1, on_lost=on_lost, _heartbeat=private_heartbeat)
+    keeper = RedisLock(client, "keeper", ttl=1, _heartbeat=private_heartbeat)
+    assert lock.acquire()
+    assert keeper.acquire()
+    client.delete(lock.key)
+
+    assert wait_until(lambda: lock.lost, timeout=5)
+    assert on_lost.locks == [lock]
+    assert lock not in private_heartbeat.held()
+    assert keeper in private_heartbeat.held()
+    # A few more rounds (the keeper keeps them coming) change nothing for the lost lock.
+    rounds = private_heartbeat.rounds
+    assert wait_until(lambda: private_heartbeat.rounds >= rounds + 3, timeout=10)
+    assert on_lost.locks == [lock]
+    assert not client.exists(lock.key)
+    assert keeper.owned()
+
+    with pytest.raises(LockLostError) as excinfo:
+        lock.release()
+    assert excinfo.value.name == "deleted"
+    keeper.release()
+
+
+def test_lost_when_taken_over(client: redis.Redis, private_heartbeat: Heartbeat) -> None:
+    """When another owner of the same lease takes the lock over, the old holder's heartbeat
+    marks it lost; the new holder keeps it."""
+    on_lost = LostCalls()
+    old = RedisLock(
+        client, "taken", ttl=1, lease="task-1", on_lost=on_lost, _heartbeat=private_heartbeat
+    )
+    assert old.acquire()
+    new = RedisLock(client, "taken", ttl=30, lease="task-1", heartbeat=False)
+    assert new.acquire(blocking=False)
+
+    assert wait_until(lambda: old.lost, timeout=5)
+    assert on_lost.locks == [old]
+    assert old not in private_heartbeat.held()
+    assert new.owned()
+    new.release()
+
+
+def test_reacquired_after_loss_is_renewed_again(
+    client: redis.Redis, private_heartbeat: Heartbeat
+) -> None:
+    """A lock object that lost its lock and takes it again is renewed again."""
+    lock = RedisLock(client, "again", ttl=1, _heartbeat=private_heartbeat)
+    assert lock.acquire()
+    client.delete(lock.key)
+    assert wait_until(lambda: lock.lost, timeout=5)
+
+    assert lock.acquire()
+
+    assert not lock.lost
+    assert lock in private_heartbeat.held()
+    assert stays_true(lock.owned, 2.5)
+    lock.release()
+
+
+def test_on_lost_error_does_not_stop_the_round(
+    client: redis.Redis, private_heartbeat: Heartbeat, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ``on_lost`` callback that raises is logged; the round still renews the other
+    locks and completes."""
+
+    def broken(lock: RedisLock) -> None:
+        raise RuntimeError("callback bug")
+
+    doomed = RedisLock(client, "doomed", ttl=30, on_lost=broken, _heartbeat=private_heartbeat)
+    survivor = RedisLock(client, "survivor", ttl=30, _heartbeat=private_heartbeat)
+    assert doomed.acquire()
+    assert survivor.acquire()
+    client.delete(doomed.key)
+    client.pexpire(survivor.key, 5_000)
+    rounds = private_heartbeat.rounds
+
+    private_heartbeat.renew([doomed, survivor])
+
+    assert doomed.lost
+    assert doomed not in private_heartbeat.held()
+    assert client.pttl(survivor.key) > 5_000
+    assert survivor in private_heartbeat.held()
+    assert private_heartbeat.rounds == rounds + 1
+    assert "callback bug" in caplog.text
+    survivor.release()
+
+
+def test_stopped_heartbeat_lets_lock_expire(
+    client: redis.Redis, private_heartbeat: Heartbeat
+) -> None:
+    """With its heartbeat stopped a lock expires by its TTL, a waiter gets it, and the old
+    holder's release raises LockLostError."""
+    holder = RedisLock(client, "stopped", ttl=1, _heartbeat=private_heartbeat)
+    assert holder.acquire()
+    private_heartbeat.stop()
+
+    waiter = RedisLock(client, "stopped", ttl=30, heartbeat=False)
+    assert waiter.acquire(timeout=15)
+    with pytest.raises(LockLostError) as excinfo:
+        holder.release()
+    assert excinfo.value.name == "stopped"
+    assert waiter.owned()
+    waiter.release()
+
+
+def test_unreachable_server_loses_lock_only_after_ttl(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """While Redis is unreachable a lock is kept (retried) until its TTL has passed on the
+    client's clock; then it is marked lost, once."""
+    server = redislock_server_factory()
+    offset = [0.0]
+    heartbeat = Heartbeat(clock=lambda: time.monotonic() + offset[0])
+    on_lost = LostCalls()
+    lock = RedisLock(
+        server.client(retry=Retry(NoBackoff(), 0)),
+        "unreachable",
+        ttl=30,
+        on_lost=on_lost,
+        _heartbeat=heartbeat,
+    )
+    try:
+        assert lock.acquire()
+        server.stop()
+
+        heartbeat.renew([lock])
+        assert not lock.lost
+        assert lock in heartbeat.held()
+
+        offset[0] = 31.0
+        heartbeat.renew([lock])
+        assert wait_until(lambda: lock.lost)
+        assert on_lost.locks == [lock]
+        assert lock not in heartbeat.held()
+    finally:
+        heartbeat.stop()
+
+
+def test_concurrent_registration(client: redis.Redis) -> None:
+    """Locks taken from many threads at once are all registered and all renewed."""
+    locks = [RedisLock(client, f"threaded-{i}", ttl=1) for i in range(20)]
+    start = threading.Barrier(len(locks))
+
+    def take(lock: RedisLock) -> None:
+        start.wait()
+        lock.acquire()
+
+    threads = [threading.Thread(target=take, args=(lock,)) for lock in locks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    held = get_heartbeat().held()
+    assert all(lock in held for lock in locks)
+    assert stays_true(lambda: all(lock.owned() for lock in locks), 2.5)
+    for lock in locks:
+        lock.release()
+
+
+def _forked_child(
+    url: str, parent_heartbeat: Heartbeat, parent_client: redis.Redis, conn: Connection
+) -> None:
+    report: dict[str, Any] = {
+        "fresh_heartbeat": get_heartbeat() is not parent_heartbeat,
+        "held_in_child": len(get_heartbeat().held()),
+        "cached_clients": len(client_module._clients),
+    }
+    lock = RedisLock(url, "forked", ttl=1)
+    report["fresh_client"] = lock.client is not parent_client
+    report["acquired"] = lock.acquire(timeout=10)
+    report["owner"] = lock.owner
+    report["registered"] = lock in get_heartbeat().held()
+    conn.send(report)
+    if conn.poll(60):
+        conn.recv()
+    report = {"owned": lock.owned(), "lost": lock.lost}
+    lock.release()
+    conn.send(report)
+    conn.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork()")
+@pytest.mark.filterwarnings(FORK_WARNING)
+def test_forked_child_has_its_own_heartbeat(client: redis.Redis, redislock_url: str) -> None:
+    """A forked child starts with a fresh heartbeat and client cache, and its own thread
+    keeps the child's lock alive past its TTL."""
+    parent_lock = RedisLock(redislock_url, "parent", ttl=30)
+    assert parent_lock.acquire()
+    parent_heartbeat = get_heartbeat()
+    assert parent_lock in parent_heartbeat.held()
+
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    process = ctx.Process(
+        target=_forked_child,
+        args=(redislock_url, parent_heartbeat, parent_lock.client, child_end),
+    )
+    process.start()
+    child_end.close()
+    try:
+        assert parent_end.poll(30), "the child did not report"
+        report = parent_end.recv()
+        assert report == {
+            "fresh_heartbeat": True,
+            "held_in_child": 0,
+            "cached_clients": 0,
+            "fresh_client": True,
+            "acquired": True,
+            "owner": report["owner"],
+            "registered": True,
+        }
+        child_owner = report["owner"].encode()
+        key = RedisLock(client, "forked", ttl=1).key
+
+        # Seen from the parent, the child's 1 s lock lives on for 3 s.
+        assert stays_true(lambda: client.hget(key, "owner") == child_owner, 3.0)
+
+        parent_end.send("release")
+        assert parent_end.poll(30), "the child did not release"
+        assert parent_end.recv() == {"owned": True, "lost": False}
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+    assert process.exitcode == 0
+    assert wait_until(lambda: not client.exists(key))
+    # The parent's own lock and heartbeat are untouched by the child.
+    assert parent_lock in get_heartbeat().held()
+    assert get_heartbeat() is parent_heartbeat
+    assert parent_lock.owned()
+    parent_lock.release()
