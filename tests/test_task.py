@@ -192,10 +192,13 @@ def worker(app: Celery) -> Iterator[Any]:
 
 @pytest.fixture
 def locks(redislock_server: RedisServer) -> Iterator[redis.Redis]:
-    """A client to the lock database; every test must leave no lock behind."""
+    """A client to the lock database; every test must leave no lock and no channel behind."""
     client = redislock_server.client()
     yield client
     wait_for(lambda: not lock_keys(client), timeout=10, what="locks to be released")
+    wait_for(
+        lambda: not client.pubsub_channels("redislock:*"), timeout=10, what="waiters to unsubscribe"
+    )
     client.close()
 
 
