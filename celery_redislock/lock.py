@@ -25,6 +25,7 @@ publishes nothing, so the TTL bounds every wait.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import threading
 import time
@@ -33,6 +34,7 @@ from types import TracebackType
 from typing import Any
 
 import redis
+from redis.exceptions import NoScriptError
 
 from celery_redislock import scripts
 from celery_redislock.client import as_client
@@ -78,26 +80,53 @@ def check_timeout(value: object, argument: str = "timeout") -> float | None:
     return float(value)
 
 
+class _Script:
+    """One Lua script, run with ``EVALSHA`` and loaded on a server that lacks it."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+    def run(self, client: redis.Redis, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            client.script_load(self.text)
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+
+
+_ACQUIRE = _Script(scripts.ACQUIRE)
+_RELEASE = _Script(scripts.RELEASE)
+_EXTEND = _Script(scripts.EXTEND)
+_RELEASE_LEASE = _Script(scripts.RELEASE_LEASE)
+
+
 class _Scripts:
-    """The engine's scripts registered on one client (``EVALSHA`` with reload)."""
+    """The engine's scripts bound to one client.
+
+    Cheap to build (the digests are computed once per process) and holds nothing
+    global, so a client is freed with the last lock that used it.
+    """
 
     def __init__(self, client: redis.Redis) -> None:
-        self.acquire = client.register_script(scripts.ACQUIRE)
-        self.release = client.register_script(scripts.RELEASE)
-        self.extend = client.register_script(scripts.EXTEND)
-        self.release_lease = client.register_script(scripts.RELEASE_LEASE)
+        self.client = client
 
+    def acquire(self, keys: list[str], args: list[Any]) -> Any:
+        return _ACQUIRE.run(self.client, keys, args)
 
-_registered: dict[int, tuple[redis.Redis, _Scripts]] = {}
+    def release(self, keys: list[str], args: list[Any]) -> Any:
+        return _RELEASE.run(self.client, keys, args)
+
+    def extend(self, keys: list[str], args: list[Any]) -> Any:
+        return _EXTEND.run(self.client, keys, args)
+
+    def release_lease(self, keys: list[str], args: list[Any]) -> Any:
+        return _RELEASE_LEASE.run(self.client, keys, args)
 
 
 def scripts_for(client: redis.Redis) -> _Scripts:
-    """Return the scripts registered on ``client`` (registered once per client)."""
-    entry = _registered.get(id(client))
-    if entry is None or entry[0] is not client:
-        entry = (client, _Scripts(client))
-        _registered[id(client)] = entry
-    return entry[1]
+    """Return the engine's scripts bound to ``client``."""
+    return _Scripts(client)
 
 
 def _empty_hash_tag(text: str) -> bool:
@@ -375,6 +404,9 @@ class RedisLock:
         pubsub = self.client.pubsub()  # type: ignore[no-untyped-call]
         try:
             pubsub.subscribe(self.channel)
+            # The re-check below must run after the subscription is in place, or a
+            # release in between would go unheard until the holder's TTL ran out.
+            _wait_for_subscription(pubsub, deadline)
             while True:
                 reply = self._try_acquire()
                 if reply[0]:
@@ -408,6 +440,17 @@ class RedisLock:
 def _text(value: bytes | str | None) -> str | None:
     """Decode a reply from a client that may or may not decode responses."""
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _wait_for_subscription(pubsub: redis.client.PubSub, deadline: float | None) -> None:
+    """Block until the server confirms the subscription (or ``deadline`` passes)."""
+    while True:
+        remaining = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+        message = pubsub.get_message(timeout=max(0.0, remaining))
+        if message is not None and message.get("type") == "subscribe":
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            return
 
 
 def _wait_for_message(pubsub: redis.client.PubSub, seconds: float) -> None:

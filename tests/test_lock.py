@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import multiprocessing
 import queue
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -533,6 +535,19 @@ def test_many_names_leave_only_fence_counters(client: redis.Redis) -> None:
     ttls = pipe.execute()
     assert all(0 < ttl <= FENCE_TTL_MS for ttl in ttls)
     assert client.pubsub_channels() == []
+
+
+def test_client_is_not_kept_alive(redislock_server: RedisServer) -> None:
+    """Once the last lock using a client is gone, nothing in the package keeps the client
+    (and its connections) alive."""
+    client = redislock_server.client()
+    lock = RedisLock(client, "client-lifetime", ttl=5)
+    assert lock.acquire()
+    lock.release()
+    ref = weakref.ref(client)
+    del client, lock
+    gc.collect()
+    assert ref() is None
 
 
 # Cluster-safe keys.
