@@ -9,7 +9,8 @@ written in a canonical, type-tagged, length-prefixed form and hashed:
 * values never collide by concatenation (every string and container carries
   its length);
 * the form survives a message round trip: a tuple sent arrives as a list, so
-  both encode as a list; dict order does not matter;
+  both encode as a list, and a string's surrogate pair as its code point; an
+  int/float Enum member encodes as its number; dict order does not matter;
 * UUID, Decimal, datetime/date/time, bytes, sets and nested containers are
   supported; anything else raises :class:`~celery_redislock.errors.KeyDerivationError`.
 
@@ -33,8 +34,23 @@ from celery_redislock.errors import KeyDerivationError
 KeySource = str | Callable[..., Any]
 
 
+#: Bigger ints are written in hex: decimal conversion of huge ints is capped by
+#: ``sys.set_int_max_str_digits`` (never below 640 digits; 2**2048 has 617).
+_MAX_DECIMAL_BITS = 2048
+
+
 def _frame(tag: bytes, payload: bytes) -> bytes:
     return tag + str(len(payload)).encode() + b":" + payload
+
+
+def _utf8(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        # Surrogates. JSON sends "\ud83d\ude00" as an escape pair that arrives
+        # as the one code point U+1F600, so pair them up here too; lone ones stay.
+        paired = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
+        return paired.encode("utf-8", "surrogatepass")
 
 
 def canonical(value: Any) -> bytes:
@@ -49,15 +65,21 @@ def canonical(value: Any) -> bytes:
     if isinstance(value, bool):
         return b"T" if value else b"F"
     if isinstance(value, int):
-        return _frame(b"i", str(value).encode())
+        if value.bit_length() > _MAX_DECIMAL_BITS:
+            return _frame(b"I", int.__format__(value, "x").encode())
+        # int.__repr__/float.__repr__: the plain number, whatever a subclass (an
+        # int or float Enum) prints, as a JSON message carries it.
+        return _frame(b"i", int.__repr__(value).encode())
     if isinstance(value, float):
-        return _frame(b"f", repr(value).encode())
+        return _frame(b"f", float.__repr__(value).encode())
     if isinstance(value, str):
-        return _frame(b"s", value.encode("utf-8", "surrogatepass"))
+        return _frame(b"s", _utf8(value))
     if isinstance(value, bytes | bytearray | memoryview):
         return _frame(b"y", bytes(value))
     if isinstance(value, decimal.Decimal):
-        return _frame(b"D", str(value).encode())
+        # str() writes the exponent as "e" when the thread's decimal context has
+        # capitals=0; the key must not depend on that.
+        return _frame(b"D", decimal.Decimal.__str__(value).replace("e", "E").encode())
     if isinstance(value, uuid.UUID):
         return _frame(b"u", value.hex.encode())
     if isinstance(value, datetime.datetime):

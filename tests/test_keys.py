@@ -1,0 +1,710 @@
+"""Tests for lock-key derivation: canonical form, call binding, round trips, errors."""
+
+from __future__ import annotations
+
+import decimal
+import enum
+import inspect
+import pickle
+import re
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import date, datetime, time, timedelta, timezone
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from celery import Celery
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kombu.utils import json as kombu_json
+
+from celery_redislock import KeyDerivationError, SingletonTask
+from celery_redislock.keys import KeyBuilder, canonical, digest
+
+# No deadline: the suite shares two cores with Redis servers and workers.
+KEYS_SETTINGS = settings(deadline=None, max_examples=150)
+
+KEY_RE = re.compile(r"(?P<task>.+):(?P<digest>[0-9a-f]{32})")
+
+
+# Sample task bodies; only their signatures matter.
+def sample(a: Any, b: Any = 2) -> None:
+    """A body with a required and a defaulted parameter."""
+
+
+def sample_varargs(a: Any, *rest: Any, flag: bool = False, **extra: Any) -> None:
+    """A body with every kind of parameter."""
+
+
+def any_args(*args: Any, **kwargs: Any) -> None:
+    """A body that accepts anything, as a message may carry it."""
+
+
+class Opaque:
+    """A plain class with no canonical form."""
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    """A Celery app that never connects: ``lock_name`` does not touch Redis."""
+    app = Celery("t", set_as_current=False)
+    app.conf.redislock_url = "redis://127.0.0.1:1/0"
+    yield app
+    app.close()
+
+
+def json_round_trip(value: Any) -> Any:
+    """``value`` after kombu's JSON encoding and decoding, as a message body travels."""
+    return kombu_json.loads(kombu_json.dumps(value))  # type: ignore[no-untyped-call]
+
+
+def rebuilt_in_reverse(items: set[Any] | frozenset[Any]) -> set[Any]:
+    """A set of the same elements, inserted in reverse iteration order."""
+    copy: set[Any] = set()
+    for item in reversed(list(items)):
+        copy.add(item)
+    return copy
+
+
+def equivalent_calls() -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Four spellings of ``sample(1, 2)``."""
+    return [((1, 2), {}), ((1,), {"b": 2}), ((), {"a": 1, "b": 2}), ((1,), {})]
+
+
+# Strategies.
+#: UTC offsets in whole seconds, as real zones have (local mean times included).
+#: CPython's fromisoformat drops a sub-second offset smaller than one second, so
+#: such a datetime would arrive changed, whatever the key did.
+OFFSETS = st.integers(-86_399, 86_399).map(lambda s: timedelta(seconds=s))
+TIMEZONES = st.builds(timezone, OFFSETS)
+TEXT = st.text(st.characters() | st.characters(categories=["Cs"]), max_size=12)
+
+#: Every scalar type the key supports and both JSON and kombu's encoder carry.
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    TEXT,
+    st.text(max_size=8).map(str.encode),  # bytes that are valid UTF-8
+    st.binary(max_size=8),  # mostly not: sent as base64
+    st.uuids(),
+    st.decimals(allow_nan=False, allow_infinity=False),
+    st.datetimes(),
+    st.datetimes(timezones=TIMEZONES),
+    st.dates(),
+    st.times(timezones=st.none() | TIMEZONES),
+)
+
+#: Dict keys. kombu decodes a dict whose keys are exactly ``__type__`` and
+#: ``__value__`` as a typed value, whatever the sender meant: keep clear of that.
+DICT_KEYS = st.text(max_size=8).filter(lambda k: not k.startswith("__"))
+
+JSON_VALUES = st.recursive(
+    SCALARS,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(DICT_KEYS, children, max_size=4),
+    ),
+    max_leaves=16,
+)
+
+#: Pickle also carries sets, frozensets and bytearrays.
+PICKLE_VALUES = st.recursive(
+    SCALARS | st.binary(max_size=8).map(bytearray),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(DICT_KEYS, children, max_size=4),
+        st.sets(SCALARS, max_size=4),
+        st.frozensets(SCALARS, max_size=4),
+    ),
+    max_leaves=16,
+)
+
+KWARG_NAMES = st.text("abcdefgh", min_size=1, max_size=4).map(lambda s: f"k_{s}")
+
+#: A small domain, so that two independent draws are often equal or nearly so.
+SMALL_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-1, 2),
+    st.sampled_from([0.0, -0.0, 1.0, 2.0]),
+    st.text("ab", max_size=2),
+    st.binary(max_size=2),
+    st.sampled_from([Decimal("1"), Decimal("1.0"), Decimal("-0"), Decimal("1E+1")]),
+    st.sampled_from([uuid.UUID(int=0), uuid.UUID(int=1)]),
+    st.sampled_from([date(2020, 1, 1), date(2020, 1, 2)]),
+    st.sampled_from(
+        [
+            datetime(2020, 1, 1),
+            datetime(2020, 1, 1, tzinfo=timezone.utc),
+            datetime(2020, 1, 1, 1, tzinfo=timezone(timedelta(hours=1))),
+        ]
+    ),
+    st.sampled_from([time(0, 0), time(0, 0, tzinfo=timezone.utc)]),
+)
+SMALL_VALUES = st.recursive(
+    SMALL_SCALARS,
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.text("ab", max_size=2), children, max_size=2),
+        st.frozensets(SMALL_SCALARS, max_size=3),
+    ),
+    max_leaves=6,
+)
+
+
+def normalize(value: Any) -> Any:
+    """A type-strict, hashable model of ``value`` for comparing what keys should tell apart.
+
+    Tuples and lists are the same sequence (a tuple arrives as a list after a
+    JSON round trip), and so are a surrogate pair and its code point (JSON joins
+    them); ``1``, ``1.0``, ``True`` and ``Decimal("1")`` all differ,
+    as do ``0.0`` and ``-0.0``; an aware datetime is its wall time and offset.
+    """
+    if value is None:
+        return ("none",)
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, int):
+        return ("int", value)
+    if isinstance(value, float):
+        return ("float", value.hex())
+    if isinstance(value, str):
+        return ("str", pair_surrogates(value))
+    if isinstance(value, bytes | bytearray | memoryview):
+        return ("bytes", bytes(value))
+    if isinstance(value, Decimal):
+        return ("decimal", value.as_tuple())
+    if isinstance(value, uuid.UUID):
+        return ("uuid", value.int)
+    if isinstance(value, datetime):
+        return ("datetime", value.replace(tzinfo=None, fold=0), value.utcoffset())
+    if isinstance(value, date):
+        return ("date", value)
+    if isinstance(value, time):
+        return ("time", value.replace(tzinfo=None, fold=0), value.utcoffset())
+    if isinstance(value, dict):
+        return ("dict", frozenset((normalize(k), normalize(v)) for k, v in value.items()))
+    if isinstance(value, set | frozenset):
+        return ("set", frozenset(normalize(v) for v in value))
+    if isinstance(value, list | tuple):
+        return ("list", tuple(normalize(v) for v in value))
+    raise AssertionError(f"no model for {type(value).__name__}")
+
+
+def pair_surrogates(text: str) -> str:
+    """``text`` with each high+low surrogate pair joined into its code point, as JSON does."""
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
+
+
+def swap_sequences(value: Any) -> Any:
+    """``value`` with every list turned into a tuple and every tuple into a list."""
+    if isinstance(value, list):
+        return tuple(swap_sequences(v) for v in value)
+    if isinstance(value, tuple):
+        return [swap_sequences(v) for v in value]
+    if isinstance(value, dict):
+        return {k: swap_sequences(v) for k, v in value.items()}
+    return value
+
+
+def reorder(value: Any) -> Any:
+    """``value`` with every dict and set rebuilt in reverse insertion order."""
+    if isinstance(value, dict):
+        return {k: reorder(value[k]) for k in reversed(list(value))}
+    if isinstance(value, frozenset):
+        return frozenset(rebuilt_in_reverse(value))
+    if isinstance(value, set):
+        return rebuilt_in_reverse(value)
+    if isinstance(value, list):
+        return [reorder(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(reorder(v) for v in value)
+    return value
+
+
+# Binding calls to the signature.
+def test_equivalent_calls_share_a_key() -> None:
+    """``f(1, 2)``, ``f(1, b=2)``, ``f(a=1, b=2)`` and ``f(1)`` (default ``b=2``) get one key."""
+    builder = KeyBuilder("t.sample", inspect.signature(sample))
+    keys = {builder(args, kwargs) for args, kwargs in equivalent_calls()}
+    assert len(keys) == 1
+    assert builder((1, 3), {}) not in keys
+
+
+def test_missing_args_and_kwargs_mean_an_empty_call() -> None:
+    """``None`` args/kwargs (as Celery passes them) are the same call as empty ones."""
+    builder = KeyBuilder("t.any", inspect.signature(any_args))
+    assert builder(None, None) == builder((), {})
+
+
+def test_varargs_and_var_keywords_bind() -> None:
+    """With ``*rest``/``**extra`` defaults apply, and keyword order does not matter."""
+    builder = KeyBuilder("t.varargs", inspect.signature(sample_varargs))
+    assert builder((1, 2, 3), {}) == builder((1, 2, 3), {"flag": False})
+    assert builder((1,), {"x": 1, "y": 2}) == builder((1,), {"y": 2, "x": 1})
+    assert builder((), {"a": 1}) == builder((1,), {})
+    assert builder((1, 2, 3), {}) != builder((1, (2, 3)), {})
+    assert builder((1, 2), {}) != builder((1,), {"rest": 2})
+
+
+def test_no_signature_keys_on_raw_arguments() -> None:
+    """Without a signature the key is made of the positional and keyword arguments as sent."""
+    builder = KeyBuilder("t.raw", None)
+    assert builder((1, 2), {}) == builder([1, 2], {})
+    assert builder((1, 2), {}) != builder((1,), {"b": 2})
+    assert builder((), {"x": 1, "y": 2}) == builder((), {"y": 2, "x": 1})
+
+
+def test_plain_task_key_matches_key_builder(app: Celery) -> None:
+    """A plain task's ``lock_name`` binds calls like ``KeyBuilder`` with the body's signature."""
+
+    @app.task(base=SingletonTask, shared=False, name="t.sample")
+    def plain(a: Any, b: Any = 2) -> None:
+        """Sample body."""
+
+    reference = KeyBuilder("t.sample", inspect.signature(sample))((1, 2), {})
+    assert {plain.lock_name(args, kwargs) for args, kwargs in equivalent_calls()} == {reference}
+
+
+def test_bound_task_key_leaves_self_out(app: Celery) -> None:
+    """A ``bind=True`` task binds calls to its body without ``self``: same keys as a plain body."""
+
+    @app.task(base=SingletonTask, shared=False, bind=True, name="t.sample")
+    def bound(self: Any, a: Any, b: Any = 2) -> None:
+        """Sample body."""
+
+    reference = KeyBuilder("t.sample", inspect.signature(sample))((1, 2), {})
+    assert {bound.lock_name(args, kwargs) for args, kwargs in equivalent_calls()} == {reference}
+
+
+@pytest.mark.parametrize("bind", [False, True], ids=["plain", "bound"])
+def test_varargs_task_key(app: Celery, bind: bool) -> None:
+    """A task with ``*args``/``**kwargs`` applies defaults and ignores keyword order."""
+    if bind:
+
+        @app.task(base=SingletonTask, shared=False, bind=True, name="t.varargs")
+        def task(self: Any, a: Any, *rest: Any, flag: bool = False, **extra: Any) -> None:
+            """Sample body."""
+
+    else:
+
+        @app.task(base=SingletonTask, shared=False, name="t.varargs")
+        def task(a: Any, *rest: Any, flag: bool = False, **extra: Any) -> None:
+            """Sample body."""
+
+    reference = KeyBuilder("t.varargs", inspect.signature(sample_varargs))
+    assert task.lock_name((1, 2), {"x": 1, "y": 2}) == reference((1, 2), {"y": 2, "x": 1})
+    assert task.lock_name((1, 2), None) == task.lock_name([1, 2], {"flag": False})
+    assert task.lock_name((1, 2), None) != task.lock_name((1, 2), {"flag": True})
+
+
+def test_key_builder_and_task_agree_on_json_round_trip(app: Celery) -> None:
+    """The key a client computes from a call equals the worker's after the JSON message trip."""
+
+    @app.task(base=SingletonTask, shared=False)
+    def report(account: Any, since: Any = None, tags: Any = ()) -> None:
+        """Sample body."""
+
+    args = (uuid.UUID(int=7), datetime(2024, 5, 1, 12, tzinfo=timezone.utc))
+    kwargs = {"tags": ("a", "b")}
+    sent_args, sent_kwargs = json_round_trip([args, kwargs])
+    assert sent_kwargs == {"tags": ["a", "b"]}
+    assert report.lock_name(sent_args, sent_kwargs) == report.lock_name(args, kwargs)
+
+
+# Message round trips.
+@KEYS_SETTINGS
+@given(value=JSON_VALUES)
+def test_canonical_survives_json_round_trip(value: Any) -> None:
+    """A value's canonical form is unchanged by kombu's JSON encoding (a tuple arrives as a list)."""
+    assert canonical(json_round_trip(value)) == canonical(value)
+
+
+@KEYS_SETTINGS
+@given(
+    args=st.lists(JSON_VALUES, max_size=4).map(tuple),
+    kwargs=st.dictionaries(KWARG_NAMES, JSON_VALUES, max_size=3),
+)
+def test_key_survives_json_message_round_trip(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """A call's key is the same before and after its ``[args, kwargs]`` body goes through JSON."""
+    builder = KeyBuilder("t.any", inspect.signature(any_args))
+    sent_args, sent_kwargs = json_round_trip([args, kwargs])
+    assert builder(sent_args, sent_kwargs) == builder(args, kwargs)
+
+
+@KEYS_SETTINGS
+@given(value=PICKLE_VALUES)
+def test_canonical_survives_pickle_round_trip(value: Any) -> None:
+    """A value's canonical form is unchanged by a pickle round trip (sets included)."""
+    assert canonical(pickle.loads(pickle.dumps(value))) == canonical(value)
+
+
+@KEYS_SETTINGS
+@given(
+    args=st.lists(PICKLE_VALUES, max_size=4).map(tuple),
+    kwargs=st.dictionaries(KWARG_NAMES, PICKLE_VALUES, max_size=3),
+)
+def test_key_survives_pickle_message_round_trip(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """A call's key is the same before and after its body goes through pickle."""
+    builder = KeyBuilder("t.any", inspect.signature(any_args))
+    sent_args, sent_kwargs = pickle.loads(pickle.dumps((args, kwargs)))
+    assert builder(sent_args, sent_kwargs) == builder(args, kwargs)
+
+
+class Colour(int, enum.Enum):
+    """An int Enum whose ``str()`` is ``Colour.RED``, not ``1``."""
+
+    RED = 1
+
+
+class Ratio(float, enum.Enum):
+    """A float Enum whose ``repr()`` is not the number."""
+
+    HALF = 0.5
+
+
+class Priority(enum.IntEnum):
+    """An IntEnum."""
+
+    HIGH = 1
+
+
+class Mode(str, enum.Enum):
+    """A str Enum."""
+
+    FAST = "fast"
+
+
+@pytest.mark.parametrize(
+    ("member", "plain"),
+    [(Colour.RED, 1), (Ratio.HALF, 0.5), (Priority.HIGH, 1), (Mode.FAST, "fast")],
+    ids=["int-enum", "float-enum", "intenum", "str-enum"],
+)
+def test_enum_members_key_like_their_value(member: enum.Enum, plain: Any) -> None:
+    """An int/float/str Enum member keys as its value, as JSON sends it, so the key survives the trip."""
+    assert canonical(member) == canonical(plain)
+    assert canonical(json_round_trip([member])[0]) == canonical(member)
+
+
+def test_surrogate_pairs_key_like_the_code_point_json_delivers() -> None:
+    """A string holding a surrogate pair keys like the code point JSON delivers; lone surrogates still key."""
+    split = "smile \ud83d\ude00"
+    assert json_round_trip(split) == "smile \U0001f600"
+    assert canonical(split) == canonical("smile \U0001f600")
+    assert canonical(json_round_trip(split)) == canonical(split)
+    lone = ["\ud83d", "\ude00", "\ude00\ud83d"]
+    assert [json_round_trip(s) for s in lone] == lone
+    assert len({canonical(s) for s in [*lone, split]}) == len(lone) + 1
+
+
+def test_huge_ints_have_a_key_whatever_the_digit_limit() -> None:
+    """Ints beyond Python's int-to-str digit limit still key, identically under any limit."""
+    huge = 10**5000
+    limit = sys.get_int_max_str_digits()
+    try:
+        sys.set_int_max_str_digits(640)
+        capped = (canonical(huge), canonical(10**700), canonical(2**2048))
+        sys.set_int_max_str_digits(0)
+        uncapped = (canonical(huge), canonical(10**700), canonical(2**2048))
+    finally:
+        sys.set_int_max_str_digits(limit)
+    assert capped == uncapped
+    assert canonical(huge) != canonical(huge + 1)
+    assert canonical(-huge) != canonical(huge)
+    assert canonical(2**2048) != canonical(2**2048 + 1)
+    assert pickle.loads(pickle.dumps(huge)) == huge
+    assert canonical(pickle.loads(pickle.dumps(huge))) == canonical(huge)
+
+
+def test_decimal_key_ignores_the_decimal_context() -> None:
+    """A Decimal keys the same whether the process's context writes exponents as ``E`` or ``e``."""
+    value = Decimal("1E+5")
+    before = canonical(value)
+    with decimal.localcontext() as ctx:
+        ctx.capitals = 0
+        assert str(value) == "1e+5"
+        inside = canonical(value)
+    assert inside == before
+
+
+# Types stay distinct.
+@pytest.mark.parametrize(
+    "values",
+    [
+        pytest.param([1, "1", 1.0, True, Decimal("1")], id="one"),
+        pytest.param([0, "0", 0.0, -0.0, False, None, "", b"", [], {}, frozenset()], id="zero"),
+        pytest.param([None, "None", "null", b"n"], id="none"),
+        pytest.param([b"a", "a", bytearray(b"b"), ["a"]], id="bytes-str"),
+        pytest.param([[1], {1}, {"1": 1}, 1], id="containers"),
+        pytest.param([{"a": 1}, [["a", 1]], {"a": [1]}, [{"a": 1}]], id="dict-pairs"),
+        pytest.param([Decimal("1.0"), Decimal("1"), Decimal("1.00"), 1.0], id="decimal"),
+        pytest.param(
+            [
+                date(2020, 1, 1),
+                datetime(2020, 1, 1),
+                datetime(2020, 1, 1, tzinfo=timezone.utc),
+                datetime(2020, 1, 1, 1, tzinfo=timezone(timedelta(hours=1))),
+                "2020-01-01",
+                "2020-01-01T00:00:00",
+            ],
+            id="dates",
+        ),
+        pytest.param([time(1), time(1, tzinfo=timezone.utc), "01:00:00"], id="times"),
+        pytest.param([uuid.UUID(int=1), uuid.UUID(int=1).hex, str(uuid.UUID(int=1)), 1], id="uuid"),
+    ],
+)
+def test_types_stay_distinct(values: list[Any]) -> None:
+    """Values Python may call equal, or that print alike, get distinct keys when their types differ."""
+    assert len({canonical(v) for v in values}) == len(values)
+
+
+def test_tuple_and_list_share_a_key() -> None:
+    """Deliberately, a tuple keys like a list: JSON turns a sent tuple into a list."""
+    assert canonical((1,)) == canonical([1])
+    assert canonical(((1, "a"), [2])) == canonical([[1, "a"], (2,)])
+    assert canonical({1}) != canonical([1])
+    assert canonical({1}) == canonical(frozenset({1}))
+
+
+@KEYS_SETTINGS
+@given(value=PICKLE_VALUES)
+def test_swapping_tuples_and_lists_keeps_the_key(value: Any) -> None:
+    """Turning every list into a tuple and vice versa, at any depth, keeps the key."""
+    assert canonical(swap_sequences(value)) == canonical(value)
+
+
+# No collisions.
+@pytest.mark.parametrize(
+    ("left", "right"),
+    [
+        (("ab", "c"), ("a", "bc")),
+        ([[1], [2]], [[1, 2]]),
+        ([[1, 2], []], [[1], [2]]),
+        (["a", ""], ["a"]),
+        ([""], []),
+        ({"a": "bc"}, {"ab": "c"}),
+        ({"a": 1, "b": 2}, {"a": 1, "b2": None}),
+        (frozenset({"ab", "c"}), frozenset({"a", "bc"})),
+        ((b"ab", b"c"), (b"a", b"bc")),
+        ([12, 3], [1, 23]),
+        ("s1:a", ["a"]),
+    ],
+)
+def test_no_collision_by_concatenation(left: Any, right: Any) -> None:
+    """Splitting the same characters differently across values or nesting levels changes the key."""
+    assert canonical(left) != canonical(right)
+    assert digest(left) != digest(right)
+
+
+@KEYS_SETTINGS
+@given(x=SMALL_VALUES, y=SMALL_VALUES)
+def test_same_canonical_form_iff_same_value(x: Any, y: Any) -> None:
+    """Over a small domain where draws often coincide: equal canonical bytes exactly when the values are the same."""
+    assert (canonical(x) == canonical(y)) == (normalize(x) == normalize(y))
+
+
+@KEYS_SETTINGS
+@given(x=PICKLE_VALUES, y=PICKLE_VALUES)
+def test_canonical_form_tells_values_apart(x: Any, y: Any) -> None:
+    """Over every supported type: equal canonical bytes exactly for the same value (tuples as lists)."""
+    if canonical(x) == canonical(y):
+        assert normalize(x) == normalize(y)
+    else:
+        assert normalize(x) != normalize(y)
+
+
+# Order does not matter.
+def test_dict_and_set_order_do_not_matter() -> None:
+    """Dict insertion order and set iteration order do not change the key."""
+    assert canonical({"a": 1, "b": 2}) == canonical({"b": 2, "a": 1})
+    assert canonical({"x": {"a": 1, "b": [2]}}) == canonical({"x": {"b": [2], "a": 1}})
+    words = [f"w{i}" for i in range(50)]
+    assert canonical(set(words)) == canonical(rebuilt_in_reverse(set(words)))
+    assert canonical(frozenset(range(100))) == canonical(frozenset(range(99, -1, -1)))
+
+
+@KEYS_SETTINGS
+@given(value=PICKLE_VALUES)
+def test_reordering_dicts_and_sets_keeps_the_key(value: Any) -> None:
+    """Rebuilding every dict and set in reverse order, at any depth, keeps the key."""
+    assert canonical(reorder(value)) == canonical(value)
+
+
+# Unsupported arguments.
+def _lambda_arg() -> Callable[[], None]:
+    return lambda: None
+
+
+@pytest.mark.parametrize(
+    "value",
+    [object(), _lambda_arg(), Opaque(), 1j, [1, Opaque()], {"a": {"b": object()}}, {Opaque()}],
+    ids=["object", "lambda", "custom-class", "complex", "nested-list", "nested-dict", "set"],
+)
+def test_unserialisable_argument_raises_key_derivation_error(value: Any) -> None:
+    """An argument with no canonical form raises KeyDerivationError (a TypeError) pointing at lock_on/lock_key."""
+    builder = KeyBuilder("t.sample", inspect.signature(sample))
+    with pytest.raises(KeyDerivationError) as excinfo:
+        builder((value,), {})
+    assert isinstance(excinfo.value, TypeError)
+    message = str(excinfo.value)
+    assert "lock_on" in message
+    assert "lock_key" in message
+
+
+def test_unserialisable_argument_message_names_the_type() -> None:
+    """The error says which type could not be keyed."""
+    with pytest.raises(KeyDerivationError) as excinfo:
+        canonical(Opaque())
+    assert "Opaque" in str(excinfo.value)
+
+
+def test_lock_on_excludes_an_unserialisable_argument(app: Celery) -> None:
+    """Keying on the other parameters with ``lock_on`` makes a call with an opaque argument work."""
+
+    @app.task(base=SingletonTask, shared=False, lock_on=("account",))
+    def sync(connection: Any, account: Any, full: bool = False) -> None:
+        """Sample body."""
+
+    with pytest.raises(KeyDerivationError):
+        KeyBuilder("t.sync", inspect.signature(sync.run))((Opaque(), 7), {})
+    key = sync.lock_name((Opaque(), 7), {})
+    assert key == sync.lock_name((object(),), {"account": 7, "full": True})
+    assert key != sync.lock_name((Opaque(), 8), {})
+
+
+def test_lock_key_callable_computes_the_material(app: Celery) -> None:
+    """A ``lock_key`` callable gets the call's arguments and its return value is keyed."""
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        bind=True,
+        lock_key=lambda connection, account, full=False: ("account", account),
+    )
+    def sync(self: Any, connection: Any, account: Any, full: bool = False) -> None:
+        """Sample body."""
+
+    key = sync.lock_name((Opaque(), 7), {})
+    assert key == sync.lock_name((object(),), {"account": 7, "full": True})
+    assert key != sync.lock_name((Opaque(), 8), {})
+    assert key == KeyBuilder(sync.name, None, lock_key=lambda *a, **k: ["account", 7])((), {})
+
+
+def test_lock_key_constant_string(app: Celery) -> None:
+    """A constant ``lock_key`` gives every call the same key, whatever its arguments."""
+
+    @app.task(base=SingletonTask, shared=False, lock_key="nightly")
+    def rebuild(connection: Any, day: Any = None) -> None:
+        """Sample body."""
+
+    keys = {rebuild.lock_name((Opaque(),), {}), rebuild.lock_name((1,), {"day": date.today()})}
+    assert len(keys) == 1
+    assert KEY_RE.fullmatch(keys.pop())
+
+
+def test_lock_key_returning_an_unserialisable_value_raises() -> None:
+    """A ``lock_key`` callable returning something with no canonical form raises KeyDerivationError."""
+    builder = KeyBuilder("t.sample", inspect.signature(sample), lock_key=lambda a, b=2: Opaque())
+    with pytest.raises(KeyDerivationError) as excinfo:
+        builder((1,), {})
+    assert "Opaque" in str(excinfo.value)
+
+
+# lock_on naming parameters that do not exist.
+def test_lock_on_unknown_parameter_fails_at_construction() -> None:
+    """``KeyBuilder`` rejects ``lock_on`` names the signature lacks, naming each one."""
+    with pytest.raises(ValueError, match="nope") as excinfo:
+        KeyBuilder("t.sample", inspect.signature(sample), lock_on=("a", "nope"))
+    assert "'nope'" in str(excinfo.value)
+    assert "'a'" not in str(excinfo.value).split("(parameters")[0]
+    with pytest.raises(ValueError, match="nope") as excinfo:
+        KeyBuilder("t.sample", inspect.signature(sample), lock_on=("nope", "nah"))
+    assert "'nah'" in str(excinfo.value)
+
+
+def test_lock_on_unknown_parameter_fails_at_task_definition(app: Celery) -> None:
+    """On a finalized app, defining a task whose ``lock_on`` names a missing parameter raises."""
+    app.finalize()
+    with pytest.raises(ValueError, match="nope") as excinfo:
+
+        @app.task(base=SingletonTask, shared=False, lock_on=("nope",))
+        def report(account: Any) -> None:
+            """Sample body."""
+
+    assert "'nope'" in str(excinfo.value)
+    assert "report" in str(excinfo.value)
+
+
+def test_lock_on_unknown_parameter_fails_when_a_lazy_task_is_created(app: Celery) -> None:
+    """With ``lazy=False``, or on first use of a lazy task, a bad ``lock_on`` raises; ``self`` is not a parameter."""
+    with pytest.raises(ValueError, match="self") as excinfo:
+
+        @app.task(base=SingletonTask, shared=False, bind=True, lazy=False, lock_on=("self",))
+        def bound(self: Any, account: Any) -> None:
+            """Sample body."""
+
+    assert "'self'" in str(excinfo.value)
+
+    @app.task(base=SingletonTask, shared=False, lock_on=("nope",))
+    def lazy(account: Any) -> None:
+        """Sample body."""
+
+    with pytest.raises(ValueError, match="nope") as excinfo:
+        lazy.lock_name((1,), {})
+    assert "'nope'" in str(excinfo.value)
+
+
+# What a key reveals.
+def test_key_shows_the_task_name_but_not_the_arguments(app: Celery) -> None:
+    """A key is ``<task name>:<32 hex>``: the name is readable, argument values are not there in clear."""
+
+    @app.task(base=SingletonTask, shared=False, name="billing.charge")
+    def charge(card: Any, password: Any) -> None:
+        """Sample body."""
+
+    secret = "hunter2-secret"
+    key = charge.lock_name(("4111111111111111",), {"password": secret})
+    match = KEY_RE.fullmatch(key)
+    assert match is not None
+    assert match["task"] == "billing.charge"
+    assert secret not in key
+    assert "4111" not in key
+    builder_key = KeyBuilder("t.login", inspect.signature(sample))((secret,), {})
+    assert builder_key.startswith("t.login:")
+    assert secret not in builder_key
+
+
+# Calls that do not match the signature.
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [((1, 2, 3), {}), ((), {}), ((1,), {"c": 3}), ((1,), {"a": 1})],
+    ids=["too-many", "missing", "unexpected-keyword", "twice"],
+)
+def test_call_not_matching_the_signature_raises(
+    app: Celery, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Arguments the body could not accept raise KeyDerivationError naming the task."""
+    builder = KeyBuilder("t.sample", inspect.signature(sample))
+    with pytest.raises(KeyDerivationError) as excinfo:
+        builder(args, kwargs)
+    assert "'t.sample'" in str(excinfo.value)
+    assert isinstance(excinfo.value.__cause__, TypeError)
+
+    @app.task(base=SingletonTask, shared=False, bind=True, name="t.bound_sample")
+    def bound_sample(self: Any, a: Any, b: Any = 2) -> None:
+        """Sample body."""
+
+    with pytest.raises(KeyDerivationError) as excinfo:
+        bound_sample.lock_name(args, kwargs)
+    assert "'t.bound_sample'" in str(excinfo.value)
