@@ -54,6 +54,7 @@ def make_app(url: str, name: str = "t") -> Celery:
     app = Celery(name, broker=queue_url, backend=queue_url, set_as_current=False)
     app.conf.update(
         redislock_url=url,
+        task_default_queue=f"{name}-queue",
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         task_store_eager_result=True,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, chain, group
+from celery import Celery, chain, chord, group
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 
@@ -435,6 +435,20 @@ class TestWorkflows:
         gate(name).set()
         first.get(timeout=TIMEOUT)
         assert excinfo.value.holder == first.id
+
+    def test_skip_inside_chord_fails_the_chord(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """A duplicate skipped in a chord header fails the chord; the callback does not run."""
+        name = unique("chord")
+        first = tasks.hold.delay(name)
+        wait_for(lambda: running("hold", name))
+        result = chord([tasks.hold.s(name), tasks.add.s(1, 1)], tasks.add.si(100, 0)).apply_async()
+        with pytest.raises(TaskSkippedError):
+            result.get(timeout=TIMEOUT, propagate=True)
+        gate(name).set()
+        first.get(timeout=TIMEOUT)
+        assert (100, 0) not in runs("add")
 
     def test_group_of_duplicates(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
         """A group of same-key singletons: one runs, the others resolve as skipped."""

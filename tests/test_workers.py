@@ -28,9 +28,16 @@ pytestmark = pytest.mark.slow
 class Worker:
     """A ``celery worker`` subprocess on the test app."""
 
-    def __init__(self, url: str, name: str, concurrency: int = 2, pool: str = "prefork") -> None:
+    def __init__(
+        self,
+        url: str,
+        name: str,
+        concurrency: int = 2,
+        pool: str = "prefork",
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}@localhost"
-        env = dict(os.environ, REDISLOCK_TEST_URL=url, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, REDISLOCK_TEST_URL=url, PYTHONPATH=str(ROOT), **(extra_env or {}))
         self.process = subprocess.Popen(
             [
                 sys.executable, "-m", "celery", "-A", "tests.worker_app", "worker",
@@ -87,8 +94,8 @@ def env(
 
     started: list[Worker] = []
 
-    def launch(name: str = "w", concurrency: int = 2, pool: str = "prefork") -> Worker:
-        worker = Worker(server.url, name, concurrency, pool).wait_ready(worker_app.app)
+    def launch(name: str = "w", concurrency: int = 2, pool: str = "prefork", **env: str) -> Worker:
+        worker = Worker(server.url, name, concurrency, pool, env).wait_ready(worker_app.app)
         started.append(worker)
         return worker
 
@@ -208,3 +215,19 @@ def test_warm_shutdown_finishes_and_releases(
     worker.process.wait(30)
     assert result.get(timeout=10) == "w"
     assert lock_keys(client) == []
+
+
+def test_worker_survives_lock_store_outage(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """With the lock store down, each task fails with LockBackendError and the worker keeps serving."""
+    from celery_redislock import LockBackendError
+    from celery_redislock.server import free_port
+
+    mod, client, launch = env
+    worker = launch("outage", REDISLOCK_TEST_LOCK_URL=f"redis://127.0.0.1:{free_port()}/0")
+    results = [mod.critical.delay("down", n) for n in range(4)]
+    outcomes = [r.get(timeout=60, propagate=False) for r in results]
+    assert all(isinstance(o, LockBackendError) for o in outcomes), outcomes
+    assert worker.process.poll() is None
+    assert records(client, "critical") == []

@@ -27,6 +27,8 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     worker_cancel_long_running_tasks_on_connection_loss=False,
 )
+if os.environ.get("REDISLOCK_TEST_LOCK_URL"):
+    app.conf.redislock_url = os.environ["REDISLOCK_TEST_LOCK_URL"]
 store = redis.Redis.from_url(URL)
 
 
