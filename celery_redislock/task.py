@@ -38,6 +38,7 @@ hard time limit, SIGKILL, lost worker  the heartbeat dies with the process and t
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 import secrets
@@ -177,8 +178,6 @@ def lock_store_url(app: Any) -> str:
 
 def _body_signature(cls: type[Task]) -> Any:
     """The signature calls are bound to: ``run`` without ``self`` for bound tasks."""
-    import inspect
-
     run = inspect.getattr_static(cls, "run")
     func = run.__func__ if isinstance(run, staticmethod) else run
     try:
@@ -257,9 +256,16 @@ class SingletonTask(Task):  # type: ignore[misc]
         ):
             raise TypeError("lock_key must be a string or a callable returning the key material")
         if cls.name:
-            cls._key_builder = KeyBuilder(
-                cls.name, _body_signature(cls), lock_on=cls.lock_on, lock_key=cls.lock_key
-            )
+            cls._key_builder = cls._make_key_builder(cls.name)
+
+    @classmethod
+    def _make_key_builder(cls, name: str) -> KeyBuilder:
+        # Read lock_key off the class without binding it: a function stored as a
+        # class attribute must not receive the task as its first argument.
+        lock_key = inspect.getattr_static(cls, "lock_key")
+        if isinstance(lock_key, staticmethod | classmethod):
+            lock_key = lock_key.__get__(None, cls)
+        return KeyBuilder(name, _body_signature(cls), lock_on=cls.lock_on, lock_key=lock_key)
 
     # Configuration helpers.
     @property
@@ -271,10 +277,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         """The lock name of a call: ``<task name>:<digest of its key material>``."""
         builder = self._key_builder
         if builder is None or builder.task_name != self.name:
-            builder = KeyBuilder(
-                self.name, _body_signature(type(self)), self.lock_on, self.lock_key
-            )
-            type(self)._key_builder = builder
+            # A class-based task may get its name only on the instance.
+            builder = type(self)._key_builder = self._make_key_builder(self.name)
         return builder(args, kwargs)
 
     def _new_lock(self, key: str, owner: str, ttl: float, heartbeat: bool) -> RedisLock:

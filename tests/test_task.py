@@ -604,3 +604,20 @@ class TestOptions:
         with pytest.raises(ValueError) as excinfo:
             job.lock_client  # noqa: B018
         assert "redislock_url" in str(excinfo.value)
+
+    def test_class_based_task_lock_key(self) -> None:
+        """A lock_key function set on a class-based task is called with the task's arguments only."""
+
+        def key_of(account: int, full: bool = False) -> int:
+            return account
+
+        class Report(SingletonTask):  # type: ignore[misc]
+            lock_key = key_of
+
+            def run(self, account: int, full: bool = False) -> None: ...
+
+        app = Celery("cls", set_as_current=False)
+        app.conf.redislock_url = "redis://127.0.0.1:1/0"
+        task = app.register_task(Report())
+        assert task.lock_name((1,), {}) == task.lock_name((1,), {"full": True})
+        assert task.lock_name((1,), {}) != task.lock_name((2,), {})
