@@ -611,7 +611,7 @@ class TestOptions:
         def key_of(account: int, full: bool = False) -> int:
             return account
 
-        class Report(SingletonTask):  # type: ignore[misc]
+        class Report(SingletonTask):
             lock_key = key_of
 
             def run(self, account: int, full: bool = False) -> None: ...
