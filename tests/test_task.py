@@ -186,7 +186,9 @@ def tasks(app: Celery) -> SimpleNamespace:
 @pytest.fixture(scope="module")
 def worker(app: Celery) -> Iterator[Any]:
     """A real worker (threads pool, 6 slots) consuming in this process."""
-    with start_worker(app, pool="threads", concurrency=6, perform_ping_check=False) as w:
+    with start_worker(
+        app, pool="threads", concurrency=6, perform_ping_check=False, shutdown_timeout=60
+    ) as w:
         yield w
 
 
