@@ -10,6 +10,7 @@ Keys of event ``E`` (the ``{E}`` hash tag keeps them on one Redis Cluster slot):
     seckill:{E}:buyers     set of buyers holding a ticket
     seckill:{E}:attempts   hash: buyer -> purchase attempts
     seckill:{E}:stale      writes the fence rejected
+    seckill:{E}:opens_at   when the sale opens: a UNIX time, "pending" or "cancelled"
 
 A purchase reads the stock, checks it, waits a moment (the payment check) and
 only then decrements it: a check-then-act race on purpose, which only the lock
@@ -21,6 +22,7 @@ that stalled past its lock's TTL cannot write after its successor did.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +32,10 @@ from celery_redislock import LockLostError, RedisLock
 
 #: Seconds the keys of a finished event are kept for inspection.
 EVENT_TTL = 24 * 3600
+
+#: ``opens_at`` values before the sale has a time, and after it was called off.
+PENDING = "pending"
+CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class EventKeys:
     buyers: str
     attempts: str
     stale: str
+    opens_at: str
 
     def all(self) -> list[str]:
         """Every key of the event."""
@@ -56,6 +63,7 @@ class EventKeys:
             self.buyers,
             self.attempts,
             self.stale,
+            self.opens_at,
         ]
 
 
@@ -71,6 +79,7 @@ def event_keys(event_id: str) -> EventKeys:
         buyers=f"{base}:buyers",
         attempts=f"{base}:attempts",
         stale=f"{base}:stale",
+        opens_at=f"{base}:opens_at",
     )
 
 
@@ -159,15 +168,63 @@ class EventState:
         }
 
 
-def open_event(client: redis.Redis, event_id: str, tickets: int) -> None:
-    """Put ``tickets`` on sale for a fresh event (any earlier state is wiped)."""
+def open_event(client: redis.Redis, event_id: str, tickets: int, gated: bool = False) -> None:
+    """Put ``tickets`` on sale for a fresh event (any earlier state is wiped).
+
+    ``gated``: purchases wait in :func:`wait_for_opening` until :func:`open_sale`.
+    """
     keys = event_keys(event_id)
     pipe = client.pipeline(transaction=True)
     pipe.delete(*keys.all())
     pipe.set(keys.tickets, tickets, ex=EVENT_TTL)
     pipe.set(keys.stock, tickets, ex=EVENT_TTL)
     pipe.set(keys.low, tickets, ex=EVENT_TTL)
+    if gated:
+        pipe.set(keys.opens_at, PENDING, ex=EVENT_TTL)
     pipe.execute()
+
+
+def open_sale(client: redis.Redis, event_id: str, delay: float = 0.1) -> float:
+    """Open a gated sale ``delay`` seconds from now; return that UNIX time.
+
+    Every worker holding a click is then released at the same instant, however
+    far apart their brokers delivered the clicks.
+    """
+    opens_at = time.time() + delay
+    client.set(event_keys(event_id).opens_at, repr(opens_at), ex=EVENT_TTL)
+    return opens_at
+
+
+def cancel_sale(client: redis.Redis, event_id: str) -> None:
+    """Call a gated sale off: waiting purchases end without buying."""
+    client.set(event_keys(event_id).opens_at, CANCELLED, ex=EVENT_TTL)
+
+
+def wait_for_opening(
+    client: redis.Redis, event_id: str, limit: float = 300.0, poll: float = 0.01
+) -> bool:
+    """Wait until the sale is open; return False if it was cancelled.
+
+    An event without an opening time is open. A pending one is polled for at
+    most ``limit`` seconds, after which the sale counts as cancelled.
+    """
+    key = event_keys(event_id).opens_at
+    deadline = time.monotonic() + limit
+    while True:
+        value = client.get(key)
+        text = _text(value) if value is not None else None
+        if text is None:
+            return True
+        if text == CANCELLED:
+            return False
+        if text != PENDING:
+            delay = float(text) - time.time()
+            if delay > 0:
+                time.sleep(delay)
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
 
 
 def close_event(client: redis.Redis, event_id: str, ttl: int = EVENT_TTL) -> None:

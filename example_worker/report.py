@@ -143,6 +143,11 @@ class Report:
             f"  sold                   {state.sold}",
             f"  sold out               {counts.get('sold_out', 0)}",
             f"  already had a ticket   {counts.get('already_has_ticket', 0)}",
+            *(
+                [f"  cancelled              {counts['cancelled']} (the sale was called off)"]
+                if counts.get("cancelled")
+                else []
+            ),
             f"  stale writes rejected  {state.stale}",
             f"  stock left             {state.stock} (lowest ever {state.low})",
         ]

@@ -268,29 +268,15 @@ def discover_workers(want: int, timeout: float) -> list[str]:
     return names
 
 
-def open_sale(queue: str, workers: list[str], timeout: float = 30.0) -> None:
-    """Have every worker start consuming the batch queue at the same moment."""
-    deadline = time.monotonic() + timeout
-    missing = set(workers)
-    while missing:
-        interrupt.check()
-        if time.monotonic() > deadline:
-            raise RunError(f"worker(s) {', '.join(sorted(missing))} did not open the sale")
-        replies = app.control.add_consumer(
-            queue, destination=sorted(missing), reply=True, timeout=1.0, limit=len(missing)
-        )
-        for reply in replies or []:
-            for name, answer in reply.items():
-                if isinstance(answer, dict) and "ok" in answer:
-                    missing.discard(name)
-
-
-def close_sale(queue: str, workers: list[str]) -> None:
-    """Stop the workers consuming the batch queue and drop the queue (best effort)."""
-    with contextlib.suppress(Exception):
-        app.control.cancel_consumer(queue, destination=workers, reply=True, timeout=1.0)
-    with contextlib.suppress(Exception), app.connection_for_write() as connection:
-        connection.default_channel.queue_delete(queue)
+def consumers_of(queue: str, names: list[str], timeout: float = 5.0) -> list[str]:
+    """Those of the workers ``names`` that consume ``queue``."""
+    replies = app.control.inspect(destination=names, timeout=timeout, limit=len(names))
+    queues = replies.active_queues() or {}
+    return sorted(
+        name
+        for name, consumed in queues.items()
+        if any(isinstance(q, dict) and q.get("name") == queue for q in consumed or [])
+    )
 
 
 def submit(opts: Options, event_id: str, queue: str) -> list[Click]:
@@ -353,49 +339,53 @@ def collect(
 def run_batch(opts: Options, start_workers: bool) -> int:
     """Run one batch and print its report; return the exit code.
 
-    ``start_workers``: start ``opts.workers`` local worker processes (stopped at
-    the end, also on Ctrl-C); otherwise use the workers already running.
+    ``start_workers``: start ``opts.workers`` local worker processes on a queue
+    of their own (stopped at the end, also on Ctrl-C); otherwise use the workers
+    already running that consume ``opts.queue``.
+
+    The clicks are all queued before the sale opens: a worker that receives one
+    holds it until the opening, so every worker starts buying at the same
+    instant, and a double click always finds the first click still pending.
     """
     run_id = secrets.token_hex(3)
     event_id = f"event-{run_id}"
-    batch_queue = f"{opts.queue}.{event_id}"
+    queue = f"{opts.queue}.{run_id}" if start_workers else opts.queue
     client = tasks.inventory_client()
     client.ping()
     workers: LocalWorkers | None = None
-    names: list[str] = []
-    opened = False
+    finished_ok = False
     say(
         f"{opts.buyers} buyers, {opts.tickets} tickets, "
         f"{'with' if opts.locked else 'WITHOUT'} the lock; event {event_id}"
     )
     try:
         if start_workers:
-            workers = LocalWorkers(opts.workers, run_id, opts.queue)
+            workers = LocalWorkers(opts.workers, run_id, queue)
             workers.start()
             workers.wait_ready()
             names = workers.names
         else:
-            names = discover_workers(opts.workers, WORKER_START_TIMEOUT)
+            running = discover_workers(opts.workers, WORKER_START_TIMEOUT)
+            names = consumers_of(queue, running)
+            if not names:
+                raise RunError(f"none of the running workers consumes the queue {queue!r}")
 
-        inventory.open_event(client, event_id, opts.tickets)
-        clicks = submit(opts, event_id, batch_queue)
-        say(f"{len(clicks)} clicks queued; opening the sale on {len(names)} worker(s)")
-        opened_at = time.time()
+        inventory.open_event(client, event_id, opts.tickets, gated=True)
+        clicks = submit(opts, event_id, queue)
+        say(f"{len(clicks)} clicks queued for {len(names)} worker(s); opening the sale")
+        opens_at = inventory.open_sale(client, event_id)
         waited_from = time.monotonic()
-        opened = True
-        open_sale(batch_queue, names)
         outcomes, failures, unfinished = collect(
             clicks,
             opts.timeout,
             Progress(len({c.task_id for c in clicks})),
             workers.check_alive if workers is not None else None,
         )
+        # From the opening to the last purchase's end (all clocks on one host or NTP).
         finished = [float(o["finished_at"]) for o in outcomes.values() if "finished_at" in o]
-        makespan = (
-            max(finished) - opened_at
-            if finished and not unfinished
-            else time.monotonic() - waited_from
-        )
+        makespan = max(finished) - opens_at if finished and not unfinished else -1.0
+        if makespan < 0:
+            makespan = time.monotonic() - waited_from
         fencing = None
         if opts.locked:
             fencing = inventory.stale_holder_demo(
@@ -421,11 +411,13 @@ def run_batch(opts: Options, start_workers: bool) -> int:
         print(report.to_text(), flush=True)
         if opts.json_path:
             Path(opts.json_path).write_text(report.to_json() + "\n")
+        finished_ok = not unfinished
         return report.exit_code
     finally:
-        if opened and not start_workers:
-            close_sale(batch_queue, names)
         with contextlib.suppress(Exception):
+            if not finished_ok:
+                # Clicks still queued or waiting for the opening end without buying.
+                inventory.cancel_sale(client, event_id)
             inventory.close_event(client, event_id)
         if workers is not None:
             workers.stop()

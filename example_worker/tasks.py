@@ -14,6 +14,10 @@
 
 ``purchase_unlocked(event_id, user_id)``
     The same body on a plain task: the ``--no-lock`` demonstration of the race.
+
+Clicks that arrive before the event's sale opens wait for it
+(:func:`~example_worker.inventory.wait_for_opening`), so every worker starts
+buying at the same instant.
 """
 
 from __future__ import annotations
@@ -124,9 +128,16 @@ def purchase(self: Any, event_id: str, user_id: str, think: float = THINK_SECOND
     }
 
 
+def cancelled(user_id: str, worker: str) -> dict[str, Any]:
+    """The result of a click whose sale was called off before it opened."""
+    return {"user": user_id, "outcome": "cancelled", "worker": worker, "lock_wait": 0.0}
+
+
 @app.task(bind=True)
 def purchase_unlocked(self: Any, event_id: str, user_id: str, think: float = THINK_SECONDS) -> Any:
     """The same purchase with no lock: concurrent buyers race for the last tickets."""
+    if not inventory.wait_for_opening(inventory_client(), event_id):
+        return cancelled(user_id, self.request.hostname)
     began = time.time()
     result = attempt_purchase(inventory_client(), event_id, user_id, lock=None, think=think)
     return {
@@ -148,6 +159,8 @@ def purchase_unlocked(self: Any, event_id: str, user_id: str, think: float = THI
 )
 def place_order(self: Any, event_id: str, user_id: str, think: float = THINK_SECONDS) -> Any:
     """One click of ``user_id``; a second click while this one is pending is not sent."""
+    if not inventory.wait_for_opening(inventory_client(), event_id):
+        return cancelled(user_id, self.request.hostname)
     # Run the purchase here, under this click's lock, so a double click cannot
     # start a second attempt while the first one is still going.
     attempt = purchase.apply(args=(event_id, user_id), kwargs={"think": think}, throw=True)

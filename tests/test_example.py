@@ -296,6 +296,19 @@ def test_stale_holder_that_lost_its_lock_is_stopped(redislock_client: redis.Redi
     assert (demo.sold, demo.stock_left) == (1, 0)
 
 
+def test_gated_sale_waits_for_opening_or_cancellation(redislock_client: redis.Redis) -> None:
+    """Clicks wait while the sale is pending, go at the opening, and stop if it is called off."""
+    open_event(redislock_client, "ungated", tickets=1)
+    assert inventory.wait_for_opening(redislock_client, "ungated", limit=0)
+    open_event(redislock_client, "gated", tickets=1, gated=True)
+    assert not inventory.wait_for_opening(redislock_client, "gated", limit=0.05)
+    opens_at = inventory.open_sale(redislock_client, "gated", delay=0.05)
+    assert inventory.wait_for_opening(redislock_client, "gated", limit=0)
+    assert time.time() >= opens_at
+    inventory.cancel_sale(redislock_client, "gated")
+    assert not inventory.wait_for_opening(redislock_client, "gated", limit=5)
+
+
 def test_report_flags_an_oversell_as_failed_invariants_with_the_lock() -> None:
     """A locked run whose Redis state shows an oversell fails its invariants (exit 1)."""
     state = inventory.EventState(
