@@ -16,10 +16,13 @@ The server binary is looked up in this order:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from types import TracebackType
@@ -81,6 +84,24 @@ def available_server_binaries() -> list[str]:
         if path and os.path.realpath(path) not in {os.path.realpath(p) for p in unique}:
             unique.append(path)
     return unique
+
+
+def _die_with_parent() -> None:
+    """In the server's process, before exec: ask Linux to kill it if we die.
+
+    Without this a server started by a process that is SIGKILLed (so never runs
+    its cleanup) would outlive it. Elsewhere this does nothing.
+    """
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -163,6 +184,7 @@ class RedisServer:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
             if self._wait_ready():
                 return self

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import redis
@@ -86,3 +90,30 @@ def test_bad_explicit_binary(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ServerNotFoundError) as excinfo:
         find_server_binary()
     assert "/nonexistent/redis-server" in str(excinfo.value)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux-only")
+def test_server_dies_with_killed_parent() -> None:
+    """A server whose starting process is SIGKILLed does not outlive it."""
+    code = (
+        "from celery_redislock.server import RedisServer; s = RedisServer().start(); "
+        "print(s.process.pid, flush=True); import time; time.sleep(60)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    parent.stdout.close()
+
+    def gone() -> bool:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return True
+        return "State:\tZ" in status  # dead, waiting for init to reap it
+
+    deadline = time.monotonic() + 10
+    while not gone():
+        assert time.monotonic() < deadline, "the server outlived its parent"
+        time.sleep(0.05)
