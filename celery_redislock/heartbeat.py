@@ -14,6 +14,7 @@ child process after ``fork()``, which starts with no locks and no thread.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -64,15 +65,21 @@ class Heartbeat:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # When the sleeping thread will wake by itself (-inf while it is awake).
+        self._wake_at = -math.inf
         #: Completed renewal rounds; each round is one round trip per server.
         self.rounds = 0
 
     def register(self, lock: Renewable) -> None:
         """Start renewing ``lock`` every ``lock.renew_interval`` seconds."""
         with self._cond:
-            self._due[lock] = self._clock() + lock.renew_interval
+            due = self._clock() + lock.renew_interval
+            self._due[lock] = due
             self._ensure_thread()
-            self._cond.notify()
+            # Wake the thread only if this lock is due before it would wake anyway:
+            # with one TTL for all locks that is never, and a task pays no thread switch.
+            if due < self._wake_at:
+                self._cond.notify()
 
     def unregister(self, lock: Renewable) -> None:
         """Stop renewing ``lock`` (no-op if it is not registered)."""
@@ -112,7 +119,9 @@ class Heartbeat:
                             break
                     else:
                         wait = None
+                    self._wake_at = math.inf if wait is None else now + wait
                     self._cond.wait(wait)
+                    self._wake_at = -math.inf
                 if self._stopping:
                     return
                 now = self._clock()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import multiprocessing
+import os
 import queue
 import re
 import threading
@@ -31,7 +32,7 @@ from celery_redislock import (
 )
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import FENCE_TTL_MS, lock_keys, release_lease
-from celery_redislock.server import RedisServer
+from celery_redislock.server import RedisServer, available_server_binaries
 
 #: Names that exercise the ``{hash tag}`` rules and unusual characters.
 TRICKY_NAMES = [
@@ -87,6 +88,23 @@ class Waiter:
 
     def done(self) -> bool:
         return not self.thread.is_alive()
+
+
+@pytest.fixture(
+    scope="module",
+    params=available_server_binaries(),
+    ids=lambda path: os.path.basename(path),
+)
+def redislock_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    """The engine's tests run once on each server binary the machine offers (Redis, Valkey)."""
+    with RedisServer(binary=request.param) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def redislock_url(redislock_server: RedisServer) -> str:
+    """This module's server's URL."""
+    return redislock_server.url
 
 
 @pytest.fixture
