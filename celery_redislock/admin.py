@@ -26,7 +26,10 @@ class LockInfo:
 
 
 def _name_of(key: str, prefix: str) -> str:
-    return key[len(prefix) + 2 : -1]
+    """Invert :func:`~celery_redislock.lock.lock_keys` for a lock key."""
+    name = key[len(prefix) + 2 : -1]
+    # lock_keys escapes names starting with "}" or "\\" with a leading "\\".
+    return name[1:] if name.startswith("\\") else name
 
 
 def list_locks(

@@ -68,3 +68,14 @@ def test_list_locks_filters_by_pattern(redislock_client: redis.Redis) -> None:
     a.release()
     a.release()
     b.detach()
+
+
+def test_list_locks_round_trips_escaped_names(redislock_client: redis.Redis) -> None:
+    """Names that lock_keys escapes (leading '}' or backslash) are listed as given."""
+    names = ["}odd{", "\\back", "plain"]
+    held = [RedisLock(redislock_client, name, ttl=30) for name in names]
+    for lock in held:
+        assert lock.acquire()
+    assert sorted(info.name for info in list_locks(redislock_client)) == sorted(names)
+    for lock in held:
+        lock.release()
