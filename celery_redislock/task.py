@@ -205,7 +205,10 @@ def _seconds_until(when: object) -> float:
 class SingletonTask(Task):  # type: ignore[misc]
     """A task that runs at most once at a time per lock key.
 
-    Options (task attributes, defaulting to ``app.conf.redislock_*``):
+    Options are the class attributes below; each left as ``None`` takes its
+    ``app.conf.redislock_*`` setting (or the built-in default) when the task is
+    bound, except the lock store's URL, which is read from ``app.conf`` at use so
+    that configuring the app after defining its tasks works.
     """
 
     #: Parameter names the key is made of (default: all parameters).
@@ -238,15 +241,18 @@ class SingletonTask(Task):  # type: ignore[misc]
         """Resolve options from ``app.conf`` and check them (a bad value raises here)."""
         super().on_bound(app)
         explicit = {name for name in DEFAULTS if getattr(cls, name) is not None}
+        resolved = {}
         for name, (setting, default) in DEFAULTS.items():
-            if name not in explicit:
-                value = app.conf.get(setting)
-                setattr(cls, name, default if value is None else value)
+            value = getattr(cls, name) if name in explicit else app.conf.get(setting)
+            resolved[name] = default if value is None else value
 
         def source(name: str) -> str:
             return name if name in explicit else f"app.conf.{DEFAULTS[name][0]}"
 
-        _check_options({name: getattr(cls, name) for name in DEFAULTS}, source)
+        _check_options(resolved, source)
+        for name, value in resolved.items():
+            if name != "lock_url":
+                setattr(cls, name, value)
         if cls.lock_on is not None:
             if isinstance(cls.lock_on, str) or not all(isinstance(n, str) for n in cls.lock_on):
                 raise TypeError("lock_on must be a tuple of parameter names, e.g. ('event_id',)")

@@ -623,3 +623,16 @@ class TestOptions:
         task = app.register_task(Report())
         assert task.lock_name((1,), {}) == task.lock_name((1,), {"full": True})
         assert task.lock_name((1,), {}) != task.lock_name((2,), {})
+
+    def test_lock_store_follows_late_configuration(self) -> None:
+        """The lock store URL is read from app.conf at use, so configuring the app late works."""
+        app = Celery("late", set_as_current=False)
+        app.finalize()
+
+        @app.task(base=SingletonTask, shared=False)
+        def job() -> None: ...
+
+        app.conf.redislock_url = "redis://127.0.0.1:6391/0"
+        assert job.lock_client.connection_pool.connection_kwargs["port"] == 6391
+        app.conf.redislock_url = "redis://127.0.0.1:6392/0"
+        assert job.lock_client.connection_pool.connection_kwargs["port"] == 6392
