@@ -20,20 +20,11 @@ from celery_redislock import client as client_module
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.scripts import EXTEND
 from celery_redislock.server import RedisServer
+from tests.support import wait_until
 
 #: Forking a process that runs threads warns on Python >= 3.12; the fork test
 #: below does it on purpose, as Celery's prefork pool does.
 FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` seconds pass; return its last value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
 
 
 def stays_true(predicate: Callable[[], bool], seconds: float) -> bool:

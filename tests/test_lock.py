@@ -33,6 +33,7 @@ from celery_redislock import (
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import FENCE_TTL_MS, lock_keys, release_lease
 from celery_redislock.server import RedisServer, available_server_binaries
+from tests.support import wait_until
 
 #: Names that exercise the ``{hash tag}`` rules and unusual characters.
 TRICKY_NAMES = [
@@ -51,16 +52,6 @@ TRICKY_NAMES = [
     "ünïcødé ✓",
     "x" * 300,
 ]
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` seconds pass; return its last value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
 
 
 def no_subscribers(client: redis.Redis, lock: RedisLock) -> bool:

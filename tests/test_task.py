@@ -24,7 +24,7 @@ from celery_redislock import (
     is_skipped,
 )
 from celery_redislock.server import RedisServer, free_port
-from tests.celery_support import close_app, gate, lock_keys, make_app, record, runs, wait_for
+from tests.support import close_app, gate, lock_keys, make_app, record, runs, wait_for
 
 TIMEOUT = 20
 

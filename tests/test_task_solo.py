@@ -13,7 +13,7 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_redislock import RedisLock, SingletonTask
 from celery_redislock.server import RedisServer
-from tests.celery_support import close_app, lock_keys, make_app, wait_for
+from tests.support import close_app, lock_keys, make_app, wait_for
 
 TIMEOUT = 20
 

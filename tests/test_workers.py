@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from celery_redislock.server import RedisServer
-from tests.celery_support import close_app, lock_keys, wait_for
+from tests.support import close_app, lock_keys, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from celery_redislock import SingletonTask
-from tests.celery_support import make_app
+from tests.support import make_app
 
 URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6379/0")
 app = make_app(URL, "workers")

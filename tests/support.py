@@ -1,4 +1,4 @@
-"""Helpers shared by the Celery integration tests: apps, gates and polling."""
+"""Helpers shared by the tests: polling with a deadline, Celery apps, gates and records."""
 
 from __future__ import annotations
 
@@ -33,6 +33,16 @@ def runs(kind: str) -> list[Any]:
     """The values recorded under ``kind``."""
     with _runs_guard:
         return [value for k, value in RUNS if k == kind]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass; return its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 15.0, what: str = "") -> None:
