@@ -319,7 +319,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         args: Iterable[Any] | None = None,
         kwargs: Mapping[str, Any] | None = None,
         task_id: str | None = None,
-        *extra: Any,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
         **options: Any,
     ) -> AsyncResult:
         """Send the task; ``until_*`` strategies take the lock first.
@@ -328,8 +331,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         returns the holder's ``AsyncResult``.
         """
         skip_lock = options.pop(_NO_ENQUEUE_LOCK, False)
-        if self.lock_strategy == WHILE_EXECUTING or skip_lock or extra:
-            return super().apply_async(args, kwargs, task_id, *extra, **options)
+        options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
+        if self.lock_strategy == WHILE_EXECUTING or skip_lock:
+            return super().apply_async(args, kwargs, task_id, **options)
         task_id = task_id or uuid()
         key = self.lock_name(args, kwargs)
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
@@ -354,7 +358,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         try:
             return super().apply_async(args, kwargs, task_id, **options)
         except BaseException:
-            release_lease(self.lock_client, key, task_id, self.lock_prefix or DEFAULT_PREFIX)
+            # Nothing was sent: free the key for the next attempt.
+            try:
+                release_lease(self.lock_client, key, task_id, self.lock_prefix or DEFAULT_PREFIX)
+            except LockBackendError as exc:
+                logger.warning("could not free %s after a failed send: %s", key, exc)
             raise
 
     # Execution side.

@@ -636,3 +636,45 @@ class TestOptions:
         assert job.lock_client.connection_pool.connection_kwargs["port"] == 6391
         app.conf.redislock_url = "redis://127.0.0.1:6392/0"
         assert job.lock_client.connection_pool.connection_kwargs["port"] == 6392
+
+
+class TestEnqueueEdges:
+    """The enqueue side of until_* strategies, without a worker."""
+
+    def test_failed_send_frees_the_lock(self, redislock_server: RedisServer) -> None:
+        """If the broker refuses the message, the until_executed lock taken for it is freed."""
+        app = Celery("nobroker", set_as_current=False)
+        app.conf.update(
+            broker_url=f"redis://127.0.0.1:{free_port()}/0",
+            redislock_url=redislock_server.url,
+            task_publish_retry=False,
+            broker_connection_timeout=1,
+            broker_connection_retry=False,
+            broker_connection_max_retries=0,
+        )
+
+        @app.task(base=SingletonTask, shared=False, lock_strategy="until_executed")
+        def job(n: int) -> None: ...
+
+        client = redislock_server.client()
+        with pytest.raises(Exception) as excinfo:
+            job.delay(uuid.uuid4().int)
+        assert not isinstance(excinfo.value, LockConflictError)
+        assert lock_keys(client) == []
+        app.close()
+
+    def test_prefix_option(self, redislock_server: RedisServer) -> None:
+        """lock_prefix puts the task's lock under another key prefix."""
+        app = make_app(redislock_server.url, "prefixed")
+
+        @app.task(base=SingletonTask, bind=True, shared=False, lock_prefix="shop-locks")
+        def job(self: Any) -> list[str]:
+            client = redis.Redis.from_url(app.conf.redislock_url)
+            return sorted(k.decode() for k in client.scan_iter("shop-locks:*"))
+
+        keys = job.apply().get()
+        assert keys == [
+            f"shop-locks:{{{job.lock_name((), {})}}}",
+            f"shop-locks:{{{job.lock_name((), {})}}}:fence",
+        ]
+        close_app(app)
