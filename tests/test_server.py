@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from celery_redislock import RedisLock, ServerNotFoundError
 from celery_redislock.server import (
@@ -59,7 +61,7 @@ def test_factory_servers_are_independent(
 def test_stop_frees_the_port() -> None:
     """After stop() the server no longer answers."""
     server = RedisServer().start()
-    client = server.client(socket_connect_timeout=0.5)
+    client = server.client(socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
     assert client.ping()
     server.stop()
     with pytest.raises(redis.ConnectionError):
