@@ -15,6 +15,7 @@ The lock engine is usable on its own: :class:`RedisLock`.
 
 from __future__ import annotations
 
+from celery_redislock import signals
 from celery_redislock.errors import (
     KeyDerivationError,
     LockBackendError,
@@ -48,4 +49,5 @@ __all__ = [
     "TaskSkippedError",
     "__version__",
     "is_skipped",
+    "signals",
 ]

@@ -232,6 +232,9 @@ class RedisLock:
         self.token: int | None = None
         #: True once a held lock could not be renewed or was found taken.
         self.lost = False
+        #: The lease (task id) that held the lock when an acquire last failed;
+        #: ``None`` if it had none. Saves a round trip to ask who is in the way.
+        self.blocked_by: str | None = None
         self._holds = 0
         self._expiry = 0.0
         self._state = threading.Lock()
@@ -398,6 +401,8 @@ class RedisLock:
             # holds from a lock it lost: losing it took it off the heartbeat.
             if self.heartbeat and (first or reply[0] == 1):
                 self._beat().register(self)
+        else:
+            self.blocked_by = _text(reply[2]) or None
         return reply
 
     def _wait(self, deadline: float | None) -> bool:

@@ -42,16 +42,19 @@ import inspect
 import logging
 import random
 import secrets
+import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from typing import Any, ClassVar
 
 import redis
-from celery import Task, signals
+from celery import Task
+from celery import signals as celery_signals
 from celery.exceptions import Reject, Retry
 from celery.result import AsyncResult
 from celery.utils import uuid
 
+from celery_redislock import signals
 from celery_redislock.client import get_client
 from celery_redislock.errors import (
     LockBackendError,
@@ -307,6 +310,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             self.name,
             lock.lease,
         )
+        signals.lock_lost.send(sender=self, task_id=lock.lease, key=lock.name)
 
     @property
     def lock(self) -> LockHandle | None:
@@ -342,7 +346,6 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
         try:
             acquired = lock.acquire(blocking=False)
-            holder = None if acquired else lock.holder_lease()
         except LockBackendError:
             if self.lock_on_redis_error == "run":
                 logger.warning(
@@ -351,7 +354,11 @@ class SingletonTask(Task):  # type: ignore[misc]
                 return super().apply_async(args, kwargs, task_id, **options)
             raise
         if not acquired:
+            holder = lock.blocked_by
             logger.info("%s: duplicate of %s not enqueued (lock %s)", self.name, holder, key)
+            signals.lock_conflict.send(
+                sender=self, task_id=task_id, key=key, holder=holder, action="dedup"
+            )
             if holder:
                 return self.AsyncResult(holder)
             raise LockConflictError(key, holder)
@@ -399,11 +406,16 @@ class SingletonTask(Task):  # type: ignore[misc]
             logger.warning("lock store unreachable; running %s[%s] unlocked", self.name, task_id)
             request.redislock = LockHandle(key, None)
             return self.run(*args, **kwargs)
+        asked = time.monotonic()
         if not acquired:
             outcome = self._conflict(lock, key, request)
             if outcome is not None:
                 return outcome
         request.redislock = LockHandle(key, lock)
+        taken = time.monotonic()
+        signals.lock_acquired.send(
+            sender=self, task_id=task_id, key=key, token=lock.token, waited=taken - asked
+        )
         keep = retrying = False
         try:
             return self.run(*args, **kwargs)
@@ -420,6 +432,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                 lock.detach()
             else:
                 self._release(lock, taken_over_ok=retrying)
+                signals.lock_released.send(
+                    sender=self, task_id=task_id, key=key, held=time.monotonic() - taken
+                )
 
     def _release(self, lock: RedisLock, taken_over_ok: bool = False) -> None:
         try:
@@ -440,16 +455,19 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _conflict(self, lock: RedisLock, key: str, request: Any) -> Any:
         """Handle a held lock; return a result to end the task, or ``None`` once acquired."""
         mode = self.on_conflict
+        holder = lock.blocked_by
+        signals.lock_conflict.send(
+            sender=self, task_id=request.id, key=key, holder=holder, action=mode
+        )
         if mode == "wait":
             if lock.acquire(blocking=True, timeout=self.lock_wait):
                 return None
-            holder = lock.holder_lease()
+            holder = lock.blocked_by
             raise LockConflictError(
                 key,
                 holder,
                 f"lock {key!r} is still held by task {holder!r} after waiting {self.lock_wait} s",
             )
-        holder = lock.holder_lease()
         if mode == "raise":
             raise LockConflictError(key, holder)
         if mode == "retry":
@@ -483,4 +501,4 @@ def _release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         logger.warning("could not free the lock of revoked task %s: %s", request.id, exc)
 
 
-signals.task_revoked.connect(_release_revoked, weak=False)
+celery_signals.task_revoked.connect(_release_revoked, weak=False)

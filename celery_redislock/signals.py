@@ -1,0 +1,34 @@
+"""Signals sent by :class:`~celery_redislock.SingletonTask`, for metrics and auditing.
+
+Connect to them like Celery's own signals; the sender is the task::
+
+    from celery_redislock import signals
+
+    @signals.lock_conflict.connect
+    def count_conflicts(sender, task_id, key, holder, action, **kwargs):
+        CONFLICTS.labels(sender.name, action).inc()
+
+A receiver runs inside the task's execution (or its ``apply_async``), so keep
+it fast; an exception it raises is logged by Celery's dispatcher and ignored.
+"""
+
+from __future__ import annotations
+
+from celery.utils.dispatch import Signal
+
+__all__ = ["lock_acquired", "lock_conflict", "lock_lost", "lock_released"]
+
+#: The lock was taken. ``key``, ``task_id``, ``token`` (fencing token) and
+#: ``waited`` (seconds spent waiting for it, 0.0 when free at once).
+lock_acquired = Signal(name="lock_acquired", providing_args={"task_id", "key", "token", "waited"})
+
+#: The key was held by another task. ``action`` is what the duplicate does:
+#: ``"skip"``, ``"raise"``, ``"retry"``, ``"wait"`` (sent before waiting) or
+#: ``"dedup"`` (an ``until_*`` enqueue that published nothing).
+lock_conflict = Signal(name="lock_conflict", providing_args={"task_id", "key", "holder", "action"})
+
+#: A running task's lock was lost (expired or taken over); sent from the heartbeat.
+lock_lost = Signal(name="lock_lost", providing_args={"task_id", "key"})
+
+#: The task's body ended and its lock was released. ``held`` is in seconds.
+lock_released = Signal(name="lock_released", providing_args={"task_id", "key", "held"})

@@ -1,0 +1,115 @@
+"""The celery_redislock signals, sent by SingletonTask around its lock."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock import RedisLock, SingletonTask, signals
+from celery_redislock.server import RedisServer
+from tests.support import close_app, make_app, wait_for
+
+
+@pytest.fixture
+def app(redislock_server: RedisServer) -> Iterator[Celery]:
+    """An app on the test server (tasks run eagerly through apply())."""
+    app = make_app(redislock_server.url, "signals")
+    yield app
+    close_app(app)
+
+
+@pytest.fixture
+def sent() -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """Every celery_redislock signal sent during the test, in order."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+    receivers = {}
+    for name in signals.__all__:
+
+        def receiver(sender: Any = None, _name: str = name, **kwargs: Any) -> None:
+            kwargs.pop("signal", None)
+            seen.append((_name, kwargs))
+
+        receivers[name] = receiver
+        getattr(signals, name).connect(receiver, weak=False)
+    yield seen
+    for name, receiver in receivers.items():
+        getattr(signals, name).disconnect(receiver)
+
+
+def test_acquired_and_released(app: Celery, sent: list[tuple[str, dict[str, Any]]]) -> None:
+    """A run sends lock_acquired (with its token) then lock_released, for the same key."""
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: Any) -> int:
+        return int(self.lock.token)
+
+    result = job.apply()
+    names = [name for name, _ in sent]
+    assert names == ["lock_acquired", "lock_released"]
+    acquired, released = sent[0][1], sent[1][1]
+    assert acquired["token"] == result.get()
+    assert acquired["task_id"] == result.id
+    assert acquired["key"] == released["key"] == job.lock_name((), {})
+    assert acquired["waited"] >= 0
+    assert released["held"] >= 0
+
+
+def test_conflict_names_holder_and_action(
+    app: Celery, redislock_client: redis.Redis, sent: list[tuple[str, dict[str, Any]]]
+) -> None:
+    """A skipped duplicate sends lock_conflict with the holder's task id and 'skip'."""
+
+    @app.task(base=SingletonTask, shared=False)
+    def job() -> None: ...
+
+    holder = RedisLock(redislock_client, job.lock_name((), {}), ttl=30, lease="holder-id")
+    assert holder.acquire()
+    job.apply()
+    holder.release()
+    assert sent == [
+        (
+            "lock_conflict",
+            {
+                "task_id": sent[0][1]["task_id"],
+                "key": holder.name,
+                "holder": "holder-id",
+                "action": "skip",
+            },
+        )
+    ]
+
+
+def test_enqueue_dedup(
+    app: Celery, redislock_client: redis.Redis, sent: list[tuple[str, dict[str, Any]]]
+) -> None:
+    """An until_executed duplicate that publishes nothing sends lock_conflict 'dedup'."""
+
+    @app.task(base=SingletonTask, shared=False, lock_strategy="until_executed")
+    def job() -> None: ...
+
+    holder = RedisLock(redislock_client, job.lock_name((), {}), ttl=30, lease="first-id")
+    assert holder.acquire()
+    assert job.delay().id == "first-id"
+    holder.release()
+    assert [(n, kw["action"], kw["holder"]) for n, kw in sent] == [
+        ("lock_conflict", "dedup", "first-id")
+    ]
+
+
+def test_lost(
+    app: Celery, redislock_client: redis.Redis, sent: list[tuple[str, dict[str, Any]]]
+) -> None:
+    """A lock deleted under a running task sends lock_lost from the heartbeat."""
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=0.6)
+    def job(self: Any) -> None:
+        redislock_client.delete(f"redislock:{{{self.lock.key}}}")
+        wait_for(lambda: self.lock.lost, what="the heartbeat to notice")
+
+    job.apply().get()
+    lost = [kw for name, kw in sent if name == "lock_lost"]
+    assert lost == [{"task_id": lost[0]["task_id"], "key": job.lock_name((), {})}]
