@@ -88,13 +88,17 @@ if os.environ.get(URL_ENV):
 
 
 @app.task(name="bench.plain", shared=False)
-def plain(round_id: str, index: int) -> None:
-    """A no-op task."""
+def plain(round_id: str, index: int, work: float = 0.0) -> None:
+    """A no-op task (or one that sleeps ``work`` seconds, standing for real work)."""
+    if work:
+        time.sleep(work)
 
 
 @app.task(name="bench.singleton", base=SingletonTask, shared=False)
-def singleton(round_id: str, index: int) -> None:
-    """The same no-op, run under a lock keyed on its arguments."""
+def singleton(round_id: str, index: int, work: float = 0.0) -> None:
+    """The same task, run under a lock keyed on its arguments."""
+    if work:
+        time.sleep(work)
 
 
 # Environment.
@@ -208,7 +212,7 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def run_batch(
-    task: Any, count: int, worker: subprocess.Popen[bytes], timeout: float
+    task: Any, count: int, worker: subprocess.Popen[bytes], timeout: float, work: float = 0.0
 ) -> tuple[float, float | None]:
     """Enqueue ``count`` calls with distinct arguments and wait for every result.
 
@@ -224,7 +228,7 @@ def run_batch(
         os.kill(worker.pid, signal.SIGSTOP)
     try:
         started = time.perf_counter()
-        results = ResultSet([task.apply_async((round_id, i)) for i in range(count)])
+        results = ResultSet([task.apply_async((round_id, i, work)) for i in range(count)])
     finally:
         if CAN_PAUSE:
             cpu_before = cpu_seconds(worker.pid)
@@ -240,7 +244,9 @@ def run_batch(
     return elapsed, cpu_after - cpu_before
 
 
-def measure_throughput(url: str, count: int, rounds: int) -> dict[str, list[float]]:
+def measure_throughput(
+    url: str, count: int, rounds: int, work: float = 0.0
+) -> dict[str, list[float]]:
     """Alternate plain and singleton rounds on one worker.
 
     Returns ``{"plain": [tasks/s...], "singleton": [...], "plain_cpu": [worker CPU
@@ -263,7 +269,9 @@ def measure_throughput(url: str, count: int, rounds: int) -> dict[str, list[floa
             order = ["plain", "singleton"] if r % 2 == 0 else ["singleton", "plain"]
             for name in order:
                 before = command_calls(client)
-                elapsed, cpu = run_batch(kinds[name], count, worker, timeout=60 + count / 50)
+                elapsed, cpu = run_batch(
+                    kinds[name], count, worker, timeout=60 + count * (0.02 + work), work=work
+                )
                 calls = delta(before, command_calls(client))
                 figures[name].append(count / elapsed)
                 if cpu is not None:
@@ -397,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, help="tasks per kind and round (default 1000)")
     parser.add_argument("--rounds", type=int, help="rounds of each kind (default 5)")
     parser.add_argument("--quick", action="store_true", help="a short run (about 15 s)")
+    parser.add_argument(
+        "--work-ms",
+        type=float,
+        default=0.0,
+        help="milliseconds each task sleeps, standing for real work (default 0: no-op)",
+    )
     options = parser.parse_args(argv)
     count = options.tasks or (200 if options.quick else 1000)
     rounds = options.rounds or (3 if options.quick else 5)
@@ -418,8 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         print(flush=True)
 
         configure(app, url)
-        print("Throughput, no-op tasks, broker + results + locks on one server:")
-        figures = measure_throughput(url, count, rounds)
+        what = f"tasks of {options.work_ms:g} ms" if options.work_ms else "no-op tasks"
+        print(f"Throughput, {what}, broker + results + locks on one server:")
+        figures = measure_throughput(url, count, rounds, options.work_ms / 1000)
         plain_rate = statistics.median(figures["plain"])
         singleton_rate = statistics.median(figures["singleton"])
         print(f"  plain:     {plain_rate:6.0f} tasks/s (median of {rounds})")
