@@ -385,6 +385,19 @@ def test_blocking_timeout_returns_false(client: redis.Redis) -> None:
     holder.release()
 
 
+def test_waiting_does_not_poll(client: redis.Redis) -> None:
+    """A waiter on a long-lived lock tries at the start, once subscribed and at its deadline:
+    three attempts in a second, however long it waits, where a poller would make dozens."""
+    holder = RedisLock(client, "no-poll", ttl=60)
+    assert holder.acquire()
+    client.config_resetstat()
+    waiter = RedisLock(client, "no-poll", ttl=60)
+    assert waiter.acquire(timeout=1.0) is False
+    calls = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    assert calls == 3
+    holder.release()
+
+
 def test_with_statement_times_out(client: redis.Redis) -> None:
     """``with lock:`` raises LockTimeoutError once ``blocking_timeout`` runs out."""
     holder = RedisLock(client, "with-timeout", ttl=30)
