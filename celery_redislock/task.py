@@ -78,6 +78,7 @@ REDIS_ERROR_MODES = ("fail", "run")
 DEFAULTS: dict[str, tuple[str, Any]] = {
     "lock_url": ("redislock_url", None),
     "lock_ttl": ("redislock_ttl", 60.0),
+    "lock_enqueue_ttl": ("redislock_enqueue_ttl", 3600.0),
     "lock_strategy": ("redislock_strategy", WHILE_EXECUTING),
     "on_conflict": ("redislock_on_conflict", "skip"),
     "lock_wait": ("redislock_wait", 30.0),
@@ -148,6 +149,7 @@ def _check_choice(name: str, value: object, choices: Iterable[str]) -> str:
 def _check_options(opts: Mapping[str, Any], source: Callable[[str], str]) -> None:
     """Validate resolved options; ``source(option)`` names where a value came from."""
     check_ttl(opts["lock_ttl"], source("lock_ttl"))
+    check_ttl(opts["lock_enqueue_ttl"], source("lock_enqueue_ttl"))
     check_ttl(opts["lock_wait"], source("lock_wait"))
     check_ttl(opts["lock_retry_delay"], source("lock_retry_delay"))
     _check_choice(source("lock_strategy"), opts["lock_strategy"], STRATEGIES)
@@ -224,6 +226,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     lock_url: ClassVar[str | None] = None
     #: Seconds a lock lives without renewal; renewed every ``lock_ttl / 3``.
     lock_ttl: ClassVar[float | None] = None
+    #: ``until_*`` strategies: seconds the lock taken at enqueue lives while the
+    #: message waits in the queue (plus any countdown); nothing renews it there.
+    lock_enqueue_ttl: ClassVar[float | None] = None
     #: ``"while_executing"``, ``"until_executed"`` or ``"until_executing"``.
     lock_strategy: ClassVar[str | None] = None
     #: What a duplicate does at execution: ``"skip"``, ``"raise"``, ``"retry"``, ``"wait"``.
@@ -342,7 +347,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         key = self.lock_name(args, kwargs)
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
         lock = self._new_lock(
-            key, f"{task_id}:queued", float(self.lock_ttl or 0) + delay, heartbeat=False
+            key, f"{task_id}:queued", float(self.lock_enqueue_ttl or 0) + delay, heartbeat=False
         )
         try:
             acquired = lock.acquire(blocking=False)

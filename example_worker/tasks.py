@@ -43,7 +43,7 @@ LOCK_WAIT_SECONDS = 120.0
 #: TTL of the event lock; the heartbeat renews it while a purchase runs.
 PURCHASE_LOCK_TTL = 10.0
 
-#: TTL of a click's lock, taken at enqueue time, so it must outlive the wait in
+#: How long a click's lock, taken at enqueue time, lives while the click waits in
 #: the queue (the heartbeat renews it once the order runs).
 ORDER_LOCK_TTL = 600.0
 
@@ -155,7 +155,7 @@ def purchase_unlocked(self: Any, event_id: str, user_id: str, think: float = THI
     lock_on=("event_id", "user_id"),
     lock_strategy="until_executed",
     on_conflict="skip",
-    lock_ttl=ORDER_LOCK_TTL,
+    lock_enqueue_ttl=ORDER_LOCK_TTL,
 )
 def place_order(self: Any, event_id: str, user_id: str, think: float = THINK_SECONDS) -> Any:
     """One click of ``user_id``; a second click while this one is pending is not sent."""

@@ -384,7 +384,7 @@ class TestEnqueueStrategies:
         name = unique("uec")
         first = tasks.until_executed.apply_async((name,), countdown=2)
         key = f"redislock:{{{tasks.until_executed.lock_name((name,), {})}}}"
-        assert locks.pttl(key) > 60_000
+        assert locks.pttl(key) > 3_600_000  # lock_enqueue_ttl (1 h) plus the countdown
         assert tasks.until_executed.apply_async((name,)).id == first.id
         gate(f"{name}:0").set()
         assert first.get(timeout=TIMEOUT) == 0
@@ -543,6 +543,7 @@ class TestOptions:
             ({"lock_strategy": "sometimes"}, "lock_strategy"),
             ({"lock_ttl": -1}, "lock_ttl"),
             ({"lock_ttl": "10"}, "lock_ttl"),
+            ({"lock_enqueue_ttl": 0}, "lock_enqueue_ttl"),
             ({"lock_wait": 0}, "lock_wait"),
             ({"lock_on_redis_error": "ignore"}, "lock_on_redis_error"),
             ({"lock_on": "event_id"}, "lock_on"),
