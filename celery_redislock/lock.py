@@ -358,6 +358,11 @@ class RedisLock:
             raise LockBackendError(f"could not read lock {self.name!r}: {exc}") from exc
         return _text(lease) or None
 
+    @property
+    def holding(self) -> bool:
+        """Whether this object counts a hold (its local view: no round trip)."""
+        return self._holds > 0
+
     def detach(self) -> None:
         """Stop renewing and forget the hold locally, leaving Redis untouched.
 

@@ -403,26 +403,31 @@ class SingletonTask(Task):  # type: ignore[misc]
         lock = self._new_lock(
             key, f"{task_id}:{secrets.token_hex(8)}", float(self.lock_ttl or 0), heartbeat=True
         )
-        try:
-            acquired = lock.acquire(blocking=False)
-        except LockBackendError:
-            if self.lock_on_redis_error != "run":
-                raise
-            logger.warning("lock store unreachable; running %s[%s] unlocked", self.name, task_id)
-            request.redislock = LockHandle(key, None)
-            return self.run(*args, **kwargs)
-        asked = time.monotonic()
-        if not acquired:
-            outcome = self._conflict(lock, key, request)
-            if outcome is not None:
-                return outcome
-        request.redislock = LockHandle(key, lock)
-        taken = time.monotonic()
-        signals.lock_acquired.send(
-            sender=self, task_id=task_id, key=key, token=lock.token, waited=taken - asked
-        )
+        asked = taken = time.monotonic()
         keep = retrying = False
+        # One try from the acquire on: an exception raised asynchronously (a soft
+        # time limit) just after the lock was taken must not leave it held, and
+        # renewed by this process's heartbeat, with nobody to release it.
         try:
+            try:
+                acquired = lock.acquire(blocking=False)
+            except LockBackendError:
+                if self.lock_on_redis_error != "run":
+                    raise
+                logger.warning(
+                    "lock store unreachable; running %s[%s] unlocked", self.name, task_id
+                )
+                request.redislock = LockHandle(key, None)
+                return self.run(*args, **kwargs)
+            if not acquired:
+                outcome = self._conflict(lock, key, request)
+                if outcome is not None:
+                    return outcome
+            request.redislock = LockHandle(key, lock)
+            taken = time.monotonic()
+            signals.lock_acquired.send(
+                sender=self, task_id=task_id, key=key, token=lock.token, waited=taken - asked
+            )
             return self.run(*args, **kwargs)
         except Retry:
             # The queued retry (same task id) may already have taken the lock over.
@@ -433,9 +438,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             keep = self.lock_strategy == UNTIL_EXECUTED and bool(exc.requeue)
             raise
         finally:
-            if keep:
+            if lock.holding and keep:
                 lock.detach()
-            else:
+            elif lock.holding:
                 self._release(lock, taken_over_ok=retrying)
                 signals.lock_released.send(
                     sender=self, task_id=task_id, key=key, held=time.monotonic() - taken

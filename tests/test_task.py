@@ -23,6 +23,7 @@ from celery_redislock import (
     TaskSkippedError,
     is_skipped,
 )
+from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.server import RedisServer, free_port
 from tests.support import close_app, gate, lock_keys, make_app, record, runs, wait_for
 
@@ -679,3 +680,27 @@ class TestEnqueueEdges:
             f"shop-locks:{{{job.lock_name((), {})}}}:fence",
         ]
         close_app(app)
+
+
+def test_interruption_right_after_acquire_releases(
+    redislock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception raised between taking the lock and running the body still frees it."""
+    app = make_app(redislock_server.url, "interrupted")
+
+    @app.task(base=SingletonTask, shared=False)
+    def job() -> str:
+        return "ran"
+
+    def interrupted(*_: object) -> None:
+        raise RuntimeError("interrupted just after the acquire")
+
+    monkeypatch.setattr("celery_redislock.task.LockHandle", interrupted)
+    result = job.apply()
+    assert isinstance(result.result, RuntimeError)
+    client = redislock_server.client()
+    assert not client.exists(f"redislock:{{{job.lock_name((), {})}}}")
+    assert all(
+        not lock.key.endswith(f"{{{job.lock_name((), {})}}}") for lock in get_heartbeat().held()
+    )
+    close_app(app)
