@@ -25,7 +25,16 @@ from celery_redislock import (
 )
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.server import RedisServer, free_port
-from tests.support import close_app, gate, lock_keys, make_app, record, runs, wait_for
+from tests.support import (
+    close_app,
+    gate,
+    lock_keys,
+    make_app,
+    quiet_sockets,
+    record,
+    runs,
+    wait_for,
+)
 
 TIMEOUT = 20
 
@@ -187,10 +196,12 @@ def tasks(app: Celery) -> SimpleNamespace:
 @pytest.fixture(scope="module")
 def worker(app: Celery) -> Iterator[Any]:
     """A real worker (threads pool, 6 slots) consuming in this process."""
-    with start_worker(
+    worker = start_worker(
         app, pool="threads", concurrency=6, perform_ping_check=False, shutdown_timeout=60
-    ) as w:
-        yield w
+    )
+    yield worker.__enter__()
+    with quiet_sockets():
+        worker.__exit__(None, None, None)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_redislock import RedisLock, SingletonTask
 from celery_redislock.server import RedisServer
-from tests.support import close_app, lock_keys, make_app, wait_for
+from tests.support import close_app, lock_keys, make_app, quiet_sockets, wait_for
 
 TIMEOUT = 20
 
@@ -50,8 +50,11 @@ def app(redislock_server: RedisServer) -> Iterator[Celery]:
     def patient(self: Any, name: str) -> str:
         return name
 
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=60):
-        yield app
+    worker = start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=60)
+    worker.__enter__()
+    yield app
+    with quiet_sockets():
+        worker.__exit__(None, None, None)
     close_app(app)
 
 
