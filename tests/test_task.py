@@ -401,6 +401,20 @@ class TestEnqueueStrategies:
         gate(f"{name}:0").set()
         assert first.get(timeout=TIMEOUT) == 0
 
+    def test_send_task_by_name_still_locks_at_execution(
+        self, app: Celery, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """until_executed sent by name (no enqueue lock) still locks when it runs."""
+        name = unique("byname")
+        first = app.send_task("t.until_executed", args=(name,))
+        wait_for(lambda: running("until_executed", name))
+        second = app.send_task("t.until_executed", args=(name,))
+        outcome = second.get(timeout=TIMEOUT)
+        gate(f"{name}:0").set()
+        assert first.get(timeout=TIMEOUT) == 0
+        assert is_skipped(outcome)
+        assert outcome["holder"] == first.id
+
     def test_until_executing_frees_at_start(
         self, tasks: SimpleNamespace, locks: redis.Redis
     ) -> None:
