@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kombu.utils import json as kombu_json
 
@@ -24,7 +24,11 @@ from celery_redislock import KeyDerivationError, SingletonTask
 from celery_redislock.keys import KeyBuilder, canonical, digest
 
 # No deadline: the suite shares two cores with Redis servers and workers.
-KEYS_SETTINGS = settings(deadline=None, max_examples=150)
+KEYS_SETTINGS = settings(
+    deadline=None,
+    max_examples=150,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 KEY_RE = re.compile(r"(?P<task>.+):(?P<digest>[0-9a-f]{32})")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
@@ -584,7 +584,7 @@ def test_lock_and_fence_keys_share_a_slot(name: str) -> None:
     assert key != fence
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.text(min_size=1), prefix=st.sampled_from(["redislock", "app", "a{b}", "x}"]))
 def test_keys_share_a_slot_for_any_name(name: str, prefix: str) -> None:
     """For any name and prefix, the lock key and fence key share a slot."""
@@ -592,7 +592,7 @@ def test_keys_share_a_slot_for_any_name(name: str, prefix: str) -> None:
     assert key_slot(key.encode()) == key_slot(fence.encode())
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(first=st.text(min_size=1), second=st.text(min_size=1))
 def test_distinct_names_get_distinct_keys(first: str, second: str) -> None:
     """Two different names never share a lock key, fence key or channel."""
