@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import redis
 
-from celery_redislock.lock import DEFAULT_PREFIX, lock_keys
+from celery_redislock.lock import DEFAULT_PREFIX, lock_keys, name_from_key
 
 
 @dataclass(frozen=True)
@@ -25,29 +25,27 @@ class LockInfo:
     ttl_ms: int
 
 
-def _name_of(key: str, prefix: str) -> str:
-    """Invert :func:`~celery_redislock.lock.lock_keys` for a lock key."""
-    name = key[len(prefix) + 2 : -1]
-    # lock_keys escapes names starting with "}" or "\\" with a leading "\\".
-    return name[1:] if name.startswith("\\") else name
-
-
 def list_locks(
     client: redis.Redis, pattern: str = "*", prefix: str = DEFAULT_PREFIX
 ) -> list[LockInfo]:
     """Every lock whose name matches the glob ``pattern``, sorted by name."""
     found: list[LockInfo] = []
-    for raw in client.scan_iter(f"{prefix}:{{{pattern}}}", count=1000):
-        key = raw.decode() if isinstance(raw, bytes) else str(raw)
-        pipe = client.pipeline(transaction=False)
+    keys = [
+        raw.decode() if isinstance(raw, bytes) else str(raw)
+        for raw in client.scan_iter(f"{prefix}:{{{pattern}}}", count=1000)
+    ]
+    # Two commands per lock, but one round trip for them all.
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
         pipe.hmget(key, "lease", "count", "fence")
         pipe.pttl(key)
-        (lease, count, fence), ttl = pipe.execute()
+    replies = pipe.execute()
+    for key, (lease, count, fence), ttl in zip(keys, replies[::2], replies[1::2], strict=True):
         if count is None:  # released between SCAN and HMGET
             continue
         found.append(
             LockInfo(
-                name=_name_of(key, prefix),
+                name=name_from_key(key, prefix),
                 holder=lease.decode() if lease else None,
                 count=int(count),
                 fence=int(fence or 0),

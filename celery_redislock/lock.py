@@ -160,6 +160,12 @@ def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> tuple[str, str, str]:
     return base, f"{base}:fence", f"{base}:released"
 
 
+def name_from_key(key: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """The lock name behind a lock key: the inverse of :func:`lock_keys`."""
+    name = key[len(prefix) + 2 : -1]
+    return name[1:] if name.startswith("\\") else name
+
+
 class RedisLock:
     """A distributed lock held by an owner token, not by a thread.
 

@@ -31,7 +31,7 @@ from celery_redislock import (
     RedisLock,
 )
 from celery_redislock.heartbeat import get_heartbeat
-from celery_redislock.lock import FENCE_TTL_MS, lock_keys, release_lease
+from celery_redislock.lock import FENCE_TTL_MS, lock_keys, name_from_key, release_lease
 from celery_redislock.server import RedisServer, available_server_binaries
 from tests.support import wait_until
 
@@ -809,3 +809,10 @@ def test_mutual_exclusion_history(redislock_url: str, client: redis.Redis) -> No
     assert all(worker.exitcode == 0 for worker in workers)
     assert wait_until(lambda: client.pubsub_channels() == [])
     assert not client.exists(lock_keys("contended")[0])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.text(min_size=1), prefix=st.sampled_from(["redislock", "app", "x}"]))
+def test_name_from_key_inverts_lock_keys(name: str, prefix: str) -> None:
+    """name_from_key gives back the name of any lock key, escaped names included."""
+    assert name_from_key(lock_keys(name, prefix)[0], prefix) == name
