@@ -58,17 +58,36 @@ DEFAULT_PREFIX = "redislock"
 DEFAULT_TTL = 60.0
 
 
+#: Longest TTL or duration accepted, in seconds (about 10 years). Redis keeps
+#: expiries in milliseconds on a 64-bit clock, but a lock that outlives its
+#: holder for longer than this is a lock that never frees: crash recovery rests on
+#: the TTL.
+MAX_SECONDS = 315_360_000.0
+
+#: Shortest TTL accepted, in seconds: Redis counts expiries in milliseconds.
+MIN_TTL = 0.001
+
+
 def check_ttl(value: object, argument: str = "ttl") -> float:
-    """Return ``value`` as a positive number of seconds, or raise naming ``argument``."""
+    """Return ``value`` as a number of seconds Redis can store, or raise naming ``argument``.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: not finite, below :data:`MIN_TTL`, or above :data:`MAX_SECONDS`.
+    """
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{argument} must be a number of seconds, not {type(value).__name__}")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{argument} must be a finite number of seconds > 0, got {value!r}")
+    if not MIN_TTL <= value <= MAX_SECONDS:
+        raise ValueError(
+            f"{argument} must be a finite number of seconds from {MIN_TTL} to "
+            f"{MAX_SECONDS:.0f} (about 10 years), got {value!r}; a lock that never "
+            "expires is never freed after a crash"
+        )
     return float(value)
 
 
 def check_timeout(value: object, argument: str = "timeout") -> float | None:
-    """Return ``value`` as a non-negative number of seconds or ``None``."""
+    """Return ``value`` as a non-negative number of seconds or ``None`` (no limit)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -77,7 +96,36 @@ def check_timeout(value: object, argument: str = "timeout") -> float | None:
         )
     if not value >= 0:
         raise ValueError(f"{argument} must be >= 0 seconds or None, got {value!r}")
+    if value == float("inf"):
+        return None
     return float(value)
+
+
+def check_name(value: object, argument: str = "name") -> str:
+    """Return ``value`` if it is a non-empty string Redis can store (UTF-8 encodable)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{argument} must be a str, not {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{argument} must be a non-empty string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{argument} {value!r} cannot be encoded as UTF-8 ({exc.reason} at "
+            f"position {exc.start}); lone surrogates cannot be sent to Redis"
+        ) from None
+    return value
+
+
+def check_prefix(value: object, argument: str = "prefix") -> str:
+    """Return ``value`` if it is a usable key prefix (non-empty, no empty ``{}`` tag)."""
+    prefix = check_name(value, argument)
+    if _empty_hash_tag(prefix):
+        raise ValueError(
+            f"{argument} {prefix!r} contains an empty {{hash tag}}; the lock's keys would "
+            "land on different cluster slots"
+        )
+    return prefix
 
 
 class _Script:
@@ -147,13 +195,8 @@ def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> tuple[str, str, str]:
     Raises:
         ValueError: ``prefix`` itself contains an empty hash tag (``{}``).
     """
-    if _empty_hash_tag(prefix):
-        raise ValueError(
-            f"prefix {prefix!r} contains an empty {{hash tag}}; the lock's keys would "
-            "land on different cluster slots"
-        )
-    if not name:
-        raise ValueError("name must be a non-empty string")
+    check_prefix(prefix)
+    check_name(name)
     if name.startswith(("}", "\\")):
         name = "\\" + name
     base = f"{prefix}:{{{name}}}"
@@ -206,10 +249,10 @@ class RedisLock:
         prefix: str = DEFAULT_PREFIX,
         _heartbeat: Heartbeat | None = None,
     ) -> None:
-        if not isinstance(name, str):
-            raise TypeError(f"name must be a str, not {type(name).__name__}")
-        if not name:
-            raise ValueError("name must be a non-empty string")
+        check_name(name)
+        check_prefix(prefix)
+        if on_lost is not None and not callable(on_lost):
+            raise TypeError(f"on_lost must be callable or None, not {type(on_lost).__name__}")
         self.ttl = check_ttl(ttl)
         if heartbeat_interval is None:
             self.heartbeat_interval = self.ttl / 3
@@ -220,10 +263,10 @@ class RedisLock:
                     f"heartbeat_interval ({heartbeat_interval}) must be shorter than ttl ({ttl}), "
                     "or the lock expires between renewals"
                 )
-        if owner is not None and (not isinstance(owner, str) or not owner):
-            raise ValueError("owner must be a non-empty string or None")
-        if lease is not None and not isinstance(lease, str):
-            raise TypeError(f"lease must be a str or None, not {type(lease).__name__}")
+        if owner is not None:
+            check_name(owner, "owner")
+        if lease is not None and lease != "":
+            check_name(lease, "lease")
         self.blocking_timeout = check_timeout(blocking_timeout, "blocking_timeout")
         self.client = as_client(client_or_url)
         self.name = name
