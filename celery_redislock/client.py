@@ -2,7 +2,9 @@
 
 Locks, the heartbeat and the Celery integration all ask for clients here so a
 process keeps one connection pool per server instead of one per lock or per
-task call. The cache is emptied in a forked child (Celery's prefork pool), so a
+task call. These clients time out their connects and reads after
+:data:`~celery_redislock.transport.DEFAULT_CALL_TIMEOUT`; the lock's own round
+trips are bounded tighter by their callers (see :mod:`celery_redislock.transport`). The cache is emptied in a forked child (Celery's prefork pool), so a
 child never talks over a socket it inherited from its parent.
 """
 
@@ -12,6 +14,8 @@ import os
 import threading
 
 import redis
+
+from celery_redislock.transport import DEFAULT_CALL_TIMEOUT
 
 _clients: dict[str, redis.Redis] = {}
 _guard = threading.Lock()
@@ -24,7 +28,12 @@ def get_client(url: str) -> redis.Redis:
         with _guard:
             client = _clients.get(url)
             if client is None:
-                client = redis.Redis.from_url(url, health_check_interval=30)
+                client = redis.Redis.from_url(
+                    url,
+                    health_check_interval=30,
+                    socket_timeout=DEFAULT_CALL_TIMEOUT,
+                    socket_connect_timeout=DEFAULT_CALL_TIMEOUT,
+                )
                 _clients[url] = client
     return client
 

@@ -1,14 +1,26 @@
-"""The heartbeat: one daemon thread per process that keeps held locks alive.
+"""The heartbeat: keeps held locks alive from the background.
 
-Every lock taken with ``heartbeat=True`` registers here. The thread sleeps until
-the earliest lock is due, then renews every lock that is due (or nearly due) in
-one pipelined round trip per Redis server, however many locks the process holds.
+Every lock taken with ``heartbeat=True`` registers here. The locks of each Redis
+server form a *lane* with a thread of its own, so a dead or stalled server
+delays the renewals of its own locks only. A lane sleeps until its earliest lock
+is due, then renews every lock that is due (or nearly due) in one pipelined
+round trip, however many locks the process holds on that server.
 
-A lock that cannot be renewed — the server says another owner holds it, or the
-server stayed unreachable until the lock's TTL ran out — is marked lost, taken
-off the list and reported through its ``on_lost`` callback; it is never renewed
-again. The thread survives errors (they are logged) and is rebuilt lazily in a
-child process after ``fork()``, which starts with no locks and no thread.
+Each round trip is bounded by the earliest local deadline in the batch (the
+send time of a lock's last confirmed renewal plus its TTL), so a black-holed
+connection cannot hold up the verdict. A lock is marked lost, taken off its lane
+and reported through its ``on_lost`` callback when the server says another owner
+holds it (or nobody does), or when its local deadline passes before a renewal
+is confirmed; it is never renewed again.
+
+The lanes hold their locks weakly: a held lock that nobody references any more
+(dropped without ``release()``) is not kept alive — it is logged and left to
+expire by its TTL. A lane also retries, for a bounded time, requests that must
+reach the server eventually, such as a release whose reply never came.
+
+Threads are rebuilt lazily in a child process after ``fork()``, which starts
+with no locks and no threads; a lane's thread ends when it has had nothing to do
+for a while.
 """
 
 from __future__ import annotations
@@ -18,26 +30,37 @@ import math
 import os
 import threading
 import time
-from collections import defaultdict
-from typing import TYPE_CHECKING, Protocol
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
-import redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import RedisError
 
-from celery_redislock.scripts import EXTEND
-
-if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+from celery_redislock.scripts import EXTEND_SCRIPT, Call, Released, run_calls
+from celery_redislock.transport import DEFAULT_CALL_TIMEOUT, Deadline, Transport, describe_error
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a lane's thread stays alive with nothing to renew or retry.
+IDLE_EXIT = 30.0
+
+#: Shortest deadline given to a renewal round trip, in seconds.
+MIN_ROUND_TRIP = 0.05
+
+#: Pause between retries of a failed renewal, at most (seconds).
+RENEW_RETRY = 0.5
 
 
 class Renewable(Protocol):
     """What the heartbeat needs from a lock."""
 
-    client: redis.Redis
+    name: str
     key: str
     owner: str
+
+    @property
+    def transport(self) -> Transport: ...
 
     @property
     def ttl_ms(self) -> int: ...
@@ -45,15 +68,257 @@ class Renewable(Protocol):
     @property
     def renew_interval(self) -> float: ...
 
-    def _renewed(self, now: float) -> None: ...
+    def _renewed(self, sent: float) -> None: ...
 
     def _mark_lost(self) -> None: ...
 
     def _expires_at(self) -> float: ...
 
 
+class _Entry:
+    """A registered lock: a weak reference and when it is next due."""
+
+    __slots__ = ("due", "name", "ref")
+
+    def __init__(self, ref: weakref.ref[Renewable], name: str, due: float) -> None:
+        self.ref = ref
+        self.name = name
+        self.due = due
+
+
+class _Pending:
+    """A request the lane keeps sending until it lands or ``until`` passes."""
+
+    __slots__ = ("call", "next_try", "pause", "until", "what")
+
+    def __init__(self, call: Call, until: float, what: str, now: float) -> None:
+        self.call = call
+        self.until = until
+        self.what = what
+        self.next_try = now
+        self.pause = 0.1
+
+
+class _Lane:
+    """The locks of one server and the thread that renews them."""
+
+    def __init__(self, heartbeat: Heartbeat, transport: Transport) -> None:
+        self.heartbeat = heartbeat
+        self.transport = transport
+        self.clock = heartbeat._clock
+        self.cond = threading.Condition()
+        self.entries: dict[int, _Entry] = {}
+        self.pending: list[_Pending] = []
+        self.thread: threading.Thread | None = None
+        # When the sleeping thread wakes by itself (-inf while it is awake).
+        self.wake_at = -math.inf
+        # Names of registered locks that were garbage-collected, to log.
+        self.collected: deque[tuple[int, str]] = deque()
+
+    # Called from any thread.
+    def register(self, lock: Renewable) -> None:
+        ident, name = id(lock), lock.name
+        ref = weakref.ref(lock, lambda _ref: self.collected.append((ident, name)))
+        with self.cond:
+            due = self.clock() + lock.renew_interval
+            self.entries[ident] = _Entry(ref, name, due)
+            self._wake(due)
+
+    def unregister(self, lock: Renewable) -> None:
+        with self.cond:
+            entry = self.entries.get(id(lock))
+            if entry is not None and entry.ref() is lock:
+                del self.entries[id(lock)]
+
+    def add_pending(self, call: Call, until: float, what: str) -> None:
+        with self.cond:
+            self.pending.append(_Pending(call, until, what, self.clock()))
+            self._wake(self.clock())
+
+    def locks(self) -> list[Renewable]:
+        with self.cond:
+            return [lock for e in self.entries.values() if (lock := e.ref()) is not None]
+
+    def stop(self) -> threading.Thread | None:
+        with self.cond:
+            self.cond.notify()
+            return self.thread
+
+    def _wake(self, at: float) -> None:
+        """With ``cond`` held: make sure a thread runs and wakes by ``at``."""
+        if self.thread is None:
+            self.thread = threading.Thread(
+                target=self._run, name="celery-redislock-heartbeat", daemon=True
+            )
+            self.thread.start()
+        elif at < self.wake_at:
+            # Only when earlier than planned: with one TTL for all locks that is
+            # never, and taking a lock costs no thread switch.
+            self.cond.notify()
+
+    # The lane's thread.
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                batch = self._next_batch()
+                if batch is None:
+                    return
+                locks, pending = batch
+            try:
+                if locks:
+                    self.renew(locks)
+                    self.heartbeat.rounds += 1
+                if pending:
+                    self._send_pending(pending)
+            except Exception:  # pragma: no cover - the thread must not die
+                logger.exception("celery_redislock heartbeat round failed")
+            # No strong reference may outlive the round: a lock dropped by its
+            # user must be collectable while the thread sleeps.
+            del batch, locks, pending
+
+    def _next_batch(self) -> tuple[list[Renewable], list[_Pending]] | None:
+        """With ``cond`` held: sleep until work is due; ``None`` when the thread should end."""
+        idle_since = self.clock()
+        while True:
+            self._drop_collected()
+            now = self.clock()
+            if self.heartbeat._stopping:
+                self.thread = None
+                return None
+            times = [e.due for e in self.entries.values()]
+            times += [p.next_try for p in self.pending]
+            if times:
+                idle_since = now
+                wait = min(times) - now
+                if wait <= 0:
+                    break
+            elif now - idle_since >= IDLE_EXIT:
+                self.thread = None
+                return None
+            else:
+                wait = IDLE_EXIT
+            self.wake_at = now + wait
+            self.cond.wait(wait)
+            self.wake_at = -math.inf
+        # Renew everything due within half an interval, so locks taken at
+        # nearly the same moment share one round trip.
+        locks = []
+        for entry in self.entries.values():
+            lock = entry.ref()
+            if lock is not None and entry.due - lock.renew_interval / 2 <= now:
+                locks.append(lock)
+        pending = [p for p in self.pending if p.next_try <= now]
+        return locks, pending
+
+    def _drop_collected(self) -> None:
+        while self.collected:
+            ident, name = self.collected.popleft()
+            entry = self.entries.get(ident)
+            if entry is not None and entry.ref() is None:
+                del self.entries[ident]
+                logger.warning(
+                    "celery_redislock: lock %s was dropped without release(); it is no "
+                    "longer renewed and expires by its TTL",
+                    name,
+                )
+
+    # Renewal.
+    def renew(self, locks: list[Renewable]) -> None:
+        """Renew ``locks`` (all on this lane's server) in one bounded round trip."""
+        now = self.clock()
+        live = []
+        for lock in locks:
+            if lock._expires_at() <= now:
+                # Its local deadline has passed: whatever the server says now,
+                # the holder could not be sure of the lock for a while.
+                self._lose(lock)
+            else:
+                live.append(lock)
+        if not live:
+            return
+        budget = min(lock._expires_at() for lock in live) - now
+        budget = min(max(budget, MIN_ROUND_TRIP), max(lock.renew_interval for lock in live))
+        calls = [Call(EXTEND_SCRIPT, [lock.key], [lock.owner, lock.ttl_ms]) for lock in live]
+        try:
+            results = run_calls(self.transport, calls, Deadline.after(budget))
+        except RedisError as exc:
+            logger.warning(
+                "celery_redislock: could not renew %d lock(s) on %s: %s",
+                len(live),
+                self.transport.describe(),
+                describe_error(exc),
+            )
+            results = [exc] * len(live)
+        after = self.clock()
+        for lock, result in zip(live, results, strict=True):
+            if result == 1:
+                lock._renewed(now)
+                self._reschedule(lock, now + lock.renew_interval)
+            elif isinstance(result, Exception):
+                if lock._expires_at() <= after:
+                    self._lose(lock)
+                else:
+                    self._reschedule(lock, after + min(RENEW_RETRY, lock.renew_interval / 4))
+            else:
+                self._lose(lock)
+
+    def _reschedule(self, lock: Renewable, due: float) -> None:
+        with self.cond:
+            entry = self.entries.get(id(lock))
+            if entry is not None and entry.ref() is lock:
+                entry.due = due
+
+    def _lose(self, lock: Renewable) -> None:
+        with self.cond:
+            entry = self.entries.get(id(lock))
+            registered = entry is not None and entry.ref() is lock
+            if registered:
+                del self.entries[id(lock)]
+        if registered:
+            try:
+                lock._mark_lost()
+            except Exception:
+                # A failing on_lost callback must not cut the round short for the
+                # other locks (or kill the thread).
+                logger.exception("celery_redislock: on_lost callback for %s failed", lock.name)
+
+    # Background requests.
+    def _send_pending(self, due: list[_Pending]) -> None:
+        now = self.clock()
+        budget = max(MIN_ROUND_TRIP, min(DEFAULT_CALL_TIMEOUT, *(p.until - now for p in due)))
+        try:
+            results = run_calls(self.transport, [p.call for p in due], Deadline.after(budget))
+        except RedisError as exc:
+            results = [exc] * len(due)
+        after = self.clock()
+        done = []
+        for item, result in zip(due, results, strict=True):
+            if not isinstance(result, Exception):
+                done.append(item)
+                if result == Released.NOT_OWNED:
+                    logger.warning(
+                        "celery_redislock: %s: the lock was no longer held (it had "
+                        "expired or been taken over)",
+                        item.what,
+                    )
+                else:
+                    logger.info("celery_redislock: %s: done", item.what)
+            elif after >= item.until:
+                done.append(item)
+                logger.warning(
+                    "celery_redislock: %s: gave up (%s); the lock expires by its TTL",
+                    item.what,
+                    describe_error(result),
+                )
+            else:
+                item.next_try = after + item.pause
+                item.pause = min(2.0, item.pause * 2)
+        with self.cond:
+            self.pending = [p for p in self.pending if p not in done]
+
+
 class Heartbeat:
-    """Renews registered locks from a single background thread.
+    """Renews registered locks from background threads, one per Redis server.
 
     Use :func:`get_heartbeat` for the process-wide instance; separate instances
     exist only for tests.
@@ -61,147 +326,63 @@ class Heartbeat:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._due: dict[Renewable, float] = {}
-        self._cond = threading.Condition()
+        self._lanes: dict[Transport, _Lane] = {}
+        self._guard = threading.Lock()
         self._stopping = False
-        self._thread: threading.Thread | None = None
-        # When the sleeping thread will wake by itself (-inf while it is awake).
-        self._wake_at = -math.inf
         #: Completed renewal rounds; each round is one round trip per server.
         self.rounds = 0
 
+    def _lane(self, transport: Transport) -> _Lane:
+        with self._guard:
+            lane = self._lanes.get(transport)
+            if lane is None:
+                lane = self._lanes[transport] = _Lane(self, transport)
+            return lane
+
     def register(self, lock: Renewable) -> None:
         """Start renewing ``lock`` every ``lock.renew_interval`` seconds."""
-        with self._cond:
-            due = self._clock() + lock.renew_interval
-            self._due[lock] = due
-            self._ensure_thread()
-            # Wake the thread only if this lock is due before it would wake anyway:
-            # with one TTL for all locks that is never, and a task pays no thread switch.
-            if due < self._wake_at:
-                self._cond.notify()
+        self._stopping = False
+        self._lane(lock.transport).register(lock)
 
     def unregister(self, lock: Renewable) -> None:
         """Stop renewing ``lock`` (no-op if it is not registered)."""
-        with self._cond:
-            self._due.pop(lock, None)
+        with self._guard:
+            lane = self._lanes.get(lock.transport)
+        if lane is not None:
+            lane.unregister(lock)
+
+    def retry_in_background(
+        self, transport: Transport, call: Call, until: float, what: str
+    ) -> None:
+        """Send ``call`` (a request safe to send twice) until it lands or the
+        heartbeat's clock reaches ``until``; ``what`` names it in the logs."""
+        self._stopping = False
+        self._lane(transport).add_pending(call, until, what)
 
     def held(self) -> list[Renewable]:
         """The locks being renewed right now."""
-        with self._cond:
-            return list(self._due)
-
-    def stop(self, timeout: float | None = 5.0) -> None:
-        """Stop the thread and wait for it; registered locks are no longer renewed."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-
-    def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._stopping = False
-            self._thread = threading.Thread(
-                target=self._run, name="celery-redislock-heartbeat", daemon=True
-            )
-            self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping:
-                    now = self._clock()
-                    if self._due:
-                        wait = min(self._due.values()) - now
-                        if wait <= 0:
-                            break
-                    else:
-                        wait = None
-                    self._wake_at = math.inf if wait is None else now + wait
-                    self._cond.wait(wait)
-                    self._wake_at = -math.inf
-                if self._stopping:
-                    return
-                now = self._clock()
-                # Renew everything due within half an interval, so locks taken at
-                # nearly the same moment share one round trip.
-                batch = [
-                    lock for lock, due in self._due.items() if due - lock.renew_interval / 2 <= now
-                ]
-            try:
-                self.renew(batch)
-            except Exception:  # pragma: no cover - the thread must not die
-                logger.exception("celery_redislock heartbeat round failed")
+        with self._guard:
+            lanes = list(self._lanes.values())
+        return [lock for lane in lanes for lock in lane.locks()]
 
     def renew(self, locks: Iterable[Renewable]) -> None:
-        """Renew ``locks`` now: one pipelined round trip per Redis client."""
-        by_client: dict[redis.Redis, list[Renewable]] = defaultdict(list)
+        """Renew ``locks`` now, from the calling thread: one round trip per server."""
+        by_transport: dict[Transport, list[Renewable]] = {}
         for lock in locks:
-            by_client[lock.client].append(lock)
-        for client, group in by_client.items():
-            self._renew_group(client, group)
+            by_transport.setdefault(lock.transport, []).append(lock)
+        for transport, group in by_transport.items():
+            self._lane(transport).renew(group)
         self.rounds += 1
 
-    def _renew_group(self, client: redis.Redis, group: list[Renewable]) -> None:
-        now = self._clock()
-        try:
-            results = _extend_many(client, group)
-        except redis.RedisError as exc:
-            logger.warning("celery_redislock: could not renew %d lock(s): %s", len(group), exc)
-            for lock in group:
-                if lock._expires_at() <= self._clock():
-                    self._lose(lock)
-                else:
-                    self._reschedule(lock, now + min(1.0, lock.renew_interval))
-            return
-        for lock, result in zip(group, results, strict=True):
-            if isinstance(result, Exception):
-                logger.warning("celery_redislock: renewing %s failed: %s", lock.key, result)
-                self._reschedule(lock, now + min(1.0, lock.renew_interval))
-            elif result == 1:
-                lock._renewed(now)
-                self._reschedule(lock, now + lock.renew_interval)
-            else:
-                self._lose(lock)
-
-    def _reschedule(self, lock: Renewable, due: float) -> None:
-        with self._cond:
-            if lock in self._due:
-                self._due[lock] = due
-
-    def _lose(self, lock: Renewable) -> None:
-        with self._cond:
-            registered = self._due.pop(lock, None) is not None
-        if registered:
-            try:
-                lock._mark_lost()
-            except Exception:
-                # A failing on_lost callback must not cut the round short for the
-                # other locks (or kill the thread).
-                logger.exception("celery_redislock: on_lost callback for %s failed", lock.key)
-
-
-_EXTEND_SHA: str | None = None
-
-
-def _extend_many(client: redis.Redis, locks: list[Renewable]) -> list[object]:
-    """Run the EXTEND script for every lock in one pipelined round trip."""
-    global _EXTEND_SHA
-    if _EXTEND_SHA is None:
-        import hashlib
-
-        _EXTEND_SHA = hashlib.sha1(EXTEND.encode()).hexdigest()
-    for _attempt in range(2):
-        pipe = client.pipeline(transaction=False)
-        for lock in locks:
-            pipe.evalsha(_EXTEND_SHA, 1, lock.key, lock.owner, lock.ttl_ms)
-        results: list[object] = pipe.execute(raise_on_error=False)
-        if not any(isinstance(r, NoScriptError) for r in results):
-            return results
-        client.script_load(EXTEND)
-    return results
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Stop every thread and wait for them; registered locks are no longer renewed."""
+        self._stopping = True
+        with self._guard:
+            lanes = list(self._lanes.values())
+        threads = [thread for lane in lanes if (thread := lane.stop()) is not None]
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
 
 
 _heartbeat: Heartbeat | None = None

@@ -10,33 +10,40 @@ Example::
 
 Keys, for a lock named ``N`` with the default prefix::
 
-    redislock:{N}          hash: owner, lease, count, fence   (lives as long as the lock)
-    redislock:{N}:fence    fencing counter                    (expires FENCE_TTL after use)
-    redislock:{N}:released pub/sub channel, never a key       (one message per release)
+    redislock:{N}          hash: owner, lease, count, fence, req  (lives as long as the lock)
+    redislock:{N}:fence    hash: last fencing token, last release (expires FENCE_TTL after use)
+    redislock:{N}:released pub/sub channel, never a key           (one message per release)
 
 (a name starting with ``}`` or ``\\`` is written ``\\N`` inside the braces, so the
 hash tag is never empty and all three share one cluster slot).
 
-Acquire, release and extend are each one round trip (an ``EVALSHA``). A waiter
-subscribes to the release channel, re-checks the lock, then waits for a message
-or for the holder's remaining TTL, whichever comes first — a lock that expires
-publishes nothing, so the TTL bounds every wait.
+Acquire, release and extend are each one round trip (an ``EVALSHA``), bounded by
+a deadline and retried on a broken connection; the scripts recognise a retried
+request, so a retry never acts twice (see :mod:`celery_redislock.scripts`). A
+waiter subscribes to the release channel, re-checks the lock, then waits for a
+message or for the holder's remaining TTL, whichever comes first — a lock that
+expires publishes nothing, so the TTL bounds every wait.
+
+The holder keeps a local deadline: the send time of the last confirmed acquire
+or renewal plus the TTL. The server cannot expire the lock before it, so until
+then the hold is certain; once it passes, :attr:`RedisLock.lost` is true whether
+or not the heartbeat has run since.
 """
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_redislock import scripts
 from celery_redislock.client import as_client
 from celery_redislock.errors import (
     LockBackendError,
@@ -45,10 +52,32 @@ from celery_redislock.errors import (
     LockTimeoutError,
 )
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
+from celery_redislock.scripts import (
+    ACQUIRE_SCRIPT,
+    EXTEND_SCRIPT,
+    RELEASE_LEASE_SCRIPT,
+    RELEASE_SCRIPT,
+    Acquired,
+    AcquireReply,
+    Call,
+    Released,
+    run_call,
+)
+from celery_redislock.subscriber import Subscription
+from celery_redislock.transport import (
+    DEFAULT_CALL_TIMEOUT,
+    TRANSIENT,
+    Deadline,
+    Transport,
+    backend_errors,
+    describe_error,
+    run,
+    transport_for,
+)
 
-#: How long a name's fencing counter outlives the last acquire, in ms. After it
-#: expires the next token is seeded from the server clock (microseconds), so
-#: tokens still increase.
+#: How long a name's fence hash outlives its last use, in ms. After it expires
+#: the next token is seeded from the server clock (microseconds), so tokens
+#: still increase.
 FENCE_TTL_MS = 3_600_000
 
 #: Default key prefix.
@@ -56,7 +85,6 @@ DEFAULT_PREFIX = "redislock"
 
 #: Default TTL of a lock, in seconds.
 DEFAULT_TTL = 60.0
-
 
 #: Longest TTL or duration accepted, in seconds (about 10 years). Redis keeps
 #: expiries in milliseconds on a 64-bit clock, but a lock that outlives its
@@ -66,6 +94,13 @@ MAX_SECONDS = 315_360_000.0
 
 #: Shortest TTL accepted, in seconds: Redis counts expiries in milliseconds.
 MIN_TTL = 0.001
+
+#: Shortest deadline of a round trip made for a caller whose own time is
+#: (nearly) up, in seconds: a last check still gets a fair chance to answer.
+MIN_CALL = 0.05
+
+#: Errors after which a request may have run on the server although no reply came.
+_AMBIGUOUS = (RedisConnectionError, RedisTimeoutError)
 
 
 def check_ttl(value: object, argument: str = "ttl") -> float:
@@ -128,55 +163,6 @@ def check_prefix(value: object, argument: str = "prefix") -> str:
     return prefix
 
 
-class _Script:
-    """One Lua script, run with ``EVALSHA`` and loaded on a server that lacks it."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.sha = hashlib.sha1(text.encode()).hexdigest()
-
-    def run(self, client: redis.Redis, keys: list[str], args: list[Any]) -> Any:
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            client.script_load(self.text)
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-
-
-_ACQUIRE = _Script(scripts.ACQUIRE)
-_RELEASE = _Script(scripts.RELEASE)
-_EXTEND = _Script(scripts.EXTEND)
-_RELEASE_LEASE = _Script(scripts.RELEASE_LEASE)
-
-
-class _Scripts:
-    """The engine's scripts bound to one client.
-
-    Cheap to build (the digests are computed once per process) and holds nothing
-    global, so a client is freed with the last lock that used it.
-    """
-
-    def __init__(self, client: redis.Redis) -> None:
-        self.client = client
-
-    def acquire(self, keys: list[str], args: list[Any]) -> Any:
-        return _ACQUIRE.run(self.client, keys, args)
-
-    def release(self, keys: list[str], args: list[Any]) -> Any:
-        return _RELEASE.run(self.client, keys, args)
-
-    def extend(self, keys: list[str], args: list[Any]) -> Any:
-        return _EXTEND.run(self.client, keys, args)
-
-    def release_lease(self, keys: list[str], args: list[Any]) -> Any:
-        return _RELEASE_LEASE.run(self.client, keys, args)
-
-
-def scripts_for(client: redis.Redis) -> _Scripts:
-    """Return the engine's scripts bound to ``client``."""
-    return _Scripts(client)
-
-
 def _empty_hash_tag(text: str) -> bool:
     """Whether the first ``{`` in ``text`` is directly followed by ``}`` (an empty tag,
     which Redis Cluster ignores, hashing the whole key instead)."""
@@ -214,7 +200,9 @@ class RedisLock:
 
     Arguments:
         client_or_url: a ``redis.Redis`` client or a ``redis://`` URL (clients for
-            a URL are shared per process).
+            a URL are shared per process). A client lends its connection settings
+            (host, database, credentials, TLS); the lock makes its own bounded
+            connections with them.
         name: the lock's name; every holder of the same name excludes the others.
         ttl: seconds the lock lives without renewal. Mandatory and > 0; a crashed
             holder's lock frees itself after at most this long.
@@ -228,7 +216,14 @@ class RedisLock:
         on_lost: called with the lock, from the heartbeat thread, if it is lost.
         blocking_timeout: how long ``with lock:`` waits before raising
             :class:`~celery_redislock.errors.LockTimeoutError`; ``None`` waits forever.
+        call_timeout: deadline, in seconds, of a round trip that has none of its
+            own (a non-blocking acquire, release, extend, reads); a blocking
+            acquire's timeout bounds its round trips instead when shorter.
         prefix: key prefix.
+
+    One object is one holder: threads sharing it share its holds (it is
+    re-entrant by owner, not by thread), so give each thread its own object for
+    exclusion between them.
 
     Raises:
         TypeError, ValueError: an argument is invalid; the message names it.
@@ -246,6 +241,7 @@ class RedisLock:
         heartbeat_interval: float | None = None,
         on_lost: Callable[[RedisLock], Any] | None = None,
         blocking_timeout: float | None = None,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
         prefix: str = DEFAULT_PREFIX,
         _heartbeat: Heartbeat | None = None,
     ) -> None:
@@ -268,6 +264,7 @@ class RedisLock:
         if lease is not None and lease != "":
             check_name(lease, "lease")
         self.blocking_timeout = check_timeout(blocking_timeout, "blocking_timeout")
+        self.call_timeout = check_ttl(call_timeout, "call_timeout")
         self.client = as_client(client_or_url)
         self.name = name
         self.prefix = prefix
@@ -279,21 +276,28 @@ class RedisLock:
         self.on_lost = on_lost
         #: The fencing token of the current hold; strictly increasing per name.
         self.token: int | None = None
-        #: True once a held lock could not be renewed or was found taken.
-        self.lost = False
         #: The lease (task id) that held the lock when an acquire last failed;
         #: ``None`` if it had none. Saves a round trip to ask who is in the way.
         self.blocked_by: str | None = None
+        self._lost = False
         self._holds = 0
         self._expiry = 0.0
+        self._pttl = 0
+        # Send time of a try of the current acquire whose reply never came.
+        self._unconfirmed: float | None = None
         self._state = threading.Lock()
         self._heartbeat = _heartbeat
-        self._scripts = scripts_for(self.client)
+        self._transport = transport_for(self.client)
 
     def __repr__(self) -> str:
         return f"<RedisLock {self.name!r} owner={self.owner[:8]}… token={self.token}>"
 
     # The heartbeat's view of the lock.
+    @property
+    def transport(self) -> Transport:
+        """The connections this lock's requests travel on."""
+        return self._transport
+
     @property
     def ttl_ms(self) -> int:
         """The TTL in whole milliseconds (at least 1)."""
@@ -304,62 +308,109 @@ class RedisLock:
         """Seconds between heartbeat renewals."""
         return self.heartbeat_interval
 
-    def _renewed(self, now: float) -> None:
-        self._expiry = now + self.ttl
+    def _renewed(self, sent: float) -> None:
+        with self._state:
+            if not self._lost:
+                self._expiry = max(self._expiry, sent + self.ttl)
 
     def _expires_at(self) -> float:
         return self._expiry
 
     def _mark_lost(self) -> None:
         with self._state:
-            if self.lost or self._holds == 0:
+            if self._lost or self._holds == 0:
                 return
-            self.lost = True
+            self._lost = True
         if self.on_lost is not None:
             self.on_lost(self)
 
     # Public API.
+    @property
+    def lost(self) -> bool:
+        """Whether a hold of this object can no longer be trusted.
+
+        True once the heartbeat found the lock taken over or expired, and as soon
+        as the local deadline (the send time of the last confirmed acquire or
+        renewal, plus the TTL) has passed — whether or not the heartbeat has run
+        since, so a process resumed after a long pause sees it before its next write.
+        """
+        if self._lost:
+            return True
+        return self._holds > 0 and time.monotonic() >= self._expiry
+
+    def check(self) -> None:
+        """Raise unless this object holds the lock and its hold is still certain.
+
+        Raises:
+            LockLostError: the lock was held but is lost (see :attr:`lost`).
+            LockNotOwnedError: this object does not hold the lock.
+        """
+        if self.lost:
+            raise LockLostError(self.name)
+        if self._holds == 0:
+            raise LockNotOwnedError(self.name)
+
     def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
         """Take the lock; return whether it was taken.
 
         Arguments:
             blocking: wait for the lock if another owner holds it.
             timeout: with ``blocking``, give up after this many seconds
-                (``None``: wait as long as it takes).
+                (``None``: wait as long as it takes). It also bounds the round
+                trips, so a stalled server costs at most this long (at least
+                :data:`MIN_CALL`).
 
         Raises:
-            LockBackendError: Redis could not be reached.
+            LockBackendError: Redis could not be reached (after retries within the
+                deadline) or answered with an error.
         """
         timeout = check_timeout(timeout)
         started = time.monotonic()
-        reply = self._try_acquire()
-        if reply[0]:
-            return True
-        if not blocking or timeout == 0:
-            return False
-        deadline = None if timeout is None else started + timeout
-        return self._wait(deadline)
+        ends = None if timeout is None or not blocking else started + timeout
+        # Every try of this call sends the same request id: a try that landed
+        # although its reply was lost is recognised by the next one.
+        request = secrets.token_hex(8)
+        self._unconfirmed = None
+        acquired = False
+        try:
+            acquired = self._try_acquire(self._call_deadline(ends), request)
+            if not acquired and blocking and timeout != 0:
+                acquired = self._wait(ends, request)
+            return acquired
+        finally:
+            if not acquired and self._unconfirmed is not None:
+                self._undo(request, self._unconfirmed)
 
     def release(self) -> None:
         """Drop one hold; the last hold frees the lock and wakes a waiter.
 
+        If Redis cannot be reached, the hold is dropped locally all the same: the
+        lock is no longer renewed, the release is retried in the background until
+        the lock's TTL would have run out, and this call raises.
+
         Raises:
             LockNotOwnedError: this owner does not hold the lock (nothing deleted).
             LockLostError: this object held it, but it expired or was taken over.
+            LockBackendError: Redis could not be reached; see above.
         """
+        call = Call(
+            RELEASE_SCRIPT,
+            [self.key, self.fence_key],
+            [self.owner, self.channel, secrets.token_hex(8), FENCE_TTL_MS, ""],
+        )
         try:
-            result = self._scripts.release(keys=[self.key], args=[self.owner, self.channel])
-        except redis.RedisError as exc:
-            raise LockBackendError(f"could not release lock {self.name!r}: {exc}") from exc
-        if result == 0:
+            result = Released(run_call(self._transport, call, self._call_deadline(None)))
+        except RedisError as exc:
+            self._release_failed(call, exc)
+        if result is Released.NOT_OWNED:
             was_held = self._forget()
             if was_held:
-                self.lost = True
+                self._lost = True
                 raise LockLostError(self.name)
             raise LockNotOwnedError(self.name)
         with self._state:
             self._holds = max(0, self._holds - 1)
-            done = result == 1 or self._holds == 0
+            done = result is Released.FREED or self._holds == 0
         if done:
             self._forget()
 
@@ -369,43 +420,32 @@ class RedisLock:
         Raises:
             LockNotOwnedError: this owner does not hold the lock.
             LockLostError: this object held it, but it expired or was taken over.
+            LockBackendError: Redis could not be reached.
         """
         new_ttl = self.ttl if ttl is None else check_ttl(ttl)
-        try:
-            result = self._scripts.extend(
-                keys=[self.key], args=[self.owner, max(1, int(new_ttl * 1000))]
-            )
-        except redis.RedisError as exc:
-            raise LockBackendError(f"could not extend lock {self.name!r}: {exc}") from exc
+        sent = time.monotonic()
+        call = Call(EXTEND_SCRIPT, [self.key], [self.owner, max(1, int(new_ttl * 1000))])
+        with backend_errors(f"extend lock {self.name!r}"):
+            result = run_call(self._transport, call, self._call_deadline(None))
         if result != 1:
             if self._forget():
-                self.lost = True
+                self._lost = True
                 raise LockLostError(self.name)
             raise LockNotOwnedError(self.name)
-        self._expiry = time.monotonic() + new_ttl
+        with self._state:
+            self._expiry = sent + new_ttl
 
     def locked(self) -> bool:
         """Whether any owner holds the lock now."""
-        try:
-            return bool(self.client.exists(self.key))
-        except redis.RedisError as exc:
-            raise LockBackendError(f"could not read lock {self.name!r}: {exc}") from exc
+        return bool(self._read(("EXISTS", self.key)))
 
     def owned(self) -> bool:
         """Whether this owner holds the lock now (asks Redis)."""
-        try:
-            owner = self.client.hget(self.key, "owner")
-        except redis.RedisError as exc:
-            raise LockBackendError(f"could not read lock {self.name!r}: {exc}") from exc
-        return _text(owner) == self.owner
+        return _text(self._read(("HGET", self.key, "owner"))) == self.owner
 
     def holder_lease(self) -> str | None:
         """The lease (task id) of whoever holds the lock now, if any."""
-        try:
-            lease = self.client.hget(self.key, "lease")
-        except redis.RedisError as exc:
-            raise LockBackendError(f"could not read lock {self.name!r}: {exc}") from exc
-        return _text(lease) or None
+        return _text(self._read(("HGET", self.key, "lease"))) or None
 
     @property
     def holding(self) -> bool:
@@ -435,53 +475,148 @@ class RedisLock:
         self.release()
 
     # Internal steps.
-    def _try_acquire(self) -> list[Any]:
-        try:
-            reply: list[Any] = self._scripts.acquire(
-                keys=[self.key, self.fence_key],
-                args=[self.owner, self.ttl_ms, self.lease, FENCE_TTL_MS],
-            )
-        except redis.RedisError as exc:
-            raise LockBackendError(f"could not acquire lock {self.name!r}: {exc}") from exc
-        if reply[0]:
-            now = time.monotonic()
-            with self._state:
-                first = self._holds == 0
-                self._holds = 1 if reply[0] == 1 else self._holds + 1
-                self.token = int(reply[1])
-                self.lost = False
-                self._expiry = now + self.ttl
-            # A new hold (reply 1) is registered even if this object still counted
-            # holds from a lock it lost: losing it took it off the heartbeat.
-            if self.heartbeat and (first or reply[0] == 1):
-                self._beat().register(self)
-        else:
-            self.blocked_by = _text(reply[2]) or None
-        return reply
+    def _call_deadline(self, ends: float | None) -> Deadline:
+        """The deadline of one round trip for a caller whose own time ends at ``ends``."""
+        now = time.monotonic()
+        at = now + self.call_timeout
+        if ends is not None:
+            at = min(at, max(ends, now + MIN_CALL))
+        return Deadline(at)
 
-    def _wait(self, deadline: float | None) -> bool:
-        pubsub = self.client.pubsub()  # type: ignore[no-untyped-call]
+    def _read(self, command: tuple[Any, ...]) -> Any:
+        with backend_errors(f"read lock {self.name!r}"):
+            reply = run(self._transport, [command], self._call_deadline(None))[0]
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
+
+    def _try_acquire(self, deadline: Deadline, request: str) -> bool:
+        """One acquire round trip; record the hold, or who holds the lock instead."""
+        call = Call(
+            ACQUIRE_SCRIPT,
+            [self.key, self.fence_key],
+            [self.owner, self.ttl_ms, self.lease, FENCE_TTL_MS, request],
+        )
+        sent = time.monotonic()
         try:
-            pubsub.subscribe(self.channel)
-            # The re-check below must run after the subscription is in place, or a
-            # release in between would go unheard until the holder's TTL ran out.
-            _wait_for_subscription(pubsub, deadline)
+            reply = AcquireReply.parse(run_call(self._transport, call, deadline))
+        except RedisError as exc:
+            if isinstance(exc, _AMBIGUOUS) and self._unconfirmed is None:
+                self._unconfirmed = sent
+            raise LockBackendError(
+                f"could not acquire lock {self.name!r}: {describe_error(exc)}"
+            ) from exc
+        # Any reply settles an earlier try of the same request: it either
+        # shows the hold it made or proves it made none.
+        self._unconfirmed = None
+        if reply.outcome is Acquired.HELD:
+            self.blocked_by = reply.holder
+            self._pttl = reply.pttl
+            return False
+        with self._state:
+            first = self._holds == 0
+            self._holds = 1 if reply.outcome is Acquired.TAKEN else self._holds + 1
+            self.token = reply.fence
+            self._lost = False
+            self._expiry = sent + self.ttl
+        # A new hold (TAKEN) is registered even if this object still counted
+        # holds from a lock it lost: losing it took it off the heartbeat.
+        if self.heartbeat and (first or reply.outcome is Acquired.TAKEN):
+            self._beat().register(self)
+        return True
+
+    def _undo(self, request: str, sent: float) -> None:
+        """Release, in the background, the hold an unconfirmed acquire may have made.
+
+        It acts only if that acquire landed and is still the last change to the
+        lock, rather than leave the lock held for a whole TTL by an owner that
+        does not know it holds it.
+        """
+        self._unconfirmed = None
+        self._beat().retry_in_background(
+            self._transport,
+            Call(
+                RELEASE_SCRIPT,
+                [self.key, self.fence_key],
+                [self.owner, self.channel, secrets.token_hex(8), FENCE_TTL_MS, request],
+            ),
+            sent + self.ttl,
+            f"undoing the unconfirmed acquire of lock {self.name!r}",
+        )
+
+    def _wait(self, ends: float | None, request: str) -> bool:
+        """Wait for a release message (or the holder's TTL) and try again, until ``ends``.
+
+        A broken subscription or a failed try is retried with a short pause; a
+        waiter that has failed to reach Redis for ``call_timeout`` seconds in a
+        row (or whose time ran out after a failure) raises.
+        """
+        subscription = Subscription(self._transport, self.channel)
+        failing_since: float | None = None
+        pause = 0.01
+        try:
             while True:
-                reply = self._try_acquire()
-                if reply[0]:
-                    return True
-                pttl = int(reply[1])
-                wait = pttl / 1000 if pttl > 0 else 0.001
-                if deadline is not None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return False
-                    wait = min(wait, remaining)
-                _wait_for_message(pubsub, wait)
-        except redis.RedisError as exc:
-            raise LockBackendError(f"could not wait for lock {self.name!r}: {exc}") from exc
+                now = time.monotonic()
+                try:
+                    if not subscription.active:
+                        # Subscribe before re-checking, or a release in between
+                        # would go unheard until the holder's TTL ran out.
+                        subscription.open(self._call_deadline(ends))
+                    if self._try_acquire(self._call_deadline(ends), request):
+                        return True
+                    failing_since, pause = None, 0.01
+                    wait = self._pttl / 1000 if self._pttl > 0 else 0.001
+                    if ends is not None:
+                        remaining = ends - time.monotonic()
+                        if remaining <= 0:
+                            return False
+                        wait = min(wait, remaining)
+                    subscription.wait(wait)
+                except (RedisError, LockBackendError) as exc:
+                    subscription.close()
+                    cause = exc.__cause__ if isinstance(exc, LockBackendError) else exc
+                    if not isinstance(cause, TRANSIENT):
+                        if isinstance(exc, LockBackendError):
+                            raise
+                        raise LockBackendError(
+                            f"could not wait for lock {self.name!r}: {describe_error(exc)}"
+                        ) from exc
+                    failing_since = now if failing_since is None else failing_since
+                    out_of_time = ends is not None and time.monotonic() + pause >= ends
+                    if out_of_time or time.monotonic() - failing_since >= self.call_timeout:
+                        if isinstance(exc, LockBackendError):
+                            raise
+                        raise LockBackendError(
+                            f"could not wait for lock {self.name!r}: {describe_error(exc)}"
+                        ) from exc
+                    time.sleep(pause)
+                    pause = min(0.5, pause * 2)
         finally:
-            pubsub.close()
+            subscription.close()
+
+    def _release_failed(self, call: Call, exc: RedisError) -> NoReturn:
+        """A release got no answer: stop renewing, retry it in the background, raise."""
+        with self._state:
+            self._holds = max(0, self._holds - 1)
+            last = self._holds == 0
+            until = self._expiry
+        if last:
+            self._forget()
+        else:
+            # An inner hold: the outer one stays renewed, so keep trying a while.
+            until = time.monotonic() + self.ttl
+        self._beat().retry_in_background(
+            self._transport, call, until, f"releasing lock {self.name!r}"
+        )
+        raise LockBackendError(
+            f"could not release lock {self.name!r}: {describe_error(exc)}; "
+            + (
+                "it is no longer renewed and expires by its TTL; the release is "
+                "retried in the background until then"
+                if last
+                else "the release is retried in the background"
+            )
+        ) from exc
 
     def _beat(self) -> Heartbeat:
         return self._heartbeat or get_heartbeat()
@@ -501,40 +636,28 @@ def _text(value: bytes | str | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _wait_for_subscription(pubsub: redis.client.PubSub, deadline: float | None) -> None:
-    """Block until the server confirms the subscription (or ``deadline`` passes)."""
-    while True:
-        remaining = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-        message = pubsub.get_message(timeout=max(0.0, remaining))
-        if message is not None and message.get("type") == "subscribe":
-            return
-        if deadline is not None and time.monotonic() >= deadline:
-            return
-
-
-def _wait_for_message(pubsub: redis.client.PubSub, seconds: float) -> None:
-    """Block until a published message arrives or ``seconds`` pass."""
-    deadline = time.monotonic() + seconds
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return
-        message = pubsub.get_message(timeout=remaining)
-        if message is not None and message.get("type") == "message":
-            return
-
-
 def release_lease(
-    client_or_url: redis.Redis | str, name: str, lease: str, prefix: str = DEFAULT_PREFIX
+    client_or_url: redis.Redis | str,
+    name: str,
+    lease: str,
+    prefix: str = DEFAULT_PREFIX,
+    timeout: float = DEFAULT_CALL_TIMEOUT,
 ) -> bool:
     """Free lock ``name`` if the given lease (task id) holds it, whatever its hold count.
 
     For paths where the holder's process cannot release it itself: a task
-    revoked while queued, or terminated while running. Returns whether it was freed.
+    revoked while queued, or terminated while running. Returns whether it was
+    freed. Retried safely on a broken connection within ``timeout`` seconds.
+
+    Raises:
+        LockBackendError: Redis could not be reached.
     """
     client = as_client(client_or_url)
-    key, _fence, channel = lock_keys(name, prefix)
-    try:
-        return bool(scripts_for(client).release_lease(keys=[key], args=[lease, channel]))
-    except redis.RedisError as exc:
-        raise LockBackendError(f"could not release lock {name!r}: {exc}") from exc
+    key, fence, channel = lock_keys(name, prefix)
+    call = Call(
+        RELEASE_LEASE_SCRIPT,
+        [key, fence],
+        [lease, channel, secrets.token_hex(8), FENCE_TTL_MS],
+    )
+    with backend_errors(f"release lock {name!r}"):
+        return bool(run_call(transport_for(client), call, Deadline.after(timeout)))

@@ -126,12 +126,15 @@ def test_acquire_sets_ttl_atomically(client: redis.Redis) -> None:
     assert lock.acquire(blocking=False)
     pttl = client.pttl(lock.key)
     assert 0 < pttl <= 30_000
-    assert client.hgetall(lock.key) == {
+    fields = client.hgetall(lock.key)
+    request = fields.pop(b"req")
+    assert fields == {
         b"owner": lock.owner.encode(),
         b"lease": b"",
         b"count": b"1",
         b"fence": str(lock.token).encode(),
     }
+    assert len(request) == 16  # the id of the request that took it
     lock.release()
 
 

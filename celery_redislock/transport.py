@@ -1,0 +1,311 @@
+"""Bounded, retried round trips to one Redis server.
+
+Every command the lock engine and the heartbeat send goes through a
+:class:`Transport`: it keeps connections of its own, built from the settings of
+the client it was made from (so a client handed in by a user lends its host,
+credentials, TLS and database, but not its timeouts or retry policy), and runs
+each round trip against a :class:`Deadline` chosen by the caller:
+
+* connecting, the handshake, writing and every reply read are all bounded by the
+  deadline, so a stalled or black-holed server costs the caller at most its own
+  timeout, never a client library's default;
+* a connection error or timeout closes that connection (its state is unknown);
+* :func:`run` retries transient errors a bounded number of times within the
+  deadline. It is meant for requests the server recognises when they arrive a
+  second time (the engine's scripts carry a request id for that), so a retried
+  request whose first attempt did land never acts twice.
+
+Redis errors leave this module as :class:`~celery_redislock.errors.LockBackendError`
+through :func:`backend_errors`, the one place where they are translated.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+)
+from redis.exceptions import (
+    NoPermissionError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
+from redis.exceptions import (
+    TimeoutError as RedisTimeoutError,
+)
+from redis.retry import Retry
+
+from celery_redislock.errors import LockBackendError
+
+#: Deadline, in seconds, of a round trip whose caller set none of its own
+#: (a non-blocking acquire, a release, an extend, a read).
+DEFAULT_CALL_TIMEOUT = 5.0
+
+#: How many times one request is sent at most (first try included).
+ATTEMPTS = 3
+
+#: Pause before the second and third try, in seconds (cut short by the deadline).
+BACKOFF = (0.0, 0.02, 0.1)
+
+#: Errors after which the request may be sent again: the connection broke, the
+#: reply did not come in time, the server is still loading its data, or it was
+#: demoted to a replica by a failover (a fresh connection finds the new primary).
+TRANSIENT: tuple[type[RedisError], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ReadOnlyError,
+)
+
+#: Idle connections a transport keeps for reuse; more are opened when needed.
+MAX_IDLE = 8
+
+
+class Deadline:
+    """A point in time (on the monotonic clock) by which a call must be over."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        """The deadline ``seconds`` from now."""
+        return cls(time.monotonic() + seconds)
+
+    def remaining(self) -> float:
+        """Seconds left (negative once passed)."""
+        return self.at - time.monotonic()
+
+    def expired(self) -> bool:
+        """Whether the deadline has passed."""
+        return time.monotonic() >= self.at
+
+    def __repr__(self) -> str:
+        return f"<Deadline in {self.remaining():.3f} s>"
+
+
+#: Connection settings a transport always sets itself: its own timeouts per
+#: call, no retries inside redis-py (they would resend requests behind our
+#: back), RESP2 replies as bytes.
+_OVERRIDES: dict[str, Any] = {
+    "retry_on_timeout": False,
+    "retry_on_error": [],
+    "health_check_interval": 0,
+    "decode_responses": False,
+    "protocol": 2,
+    "socket_keepalive": True,
+}
+
+
+class Transport:
+    """Connections of the lock engine's own to one Redis server.
+
+    Arguments:
+        client: the client whose connection settings (host, port, database,
+            credentials, TLS) the transport copies.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        pool = client.connection_pool
+        self.connection_class: type[Any] = pool.connection_class
+        # Server push notifications (RESP3 only) are the client's business.
+        kwargs = {k: v for k, v in pool.connection_kwargs.items() if "maint_notifications" not in k}
+        kwargs.update(_OVERRIDES, retry=Retry(NoBackoff(), 0))
+        self._kwargs = kwargs
+        self._idle: list[Any] = []
+        self._guard = threading.Lock()
+        self._pid = os.getpid()
+        #: Requests written to the server (round trips started), for tests and benchmarks.
+        self.sends = 0
+
+    def describe(self) -> str:
+        """``host:port`` (or the socket path) of the server, for messages."""
+        if "path" in self._kwargs:
+            return str(self._kwargs["path"])
+        return f"{self._kwargs.get('host', 'localhost')}:{self._kwargs.get('port', 6379)}"
+
+    def execute(self, commands: Sequence[Sequence[Any]], deadline: Deadline) -> list[Any]:
+        """Send ``commands`` in one write and read every reply: one round trip.
+
+        A reply that is an error comes back as the ``ResponseError`` instance; a
+        connection error or timeout raises, after closing the connection.
+
+        Raises:
+            redis.ConnectionError, redis.TimeoutError: the round trip did not complete.
+        """
+        conn = self._checkout(deadline)
+        healthy = False
+        try:
+            self._bound(conn, deadline)
+            conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            self.sends += 1
+            replies: list[Any] = []
+            for _command in commands:
+                self._bound(conn, deadline)
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+            healthy = True
+            return replies
+        finally:
+            self._checkin(conn, healthy)
+
+    def reset(self) -> None:
+        """Close every idle connection (after a failover, the next call reconnects)."""
+        with self._guard:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.disconnect()
+
+    def connection(self, deadline: Deadline) -> Any:
+        """A connected connection of this transport's own, for a subscriber.
+
+        The caller owns it and must ``disconnect()`` it; reads and writes on it
+        are bounded with :meth:`bound`.
+        """
+        conn = self.connection_class(**self._kwargs)
+        self._connect(conn, deadline)
+        return conn
+
+    @staticmethod
+    def bound(conn: Any, seconds: float) -> None:
+        """Let the next socket operation on ``conn`` block at most ``seconds``."""
+        sock = getattr(conn, "_sock", None)
+        if sock is None:
+            raise RedisConnectionError("connection closed")
+        sock.settimeout(max(0.001, seconds))
+
+    def _bound(self, conn: Any, deadline: Deadline) -> None:
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            conn.disconnect()
+            raise RedisTimeoutError(f"no reply from {self.describe()} within the deadline")
+        self.bound(conn, remaining)
+
+    def _connect(self, conn: Any, deadline: Deadline) -> None:
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            raise RedisTimeoutError(f"no time left to connect to {self.describe()}")
+        # Both bound the TCP connect and the handshake (HELLO/AUTH/SELECT) reads.
+        conn.socket_connect_timeout = remaining
+        conn.socket_timeout = remaining
+        conn.connect()
+
+    def _checkout(self, deadline: Deadline) -> Any:
+        with self._guard:
+            if self._pid != os.getpid():
+                # A forked child never talks over its parent's sockets.
+                self._idle, self._pid = [], os.getpid()
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = self.connection_class(**self._kwargs)
+            try:
+                self._connect(conn, deadline)
+            except BaseException:
+                conn.disconnect()
+                raise
+        return conn
+
+    def _checkin(self, conn: Any, healthy: bool) -> None:
+        if not healthy:
+            conn.disconnect()
+            return
+        with self._guard:
+            if self._pid == os.getpid() and len(self._idle) < MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.disconnect()
+
+
+_transports: weakref.WeakKeyDictionary[redis.Redis, Transport] = weakref.WeakKeyDictionary()
+_transports_guard = threading.Lock()
+
+
+def transport_for(client: redis.Redis) -> Transport:
+    """The transport of ``client`` (one per client object and process)."""
+    transport = _transports.get(client)
+    if transport is None:
+        with _transports_guard:
+            transport = _transports.get(client)
+            if transport is None:
+                transport = _transports[client] = Transport(client)
+    return transport
+
+
+def run(
+    transport: Transport,
+    commands: Sequence[Sequence[Any]],
+    deadline: Deadline,
+    attempts: int = ATTEMPTS,
+) -> list[Any]:
+    """:meth:`Transport.execute`, retried on transient errors within ``deadline``.
+
+    Only for requests that are safe to send twice.
+
+    Raises:
+        redis.RedisError: the last error, once the attempts or the time ran out.
+    """
+    for attempt in range(attempts):
+        try:
+            replies = transport.execute(commands, deadline)
+        except TRANSIENT as exc:
+            error: RedisError = exc
+        else:
+            readonly = next((r for r in replies if isinstance(r, ReadOnlyError)), None)
+            if readonly is None:
+                return replies
+            error = readonly
+            transport.reset()
+        pause = BACKOFF[min(attempt + 1, len(BACKOFF) - 1)]
+        if attempt + 1 == attempts or deadline.remaining() <= pause:
+            raise error
+        if pause:
+            time.sleep(pause)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def describe_error(exc: BaseException) -> str:
+    """A one-line account of a Redis error that says what to do about it."""
+    if isinstance(exc, NoPermissionError):
+        return (
+            f"{exc} (the Redis user lacks a permission the locks need: see the "
+            "README's ACL section)"
+        )
+    if isinstance(exc, RedisTimeoutError):
+        return f"timed out ({exc})"
+    if isinstance(exc, RedisConnectionError):
+        return f"unreachable ({exc})"
+    return str(exc)
+
+
+@contextmanager
+def backend_errors(action: str) -> Iterator[None]:
+    """Turn a Redis error inside the block into :class:`LockBackendError`.
+
+    ``action`` says what was being done, e.g. ``"acquire lock 'x'"``.
+    """
+    try:
+        yield
+    except RedisError as exc:
+        raise LockBackendError(f"could not {action}: {describe_error(exc)}") from exc
+
+
+def _forget_after_fork() -> None:
+    global _transports_guard
+    _transports.clear()
+    _transports_guard = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
