@@ -1,0 +1,380 @@
+"""The engine under real faults: stalled and restarted servers, reset connections, lost
+replies, black holes, dropped lock objects (see the README's fault model)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+from celery_redislock import LockBackendError, LockLostError, RedisLock
+from celery_redislock.heartbeat import get_heartbeat
+from celery_redislock.lock import FENCE_TTL_MS, lock_keys, release_lease
+from celery_redislock.scripts import ACQUIRE, EXTEND, RELEASE
+from celery_redislock.server import RedisServer
+from celery_redislock.transport import transport_for
+from tests.proxy import FaultProxy
+from tests.support import wait_for, wait_until
+
+
+@pytest.fixture
+def server(redislock_server_factory: Callable[..., RedisServer]) -> RedisServer:
+    """A server of this test's own (tests here pause, restart and stop it)."""
+    return redislock_server_factory()
+
+
+@pytest.fixture
+def direct(server: RedisServer) -> Iterator[redis.Redis]:
+    """A client straight to the server, for checking and for a second holder."""
+    client = server.client(socket_timeout=5, socket_connect_timeout=5)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def proxy(server: RedisServer) -> Iterator[FaultProxy]:
+    """A fault proxy in front of the server."""
+    with FaultProxy(server.host, server.port) as fault_proxy:
+        yield fault_proxy
+
+
+@pytest.fixture
+def via_proxy(proxy: FaultProxy) -> Iterator[redis.Redis]:
+    """A client built as users build them (redis-py defaults: its own retries, no
+    timeouts), connected through the proxy."""
+    client = redis.Redis.from_url(proxy.url)
+    yield client
+    client.close()
+
+
+def hold_count(client: redis.Redis, lock: RedisLock) -> int:
+    """The hold count stored in Redis (0 when the lock is free)."""
+    return int(client.hget(lock.key, "count") or 0)
+
+
+# Every call is bounded.
+
+
+def test_acquire_on_stalled_server_is_bounded_by_its_timeout(server: RedisServer) -> None:
+    """acquire(timeout=1) against a SIGSTOPped server raises LockBackendError after about
+    1 s, even on a client with no socket timeouts, whose connection is fresh or pooled."""
+    lock = RedisLock(redis.Redis(host=server.host, port=server.port), "stalled", ttl=10)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    other = RedisLock(redis.Redis(host=server.host, port=server.port), "stalled-2", ttl=10)
+    with server.paused():
+        for candidate in (lock, other):  # a pooled connection, then a fresh one
+            started = time.monotonic()
+            with pytest.raises(LockBackendError) as excinfo:
+                candidate.acquire(timeout=1)
+            elapsed = time.monotonic() - started
+            assert "timed out" in str(excinfo.value)
+            assert elapsed < 4.0, elapsed
+
+
+def test_release_on_stalled_server_stops_renewal_and_lands_later(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """A release that cannot reach Redis raises after call_timeout, takes the lock off the
+    heartbeat at once, and is retried in the background until it lands."""
+    lock = RedisLock(server.url, "release-stalled", ttl=30, call_timeout=0.5)
+    assert lock.acquire()
+    with server.paused():
+        with pytest.raises(LockBackendError) as excinfo:
+            lock.release()
+        assert lock not in get_heartbeat().held()
+        assert not lock.holding
+    assert "retried in the background" in str(excinfo.value)
+    wait_for(lambda: not direct.exists(lock.key), what="the background release")
+
+
+def test_release_that_never_lands_leaves_the_lock_to_its_ttl(
+    proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """With Redis out of reach for good, a failed release still stops renewal: the lock
+    expires by its TTL, as the error says."""
+    lock = RedisLock(proxy.url, "release-blackholed", ttl=1, call_timeout=0.3)
+    assert lock.acquire()
+    proxy.blackhole()
+    proxy.refuse()
+    with pytest.raises(LockBackendError) as excinfo:
+        lock.release()
+    assert "expires by its TTL" in str(excinfo.value)
+    assert lock not in get_heartbeat().held()
+    wait_for(lambda: not direct.exists(lock.key), timeout=5, what="expiry by TTL")
+
+
+# Transient errors are retried, and a retry never acts twice.
+
+
+def test_reset_connections_are_retried(proxy: FaultProxy, via_proxy: redis.Redis) -> None:
+    """After every connection was reset, the next acquire and release reconnect and succeed."""
+    lock = RedisLock(via_proxy, "reset", ttl=10)
+    assert lock.acquire(blocking=False)
+    proxy.reset_all()
+    lock.release()
+    proxy.reset_all()
+    assert lock.acquire(blocking=False)
+    proxy.reset_all()
+    lock.release()
+    assert not lock.locked()
+
+
+def test_retried_acquire_counts_one_hold(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """An acquire whose reply is lost after the server ran it is retried and counts once:
+    one release frees the lock."""
+    lock = RedisLock(via_proxy, "acquire-dropped", ttl=10)
+    proxy.drop_replies(1)
+    assert lock.acquire(blocking=False)
+    assert hold_count(direct, lock) == 1
+    lock.release()
+    assert not direct.exists(lock.key)
+
+
+def test_retried_reentrant_acquire_counts_one_hold(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """A re-entrant acquire whose reply is lost counts one more hold, not two."""
+    lock = RedisLock(via_proxy, "reenter-dropped", ttl=10)
+    assert lock.acquire()
+    proxy.drop_replies(1)
+    assert lock.acquire(blocking=False)
+    assert hold_count(direct, lock) == 2
+    lock.release()
+    lock.release()
+    assert not direct.exists(lock.key)
+
+
+def test_retried_inner_release_drops_one_hold(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis, server: RedisServer
+) -> None:
+    """An inner release whose reply is lost drops one hold, not both: nobody else can take
+    the lock while its holder is still inside the outer hold."""
+    lock = RedisLock(via_proxy, "inner-dropped", ttl=10)
+    assert lock.acquire()
+    assert lock.acquire()
+    proxy.drop_replies(1)
+    lock.release()
+    assert hold_count(direct, lock) == 1
+    rival = RedisLock(server.url, "inner-dropped", ttl=10)
+    assert not rival.acquire(blocking=False)
+    lock.release()
+    assert rival.acquire(blocking=False)
+    rival.release()
+
+
+def test_retried_final_release_reports_success(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """A release that freed the lock but lost its reply is retried and reports success,
+    not LockLostError."""
+    lock = RedisLock(via_proxy, "final-dropped", ttl=10)
+    assert lock.acquire()
+    proxy.drop_replies(1)
+    lock.release()
+    assert not direct.exists(lock.key)
+    assert not lock.holding
+
+
+def test_retried_release_lease_reports_freed(proxy: FaultProxy, via_proxy: redis.Redis) -> None:
+    """release_lease whose reply is lost after it freed the lock still answers True."""
+    lock = RedisLock(via_proxy, "lease-dropped", ttl=10, lease="task-1", heartbeat=False)
+    assert lock.acquire()
+    proxy.drop_replies(1)
+    assert release_lease(via_proxy, "lease-dropped", "task-1")
+    assert not lock.locked()
+
+
+def test_unconfirmed_acquire_is_undone(
+    server: RedisServer, proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """An acquire whose every reply was lost raises, and the hold it made is undone in
+    the background instead of blocking the name for a whole TTL."""
+    client = redis.Redis.from_url(proxy.url)
+    lock = RedisLock(client, "undo", ttl=60, call_timeout=1)
+    assert lock.acquire()  # the server now knows the scripts by digest
+    lock.release()
+    proxy.drop_replies()
+    with pytest.raises(LockBackendError):
+        lock.acquire(blocking=False)
+    assert direct.exists(lock.key)  # it did land
+    proxy.heal()
+    wait_for(lambda: not direct.exists(lock.key), what="the undo of the unconfirmed acquire")
+    client.close()
+
+
+# One sick server never harms locks on a healthy one.
+
+
+def test_stalled_server_does_not_delay_renewals_on_a_healthy_one(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """While one server is stalled for several TTLs, locks on another server keep being
+    renewed; only the stalled server's locks are lost."""
+    healthy, sick = redislock_server_factory(), redislock_server_factory()
+    good = [RedisLock(healthy.url, f"good-{i}", ttl=1.0) for i in range(5)]
+    bad = [RedisLock(sick.url, f"bad-{i}", ttl=1.0) for i in range(5)]
+    for lock in good + bad:
+        assert lock.acquire(blocking=False)
+    checker = healthy.client()
+    with sick.paused():
+        wait_for(lambda: all(lock.lost for lock in bad), what="the sick server's locks lost")
+        time.sleep(2.0)  # the fault: two more TTLs with the sick server stalled
+        assert not any(lock.lost for lock in good)
+        assert all(checker.exists(lock.key) for lock in good)
+    for lock in good:
+        lock.release()
+    checker.close()
+
+
+# A lock nobody references is not kept alive.
+
+
+def test_dropped_lock_is_no_longer_renewed(
+    direct: redis.Redis, server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A held lock dropped without release() leaves the heartbeat, is logged, and expires
+    by its TTL instead of being renewed for the life of the process."""
+    lock = RedisLock(server.url, "dropped", ttl=1.0)
+    assert lock.acquire()
+    key = lock.key
+    del lock
+    gc.collect()
+    with caplog.at_level(logging.WARNING, logger="celery_redislock"):
+        wait_for(lambda: not direct.exists(key), timeout=5, what="expiry of the dropped lock")
+        wait_for(lambda: "dropped without release()" in caplog.text, what="the log of the drop")
+    assert all(held.key != key for held in get_heartbeat().held())  # type: ignore[attr-defined]
+
+
+# Lost means lost, on time.
+
+
+def test_cut_off_holder_knows_before_anyone_else_can_take_it(
+    proxy: FaultProxy, server: RedisServer
+) -> None:
+    """A holder whose connection is black-holed reports lost (lost, check(), on_lost) no
+    later than the moment another client can take the lock."""
+    lost_at: list[float] = []
+    holder = RedisLock(
+        redis.Redis.from_url(proxy.url),
+        "cut-off",
+        ttl=1.5,
+        on_lost=lambda _lock: lost_at.append(time.monotonic()),
+    )
+    assert holder.acquire()
+    proxy.blackhole()
+    rival = RedisLock(server.url, "cut-off", ttl=10)
+    assert rival.acquire(timeout=15)
+    taken_at = time.monotonic()
+    assert holder.lost
+    with pytest.raises(LockLostError):
+        holder.check()
+    assert wait_until(lambda: bool(lost_at), timeout=2)
+    assert lost_at[0] <= taken_at + 0.5
+    rival.release()
+
+
+def test_local_deadline_is_seen_without_the_heartbeat(server: RedisServer) -> None:
+    """With no heartbeat at all, lost turns true once the TTL has run out since the acquire
+    was sent; a fresh acquire makes it false again."""
+    lock = RedisLock(server.url, "deadline", ttl=0.3, heartbeat=False)
+    assert lock.acquire()
+    lock.check()
+    wait_for(lambda: lock.lost, timeout=3, what="the local deadline")
+    with pytest.raises(LockLostError):
+        lock.check()
+    assert lock.acquire(timeout=3)
+    assert not lock.lost
+    lock.release()
+
+
+# No lost wake-ups.
+
+
+def test_waiter_whose_subscription_is_reset_still_wakes_on_release(
+    proxy: FaultProxy, server: RedisServer, direct: redis.Redis
+) -> None:
+    """A waiter whose pub/sub connection is reset re-subscribes, and the holder's release
+    still wakes it long before the holder's TTL would have."""
+    holder = RedisLock(server.url, "wake", ttl=60)
+    assert holder.acquire()
+    waiter = RedisLock(redis.Redis.from_url(proxy.url), "wake", ttl=10)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
+    thread.start()
+    channel = holder.channel
+    wait_for(lambda: direct.pubsub_numsub(channel)[0][1] == 1, what="the waiter's subscription")
+    proxy.reset_all()
+    wait_for(lambda: direct.pubsub_numsub(channel)[0][1] == 1, what="the re-subscription")
+    holder.release()
+    thread.join(15)
+    assert got == [True]
+    waiter.release()
+
+
+def test_restart_while_held_and_waited_for(server: RedisServer, direct: redis.Redis) -> None:
+    """A server restart (all data lost) while a lock is held and waited for: the holder
+    finds its lock lost, the waiter gets it with a larger fencing token."""
+    holder = RedisLock(server.url, "restart", ttl=1.5)
+    assert holder.acquire()
+    waiter = RedisLock(server.url, "restart", ttl=10)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
+    thread.start()
+    wait_for(lambda: direct.pubsub_numsub(holder.channel)[0][1] == 1, what="the waiter")
+    server.restart()
+    thread.join(20)
+    assert got == [True]
+    wait_for(lambda: holder.lost, what="the holder's loss")
+    assert waiter.token is not None and holder.token is not None
+    assert waiter.token > holder.token
+    with pytest.raises(LockLostError):
+        holder.release()
+    waiter.release()
+
+
+# TTLs are range-checked inside the scripts too.
+
+
+@pytest.mark.parametrize("bad_ttl", ["100000000000000000", "0", "-5", "1.5", "abc"])
+def test_scripts_refuse_bad_ttls_before_writing(direct: redis.Redis, bad_ttl: str) -> None:
+    """Each script refuses a TTL Redis cannot store before its first write: no key is left
+    without an expiry, and a held lock is left as it was."""
+    key, fence, channel = lock_keys("guarded")
+    with pytest.raises(redis.ResponseError) as excinfo:
+        direct.eval(ACQUIRE, 2, key, fence, "me", bad_ttl, "", FENCE_TTL_MS, "r1")
+    assert "TTL out of range" in str(excinfo.value)
+    with pytest.raises(redis.ResponseError):
+        direct.eval(ACQUIRE, 2, key, fence, "me", 10_000, "", bad_ttl, "r1")
+    assert direct.dbsize() == 0
+
+    direct.eval(ACQUIRE, 2, key, fence, "me", 10_000, "", FENCE_TTL_MS, "r2")
+    before = direct.hgetall(key)
+    with pytest.raises(redis.ResponseError):
+        direct.eval(EXTEND, 1, key, "me", bad_ttl)
+    with pytest.raises(redis.ResponseError):
+        direct.eval(RELEASE, 2, key, fence, "me", channel, "r3", bad_ttl, "")
+    assert direct.hgetall(key) == before
+    assert 0 < direct.pttl(key) <= 10_000
+    assert direct.pttl(fence) > 0
+
+
+def test_fault_handling_adds_no_round_trips(server: RedisServer) -> None:
+    """An uncontended acquire + release is still two round trips."""
+    client = server.client()
+    lock = RedisLock(client, "trips", ttl=10)
+    lock.acquire()
+    lock.release()  # the scripts are now cached on the server
+    transport = transport_for(client)
+    before = transport.sends
+    for _ in range(10):
+        assert lock.acquire(blocking=False)
+        lock.release()
+    assert transport.sends - before == 20
