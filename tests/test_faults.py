@@ -250,7 +250,7 @@ def test_dropped_lock_is_no_longer_renewed(
     with caplog.at_level(logging.WARNING, logger="celery_redislock"):
         wait_for(lambda: not direct.exists(key), timeout=5, what="expiry of the dropped lock")
         wait_for(lambda: "dropped without release()" in caplog.text, what="the log of the drop")
-    assert all(held.key != key for held in get_heartbeat().held())  # type: ignore[attr-defined]
+    assert all(held.key != key for held in get_heartbeat().held())
 
 
 # Lost means lost, on time.
@@ -333,7 +333,8 @@ def test_restart_while_held_and_waited_for(server: RedisServer, direct: redis.Re
     thread.join(20)
     assert got == [True]
     wait_for(lambda: holder.lost, what="the holder's loss")
-    assert waiter.token is not None and holder.token is not None
+    assert waiter.token is not None
+    assert holder.token is not None
     assert waiter.token > holder.token
     with pytest.raises(LockLostError):
         holder.release()
