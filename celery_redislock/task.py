@@ -15,9 +15,14 @@ Example::
     def purchase(self, event_id, user_id):
         stock.write(event_id, ..., fence=self.lock.token)
 
-Every option is a task attribute (settable in ``@app.task(...)``) whose default
-comes from ``app.conf.redislock_<option>``; values are checked when the task is
-bound to its app, and a bad one raises ``ValueError``/``TypeError`` naming it.
+Every option is a task attribute (settable in ``@app.task(...)`` or in the body
+of a task class) whose default comes from ``app.conf.redislock_<option>``. When
+a task is bound to its app the options are resolved and checked once, into the
+task's own :class:`LockOptions` (``task.lock_options``); a bad value raises
+``ValueError``/``TypeError`` naming the option or the setting. Nothing resolved
+is ever written back onto a class, so a base class (``SingletonTask`` itself,
+or an abstract one of yours) keeps only what was set on it, and a task defined
+later still takes the ``app.conf`` values of its own app.
 
 How each way a task can end is handled (``while_executing``; the other
 strategies keep the lock where noted):
@@ -43,9 +48,10 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, NamedTuple, cast, get_args
 
 import redis
 from celery import Task
@@ -63,35 +69,102 @@ from celery_redislock.errors import (
     TaskSkippedError,
 )
 from celery_redislock.keys import KeyBuilder, KeySource
-from celery_redislock.lock import DEFAULT_PREFIX, RedisLock, check_ttl, release_lease
+from celery_redislock.lock import (
+    DEFAULT_PREFIX,
+    DEFAULT_TTL,
+    RedisLock,
+    check_prefix,
+    check_ttl,
+    release_lease,
+)
 
 logger = logging.getLogger(__name__)
 
-WHILE_EXECUTING = "while_executing"
-UNTIL_EXECUTED = "until_executed"
-UNTIL_EXECUTING = "until_executing"
-STRATEGIES = (WHILE_EXECUTING, UNTIL_EXECUTED, UNTIL_EXECUTING)
-CONFLICT_MODES = ("skip", "raise", "retry", "wait")
-REDIS_ERROR_MODES = ("fail", "run")
+#: When the lock is taken and released.
+Strategy = Literal["while_executing", "until_executed", "until_executing"]
+#: What a duplicate does at execution.
+ConflictMode = Literal["skip", "raise", "retry", "wait"]
+#: What a task does when the lock store cannot be reached.
+RedisErrorMode = Literal["fail", "run"]
 
-#: ``option name -> (app.conf setting, default)``.
-DEFAULTS: dict[str, tuple[str, Any]] = {
-    "lock_url": ("redislock_url", None),
-    "lock_ttl": ("redislock_ttl", 60.0),
-    "lock_enqueue_ttl": ("redislock_enqueue_ttl", 3600.0),
-    "lock_strategy": ("redislock_strategy", WHILE_EXECUTING),
-    "on_conflict": ("redislock_on_conflict", "skip"),
-    "lock_wait": ("redislock_wait", 30.0),
-    "lock_retry_delay": ("redislock_retry_delay", 1.0),
-    "lock_on_redis_error": ("redislock_on_redis_error", "fail"),
-    "lock_prefix": ("redislock_prefix", DEFAULT_PREFIX),
-}
+WHILE_EXECUTING: Strategy = "while_executing"
+UNTIL_EXECUTED: Strategy = "until_executed"
+UNTIL_EXECUTING: Strategy = "until_executing"
+STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
+CONFLICT_MODES: tuple[ConflictMode, ...] = get_args(ConflictMode)
+REDIS_ERROR_MODES: tuple[RedisErrorMode, ...] = get_args(RedisErrorMode)
+
+#: How a lock store URL may start (the schemes redis-py connects with). The one
+#: list every URL check uses.
+REDIS_URL_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://")
 
 #: Highest countdown, in seconds, of an ``on_conflict="retry"`` re-queue.
 MAX_RETRY_DELAY = 300.0
 
 #: ``apply_async`` option that re-queues without taking the enqueue-time lock.
 _NO_ENQUEUE_LOCK = "redislock_no_enqueue_lock"
+
+
+def queued_owner(task_id: str) -> str:
+    """The owner token of the lock ``apply_async`` takes for a message it sends.
+
+    Only that message's own execution (same task id, same lease) replaces it, with
+    an owner of its own; so a lock still owned by this token belongs to a message
+    nobody has started yet.
+    """
+    return f"{task_id}:queued"
+
+
+@dataclass(frozen=True)
+class LockOptions:
+    """The lock options of one task, resolved and checked when it is bound to its app.
+
+    Built from the task's attributes (``lock_ttl=...`` in ``@app.task(...)``),
+    falling back to ``app.conf.redislock_*`` and then to the built-in defaults.
+    Read it as ``task.lock_options``.
+    """
+
+    #: Seconds a lock lives without renewal (``lock_ttl``).
+    ttl: float
+    #: Seconds the enqueue-time lock of the ``until_*`` strategies lives (``lock_enqueue_ttl``).
+    enqueue_ttl: float
+    #: When the lock is taken and released (``lock_strategy``).
+    strategy: Strategy
+    #: What a duplicate does at execution (``on_conflict``).
+    on_conflict: ConflictMode
+    #: Seconds ``on_conflict="wait"`` waits (``lock_wait``).
+    wait: float
+    #: Base countdown of ``on_conflict="retry"`` (``lock_retry_delay``).
+    retry_delay: float
+    #: What happens when the lock store is away (``lock_on_redis_error``).
+    on_redis_error: RedisErrorMode
+    #: Prefix of the lock keys (``lock_prefix``).
+    prefix: str
+    #: The task's own lock store (``lock_url``); ``None``: the app's, read from
+    #: ``app.conf`` at each use so that configuring the app late works.
+    url: str | None
+
+
+class _Option(NamedTuple):
+    """One option: task attribute, :class:`LockOptions` field, ``app.conf`` setting, default."""
+
+    attribute: str
+    field: str
+    setting: str
+    default: object
+
+
+#: The options that fall back to an ``app.conf`` setting, in ``LockOptions`` order.
+OPTIONS: tuple[_Option, ...] = (
+    _Option("lock_ttl", "ttl", "redislock_ttl", DEFAULT_TTL),
+    _Option("lock_enqueue_ttl", "enqueue_ttl", "redislock_enqueue_ttl", 3600.0),
+    _Option("lock_strategy", "strategy", "redislock_strategy", WHILE_EXECUTING),
+    _Option("on_conflict", "on_conflict", "redislock_on_conflict", "skip"),
+    _Option("lock_wait", "wait", "redislock_wait", 30.0),
+    _Option("lock_retry_delay", "retry_delay", "redislock_retry_delay", 1.0),
+    _Option("lock_on_redis_error", "on_redis_error", "redislock_on_redis_error", "fail"),
+    _Option("lock_prefix", "prefix", "redislock_prefix", DEFAULT_PREFIX),
+)
 
 
 def skipped_result(key: str, holder: str | None) -> dict[str, Any]:
@@ -139,46 +212,109 @@ class LockHandle:
             raise LockLostError(self.key)
 
 
-def _check_choice(name: str, value: object, choices: Iterable[str]) -> str:
-    choices = tuple(choices)
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of ``choices``, or raise naming ``name``."""
+    listed = ", ".join(map(repr, choices))
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {listed}, not a {type(value).__name__}")
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-    return str(value)
+        raise ValueError(f"{name} must be one of {listed}, got {value!r}")
+    return value
 
 
-def _check_options(opts: Mapping[str, Any], source: Callable[[str], str]) -> None:
-    """Validate resolved options; ``source(option)`` names where a value came from."""
-    check_ttl(opts["lock_ttl"], source("lock_ttl"))
-    check_ttl(opts["lock_enqueue_ttl"], source("lock_enqueue_ttl"))
-    check_ttl(opts["lock_wait"], source("lock_wait"))
-    check_ttl(opts["lock_retry_delay"], source("lock_retry_delay"))
-    _check_choice(source("lock_strategy"), opts["lock_strategy"], STRATEGIES)
-    _check_choice(source("on_conflict"), opts["on_conflict"], CONFLICT_MODES)
-    _check_choice(source("lock_on_redis_error"), opts["lock_on_redis_error"], REDIS_ERROR_MODES)
-    url = opts["lock_url"]
-    if url is not None and not isinstance(url, str):
-        raise TypeError(f"{source('lock_url')} must be a redis:// URL string")
-    prefix = opts["lock_prefix"]
-    if not isinstance(prefix, str) or not prefix:
-        raise ValueError(f"{source('lock_prefix')} must be a non-empty string")
+def _url_shown(url: str) -> str:
+    """A URL as an error message may show it: its scheme only (the rest may hold a password)."""
+    scheme, sep, _rest = url.partition("://")
+    return f"{scheme}://…" if sep else f"{url[:12]!r} (no scheme)"
+
+
+def check_redis_url(value: object, argument: str) -> str:
+    """Return ``value`` if it is a URL of a Redis server, or raise naming ``argument``.
+
+    Raises:
+        TypeError: not a string.
+        ValueError: its scheme is not one of :data:`REDIS_URL_SCHEMES`.
+    """
+    schemes = ", ".join(REDIS_URL_SCHEMES)
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{argument} must be a Redis URL string ({schemes}), not {type(value).__name__}"
+        )
+    if not value.lower().startswith(REDIS_URL_SCHEMES):
+        raise ValueError(f"{argument} must be a Redis URL ({schemes}), got {_url_shown(value)}")
+    return value
+
+
+def _check_option(option: _Option, value: object, source: str) -> object:
+    """Check one resolved option value; ``source`` names where it came from."""
+    if option.field == "strategy":
+        return _check_choice(source, value, STRATEGIES)
+    if option.field == "on_conflict":
+        return _check_choice(source, value, CONFLICT_MODES)
+    if option.field == "on_redis_error":
+        return _check_choice(source, value, REDIS_ERROR_MODES)
+    if option.field == "prefix":
+        return check_prefix(value, source)
+    return check_ttl(value, source)
+
+
+def resolve_options(task_class: type[SingletonTask], app: Any) -> LockOptions:
+    """The options of ``task_class`` on ``app``: its own attributes, else ``app.conf``.
+
+    An attribute counts as set when it is not ``None`` on ``task_class`` (set
+    there, on a parent class of yours, or by ``task_annotations``).
+
+    Raises:
+        TypeError, ValueError: a value is invalid; the message names the option
+            (``lock_ttl``) or the setting (``app.conf.redislock_ttl``) it came from.
+    """
+    values: dict[str, object] = {}
+    for option in OPTIONS:
+        value, source = getattr(task_class, option.attribute), option.attribute
+        if value is None:
+            value = app.conf.get(option.setting)
+            if value is None:
+                value = option.default
+            else:
+                source = f"app.conf.{option.setting}"
+        values[option.field] = _check_option(option, value, source)
+    url = task_class.lock_url
+    if url is not None:
+        check_redis_url(url, "lock_url")
+    elif app.conf.get("redislock_url"):
+        check_redis_url(app.conf.get("redislock_url"), "app.conf.redislock_url")
+    return LockOptions(
+        ttl=cast(float, values["ttl"]),
+        enqueue_ttl=cast(float, values["enqueue_ttl"]),
+        strategy=cast(Strategy, values["strategy"]),
+        on_conflict=cast(ConflictMode, values["on_conflict"]),
+        wait=cast(float, values["wait"]),
+        retry_delay=cast(float, values["retry_delay"]),
+        on_redis_error=cast(RedisErrorMode, values["on_redis_error"]),
+        prefix=cast(str, values["prefix"]),
+        url=url,
+    )
 
 
 def lock_store_url(app: Any) -> str:
     """The lock store of ``app``: ``redislock_url``, else the broker URL if it is Redis.
 
+    Read at each use, so that configuring the app after defining its tasks works.
+
     Raises:
-        ValueError: neither is a Redis URL; the message says what to set.
+        ValueError, TypeError: ``redislock_url`` is not a Redis URL, or it is unset
+            and the broker URL is not one either; the message says what to set.
     """
     url = app.conf.get("redislock_url")
     if url:
-        return str(url)
+        return check_redis_url(url, "app.conf.redislock_url")
     broker = app.conf.broker_url or ""
-    if not broker.startswith(("redis://", "rediss://", "unix://")):
+    if not isinstance(broker, str) or not broker.lower().startswith(REDIS_URL_SCHEMES):
         raise ValueError(
             "no Redis URL for the locks: set app.conf.redislock_url (or the task's "
             f"lock_url); the broker URL {broker!r} is not a Redis URL"
         )
-    return str(broker)
+    return broker
 
 
 def _body_signature(cls: type[Task]) -> Any:
@@ -207,13 +343,44 @@ def _seconds_until(when: object) -> float:
     return 0.0
 
 
+class _ResolvedOption:
+    """A task attribute for an option: as set on a class, as in effect on a task.
+
+    Read on a class (``SingletonTask.lock_ttl``, ``type(task).lock_ttl``) it is
+    ``None`` unless a class of yours sets it, which then replaces this object in
+    that class's namespace; read on a task it is the value in
+    ``task.lock_options``. Only the reading differs: nothing is ever stored here.
+    """
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+
+    def __get__(self, task: SingletonTask | None, owner: type | None = None) -> object:
+        if task is None:
+            return None
+        return getattr(task.lock_options, self.field)
+
+
+def _resolved(field: str) -> Any:
+    """The class attribute of an option whose value in effect is ``LockOptions.<field>``."""
+    return _ResolvedOption(field)
+
+
 class SingletonTask(Task):  # type: ignore[misc]
     """A task that runs at most once at a time per lock key.
 
-    Options are the class attributes below; each left as ``None`` takes its
-    ``app.conf.redislock_*`` setting (or the built-in default) when the task is
-    bound, except the lock store's URL, which is read from ``app.conf`` at use so
-    that configuring the app after defining its tasks works.
+    Options are the class attributes below, set in ``@app.task(...)`` or in the
+    body of a task class (a subclass of a task class inherits them). Each left
+    as ``None`` takes its ``app.conf.redislock_*`` setting, or the built-in
+    default. They are resolved and checked once, when the task is bound to its
+    app, into ``task.lock_options`` (a frozen :class:`LockOptions`); assigning an
+    attribute afterwards has no effect.
+
+    Reading an option on a task (``task.lock_ttl``) gives the value in effect,
+    as in ``task.lock_options``; reading it on a class gives what was set there
+    (``None``: not set). ``lock_url`` reads as set: ``None`` means the app's lock
+    store, which is read from ``app.conf`` at each use so that configuring the
+    app after defining its tasks works.
     """
 
     #: Parameter names the key is made of (default: all parameters).
@@ -225,74 +392,90 @@ class SingletonTask(Task):  # type: ignore[misc]
     #: URL when it is a Redis URL).
     lock_url: ClassVar[str | None] = None
     #: Seconds a lock lives without renewal; renewed every ``lock_ttl / 3``.
-    lock_ttl: ClassVar[float | None] = None
+    lock_ttl: ClassVar[float | None] = _resolved("ttl")
     #: ``until_*`` strategies: seconds the lock taken at enqueue lives while the
     #: message waits in the queue (plus any countdown); nothing renews it there.
-    lock_enqueue_ttl: ClassVar[float | None] = None
+    lock_enqueue_ttl: ClassVar[float | None] = _resolved("enqueue_ttl")
     #: ``"while_executing"``, ``"until_executed"`` or ``"until_executing"``.
-    lock_strategy: ClassVar[str | None] = None
+    lock_strategy: ClassVar[str | None] = _resolved("strategy")
     #: What a duplicate does at execution: ``"skip"``, ``"raise"``, ``"retry"``, ``"wait"``.
-    on_conflict: ClassVar[str | None] = None
+    on_conflict: ClassVar[str | None] = _resolved("on_conflict")
     #: Seconds ``on_conflict="wait"`` waits before failing like ``"raise"``.
-    lock_wait: ClassVar[float | None] = None
+    lock_wait: ClassVar[float | None] = _resolved("wait")
     #: Base countdown of ``on_conflict="retry"`` (doubled per retry, jittered).
-    lock_retry_delay: ClassVar[float | None] = None
+    lock_retry_delay: ClassVar[float | None] = _resolved("retry_delay")
     #: ``"fail"``: no body runs unlocked when Redis is away; ``"run"``: run anyway, logged.
-    lock_on_redis_error: ClassVar[str | None] = None
+    lock_on_redis_error: ClassVar[str | None] = _resolved("on_redis_error")
     #: Prefix of the lock keys in Redis.
-    lock_prefix: ClassVar[str | None] = None
+    lock_prefix: ClassVar[str | None] = _resolved("prefix")
 
-    _key_builder: ClassVar[KeyBuilder | None] = None
+    # Per task (set on the task instance, never on a class).
+    _lock_options: LockOptions | None = None
+    _key_builder: KeyBuilder | None = None
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Resolve options from ``app.conf`` and check them (a bad value raises here)."""
+        """Resolve and check the options of the tasks of this class (a bad value raises here).
+
+        Only a class registered as a task of ``app`` has options of its own: a base
+        class bound by being touched (``SingletonTask.app``, ``help()``) is left alone.
+        """
         super().on_bound(app)
-        explicit = {name for name in DEFAULTS if getattr(cls, name) is not None}
-        resolved = {}
-        for name, (setting, default) in DEFAULTS.items():
-            value = getattr(cls, name) if name in explicit else app.conf.get(setting)
-            resolved[name] = default if value is None else value
+        tasks = [task for task in list(app._tasks.values()) if type(task) is cls]
+        for task in tasks:
+            task._configure(app)
 
-        def source(name: str) -> str:
-            return name if name in explicit else f"app.conf.{DEFAULTS[name][0]}"
-
-        _check_options(resolved, source)
-        for name, value in resolved.items():
-            if name != "lock_url":
-                setattr(cls, name, value)
-        if cls.lock_on is not None:
-            if isinstance(cls.lock_on, str) or not all(isinstance(n, str) for n in cls.lock_on):
-                raise TypeError("lock_on must be a tuple of parameter names, e.g. ('event_id',)")
-            cls.lock_on = tuple(cls.lock_on)
-        if cls.lock_key is not None and not (
-            isinstance(cls.lock_key, str) or callable(cls.lock_key)
-        ):
-            raise TypeError("lock_key must be a string or a callable returning the key material")
-        if cls.name:
-            cls._key_builder = cls._make_key_builder(cls.name)
+    def _configure(self, app: Any) -> LockOptions:
+        """Resolve and check this task's options and key derivation; keep them on the task."""
+        options = resolve_options(type(self), app)
+        builder = self._make_key_builder(self.name) if self.name else None
+        self._lock_options, self._key_builder = options, builder
+        return options
 
     @classmethod
     def _make_key_builder(cls, name: str) -> KeyBuilder:
+        lock_on = cls.lock_on
+        if lock_on is not None and (
+            isinstance(lock_on, str)
+            or not isinstance(lock_on, Iterable)
+            or not all(isinstance(n, str) for n in lock_on)
+        ):
+            raise TypeError(
+                f"lock_on must be a tuple of parameter names, e.g. ('event_id',), got {lock_on!r}"
+            )
         # Read lock_key off the class without binding it: a function stored as a
         # class attribute must not receive the task as its first argument.
         lock_key = inspect.getattr_static(cls, "lock_key")
         if isinstance(lock_key, staticmethod | classmethod):
             lock_key = lock_key.__get__(None, cls)
-        return KeyBuilder(name, _body_signature(cls), lock_on=cls.lock_on, lock_key=lock_key)
+        if lock_key is not None and not (isinstance(lock_key, str) or callable(lock_key)):
+            raise TypeError(
+                "lock_key must be a string or a callable returning the key material, "
+                f"not {type(lock_key).__name__}"
+            )
+        return KeyBuilder(name, _body_signature(cls), lock_on=lock_on, lock_key=lock_key)
 
     # Configuration helpers.
     @property
+    def lock_options(self) -> LockOptions:
+        """This task's resolved options (see :class:`LockOptions`)."""
+        options = self._lock_options
+        if options is None:
+            # Not registered when its class was bound (an instance made by hand).
+            options = self._configure(self.app)
+        return options
+
+    @property
     def lock_client(self) -> redis.Redis:
         """The (per-process, shared) client of the lock store."""
-        return get_client(self.lock_url or lock_store_url(self.app))
+        return get_client(self.lock_options.url or lock_store_url(self.app))
 
     def lock_name(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
         """The lock name of a call: ``<task name>:<digest of its key material>``."""
         builder = self._key_builder
         if builder is None or builder.task_name != self.name:
             # A class-based task may get its name only on the instance.
-            builder = type(self)._key_builder = self._make_key_builder(self.name)
+            builder = self._key_builder = self._make_key_builder(self.name)
         return builder(args, kwargs)
 
     def _new_lock(self, key: str, owner: str, ttl: float, heartbeat: bool) -> RedisLock:
@@ -305,7 +488,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             lease=task_id,
             heartbeat=heartbeat,
             on_lost=self._on_lost,
-            prefix=self.lock_prefix or DEFAULT_PREFIX,
+            prefix=self.lock_options.prefix,
         )
 
     def _on_lost(self, lock: RedisLock) -> None:
@@ -341,18 +524,17 @@ class SingletonTask(Task):  # type: ignore[misc]
         """
         skip_lock = options.pop(_NO_ENQUEUE_LOCK, False)
         options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
-        if self.lock_strategy == WHILE_EXECUTING or skip_lock:
+        opts = self.lock_options
+        if opts.strategy == WHILE_EXECUTING or skip_lock:
             return super().apply_async(args, kwargs, task_id, **options)
         task_id = task_id or uuid()
         key = self.lock_name(args, kwargs)
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
-        lock = self._new_lock(
-            key, f"{task_id}:queued", float(self.lock_enqueue_ttl or 0) + delay, heartbeat=False
-        )
+        lock = self._new_lock(key, queued_owner(task_id), opts.enqueue_ttl + delay, heartbeat=False)
         try:
             acquired = lock.acquire(blocking=False)
         except LockBackendError:
-            if self.lock_on_redis_error == "run":
+            if opts.on_redis_error == "run":
                 logger.warning(
                     "lock store unreachable; enqueuing %s[%s] unlocked", self.name, task_id
                 )
@@ -372,7 +554,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         except BaseException:
             # Nothing was sent: free the key for the next attempt.
             try:
-                release_lease(self.lock_client, key, task_id, self.lock_prefix or DEFAULT_PREFIX)
+                release_lease(self.lock_client, key, task_id, opts.prefix)
             except LockBackendError as exc:
                 logger.warning("could not free %s after a failed send: %s", key, exc)
             raise
@@ -388,21 +570,19 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         task_id = request.id or uuid()
         key = self.lock_name(args, kwargs)
-        prefix = self.lock_prefix or DEFAULT_PREFIX
-        if self.lock_strategy == UNTIL_EXECUTING:
+        opts = self.lock_options
+        if opts.strategy == UNTIL_EXECUTING:
             try:
-                release_lease(self.lock_client, key, task_id, prefix)
+                release_lease(self.lock_client, key, task_id, opts.prefix)
             except LockBackendError:
-                if self.lock_on_redis_error != "run":
+                if opts.on_redis_error != "run":
                     raise
                 logger.warning(
                     "lock store unreachable; %s[%s] could not free %s", self.name, task_id, key
                 )
             return self.run(*args, **kwargs)
 
-        lock = self._new_lock(
-            key, f"{task_id}:{secrets.token_hex(8)}", float(self.lock_ttl or 0), heartbeat=True
-        )
+        lock = self._new_lock(key, f"{task_id}:{secrets.token_hex(8)}", opts.ttl, heartbeat=True)
         asked = taken = time.monotonic()
         keep = retrying = False
         # One try from the acquire on: an exception raised asynchronously (a soft
@@ -412,7 +592,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             try:
                 acquired = lock.acquire(blocking=False)
             except LockBackendError:
-                if self.lock_on_redis_error != "run":
+                if opts.on_redis_error != "run":
                     raise
                 logger.warning(
                     "lock store unreachable; running %s[%s] unlocked", self.name, task_id
@@ -432,10 +612,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         except Retry:
             # The queued retry (same task id) may already have taken the lock over.
             retrying = True
-            keep = self.lock_strategy == UNTIL_EXECUTED
+            keep = opts.strategy == UNTIL_EXECUTED
             raise
         except Reject as exc:
-            keep = self.lock_strategy == UNTIL_EXECUTED and bool(exc.requeue)
+            keep = opts.strategy == UNTIL_EXECUTED and bool(exc.requeue)
             raise
         finally:
             if lock.holding and keep:
@@ -464,25 +644,25 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _conflict(self, lock: RedisLock, key: str, request: Any) -> Any:
         """Handle a held lock; return a result to end the task, or ``None`` once acquired."""
-        mode = self.on_conflict
+        opts = self.lock_options
+        mode = opts.on_conflict
         holder = lock.blocked_by
         signals.lock_conflict.send(
             sender=self, task_id=request.id, key=key, holder=holder, action=mode
         )
         if mode == "wait":
-            if lock.acquire(blocking=True, timeout=self.lock_wait):
+            if lock.acquire(blocking=True, timeout=opts.wait):
                 return None
             holder = lock.blocked_by
             raise LockConflictError(
                 key,
                 holder,
-                f"lock {key!r} is still held by task {holder!r} after waiting {self.lock_wait} s",
+                f"lock {key!r} is still held by task {holder!r} after waiting {opts.wait:g} s",
             )
         if mode == "raise":
             raise LockConflictError(key, holder)
         if mode == "retry":
-            base = float(self.lock_retry_delay or 1.0)
-            countdown = min(MAX_RETRY_DELAY, base * 2 ** (request.retries or 0))
+            countdown = min(MAX_RETRY_DELAY, opts.retry_delay * 2 ** (request.retries or 0))
             countdown *= random.uniform(0.5, 1.5)
             raise self.retry(
                 exc=LockConflictError(key, holder),
@@ -506,7 +686,7 @@ def _release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         return
     try:
         key = sender.lock_name(request.args, request.kwargs)
-        release_lease(sender.lock_client, key, request.id, sender.lock_prefix or DEFAULT_PREFIX)
+        release_lease(sender.lock_client, key, request.id, sender.lock_options.prefix)
     except Exception as exc:  # a signal handler must not break the worker
         logger.warning("could not free the lock of revoked task %s: %s", request.id, exc)
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -25,6 +30,7 @@ from celery_redislock import (
 )
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.server import RedisServer, free_port
+from celery_redislock.task import OPTIONS, LockOptions
 from tests.support import (
     close_app,
     gate,
@@ -37,6 +43,52 @@ from tests.support import (
 )
 
 TIMEOUT = 20
+ROOT = Path(__file__).resolve().parent.parent
+
+#: The option attributes that fall back to app.conf.
+OPTION_NAMES = [option.attribute for option in OPTIONS]
+
+#: Touches SingletonTask (``argv[1]``: help, app, getmembers) before or after
+#: configuring an app (``argv[2]``), defines a task on it and one on a second app,
+#: and prints what they resolved and what the base class reads as.
+TOUCH_SCRIPT = """
+import contextlib, inspect, io, json, sys
+from celery import Celery
+from celery_redislock import SingletonTask
+from celery_redislock.task import OPTIONS
+
+def touch():
+    if sys.argv[1] == "help":
+        with contextlib.redirect_stdout(io.StringIO()):
+            help(SingletonTask)
+    elif sys.argv[1] == "app":
+        SingletonTask.app
+    else:
+        inspect.getmembers(SingletonTask)
+
+if sys.argv[2] == "before":
+    touch()
+first = Celery("first")
+first.conf.update(redislock_ttl=10, redislock_on_conflict="raise", redislock_prefix="first-locks")
+if sys.argv[2] == "after":
+    touch()
+
+@first.task(base=SingletonTask, shared=False)
+def one(): ...
+
+second = Celery("second", set_as_current=False)
+second.conf.update(redislock_ttl=20, redislock_on_conflict="retry")
+
+@second.task(base=SingletonTask, shared=False)
+def two(): ...
+
+def seen(task):
+    opts = task.lock_options
+    return {"ttl": opts.ttl, "on_conflict": opts.on_conflict, "prefix": opts.prefix}
+
+base = {o.attribute: getattr(SingletonTask, o.attribute) for o in OPTIONS}
+print(json.dumps({"first": seen(one), "second": seen(two), "base": base}))
+"""
 
 
 def define_tasks(app: Celery) -> SimpleNamespace:
@@ -612,6 +664,108 @@ class TestOptions:
         assert job.lock_ttl == 12
         assert job.on_conflict == "wait"
         assert job.lock_strategy == "while_executing"
+        assert job.lock_options == LockOptions(
+            ttl=12.0,
+            enqueue_ttl=3600.0,
+            strategy="while_executing",
+            on_conflict="wait",
+            wait=30.0,
+            retry_delay=1.0,
+            on_redis_error="fail",
+            prefix="redislock",
+            url=None,
+        )
+
+    def test_options_read_as_set_on_classes(self) -> None:
+        """An option reads as in effect on a task, as set (None: unset) on its class and on the base."""
+        app = Celery("reads", set_as_current=False)
+        app.conf.redislock_ttl = 12
+        app.finalize()
+
+        @app.task(base=SingletonTask, shared=False, on_conflict="wait")
+        def job() -> None: ...
+
+        assert (job.lock_ttl, job.on_conflict) == (12, "wait")
+        assert (type(job).lock_ttl, type(job).on_conflict) == (None, "wait")
+        assert all(getattr(SingletonTask, option) is None for option in OPTION_NAMES)
+
+    def test_options_object_is_frozen(self) -> None:
+        """A task's resolved LockOptions cannot be changed after binding."""
+        app = Celery("frozen", set_as_current=False)
+        app.finalize()
+
+        @app.task(base=SingletonTask, shared=False)
+        def job() -> None: ...
+
+        with pytest.raises(dataclasses.FrozenInstanceError) as excinfo:
+            job.lock_options.ttl = 1.0
+        assert "ttl" in str(excinfo.value)
+
+    @pytest.mark.parametrize("when", ["before", "after"])
+    @pytest.mark.parametrize("touch", ["help", "app", "getmembers"])
+    def test_touching_the_base_changes_nothing(self, touch: str, when: str) -> None:
+        """Touching SingletonTask before or after configuring an app leaves later tasks on their app's settings."""
+        # A fresh interpreter: binding the base to Celery's default app cannot be undone.
+        process = subprocess.run(
+            [sys.executable, "-c", TOUCH_SCRIPT, touch, when],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=ROOT,
+        )
+        assert process.returncode == 0, process.stderr
+        seen = json.loads(process.stdout.splitlines()[-1])
+        assert seen["first"] == {"ttl": 10.0, "on_conflict": "raise", "prefix": "first-locks"}
+        assert seen["second"] == {"ttl": 20.0, "on_conflict": "retry", "prefix": "redislock"}
+        assert seen["base"] == dict.fromkeys(OPTION_NAMES)
+
+    def test_touched_abstract_base_of_yours_is_left_alone(self) -> None:
+        """A base class of yours bound by being touched keeps only what it set; its tasks resolve per app."""
+
+        class Base(SingletonTask):
+            lock_ttl = 7
+
+        Base.app  # noqa: B018 - binds the abstract base to the current app
+        app = Celery("abstract", set_as_current=False)
+        app.conf.update(redislock_on_conflict="raise", redislock_ttl=99)
+        app.finalize()
+
+        @app.task(base=Base, shared=False)
+        def job() -> None: ...
+
+        assert (job.lock_options.ttl, job.lock_options.on_conflict) == (7.0, "raise")
+        assert (Base.lock_ttl, Base.on_conflict) == (7, None)
+
+    def test_class_based_subclass_inherits_parent_options(self) -> None:
+        """A task class subclassing another inherits the options its parent set, not what it resolved."""
+
+        class Report(SingletonTask):
+            lock_ttl = 10
+            on_conflict = "raise"
+
+            def run(self, account: int) -> None: ...
+
+        class NightlyReport(Report):
+            lock_strategy = "until_executed"
+
+        app = Celery("chain", set_as_current=False)
+        app.conf.update(redislock_ttl=99, redislock_on_conflict="wait", redislock_wait=5)
+        report = app.register_task(Report())
+        nightly = app.register_task(NightlyReport())
+        other = Celery("chain2", set_as_current=False)
+        other.conf.update(redislock_wait=8, redislock_strategy="until_executing")
+        elsewhere = other.register_task(Report())
+
+        assert (nightly.lock_options.ttl, nightly.lock_options.on_conflict) == (10.0, "raise")
+        assert (nightly.lock_options.strategy, nightly.lock_options.wait) == ("until_executed", 5)
+        assert (report.lock_options.strategy, report.lock_options.wait) == ("while_executing", 5)
+        assert (elsewhere.lock_options.strategy, elsewhere.lock_options.wait) == (
+            "until_executing",
+            8,
+        )
+        assert (NightlyReport.lock_wait, NightlyReport.lock_strategy) == (None, "until_executed")
+        assert "lock_ttl" not in NightlyReport.__dict__
 
     def test_broker_url_is_default_store(self) -> None:
         """Without redislock_url the lock store is the broker when it is Redis."""
