@@ -572,25 +572,24 @@ class RedisLock:
                             return False
                         wait = min(wait, remaining)
                     subscription.wait(wait)
-                except (RedisError, LockBackendError) as exc:
-                    subscription.close()
-                    cause = exc.__cause__ if isinstance(exc, LockBackendError) else exc
-                    if not isinstance(cause, TRANSIENT):
-                        if isinstance(exc, LockBackendError):
-                            raise
-                        raise LockBackendError(
-                            f"could not wait for lock {self.name!r}: {describe_error(exc)}"
-                        ) from exc
-                    failing_since = now if failing_since is None else failing_since
-                    out_of_time = ends is not None and time.monotonic() + pause >= ends
-                    if out_of_time or time.monotonic() - failing_since >= self.call_timeout:
-                        if isinstance(exc, LockBackendError):
-                            raise
-                        raise LockBackendError(
-                            f"could not wait for lock {self.name!r}: {describe_error(exc)}"
-                        ) from exc
-                    time.sleep(pause)
-                    pause = min(0.5, pause * 2)
+                    continue
+                except RedisError as exc:
+                    error = LockBackendError(
+                        f"could not wait for lock {self.name!r}: {describe_error(exc)}"
+                    )
+                    error.__cause__ = exc
+                except LockBackendError as exc:
+                    error = exc
+                subscription.close()
+                # Only a broken connection or a timeout is worth another try.
+                if not isinstance(error.__cause__, TRANSIENT):
+                    raise error
+                failing_since = now if failing_since is None else failing_since
+                out_of_time = ends is not None and time.monotonic() + pause >= ends
+                if out_of_time or time.monotonic() - failing_since >= self.call_timeout:
+                    raise error
+                time.sleep(pause)
+                pause = min(0.5, pause * 2)
         finally:
             subscription.close()
 
