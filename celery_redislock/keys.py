@@ -57,8 +57,21 @@ def canonical(value: Any) -> bytes:
     """Encode ``value`` as canonical bytes (see the module docstring).
 
     Raises:
-        KeyDerivationError: ``value`` (or something inside it) has no canonical form.
+        KeyDerivationError: ``value`` (or something inside it) has no canonical
+            form, contains itself, or is nested too deeply to encode.
     """
+    try:
+        return _canonical(value, set())
+    except RecursionError:
+        raise KeyDerivationError(
+            "cannot derive a lock key from a value nested this deeply; "
+            "key on less with lock_on=(...) or compute the key with lock_key="
+        ) from None
+
+
+def _canonical(value: Any, path: set[int]) -> bytes:
+    """:func:`canonical`, with ``path`` the ids of the containers being encoded
+    around ``value``: meeting one of them again means a value contains itself."""
     # bool before int: True is an int.
     if value is None:
         return b"n"
@@ -88,17 +101,34 @@ def canonical(value: Any) -> bytes:
         return _frame(b"a", value.isoformat().encode())
     if isinstance(value, datetime.time):
         return _frame(b"h", value.isoformat().encode())
-    if isinstance(value, Mapping):
-        items = sorted(canonical(k) + canonical(v) for k, v in value.items())
-        return _frame(b"d", b"".join(items))
-    if isinstance(value, set | frozenset):
-        return _frame(b"e", b"".join(sorted(canonical(v) for v in value)))
-    if isinstance(value, list | tuple):
-        return _frame(b"l", b"".join(canonical(v) for v in value))
+    if isinstance(value, Mapping | set | frozenset | list | tuple):
+        # Only the containers on the path count: the same value twice side by
+        # side ([x, x]) is fine, and its form stays what it always was.
+        if id(value) in path:
+            raise KeyDerivationError(
+                f"cannot derive a lock key from a {type(value).__name__} that contains "
+                "itself (a recursive value); key on other arguments with lock_on=(...) "
+                "or compute the key with lock_key="
+            )
+        path.add(id(value))
+        try:
+            return _container(value, path)
+        finally:
+            path.discard(id(value))
     raise KeyDerivationError(
         f"cannot derive a lock key from a {type(value).__name__} value; "
         "exclude it with lock_on=(...) or compute the key with lock_key="
     )
+
+
+def _container(value: Any, path: set[int]) -> bytes:
+    """The canonical form of a mapping, set, list or tuple."""
+    if isinstance(value, Mapping):
+        items = sorted(_canonical(k, path) + _canonical(v, path) for k, v in value.items())
+        return _frame(b"d", b"".join(items))
+    if isinstance(value, set | frozenset):
+        return _frame(b"e", b"".join(sorted(_canonical(v, path) for v in value)))
+    return _frame(b"l", b"".join(_canonical(v, path) for v in value))
 
 
 def digest(material: Any) -> str:
@@ -163,5 +193,33 @@ class KeyBuilder:
         return dict(arguments)
 
     def __call__(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
-        """The lock name for a call: ``<task name>:<digest of the material>``."""
-        return f"{self.task_name}:{digest(self.material(args or (), kwargs or {}))}"
+        """The lock name for a call: ``<task name>:<digest of the material>``.
+
+        Raises:
+            KeyDerivationError: the arguments do not fit the signature, or a value
+                has no canonical form; the message names the argument (or
+                ``lock_key``) it came from.
+        """
+        material = self.material(args or (), kwargs or {})
+        try:
+            return f"{self.task_name}:{digest(material)}"
+        except KeyDerivationError as exc:
+            raise KeyDerivationError(f"{self._culprit(material)}: {exc}") from exc
+
+    def _culprit(self, material: Any) -> str:
+        """Which argument (or ``lock_key``) the material that has no key came from."""
+        where = f"task {self.task_name!r}"
+        if self.lock_key is not None:
+            return f"the value lock_key returned for {where}"
+        if self.signature is None:
+            args, kwargs = material
+            named = [(f"positional argument {i}", v) for i, v in enumerate(args)]
+            named += [(f"argument {k!r}", v) for k, v in kwargs.items()]
+        else:
+            named = [(f"argument {k!r}", v) for k, v in material.items()]
+        for label, value in named:
+            try:
+                canonical(value)
+            except KeyDerivationError:
+                return f"{label} of {where}"
+        return f"the arguments of {where}"  # pragma: no cover - one of them failed

@@ -712,3 +712,99 @@ def test_call_not_matching_the_signature_raises(
     with pytest.raises(KeyDerivationError) as excinfo:
         bound_sample.lock_name(args, kwargs)
     assert "'t.bound_sample'" in str(excinfo.value)
+
+
+# Values that contain themselves.
+def _recursive_list() -> list[Any]:
+    items: list[Any] = [1]
+    items.append(items)
+    return items
+
+
+def _recursive_dict() -> dict[str, Any]:
+    mapping: dict[str, Any] = {"a": 1}
+    mapping["self"] = mapping
+    return mapping
+
+
+def _cycle_through_a_tuple() -> tuple[Any, ...]:
+    inner: list[Any] = []
+    outer = (inner,)
+    inner.append(outer)
+    return outer
+
+
+def _dict_inside_its_own_list() -> list[Any]:
+    items: list[Any] = []
+    items.append({"items": items})
+    return items
+
+
+RECURSIVE = [_recursive_list, _recursive_dict, _cycle_through_a_tuple, _dict_inside_its_own_list]
+RECURSIVE_IDS = ["list", "dict", "tuple-list-cycle", "dict-in-list"]
+
+
+@pytest.mark.parametrize("make", RECURSIVE, ids=RECURSIVE_IDS)
+def test_recursive_value_raises_key_derivation_error(make: Callable[[], Any]) -> None:
+    """A value that contains itself raises KeyDerivationError saying so, not RecursionError."""
+    with pytest.raises(KeyDerivationError) as excinfo:
+        canonical(make())
+    assert "contains itself" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("make", RECURSIVE, ids=RECURSIVE_IDS)
+def test_recursive_argument_is_named(make: Callable[[], Any]) -> None:
+    """A recursive task argument raises KeyDerivationError naming the argument and the task."""
+    builder = KeyBuilder("t.sample", inspect.signature(sample))
+    with pytest.raises(KeyDerivationError) as excinfo:
+        builder((1,), {"b": make()})
+    message = str(excinfo.value)
+    assert "argument 'b' of task 't.sample'" in message
+    assert "contains itself" in message
+
+
+def test_recursive_lock_key_result_is_named() -> None:
+    """A lock_key callable returning a recursive value raises KeyDerivationError naming lock_key."""
+    builder = KeyBuilder(
+        "t.sample", inspect.signature(sample), lock_key=lambda a, b=2: [a, _recursive_list()]
+    )
+    with pytest.raises(KeyDerivationError) as excinfo:
+        builder((1,), {})
+    assert "lock_key" in str(excinfo.value)
+    assert "contains itself" in str(excinfo.value)
+
+
+def test_unkeyable_raw_argument_is_named_by_position() -> None:
+    """Without a signature, an argument with no key is named by its position or keyword."""
+    builder = KeyBuilder("t.raw", None)
+    with pytest.raises(KeyDerivationError) as excinfo:
+        builder((1, Opaque()), {})
+    assert "positional argument 1 of task 't.raw'" in str(excinfo.value)
+    with pytest.raises(KeyDerivationError) as excinfo:
+        builder((1,), {"conn": Opaque()})
+    assert "argument 'conn' of task 't.raw'" in str(excinfo.value)
+
+
+def test_too_deeply_nested_value_raises_key_derivation_error() -> None:
+    """A value nested deeper than the interpreter can recurse raises KeyDerivationError."""
+    deep: list[Any] = []
+    for _ in range(sys.getrecursionlimit() + 10):
+        deep = [deep]
+    with pytest.raises(KeyDerivationError) as excinfo:
+        canonical(deep)
+    assert "nested" in str(excinfo.value)
+
+
+def test_shared_values_keep_their_canonical_form() -> None:
+    """The same object appearing twice (not inside itself) is fine, and its form did not change."""
+    shared = [1, "a"]
+    value = {
+        "shared": [shared, shared, (shared,)],
+        "nested": {"s": frozenset({1, 2}), "t": (1.5, None, True)},
+        "b": b"\x00",
+    }
+    assert canonical(value) == (
+        b"d101:s1:by1:\x00s6:nestedd30:s1:se8:i1:1i1:2s1:tl8:f3:1.5nTs6:shared"
+        b"l37:l8:i1:1s1:al8:i1:1s1:al11:l8:i1:1s1:a"
+    )
+    assert digest(value) == "63bbff39b69db91787c52d508fe3018a"

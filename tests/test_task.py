@@ -627,6 +627,11 @@ class TestOptions:
             ({"lock_on": "event_id"}, "lock_on"),
             ({"lock_on": ("nope",)}, "lock_on"),
             ({"lock_key": 42}, "lock_key"),
+            ({"lock_prefix": "a{}b"}, "lock_prefix"),
+            ({"lock_prefix": ""}, "lock_prefix"),
+            ({"lock_prefix": 5}, "lock_prefix"),
+            ({"lock_url": "http://x"}, "lock_url"),
+            ({"lock_url": 5}, "lock_url"),
         ],
     )
     def test_bad_task_option(self, options: dict[str, Any], named: str) -> None:
@@ -804,6 +809,69 @@ class TestOptions:
         task = app.register_task(Report())
         assert task.lock_name((1,), {}) == task.lock_name((1,), {"full": True})
         assert task.lock_name((1,), {}) != task.lock_name((2,), {})
+
+    @pytest.mark.parametrize(
+        ("setting", "value", "error"),
+        [
+            ("redislock_prefix", "a{}b", ValueError),
+            ("redislock_prefix", 5, TypeError),
+            ("redislock_url", "http://x", ValueError),
+            ("redislock_url", 5, TypeError),
+        ],
+    )
+    def test_bad_setting_fails_at_definition(
+        self, setting: str, value: object, error: type[Exception]
+    ) -> None:
+        """A bad redislock_prefix/redislock_url raises when the task is defined, naming the setting."""
+        app = Celery("conf3", set_as_current=False)
+        app.conf[setting] = value
+        app.finalize()
+        with pytest.raises(error) as excinfo:
+
+            @app.task(base=SingletonTask, shared=False)
+            def job() -> None: ...
+
+        assert f"app.conf.{setting}" in str(excinfo.value)
+
+    @pytest.mark.parametrize(
+        "url", ["redis://127.0.0.1:6391/0", "rediss://127.0.0.1:6391/0", "unix:///tmp/r.sock"]
+    )
+    def test_redis_url_schemes_accepted(self, url: str) -> None:
+        """redis://, rediss:// and unix:// URLs are accepted as lock_url and as redislock_url."""
+        app = Celery("schemes", set_as_current=False)
+        app.conf.redislock_url = url
+        app.finalize()
+
+        @app.task(base=SingletonTask, shared=False)
+        def job() -> None: ...
+
+        @app.task(base=SingletonTask, shared=False, lock_url=url)
+        def own() -> None: ...
+
+        assert job.lock_client is own.lock_client
+        assert own.lock_options.url == url
+
+    def test_bad_url_set_late_fails_at_use(self) -> None:
+        """A redislock_url set after the task was defined is checked when read, with the same message."""
+        app = Celery("late-bad", set_as_current=False)
+        app.conf.redislock_url = "http://user:secret@example.com"
+        app.finalize()
+        with pytest.raises(ValueError) as at_definition:
+
+            @app.task(base=SingletonTask, shared=False, name="late-bad.early")
+            def early() -> None: ...
+
+        app.conf.redislock_url = None
+
+        @app.task(base=SingletonTask, shared=False, name="late-bad.job")
+        def job() -> None: ...
+
+        app.conf.redislock_url = "http://user:secret@example.com"
+        with pytest.raises(ValueError) as at_use:
+            job.lock_client  # noqa: B018
+        assert str(at_use.value) == str(at_definition.value)
+        assert "app.conf.redislock_url" in str(at_use.value)
+        assert "secret" not in str(at_use.value)
 
     def test_lock_store_follows_late_configuration(self) -> None:
         """The lock store URL is read from app.conf at use, so configuring the app late works."""
