@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import TracebackType
 
 import redis
@@ -137,6 +139,7 @@ class RedisServer:
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self._paused = False
 
     @property
     def url(self) -> str:
@@ -214,24 +217,115 @@ class RedisServer:
             probe.close()
 
     def _kill(self) -> None:
+        """End the process with SIGTERM (SIGKILL after 5 s) and release what it used."""
+        if self.process is not None and self.process.poll() is None:
+            # A stopped process keeps SIGTERM pending until it is continued.
+            self._signal(signal.SIGCONT)
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._forget_process()
+
+    def _forget_process(self) -> None:
+        """Release the pipe and working directory of a process that has exited."""
         if self.process is not None:
-            if self.process.poll() is None:
-                self.process.terminate()
-                try:
-                    self.process.wait(5)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait()
             if self.process.stderr is not None:
                 self.process.stderr.close()
             self.process = None
+        self._paused = False
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
 
+    def _signal(self, signum: signal.Signals) -> None:
+        """Send ``signum`` to the running server; a process that already exited is ignored."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.kill(self.process.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def _running(self) -> subprocess.Popen[bytes]:
+        """The live server process; signalling a missing one would silently do nothing."""
+        if self.process is None or self.process.poll() is not None:
+            raise RuntimeError(f"the server on {self.host}:{self.port} is not running")
+        return self.process
+
     def stop(self) -> None:
-        """Stop the server and remove its working directory."""
+        """Stop the server (continuing it first if paused) and remove its working directory."""
         self._kill()
+
+    def kill(self) -> None:
+        """End the server at once with SIGKILL, as a crash would, and remove its directory.
+
+        Unlike :meth:`stop` the server gets no chance to close its clients'
+        connections in an orderly way; the kernel resets or closes them.
+        """
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._forget_process()
+
+    @property
+    def is_paused(self) -> bool:
+        """Whether :meth:`pause` stopped the server and :meth:`resume` has not yet continued it."""
+        return self._paused
+
+    def pause(self) -> None:
+        """Freeze the server with SIGSTOP: it keeps its port and data but answers nothing.
+
+        The kernel still completes new TCP connections (they wait in the listen
+        backlog), so clients connect but every reply waits until :meth:`resume`;
+        a client with a ``socket_timeout`` times out instead. This is how a
+        server that hangs (swapping, a long blocking command) looks to a client.
+
+        Raises:
+            RuntimeError: the server is not running.
+        """
+        os.kill(self._running().pid, signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        """Continue a server frozen by :meth:`pause` (SIGCONT); queued commands then run."""
+        self._signal(signal.SIGCONT)
+        self._paused = False
+
+    @contextmanager
+    def paused(self) -> Iterator[RedisServer]:
+        """Keep the server frozen for the ``with`` block and continue it on exit, even on errors."""
+        self.pause()
+        try:
+            yield self
+        finally:
+            self.resume()
+
+    def restart(self, timeout: float = 10.0) -> RedisServer:
+        """Stop the server and start a fresh one on the same port, waiting for PING.
+
+        Persistence is off, so every key is gone afterwards. Clients keep their
+        address: they see their old connections closed and reconnect. Servers
+        bind with ``SO_REUSEADDR``, so the port is normally free at once; if the
+        new process cannot bind it (another process took it in between, or it is
+        still being released) starting is retried until ``timeout`` seconds pass.
+
+        Raises:
+            RuntimeError: no server answered on the port within ``timeout`` seconds.
+        """
+        if not self.port:
+            raise RuntimeError("restart() needs a server that was started")
+        self.stop()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.start()
+            except RuntimeError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
 
     def __enter__(self) -> RedisServer:
         return self.start()

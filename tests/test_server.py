@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -119,3 +120,113 @@ def test_server_dies_with_killed_parent() -> None:
     while not gone():
         assert time.monotonic() < deadline, "the server outlived its parent"
         time.sleep(0.05)
+
+
+def no_retry_client(server: RedisServer, timeout: float) -> redis.Redis:
+    """A client of ``server`` that gives up after one try of ``timeout`` seconds."""
+    return server.client(
+        socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
+    )
+
+
+def test_pause_times_clients_out_until_resume(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """A paused server leaves a command to time out; after resume it answers again."""
+    server = redislock_server_factory()
+    client = no_retry_client(server, 0.5)
+    assert client.ping()
+    server.pause()
+    assert server.is_paused
+    try:
+        with pytest.raises(redis.TimeoutError):
+            client.ping()
+    finally:
+        server.resume()
+    assert not server.is_paused
+    assert client.ping()
+
+
+def test_paused_resumes_on_exception(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """paused() continues the server when its block raises."""
+    server = redislock_server_factory()
+
+    seen_paused: list[bool] = []
+
+    def fail_while_paused() -> None:
+        with server.paused():
+            seen_paused.append(server.is_paused)
+            raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        fail_while_paused()
+    assert seen_paused == [True]
+    assert not server.is_paused
+    assert no_retry_client(server, 5.0).ping()
+
+
+def test_pause_needs_a_running_server() -> None:
+    """pause() on a server that was never started says so instead of signalling nothing."""
+    with pytest.raises(RuntimeError):
+        RedisServer().pause()
+
+
+def test_restart_keeps_port_and_loses_data(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """restart() brings up an empty server on the same port and old clients reconnect."""
+    server = redislock_server_factory()
+    client = no_retry_client(server, 5.0)
+    client.set("k", "v")
+    assert server.process is not None
+    port, old_pid = server.port, server.process.pid
+    assert server.restart() is server
+    assert server.port == port
+    assert server.process is not None
+    assert server.process.pid != old_pid
+    # The pool notices its closed connection and opens a new one before sending.
+    assert client.get("k") is None
+    assert client.ping()
+
+
+def test_restart_of_a_paused_server(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """restart() works on a paused server and the new one is not paused."""
+    server = redislock_server_factory()
+    server.pause()
+    server.restart()
+    assert not server.is_paused
+    assert no_retry_client(server, 5.0).ping()
+
+
+def test_stop_ends_a_paused_server() -> None:
+    """stop() of a paused server ends its process (continued, so SIGTERM works)."""
+    server = RedisServer().start()
+    process = server.process
+    assert process is not None
+    server.pause()
+    server.stop()
+    assert process.poll() is not None
+    assert process.returncode != -signal.SIGKILL  # ended by SIGTERM, not the fallback
+    assert server.process is None
+
+
+def test_kill_ends_the_server_at_once() -> None:
+    """kill() SIGKILLs the server: clients see a connection error and start() works again."""
+    server = RedisServer().start()
+    process = server.process
+    assert process is not None
+    client = no_retry_client(server, 5.0)
+    assert client.ping()
+    server.kill()
+    assert process.returncode == -signal.SIGKILL
+    with pytest.raises(redis.ConnectionError):
+        client.ping()
+    try:
+        server.start()
+        assert client.ping()
+    finally:
+        server.stop()

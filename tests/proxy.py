@@ -1,0 +1,329 @@
+"""A loopback TCP proxy that injects network faults between a client and a server.
+
+Fault tests point a client at :class:`FaultProxy` instead of at the server and
+switch faults on and off from the test thread::
+
+    with FaultProxy(server.host, server.port) as proxy:
+        client = redis.Redis.from_url(proxy.url, socket_timeout=1.0)
+        proxy.drop_replies(1)      # the next reply is lost and its connection reset
+
+Each accepted client connection gets its own fresh connection to the target and
+one thread that moves bytes both ways with ``select``. That thread owns both
+sockets; the control methods only change shared settings or ask it to act, so
+they are safe to call from any thread at any time. Unless a method says
+otherwise, a fault applies to open connections and to new ones alike.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from types import TracebackType
+
+#: How often an idle connection thread looks at the fault settings, in seconds.
+_POLL = 0.02
+#: Bound on a blocking send or connect, so a stuck peer cannot hang a thread forever.
+_IO_TIMEOUT = 5.0
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close ``sock`` with an RST instead of a FIN, so its peer sees ECONNRESET."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    sock.close()
+
+
+class _Link:
+    """One proxied client connection and the thread forwarding it."""
+
+    def __init__(self, proxy: FaultProxy, client: socket.socket) -> None:
+        self.proxy = proxy
+        self.client = client
+        self.stop_requested = False
+        self.reset_requested = False
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="fault-proxy-link", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            upstream = socket.create_connection(self.proxy.target, timeout=_IO_TIMEOUT)
+        except OSError:
+            _reset(self.client)
+            self.done.set()
+            return
+        try:
+            self._forward(upstream)
+        finally:
+            upstream.close()
+            self.done.set()
+
+    def _forward(self, upstream: socket.socket) -> None:
+        """Move bytes both ways until a side closes, a fault resets, or the proxy stops."""
+        proxy, client = self.proxy, self.client
+        client.settimeout(_IO_TIMEOUT)
+        # Chunks waiting out the latency: (due time, bytes), per direction.
+        to_server: deque[tuple[float, bytes]] = deque()
+        to_client: deque[tuple[float, bytes]] = deque()
+        client_open = upstream_open = True
+        while True:
+            if self.reset_requested:
+                _reset(client)
+                return
+            if self.stop_requested:
+                client.close()
+                return
+            # A side that hung up ends the link once what it sent is delivered; a
+            # black hole hides the server's close from the client.
+            if (not client_open and not to_server) or (
+                not upstream_open and not to_client and not proxy.blackholed
+            ):
+                client.close()
+                return
+            wait = _POLL
+            for queue in (to_server, to_client):
+                if queue:
+                    wait = min(wait, max(0.0, queue[0][0] - time.monotonic()))
+            readable = [
+                s for s, is_open in ((client, client_open), (upstream, upstream_open)) if is_open
+            ]
+            ready, _, _ = select.select(readable, [], [], wait)
+            try:
+                if client in ready:
+                    data = client.recv(65536)
+                    client_open = bool(data)
+                    if data and not proxy.blackholed:
+                        to_server.append((time.monotonic() + proxy.latency, data))
+                if upstream in ready:
+                    data = upstream.recv(65536)
+                    upstream_open = bool(data)
+                    if data and proxy.take_drop():
+                        # The reply exists, so the server ran the command: lose it.
+                        _reset(client)
+                        return
+                    if data and not proxy.blackholed:
+                        to_client.append((time.monotonic() + proxy.latency, data))
+                self._flush(to_server, upstream, to_server=True)
+                self._flush(to_client, client, to_server=False)
+            except OSError:
+                client.close()
+                return
+
+    def _flush(
+        self, queue: deque[tuple[float, bytes]], sock: socket.socket, to_server: bool
+    ) -> None:
+        """Send every chunk of ``queue`` that is due; a black hole discards them instead."""
+        while queue and queue[0][0] <= time.monotonic():
+            _, data = queue.popleft()
+            if self.proxy.blackholed:
+                continue
+            sock.sendall(data)
+            if to_server:
+                self.proxy.count_to_server(len(data))
+
+
+class FaultProxy:
+    """Forward TCP connections from a free 127.0.0.1 port to ``target_host:target_port``.
+
+    Faults (all thread-safe, all cleared by :meth:`heal`):
+
+    * :meth:`set_latency` delays every chunk in both directions;
+    * :meth:`reset_all` resets every open connection once;
+    * :meth:`drop_replies` lets requests through but loses replies and resets;
+    * :meth:`refuse` resets new connections as soon as they are accepted;
+    * :meth:`blackhole` forwards nothing and closes nothing.
+    """
+
+    host = "127.0.0.1"
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.latency = 0.0
+        self.blackholed = False
+        self.refusing = False
+        self._drops_left: int | None = 0  # None: drop every reply until heal()
+        self._guard = threading.Lock()
+        self._links: list[_Link] = []
+        self._accepted = 0
+        self._to_server = 0
+        self._stopping = threading.Event()
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+        self.port = 0
+
+    # -- lifecycle -------------------------------------------------------
+
+    def start(self) -> FaultProxy:
+        """Listen on a free port and start accepting connections."""
+        if self._listener is not None:
+            return self
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((self.host, 0))
+        listener.listen(64)
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        self._stopping.clear()
+        self._acceptor = threading.Thread(target=self._accept, name="fault-proxy", daemon=True)
+        self._acceptor.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop listening, close every connection and join every thread."""
+        self._stopping.set()
+        if self._acceptor is not None:
+            self._acceptor.join(_IO_TIMEOUT)
+            self._acceptor = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        with self._guard:
+            links, self._links = self._links, []
+        for link in links:
+            link.stop_requested = True
+        for link in links:
+            link.thread.join(_IO_TIMEOUT * 2)
+
+    def __enter__(self) -> FaultProxy:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            ready, _, _ = select.select([self._listener], [], [], _POLL)
+            if not ready:
+                continue
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                continue
+            with self._guard:
+                self._accepted += 1
+                self._links = [link for link in self._links if not link.done.is_set()]
+                if self.refusing:
+                    _reset(client)
+                    continue
+                link = _Link(self, client)
+                self._links.append(link)
+            link.thread.start()
+
+    # -- addresses -------------------------------------------------------
+
+    def url_for(self, db: int = 0) -> str:
+        """``redis://127.0.0.1:PORT/DB`` for clients that should go through the proxy."""
+        return f"redis://{self.host}:{self.port}/{db}"
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:PORT/0``."""
+        return self.url_for(0)
+
+    # -- faults ----------------------------------------------------------
+
+    def set_latency(self, seconds: float) -> None:
+        """Delay every chunk read from now on, in both directions, by ``seconds`` (0: off)."""
+        if seconds < 0:
+            raise ValueError("latency cannot be negative")
+        self.latency = seconds
+
+    def reset_all(self, timeout: float = _IO_TIMEOUT) -> None:
+        """Reset every open connection (RST to the client, close to the server) and wait for it.
+
+        New connections are unaffected and work normally.
+        """
+        links = self._open_links()
+        for link in links:
+            link.reset_requested = True
+        for link in links:
+            link.done.wait(timeout)
+
+    def drop_replies(self, count: int | None = None) -> None:
+        """Lose server replies: requests still reach the server and run, replies never arrive.
+
+        The proxy reads what the server sent (so the command has run), discards
+        it and resets that client connection with an RST: the client gets a
+        connection error for a command that took effect. Each such read counts
+        as one dropped reply; after ``count`` of them forwarding is normal
+        again (``None``: keep dropping until :meth:`heal`). A reply to a
+        connection handshake (such as ``CLIENT SETINFO``) counts too, so open
+        the client's connection before calling this.
+        """
+        if count is not None and count < 0:
+            raise ValueError("count cannot be negative")
+        with self._guard:
+            self._drops_left = count
+
+    def take_drop(self) -> bool:
+        """Whether the reply just read from the server is to be dropped (uses up one drop)."""
+        with self._guard:
+            if self._drops_left is None:
+                return True
+            if self._drops_left > 0:
+                self._drops_left -= 1
+                return True
+            return False
+
+    def refuse(self) -> None:
+        """Reset each new connection right after accepting it; open ones keep working."""
+        self.refusing = True
+
+    def blackhole(self) -> None:
+        """Forward nothing either way, on open and new connections, and close nothing.
+
+        Bytes read while the black hole lasts are discarded, so clients wait until
+        their own timeouts. A server closing its side is not passed on either.
+        """
+        self.blackholed = True
+
+    def heal(self) -> None:
+        """Clear every fault: no latency, no drops, no refusing, no black hole.
+
+        Connections that lived through a black hole forward again, but the bytes
+        it swallowed are gone, so their protocol streams are usually out of step;
+        clients that timed out have dropped those connections already, and new
+        connections are fine.
+        """
+        with self._guard:
+            self._drops_left = 0
+        self.latency = 0.0
+        self.refusing = False
+        self.blackholed = False
+
+    # -- counters --------------------------------------------------------
+
+    def count_to_server(self, size: int) -> None:
+        """Add ``size`` bytes to :attr:`bytes_to_server`."""
+        with self._guard:
+            self._to_server += size
+
+    @property
+    def connections_accepted(self) -> int:
+        """Client connections accepted so far, including refused ones."""
+        with self._guard:
+            return self._accepted
+
+    @property
+    def bytes_to_server(self) -> int:
+        """Bytes delivered to the target so far, over every connection."""
+        with self._guard:
+            return self._to_server
+
+    def active_connections(self) -> int:
+        """Client connections currently open through the proxy."""
+        return len(self._open_links())
+
+    def _open_links(self) -> list[_Link]:
+        with self._guard:
+            return [link for link in self._links if not link.done.is_set()]
