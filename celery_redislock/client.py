@@ -2,55 +2,142 @@
 
 Locks, the heartbeat and the Celery integration all ask for clients here so a
 process keeps one connection pool per server instead of one per lock or per
-task call. These clients time out their connects and reads after
-:data:`~celery_redislock.transport.DEFAULT_CALL_TIMEOUT`; the lock's own round
-trips are bounded tighter by their callers (see :mod:`celery_redislock.transport`). The cache is emptied in a forked child (Celery's prefork pool), so a
+task call. The cache is emptied in a forked child (Celery's prefork pool), so a
 child never talks over a socket it inherited from its parent.
+
+URLs take the forms Celery's own Redis transport takes:
+
+* ``redis://[[user]:password@]host[:port][/db]``, ``rediss://…`` (TLS, with
+  redis-py's ``ssl_*`` query parameters such as ``ssl_cert_reqs`` and
+  ``ssl_ca_certs``) and ``unix:///path/to.sock[?db=N]``;
+* Sentinel: ``sentinel://[:password@]host:port[/db];sentinel://host2:port;…``,
+  with transport options naming the master (``master_name``) and, optionally,
+  ``sentinel_kwargs`` for the connections to the Sentinels themselves — the keys
+  of Celery's ``broker_transport_options`` for a Sentinel broker.
+
+The clients made here time out their connects and reads after
+:data:`~celery_redislock.transport.DEFAULT_CALL_TIMEOUT`; the lock's own round
+trips are bounded tighter by their callers (see :mod:`celery_redislock.transport`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import unquote, urlparse
 
 import redis
+from redis.cluster import RedisCluster
+from redis.sentinel import Sentinel
 
-from celery_redislock.transport import DEFAULT_CALL_TIMEOUT
+from celery_redislock.transport import DEFAULT_CALL_TIMEOUT, Client
+
+#: URL schemes of a lock store.
+URL_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
+
+_TIMEOUTS = {
+    "socket_timeout": DEFAULT_CALL_TIMEOUT,
+    "socket_connect_timeout": DEFAULT_CALL_TIMEOUT,
+}
 
 _clients: dict[str, redis.Redis] = {}
 _guard = threading.Lock()
 
 
-def get_client(url: str) -> redis.Redis:
-    """Return this process's shared client for ``url``, creating it on first use."""
-    client = _clients.get(url)
+def check_url(value: object, argument: str = "url") -> str:
+    """Return ``value`` if it is a lock store URL, or raise naming ``argument``."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{argument} must be a Redis URL string ({', '.join(URL_SCHEMES)}), "
+            f"not {type(value).__name__}"
+        )
+    if not value.startswith(URL_SCHEMES):
+        raise ValueError(
+            f"{argument} {value!r} is not a Redis URL: it must start with one of "
+            f"{', '.join(URL_SCHEMES)}"
+        )
+    return value
+
+
+def get_client(url: str, transport_options: Mapping[str, Any] | None = None) -> redis.Redis:
+    """Return this process's shared client for ``url``, creating it on first use.
+
+    Arguments:
+        url: a lock store URL (see the module docstring).
+        transport_options: for a ``sentinel://`` URL, ``master_name`` (required),
+            ``sentinel_kwargs`` and any further keyword for the master's client.
+
+    Raises:
+        ValueError: the URL is not a Redis URL, or a Sentinel URL lacks ``master_name``.
+    """
+    check_url(url)
+    options = dict(transport_options or {})
+    cache_key = url if not url.startswith("sentinel://") else f"{url}\0{_stable(options)}"
+    client = _clients.get(cache_key)
     if client is None:
         with _guard:
-            client = _clients.get(url)
+            client = _clients.get(cache_key)
             if client is None:
-                client = redis.Redis.from_url(
-                    url,
-                    health_check_interval=30,
-                    socket_timeout=DEFAULT_CALL_TIMEOUT,
-                    socket_connect_timeout=DEFAULT_CALL_TIMEOUT,
-                )
-                _clients[url] = client
+                if url.startswith("sentinel://"):
+                    client = _sentinel_master(url, options)
+                else:
+                    client = redis.Redis.from_url(url, health_check_interval=30, **_TIMEOUTS)
+                _clients[cache_key] = client
     return client
 
 
-def as_client(client_or_url: redis.Redis | str) -> redis.Redis:
-    """Accept a ready client or a ``redis://`` URL and return a client."""
+def _stable(options: Mapping[str, Any]) -> str:
+    return json.dumps(options, sort_keys=True, default=repr)
+
+
+def _sentinel_master(url: str, options: dict[str, Any]) -> redis.Redis:
+    """A client of the master that the Sentinels in ``url`` name ``master_name``."""
+    master_name = options.pop("master_name", None)
+    if not master_name:
+        raise ValueError(
+            f"the Sentinel URL {url!r} needs the master's name: set "
+            'app.conf.redislock_transport_options = {"master_name": "mymaster"} '
+            "(or broker_transport_options when the broker URL is used)"
+        )
+    sentinel_kwargs = dict(_TIMEOUTS, **options.pop("sentinel_kwargs", None) or {})
+    hosts: list[tuple[str, int]] = []
+    master: dict[str, Any] = dict(_TIMEOUTS)
+    for part in url.split(";"):
+        part = part.strip()
+        if not part:
+            continue
+        check_url(part)
+        parsed = urlparse(part)
+        hosts.append((parsed.hostname or "localhost", parsed.port or 26379))
+        if parsed.password and "password" not in master:
+            master["password"] = unquote(parsed.password)
+        if parsed.username and "username" not in master:
+            master["username"] = unquote(parsed.username)
+        db = parsed.path.strip("/")
+        if db and "db" not in master:
+            master["db"] = int(db)
+    master.update(options)
+    sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_kwargs, **_TIMEOUTS)  # type: ignore[no-untyped-call]
+    client: redis.Redis = sentinel.master_for(master_name, **master)  # type: ignore[no-untyped-call]
+    return client
+
+
+def as_client(client_or_url: Client | str) -> Client:
+    """Accept a ready client (one server, Sentinel-managed, or a cluster) or a URL."""
     if isinstance(client_or_url, str):
         if not client_or_url:
             raise ValueError(
                 "client_or_url: an empty URL was given; pass a redis:// URL or a client"
             )
         return get_client(client_or_url)
-    if isinstance(client_or_url, redis.Redis):
+    if isinstance(client_or_url, redis.Redis | RedisCluster):
         return client_or_url
     raise TypeError(
-        f"client_or_url must be a redis.Redis client or a redis:// URL, "
-        f"not {type(client_or_url).__name__}"
+        "client_or_url must be a redis.Redis or redis.cluster.RedisCluster client or a "
+        f"redis:// URL, not {type(client_or_url).__name__}"
     )
 
 

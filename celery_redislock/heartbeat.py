@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from redis.exceptions import RedisError
+from redis.exceptions import AskError, RedisError
 
 from celery_redislock.scripts import EXTEND_SCRIPT, Call, Released, run_calls
 from celery_redislock.transport import DEFAULT_CALL_TIMEOUT, Deadline, Transport, describe_error
@@ -73,6 +73,8 @@ class Renewable(Protocol):
     def _mark_lost(self) -> None: ...
 
     def _expires_at(self) -> float: ...
+
+    def _redirected(self, exc: BaseException) -> bool: ...
 
 
 class _Entry:
@@ -116,11 +118,12 @@ class _Lane:
         self.collected: deque[tuple[int, str]] = deque()
 
     # Called from any thread.
-    def register(self, lock: Renewable) -> None:
+    def register(self, lock: Renewable, due: float | None = None) -> None:
         ident, name = id(lock), lock.name
         ref = weakref.ref(lock, lambda _ref: self.collected.append((ident, name)))
         with self.cond:
-            due = self.clock() + lock.renew_interval
+            if due is None:
+                due = self.clock() + lock.renew_interval
             self.entries[ident] = _Entry(ref, name, due)
             self._wake(due)
 
@@ -249,9 +252,15 @@ class _Lane:
                 describe_error(exc),
             )
             results = [exc] * len(live)
+            live[0]._redirected(exc)
         after = self.clock()
         for lock, result in zip(live, results, strict=True):
-            if result == 1:
+            if isinstance(result, AskError):
+                lock._redirected(result)
+            if isinstance(result, Exception) and lock.transport is not self.transport:
+                # A cluster slot moved: the lane of the lock's new primary takes it.
+                self._move(lock, after)
+            elif result == 1:
                 lock._renewed(now)
                 self._reschedule(lock, now + lock.renew_interval)
             elif isinstance(result, Exception):
@@ -261,6 +270,14 @@ class _Lane:
                     self._reschedule(lock, after + min(RENEW_RETRY, lock.renew_interval / 4))
             else:
                 self._lose(lock)
+
+    def _move(self, lock: Renewable, due: float) -> None:
+        with self.cond:
+            entry = self.entries.get(id(lock))
+            if entry is None or entry.ref() is not lock:
+                return
+            del self.entries[id(lock)]
+        self.heartbeat._lane(lock.transport).register(lock, due)
 
     def _reschedule(self, lock: Renewable, due: float) -> None:
         with self.cond:
@@ -351,13 +368,11 @@ class Heartbeat:
         if lane is not None:
             lane.unregister(lock)
 
-    def retry_in_background(
-        self, transport: Transport, call: Call, until: float, what: str
-    ) -> None:
-        """Send ``call`` (a request safe to send twice) until it lands or the
-        heartbeat's clock reaches ``until``; ``what`` names it in the logs."""
+    def retry_in_background(self, lock: Renewable, call: Call, until: float, what: str) -> None:
+        """Send ``call`` (a request about ``lock``, safe to send twice) until it
+        lands or the heartbeat's clock reaches ``until``; ``what`` names it in the logs."""
         self._stopping = False
-        self._lane(transport).add_pending(call, until, what)
+        self._lane(lock.transport).add_pending(call, until, what)
 
     def held(self) -> list[Renewable]:
         """The locks being renewed right now."""

@@ -39,7 +39,6 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NoReturn
 
-import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -65,14 +64,16 @@ from celery_redislock.scripts import (
 )
 from celery_redislock.subscriber import Subscription
 from celery_redislock.transport import (
+    ATTEMPTS,
     DEFAULT_CALL_TIMEOUT,
     TRANSIENT,
+    Client,
     Deadline,
+    Router,
     Transport,
     backend_errors,
     describe_error,
     run,
-    transport_for,
 )
 
 #: How long a name's fence hash outlives its last use, in ms. After it expires
@@ -231,7 +232,7 @@ class RedisLock:
 
     def __init__(
         self,
-        client_or_url: redis.Redis | str,
+        client_or_url: Client | str,
         name: str,
         ttl: float = DEFAULT_TTL,
         *,
@@ -287,7 +288,7 @@ class RedisLock:
         self._unconfirmed: float | None = None
         self._state = threading.Lock()
         self._heartbeat = _heartbeat
-        self._transport = transport_for(self.client)
+        self._router = Router(self.client)
 
     def __repr__(self) -> str:
         return f"<RedisLock {self.name!r} owner={self.owner[:8]}… token={self.token}>"
@@ -295,8 +296,9 @@ class RedisLock:
     # The heartbeat's view of the lock.
     @property
     def transport(self) -> Transport:
-        """The connections this lock's requests travel on."""
-        return self._transport
+        """The connections this lock's requests travel on (on a cluster, those of
+        the primary that owns the lock's slot now)."""
+        return self._router.transport(self.key)
 
     @property
     def ttl_ms(self) -> int:
@@ -315,6 +317,9 @@ class RedisLock:
 
     def _expires_at(self) -> float:
         return self._expiry
+
+    def _redirected(self, exc: BaseException) -> bool:
+        return self._router.redirected(exc)
 
     def _mark_lost(self) -> None:
         with self._state:
@@ -399,7 +404,7 @@ class RedisLock:
             [self.owner, self.channel, secrets.token_hex(8), FENCE_TTL_MS, ""],
         )
         try:
-            result = Released(run_call(self._transport, call, self._call_deadline(None)))
+            result = Released(self._run(call, self._call_deadline(None)))
         except RedisError as exc:
             self._release_failed(call, exc)
         if result is Released.NOT_OWNED:
@@ -426,7 +431,7 @@ class RedisLock:
         sent = time.monotonic()
         call = Call(EXTEND_SCRIPT, [self.key], [self.owner, max(1, int(new_ttl * 1000))])
         with backend_errors(f"extend lock {self.name!r}"):
-            result = run_call(self._transport, call, self._call_deadline(None))
+            result = self._run(call, self._call_deadline(None))
         if result != 1:
             if self._forget():
                 self._lost = True
@@ -485,10 +490,28 @@ class RedisLock:
 
     def _read(self, command: tuple[Any, ...]) -> Any:
         with backend_errors(f"read lock {self.name!r}"):
-            reply = run(self._transport, [command], self._call_deadline(None))[0]
-            if isinstance(reply, Exception):
-                raise reply
-            return reply
+            return self._run(command, self._call_deadline(None))
+
+    def _run(self, call: Call | tuple[Any, ...], deadline: Deadline) -> Any:
+        """Send one script call (or plain command) for this lock's key; raise an error reply.
+
+        On a cluster, a redirection or a failed primary updates the slot map and
+        the request goes again to the key's owner now.
+        """
+        for attempt in range(ATTEMPTS):
+            transport = self.transport
+            try:
+                if isinstance(call, Call):
+                    return run_call(transport, call, deadline)
+                reply = run(transport, [call], deadline)[0]
+                if isinstance(reply, Exception):
+                    raise reply
+                return reply
+            except RedisError as exc:
+                last = attempt + 1 == ATTEMPTS or deadline.expired()
+                if last or not self._router.redirected(exc):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _try_acquire(self, deadline: Deadline, request: str) -> bool:
         """One acquire round trip; record the hold, or who holds the lock instead."""
@@ -499,7 +522,7 @@ class RedisLock:
         )
         sent = time.monotonic()
         try:
-            reply = AcquireReply.parse(run_call(self._transport, call, deadline))
+            reply = AcquireReply.parse(self._run(call, deadline))
         except RedisError as exc:
             if isinstance(exc, _AMBIGUOUS) and self._unconfirmed is None:
                 self._unconfirmed = sent
@@ -534,7 +557,7 @@ class RedisLock:
         """
         self._unconfirmed = None
         self._beat().retry_in_background(
-            self._transport,
+            self,
             Call(
                 RELEASE_SCRIPT,
                 [self.key, self.fence_key],
@@ -551,7 +574,7 @@ class RedisLock:
         waiter that has failed to reach Redis for ``call_timeout`` seconds in a
         row (or whose time ran out after a failure) raises.
         """
-        subscription = Subscription(self._transport, self.channel)
+        subscription = Subscription(self.transport, self.channel)
         failing_since: float | None = None
         pause = 0.01
         try:
@@ -561,6 +584,7 @@ class RedisLock:
                     if not subscription.active:
                         # Subscribe before re-checking, or a release in between
                         # would go unheard until the holder's TTL ran out.
+                        subscription = Subscription(self.transport, self.channel)
                         subscription.open(self._call_deadline(ends))
                     if self._try_acquire(self._call_deadline(ends), request):
                         return True
@@ -604,9 +628,7 @@ class RedisLock:
         else:
             # An inner hold: the outer one stays renewed, so keep trying a while.
             until = time.monotonic() + self.ttl
-        self._beat().retry_in_background(
-            self._transport, call, until, f"releasing lock {self.name!r}"
-        )
+        self._beat().retry_in_background(self, call, until, f"releasing lock {self.name!r}")
         raise LockBackendError(
             f"could not release lock {self.name!r}: {describe_error(exc)}; "
             + (
@@ -636,7 +658,7 @@ def _text(value: bytes | str | None) -> str | None:
 
 
 def release_lease(
-    client_or_url: redis.Redis | str,
+    client_or_url: Client | str,
     name: str,
     lease: str,
     prefix: str = DEFAULT_PREFIX,
@@ -659,4 +681,4 @@ def release_lease(
         [lease, channel, secrets.token_hex(8), FENCE_TTL_MS],
     )
     with backend_errors(f"release lock {name!r}"):
-        return bool(run_call(transport_for(client), call, Deadline.after(timeout)))
+        return bool(run_call(Router(client).transport(key), call, Deadline.after(timeout)))

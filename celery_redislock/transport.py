@@ -31,14 +31,17 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.exceptions import (
-    ConnectionError as RedisConnectionError,
-)
-from redis.exceptions import (
+    AskError,
+    MovedError,
     NoPermissionError,
     ReadOnlyError,
     RedisError,
     ResponseError,
+)
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
 )
 from redis.exceptions import (
     TimeoutError as RedisTimeoutError,
@@ -242,6 +245,64 @@ def transport_for(client: redis.Redis) -> Transport:
             if transport is None:
                 transport = _transports[client] = Transport(client)
     return transport
+
+
+#: A client the engine accepts: one server (plain, Sentinel-managed, TLS, unix
+#: socket) or a Redis Cluster.
+Client = redis.Redis | RedisCluster
+
+
+class Router:
+    """Finds the transport a lock key's requests go to.
+
+    For one server that is its transport; for a Redis Cluster, the transport of
+    the primary that owns the key's slot, as the cluster client's slot map says.
+    """
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.cluster = isinstance(client, RedisCluster)
+
+    def transport(self, key: str) -> Transport:
+        """The transport for ``key``'s slot."""
+        client = self.client
+        if isinstance(client, RedisCluster):
+            slot = client.keyslot(key)  # type: ignore[no-untyped-call]
+            node = client.nodes_manager.get_node_from_slot(slot)
+            return transport_for(client.get_redis_connection(node))
+        return transport_for(client)
+
+    def transports(self) -> list[Transport]:
+        """Every primary's transport (one for a single server)."""
+        client = self.client
+        if isinstance(client, RedisCluster):
+            primaries = client.get_primaries()  # type: ignore[no-untyped-call]
+            return [transport_for(client.get_redis_connection(n)) for n in primaries]
+        return [transport_for(client)]
+
+    def redirected(self, exc: BaseException) -> bool:
+        """Learn from ``exc`` where keys live now; return whether a new try may help.
+
+        A single server has nowhere else to go. On a cluster, a ``MOVED`` reply
+        updates the slot map; a connection error or timeout (a primary died, a
+        failover may be under way) refreshes it from the cluster.
+        """
+        client = self.client
+        if not isinstance(client, RedisCluster):
+            return False
+        if isinstance(exc, MovedError):
+            client.nodes_manager.move_slot(exc)
+            return True
+        if isinstance(exc, AskError):
+            # A slot half-way through a migration: its keys settle shortly.
+            return True
+        if isinstance(exc, TRANSIENT):
+            try:
+                client.nodes_manager.initialize()
+            except RedisError:
+                return False
+            return True
+        return False
 
 
 def run(
