@@ -35,7 +35,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, NoReturn
 
@@ -60,11 +60,10 @@ from celery_redislock.scripts import (
     AcquireReply,
     Call,
     Released,
-    run_call,
+    send,
 )
 from celery_redislock.subscriber import Subscription
 from celery_redislock.transport import (
-    ATTEMPTS,
     DEFAULT_CALL_TIMEOUT,
     TRANSIENT,
     Client,
@@ -73,7 +72,6 @@ from celery_redislock.transport import (
     Transport,
     backend_errors,
     describe_error,
-    run,
 )
 
 #: How long a name's fence hash outlives its last use, in ms. After it expires
@@ -220,6 +218,13 @@ class RedisLock:
         call_timeout: deadline, in seconds, of a round trip that has none of its
             own (a non-blocking acquire, release, extend, reads); a blocking
             acquire's timeout bounds its round trips instead when shorter.
+        min_replicas: replicas that must confirm a new hold (Redis ``WAIT``, in the
+            same round trip as the acquire) within ``replica_timeout`` seconds;
+            otherwise the hold is given back and acquire raises
+            :class:`~celery_redislock.errors.LockBackendError`. This narrows the
+            window in which a failover loses a lock; it does not close it — the
+            fencing token is the real defence.
+        replica_timeout: see ``min_replicas``.
         prefix: key prefix.
 
     One object is one holder: threads sharing it share its holds (it is
@@ -243,6 +248,8 @@ class RedisLock:
         on_lost: Callable[[RedisLock], Any] | None = None,
         blocking_timeout: float | None = None,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        min_replicas: int = 0,
+        replica_timeout: float = 1.0,
         prefix: str = DEFAULT_PREFIX,
         _heartbeat: Heartbeat | None = None,
     ) -> None:
@@ -266,6 +273,13 @@ class RedisLock:
             check_name(lease, "lease")
         self.blocking_timeout = check_timeout(blocking_timeout, "blocking_timeout")
         self.call_timeout = check_ttl(call_timeout, "call_timeout")
+        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int):
+            raise TypeError(f"min_replicas must be an int, not {type(min_replicas).__name__}")
+        if min_replicas < 0:
+            raise ValueError(f"min_replicas must be >= 0, got {min_replicas}")
+        #: Replicas that must confirm a new hold (``WAIT``) before acquire succeeds.
+        self.min_replicas = min_replicas
+        self.replica_timeout = check_ttl(replica_timeout, "replica_timeout")
         self.client = as_client(client_or_url)
         self.name = name
         self.prefix = prefix
@@ -492,26 +506,14 @@ class RedisLock:
         with backend_errors(f"read lock {self.name!r}"):
             return self._run(command, self._call_deadline(None))
 
-    def _run(self, call: Call | tuple[Any, ...], deadline: Deadline) -> Any:
-        """Send one script call (or plain command) for this lock's key; raise an error reply.
-
-        On a cluster, a redirection or a failed primary updates the slot map and
-        the request goes again to the key's owner now.
-        """
-        for attempt in range(ATTEMPTS):
-            transport = self.transport
-            try:
-                if isinstance(call, Call):
-                    return run_call(transport, call, deadline)
-                reply = run(transport, [call], deadline)[0]
-                if isinstance(reply, Exception):
-                    raise reply
-                return reply
-            except RedisError as exc:
-                last = attempt + 1 == ATTEMPTS or deadline.expired()
-                if last or not self._router.redirected(exc):
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
+    def _run(
+        self,
+        call: Call | tuple[Any, ...],
+        deadline: Deadline,
+        then: Sequence[tuple[Any, ...]] = (),
+    ) -> Any:
+        """:func:`~celery_redislock.scripts.send` for this lock's key."""
+        return send(self._router, self.key, call, deadline, then)
 
     def _try_acquire(self, deadline: Deadline, request: str) -> bool:
         """One acquire round trip; record the hold, or who holds the lock instead."""
@@ -520,9 +522,11 @@ class RedisLock:
             [self.key, self.fence_key],
             [self.owner, self.ttl_ms, self.lease, FENCE_TTL_MS, request],
         )
+        wait = self._replica_wait(deadline)
         sent = time.monotonic()
         try:
-            reply = AcquireReply.parse(self._run(call, deadline))
+            raw = self._run(call, deadline, wait)
+            reply = AcquireReply.parse(raw[0] if wait else raw)
         except RedisError as exc:
             if isinstance(exc, _AMBIGUOUS) and self._unconfirmed is None:
                 self._unconfirmed = sent
@@ -536,6 +540,8 @@ class RedisLock:
             self.blocked_by = reply.holder
             self._pttl = reply.pttl
             return False
+        if wait and reply.outcome is Acquired.TAKEN:
+            self._check_replicas(raw[1], request)
         with self._state:
             first = self._holds == 0
             self._holds = 1 if reply.outcome is Acquired.TAKEN else self._holds + 1
@@ -547,6 +553,29 @@ class RedisLock:
         if self.heartbeat and (first or reply.outcome is Acquired.TAKEN):
             self._beat().register(self)
         return True
+
+    def _replica_wait(self, deadline: Deadline) -> list[tuple[Any, ...]]:
+        """The ``WAIT`` that follows an acquire when replicas must confirm it."""
+        if not self.min_replicas:
+            return []
+        seconds = min(self.replica_timeout, deadline.remaining() - MIN_CALL / 2)
+        return [("WAIT", self.min_replicas, max(1, int(seconds * 1000)))]
+
+    def _check_replicas(self, acknowledged: Any, request: str) -> None:
+        """Give the lock back, and raise, if too few replicas confirmed the acquire."""
+        if not isinstance(acknowledged, Exception) and int(acknowledged) >= self.min_replicas:
+            return
+        self._undo(request, time.monotonic())
+        raise LockBackendError(
+            f"lock {self.name!r} was taken on the primary, but "
+            + (
+                f"only {acknowledged} of {self.min_replicas} replica(s) confirmed it"
+                if not isinstance(acknowledged, Exception)
+                else f"WAIT failed ({acknowledged})"
+            )
+            + f" within {self.replica_timeout} s; it was given back. Check the "
+            "replicas, or lower min_replicas"
+        )
 
     def _undo(self, request: str, sent: float) -> None:
         """Release, in the background, the hold an unconfirmed acquire may have made.
@@ -681,4 +710,4 @@ def release_lease(
         [lease, channel, secrets.token_hex(8), FENCE_TTL_MS],
     )
     with backend_errors(f"release lock {name!r}"):
-        return bool(run_call(Router(client).transport(key), call, Deadline.after(timeout)))
+        return bool(send(Router(client), key, call, Deadline.after(timeout)))

@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
-from celery_redislock.transport import Deadline, Transport, run
+from celery_redislock.transport import ATTEMPTS, Deadline, Router, Transport, run
 
 #: Highest TTL a script accepts, in ms (about 10 years; see ``lock.MAX_SECONDS``).
 MAX_TTL_MS = 315_360_000_000
@@ -203,35 +203,66 @@ EXTEND_SCRIPT = Script("EXTEND", EXTEND)
 RELEASE_LEASE_SCRIPT = Script("RELEASE_LEASE", RELEASE_LEASE)
 
 
-def run_calls(transport: Transport, calls: Sequence[Call], deadline: Deadline) -> list[Any]:
-    """Run ``calls`` in one pipelined round trip; return one reply (or error) per call.
+def run_calls(
+    transport: Transport,
+    calls: Sequence[Call],
+    deadline: Deadline,
+    then: Sequence[Sequence[Any]] = (),
+) -> list[Any]:
+    """Run ``calls``, then the plain commands ``then``, in one pipelined round trip.
 
-    Calls the server does not know by digest yet (``NOSCRIPT``: not run) are sent
-    again by text in a second round trip, which also caches them. Transient
-    errors are retried within ``deadline`` (the scripts recognise a retry).
+    Returns one reply (or error) per call and per command. Calls the server does
+    not know by digest yet (``NOSCRIPT``: not run) are sent again by text in a
+    second round trip, which also caches them, followed by ``then`` again.
+    Transient errors are retried within ``deadline`` (the scripts recognise a retry).
 
     Raises:
         redis.RedisError: the round trip failed for good.
     """
-    replies = run(transport, [call.by_sha() for call in calls], deadline)
-    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    replies = run(transport, [*(call.by_sha() for call in calls), *then], deadline)
+    missing = [
+        i for i, reply in enumerate(replies[: len(calls)]) if isinstance(reply, NoScriptError)
+    ]
     if missing:
-        again = run(transport, [calls[i].by_text() for i in missing], deadline)
-        for i, reply in zip(missing, again, strict=True):
+        again = run(transport, [*(calls[i].by_text() for i in missing), *then], deadline)
+        for i, reply in zip(missing, again, strict=False):
             replies[i] = reply
+        replies[len(calls) :] = again[len(missing) :]
     return replies
 
 
-def run_call(transport: Transport, call: Call, deadline: Deadline) -> Any:
-    """Run one call; an error reply is raised.
+def send(
+    router: Router,
+    key: str,
+    call: Call | Sequence[Any],
+    deadline: Deadline,
+    then: Sequence[Sequence[Any]] = (),
+) -> Any:
+    """Send one script call (or plain command) about ``key``; raise an error reply.
+
+    With ``then``, those commands follow in the same round trip and every reply
+    comes back, as a list. On a cluster, a redirection or a failed primary
+    updates the slot map and the request goes again to the key's owner now.
 
     Raises:
-        redis.RedisError: the call failed (connection, timeout, or an error reply).
+        redis.RedisError: the request failed for good (connection, timeout, or
+            an error reply).
     """
-    reply = run_calls(transport, [call], deadline)[0]
-    if isinstance(reply, Exception):
-        raise reply
-    return reply
+    for attempt in range(ATTEMPTS):
+        transport = router.transport(key)
+        try:
+            if isinstance(call, Call):
+                replies = run_calls(transport, [call], deadline, then)
+            else:
+                replies = run(transport, [call, *then], deadline)
+            if isinstance(replies[0], Exception):
+                raise replies[0]
+            return replies if then else replies[0]
+        except RedisError as exc:
+            last = attempt + 1 == ATTEMPTS or deadline.expired()
+            if last or not router.redirected(exc):
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 class Acquired(IntEnum):

@@ -1,0 +1,60 @@
+"""min_replicas: an acquire confirmed by replicas (WAIT in the same round trip)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from celery_redislock import LockBackendError, RedisLock
+from celery_redislock.server import RedisServer
+from tests.support import wait_for
+
+
+def test_acquire_without_enough_replicas_gives_the_lock_back(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """With fewer replicas than min_replicas, acquire raises naming the shortfall and the
+    hold it took on the primary is given back."""
+    primary = redislock_server_factory()
+    lock = RedisLock(primary.url, "unreplicated", ttl=30, min_replicas=1, replica_timeout=0.2)
+    with pytest.raises(LockBackendError) as excinfo:
+        lock.acquire(blocking=False)
+    assert "only 0 of 1 replica(s) confirmed it" in str(excinfo.value)
+    assert not lock.holding
+    checker = primary.client()
+    wait_for(lambda: not checker.exists(lock.key), what="the hold given back")
+    checker.close()
+
+
+def test_acquire_confirmed_by_a_replica_is_on_the_replica(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """With min_replicas=1 and a live replica, acquire returns only once the replica has
+    the lock, in the same single round trip."""
+    primary = redislock_server_factory()
+    replica = redislock_server_factory(extra_args=("--replicaof", primary.host, str(primary.port)))
+    replica_client = replica.client()
+    wait_for(
+        lambda: replica_client.info("replication").get("master_link_status") == "up",
+        what="the replica's link",
+    )
+    lock = RedisLock(primary.url, "replicated", ttl=30, min_replicas=1)
+    assert lock.acquire()  # the script gets cached by this first acquire
+    lock.release()
+    before = lock.transport.sends
+    assert lock.acquire(blocking=False)
+    assert lock.transport.sends - before == 1
+    assert replica_client.hget(lock.key, "owner") == lock.owner.encode()
+    lock.release()
+    replica_client.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [(-1, ValueError), (True, TypeError), (1.5, TypeError)]
+)
+def test_min_replicas_is_checked(value: object, error: type[Exception]) -> None:
+    """min_replicas must be a non-negative int; the message names it."""
+    with pytest.raises(error) as excinfo:
+        RedisLock("redis://127.0.0.1:1/0", "x", min_replicas=value)  # type: ignore[arg-type]
+    assert "min_replicas" in str(excinfo.value)
