@@ -34,7 +34,12 @@ success, exception, soft time limit    released in the body's ``finally``
                                        the countdown
 ``Ignore``, ``Reject``                 released (``Reject(requeue=True)`` keeps an
                                        ``until_executed`` lock for the redelivery)
-revoked while queued or terminated     released by the worker's ``task_revoked``
+revoked while queued                   ``until_*``: freed by the workers as soon as
+                                       the revoke reaches them
+                                       (:mod:`celery_redislock.revoke`); also by
+                                       the ``task_revoked`` handler when a worker
+                                       drops the message
+terminated while running               released by the worker's ``task_revoked``
                                        handler, by task id
 hard time limit, SIGKILL, lost worker  the heartbeat dies with the process and the
                                        TTL frees the lock
@@ -424,6 +429,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         tasks = [task for task in list(app._tasks.values()) if type(task) is cls]
         for task in tasks:
             task._configure(app)
+        if tasks:
+            from celery_redislock.revoke import RevokedLockRelease
+
+            # Its workers free the until_* lock of a task revoked while queued.
+            app.steps["consumer"].add(RevokedLockRelease)
 
     def _configure(self, app: Any) -> LockOptions:
         """Resolve and check this task's options and key derivation; keep them on the task."""

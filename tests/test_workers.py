@@ -231,3 +231,70 @@ def test_worker_survives_lock_store_outage(
     assert all(isinstance(o, LockBackendError) for o in outcomes), outcomes
     assert worker.process.poll() is None
     assert records(client, "critical") == []
+
+
+def scheduled_ids(app: Any, worker: Worker) -> set[str]:
+    """The ids of the requests ``worker`` holds waiting for their countdown/ETA."""
+    replies = app.control.inspect(destination=[worker.name], timeout=1).scheduled() or {}
+    return {entry["request"]["id"] for entries in replies.values() for entry in entries}
+
+
+def reserved_ids(app: Any, worker: Worker) -> set[str]:
+    """The ids of the requests ``worker`` has fetched and not started."""
+    replies = app.control.inspect(destination=[worker.name], timeout=1).reserved() or {}
+    return {entry["id"] for entries in replies.values() for entry in entries}
+
+
+def revoke(app: Any, result: Any, how: str) -> None:
+    """Revoke ``result`` through ``AsyncResult.revoke()`` or ``app.control.revoke(id)``."""
+    if how == "AsyncResult.revoke":
+        result.revoke()
+    else:
+        app.control.revoke(result.id)
+
+
+@pytest.mark.parametrize("how", ["AsyncResult.revoke", "app.control.revoke"])
+def test_revoked_countdown_task_frees_key(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]], how: str
+) -> None:
+    """A countdown until_executed task revoked in a prefork worker frees its key; a resend runs."""
+    mod, client, launch = env
+    # No redelivery of the held message (which would also drop it, and free the key)
+    # while the test runs: only the revoke can free it.
+    worker = launch("eta", concurrency=1, REDISLOCK_TEST_VISIBILITY_TIMEOUT="600")
+    first = mod.queued_once.apply_async(("c",), countdown=120)
+    key = f"redislock:{{{mod.queued_once.lock_name(('c',), {})}}}"
+    assert client.exists(key)
+    wait_for(lambda: first.id in scheduled_ids(mod.app, worker), what="the countdown to be held")
+    revoke(mod.app, first, how)
+    wait_for(lambda: not client.exists(key), timeout=5, what="the revoked task's key to be freed")
+    again = mod.queued_once.delay("c")
+    assert again.id != first.id
+    assert again.get(timeout=30) == again.id
+    assert [r["id"] for r in records(client, "queued_once")] == [again.id]
+
+
+@pytest.mark.parametrize("how", ["AsyncResult.revoke", "app.control.revoke"])
+def test_revoked_message_behind_busy_slot_frees_key(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]], how: str
+) -> None:
+    """A message left in the broker behind a busy slot, revoked, frees its key; a resend runs."""
+    mod, client, launch = env
+    worker = launch("busy", concurrency=1)
+    busy = mod.occupy.delay("slot")
+    wait_for(lambda: records(client, "occupy"), what="the slot to be taken")
+    first = mod.queued_once.delay("b")
+    key = f"redislock:{{{mod.queued_once.lock_name(('b',), {})}}}"
+    broker = redis.Redis.from_url(mod.URL.rsplit("/", 1)[0] + "/1")
+    assert broker.llen("workers-queue") == 1
+    assert first.id not in reserved_ids(mod.app, worker)
+    assert broker.llen("workers-queue") == 1  # still not fetched after the inspect round trip
+    revoke(mod.app, first, how)
+    wait_for(lambda: not client.exists(key), timeout=5, what="the revoked task's key to be freed")
+    again = mod.queued_once.delay("b")
+    assert again.id != first.id
+    client.set("release:slot", 1)
+    assert busy.get(timeout=30) == "slot"
+    assert again.get(timeout=30) == again.id
+    assert [r["id"] for r in records(client, "queued_once")] == [again.id]
+    broker.close()

@@ -20,7 +20,9 @@ URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6379/0")
 app = make_app(URL, "workers")
 app.conf.update(
     broker_transport_options={
-        "visibility_timeout": 4,
+        # Short, so that the messages of a killed worker come back quickly; a test
+        # that needs a held message not to be redelivered raises it.
+        "visibility_timeout": float(os.environ.get("REDISLOCK_TEST_VISIBILITY_TIMEOUT", "4")),
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
     },
@@ -75,4 +77,25 @@ def overrun(self: Any, name: str) -> str:
     """Runs past its soft time limit."""
     log("overrun", name=name)
     time.sleep(5)
+    return name
+
+
+@app.task(base=SingletonTask, bind=True, lock_strategy="until_executed")
+def queued_once(self: Any, name: str) -> str:
+    """An until_executed task: its key is held from the send until it has run."""
+    log("queued_once", name=name, id=self.request.id)
+    return str(self.request.id)
+
+
+@app.task(bind=True, acks_late=True)
+def occupy(self: Any, name: str) -> str:
+    """Holds a worker slot until ``release:<name>`` is set (at most 60 s).
+
+    Acknowledged only when it ends, so with a prefetch limit of one the worker
+    fetches nothing more from the broker while it runs.
+    """
+    log("occupy", name=name, id=self.request.id)
+    deadline = time.monotonic() + 60
+    while not store.exists(f"release:{name}") and time.monotonic() < deadline:
+        time.sleep(0.01)
     return name

@@ -1,0 +1,297 @@
+"""Free the ``until_*`` lock of a task revoked while its message still waits.
+
+``AsyncResult.revoke()`` and ``app.control.revoke()`` both broadcast Celery's
+``revoke`` remote-control command to every running worker. Celery itself only
+drops a revoked message when a worker gets to it — at its ETA, or once a busy
+worker has a free slot — and the ``task_revoked`` handler frees the lock then.
+Until that moment the lock taken by ``apply_async`` would keep the key, and a
+``delay()`` with the same arguments would return the revoked task's id.
+
+:class:`RevokedLockRelease` is a consumer bootstep that a SingletonTask adds to
+``app.steps["consumer"]`` when it is bound to the app, so every worker of an app
+with singleton tasks runs it, in the process that handles control commands (the
+prefork pool's parent). It gives its worker's remote-control node a ``revoke``
+handler that runs Celery's own and then, for each revoked task id, frees the
+``until_*`` lock still held for the task's message:
+
+* a request this worker holds and has not started (waiting for its ETA or a
+  slot): the lock name comes from the task and its arguments;
+* an id it does not know (the message still sits in the broker): the lock is
+  found by a bounded ``SCAN`` of the lock keys and a pipelined ``HMGET`` of their
+  ``lease`` and ``owner`` fields.
+
+Only a lock still owned by the message — its owner is
+:func:`~celery_redislock.task.queued_owner` of the task id — is freed, by an
+owner-checked release: once an execution has taken the lock over, nothing here
+touches it, so a revoke that reaches a task already running (Celery lets it
+finish) or several workers freeing the same lock do no harm. A request waiting
+for its ETA in this worker cannot start any more, so its lock is also freed by
+lease (a retry's lock). The Redis work runs on one background thread per
+worker, which merges the ids of revokes sent in a burst into one scan; failures
+are logged and never reach the worker.
+
+With no worker running, Celery drops the broadcast: the key then frees when
+``lock_enqueue_ttl`` runs out, or with ``celery redislock release``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import redis
+from celery import bootsteps
+from celery.utils.functional import maybe_list
+from celery.worker import state as worker_state
+
+from celery_redislock.errors import LockNotOwnedError
+from celery_redislock.lock import RedisLock, name_from_key, release_lease
+from celery_redislock.task import WHILE_EXECUTING, SingletonTask, queued_owner
+
+logger = logging.getLogger(__name__)
+
+#: The consumer bootstep that runs the worker's remote-control node.
+CONTROL_STEP = "celery.worker.consumer.control.Control"
+
+#: Keys asked for per ``SCAN`` call, and the most calls one search makes per lock
+#: store and prefix (a bound on the time a huge keyspace can take).
+SCAN_COUNT = 1000
+MAX_SCAN_CALLS = 200
+
+
+class _Pending(NamedTuple):
+    """A lock to free for a request this worker holds."""
+
+    task: SingletonTask
+    name: str
+    task_id: str
+    scheduled: bool
+
+
+class RevokeSweeper:
+    """Frees the ``until_*`` locks of revoked tasks for one worker, on a thread of its own."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._queue: queue.SimpleQueue[tuple[list[_Pending], set[str]] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._guard = threading.Lock()
+
+    def revoked(self, task_ids: Iterable[str]) -> None:
+        """Hand over the ids of a ``revoke`` command (called after Celery's own handling).
+
+        Sorts them by what this worker knows, without any I/O: the lock names of
+        the requests it holds, and the ids it does not know.
+        """
+        pending: list[_Pending] = []
+        unknown: set[str] = set()
+        for task_id in task_ids:
+            request = worker_state.requests.get(task_id)
+            if request is None:
+                unknown.add(task_id)
+                continue
+            if request in worker_state.active_requests:
+                continue  # running: Celery lets it finish, and it releases its lock
+            task = request.task
+            try:
+                if not _locks_while_queued(task):
+                    continue
+                name = task.lock_name(request.args, request.kwargs)
+            except Exception as exc:
+                logger.warning("could not name the lock of revoked task %s: %s", task_id, exc)
+                continue
+            scheduled = request in worker_state.scheduled_requests
+            pending.append(_Pending(task, name, task_id, scheduled))
+        if pending or unknown:
+            self._start()
+            self._queue.put((pending, unknown))
+
+    def stop(self) -> None:
+        """Let the thread finish what it holds and end."""
+        with self._guard:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(10)
+
+    def _start(self) -> None:
+        with self._guard:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="redislock-revoke", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            pending, unknown = list(item[0]), set(item[1])
+            stopping = False
+            while True:  # merge the revokes of a burst into one sweep
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                    break
+                pending += more[0]
+                unknown |= more[1]
+            try:
+                self._sweep(pending, unknown)
+            except Exception as exc:  # never let the thread die
+                logger.warning("could not free the locks of revoked tasks: %s", exc)
+            if stopping:
+                return
+
+    def _sweep(self, pending: list[_Pending], unknown: set[str]) -> None:
+        for item in pending:
+            try:
+                prefix = item.task.lock_options.prefix
+                client = item.task.lock_client
+                if not free_queued(client, item.name, item.task_id, prefix) and item.scheduled:
+                    # Waiting for its ETA here, so it cannot start any more: whatever
+                    # holds its lease (a retry's lock) is free to go.
+                    release_lease(client, item.name, item.task_id, prefix)
+            except Exception as exc:
+                logger.warning(
+                    "could not free lock %s of revoked task %s: %s", item.name, item.task_id, exc
+                )
+        if unknown:
+            for client, prefix in self._stores():
+                try:
+                    find_and_free_queued(client, prefix, unknown)
+                except Exception as exc:
+                    logger.warning(
+                        "could not look for the locks of revoked tasks under %r: %s", prefix, exc
+                    )
+                if not unknown:
+                    return
+
+    def _stores(self) -> list[tuple[redis.Redis, str]]:
+        """The (lock store, prefix) pairs of the app's tasks that lock while queued."""
+        stores: dict[tuple[int, str], tuple[redis.Redis, str]] = {}
+        for task in list(self.app.tasks.values()):
+            try:
+                if _locks_while_queued(task):
+                    client, prefix = task.lock_client, task.lock_options.prefix
+                    stores.setdefault((id(client), prefix), (client, prefix))
+            except Exception as exc:
+                logger.warning("no lock store for task %s: %s", getattr(task, "name", task), exc)
+        return list(stores.values())
+
+
+def _locks_while_queued(task: object) -> bool:
+    """Whether ``task`` takes a lock when it is sent (an ``until_*`` SingletonTask)."""
+    return isinstance(task, SingletonTask) and task.lock_options.strategy != WHILE_EXECUTING
+
+
+def free_queued(client: redis.Redis, name: str, task_id: str, prefix: str) -> bool:
+    """Free lock ``name`` if the message of ``task_id`` still owns it; return whether it did.
+
+    The release compares the owner on the server: a lock an execution has taken
+    over (with an owner of its own) is left alone.
+    """
+    lock = RedisLock(
+        client, name, owner=queued_owner(task_id), lease=task_id, heartbeat=False, prefix=prefix
+    )
+    try:
+        lock.release()
+    except LockNotOwnedError:
+        return False
+    return True
+
+
+def find_and_free_queued(client: redis.Redis, prefix: str, task_ids: set[str]) -> None:
+    """Free the locks under ``prefix`` that the messages of ``task_ids`` still own.
+
+    Scans the lock keys (at most :data:`MAX_SCAN_CALLS` ``SCAN`` calls) and reads
+    each one's lease and owner in one pipelined round trip per batch. Each id found
+    is removed from ``task_ids`` (a task holds one lock at most); the scan stops
+    when none is left.
+    """
+    pattern = f"{_glob_escape(prefix)}:{{*}}"
+    cursor = 0
+    for _ in range(MAX_SCAN_CALLS):
+        cursor, keys = client.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
+        if keys:
+            with client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hmget(key, "lease", "owner")
+                rows = pipe.execute(raise_on_error=False)
+            for key, row in zip(keys, rows, strict=True):
+                if isinstance(row, Exception):
+                    continue  # not a lock hash
+                lease, owner = (_text(value) for value in row)
+                if lease is None or lease not in task_ids:
+                    continue
+                task_ids.discard(lease)
+                if owner == queued_owner(lease):
+                    free_queued(client, name_from_key(_text(key) or "", prefix), lease, prefix)
+        if not task_ids or cursor == 0:
+            return
+    logger.warning(
+        "gave up looking for the locks of revoked tasks %s under %r after %d SCAN calls; "
+        "they free when lock_enqueue_ttl runs out",
+        ", ".join(sorted(task_ids)),
+        prefix,
+        MAX_SCAN_CALLS,
+    )
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis ``MATCH`` pattern."""
+    return "".join(f"\\{char}" if char in "*?[]\\" else char for char in text)
+
+
+def _text(value: bytes | str | None) -> str | None:
+    """Decode a reply from a client that may or may not decode responses."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RevokedLockRelease(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Consumer bootstep: after Celery's ``revoke``, free the ``until_*`` locks of revoked tasks.
+
+    Added to ``app.steps["consumer"]`` when a SingletonTask is bound to the app.
+    It wraps the ``revoke`` handler of this worker's own remote-control node
+    (the shared registry of commands, ``Panel.data``, is left as it is).
+    """
+
+    requires = ("celery.worker.consumer.control:Control",)
+    label = "Revoked lock release"
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        super().__init__(c, **kwargs)
+        self.sweeper: RevokeSweeper | None = None
+
+    def start(self, c: Any) -> None:
+        """Wrap the node's ``revoke`` handler (once: a consumer restart starts steps again)."""
+        control = c.blueprint.steps.get(CONTROL_STEP)
+        node = getattr(getattr(control, "box", None), "node", None)
+        if node is None:
+            return
+        original = node.handlers.get("revoke")
+        if original is None or getattr(original, "redislock_wrapped", False):
+            return
+        sweeper = self.sweeper = RevokeSweeper(c.app)
+
+        def revoke(state: Any, **arguments: Any) -> Any:
+            reply = original(state, **arguments)
+            try:
+                sweeper.revoked(maybe_list(arguments.get("task_id")) or [])
+            except Exception as exc:  # the control command's reply must not change
+                logger.warning("could not free the locks of revoked tasks: %s", exc)
+            return reply
+
+        revoke.redislock_wrapped = True  # type: ignore[attr-defined]
+        node.handlers = {**node.handlers, "revoke": revoke}
+
+    def shutdown(self, c: Any) -> None:
+        """Stop the sweeper thread when the worker shuts down."""
+        if self.sweeper is not None:
+            self.sweeper.stop()

@@ -1,0 +1,276 @@
+"""Revoking a queued ``until_*`` task frees its key at once (in-process threads-pool worker).
+
+The ``celery worker`` subprocess (prefork) versions are in ``tests/test_workers.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from celery.worker import state as worker_state
+
+from celery_redislock import RedisLock, SingletonTask
+from celery_redislock.revoke import RevokedLockRelease, find_and_free_queued
+from celery_redislock.server import RedisServer
+from celery_redislock.task import queued_owner
+from tests.support import (
+    close_app,
+    gate,
+    lock_keys,
+    make_app,
+    quiet_sockets,
+    record,
+    runs,
+    wait_for,
+)
+
+TIMEOUT = 20
+#: A queue no worker consumes: a message sent there stays in the broker.
+NOBODY = "revoke-nobody"
+#: How long a freed key may take to show, generously (it takes a round trip or two).
+FREED_WITHIN = 5.0
+
+
+@pytest.fixture(scope="module")
+def app(redislock_server: RedisServer) -> Iterator[Celery]:
+    """An app with until_* singleton tasks, on the session server."""
+    app = make_app(redislock_server.url, "revoke")
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        name="rv.once",
+        lock_strategy="until_executed",
+    )
+    def once(self: Any, name: str) -> str:
+        record("rv.once", (name, self.request.id))
+        return str(self.request.id)
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        name="rv.hold",
+        lock_strategy="until_executed",
+    )
+    def hold(self: Any, name: str) -> str:
+        record("rv.hold", (name, self.request.id))
+        gate(name).wait(TIMEOUT)
+        return "done"
+
+    app.tasks_ns = SimpleNamespace(once=once, hold=hold)
+    yield app
+    close_app(app)
+
+
+@pytest.fixture(scope="module")
+def tasks(app: Celery) -> SimpleNamespace:
+    """The registered test tasks."""
+    return app.tasks_ns  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def worker(app: Celery) -> Iterator[Any]:
+    """A real worker (threads pool) consuming the app's default queue in this process."""
+    worker = start_worker(
+        app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=60
+    )
+    yield worker.__enter__()
+    with quiet_sockets():
+        worker.__exit__(None, None, None)
+
+
+@pytest.fixture
+def locks(redislock_server: RedisServer) -> Iterator[redis.Redis]:
+    """A client to the lock database; every test must leave no lock behind."""
+    client = redislock_server.client()
+    yield client
+    wait_for(lambda: not lock_keys(client), timeout=10, what="locks to be released")
+    client.close()
+
+
+@pytest.fixture
+def broker(redislock_server: RedisServer) -> Iterator[redis.Redis]:
+    """A client to the broker database; the queue nobody consumes is emptied afterwards."""
+    client = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
+    yield client
+    client.delete(NOBODY)
+    client.close()
+
+
+def unique(prefix: str) -> str:
+    """A name no other test uses."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def lock_key(task: Any, *args: Any) -> str:
+    """The Redis key of ``task``'s lock for a call with ``args``."""
+    return f"redislock:{{{task.lock_name(args, {})}}}"
+
+
+def ran(kind: str, task_id: str) -> bool:
+    """Whether an execution recorded ``task_id``."""
+    return any(recorded_id == task_id for _name, recorded_id in runs(kind))
+
+
+def scheduled_here(task_id: str) -> bool:
+    """Whether this process's worker holds ``task_id``, waiting for its countdown."""
+    request = worker_state.requests.get(task_id)
+    return request is not None and request in worker_state.scheduled_requests
+
+
+def revoke_by_result(app: Celery, result: Any) -> None:
+    """Revoke through ``AsyncResult.revoke()``."""
+    result.revoke()
+
+
+def revoke_by_control(app: Celery, result: Any) -> None:
+    """Revoke through ``app.control.revoke(id)``."""
+    app.control.revoke(result.id)
+
+
+REVOKES = [revoke_by_result, revoke_by_control]
+REVOKE_IDS = ["AsyncResult.revoke", "app.control.revoke"]
+
+
+def test_singleton_task_adds_the_consumer_step(app: Celery) -> None:
+    """Binding a SingletonTask to an app (when it finalizes) adds the revoke bootstep to its consumer."""
+    app.finalize()
+    assert RevokedLockRelease in app.steps["consumer"]
+
+
+@pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize("revoke", REVOKES, ids=REVOKE_IDS)
+def test_countdown_task_revoked_frees_key(
+    app: Celery,
+    tasks: SimpleNamespace,
+    locks: redis.Redis,
+    revoke: Callable[[Celery, Any], None],
+) -> None:
+    """A countdown task revoked while the worker holds it frees its key; a resend gets a new id and runs."""
+    name = unique("countdown")
+    key = lock_key(tasks.once, name)
+    first = tasks.once.apply_async((name,), countdown=60)
+    assert locks.exists(key)
+    wait_for(lambda: scheduled_here(first.id), what="the worker to schedule the countdown")
+    revoke(app, first)
+    wait_for(lambda: not locks.exists(key), timeout=FREED_WITHIN, what="the key to be freed")
+    again = tasks.once.delay(name)
+    assert again.id != first.id
+    assert again.get(timeout=TIMEOUT) == again.id
+    assert not ran("rv.once", first.id)
+
+
+@pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize("revoke", REVOKES, ids=REVOKE_IDS)
+def test_message_in_broker_revoked_frees_key(
+    app: Celery,
+    tasks: SimpleNamespace,
+    locks: redis.Redis,
+    broker: redis.Redis,
+    revoke: Callable[[Celery, Any], None],
+) -> None:
+    """A message no worker has fetched, revoked, frees its key (found by its lease); a resend runs."""
+    name = unique("broker")
+    key = lock_key(tasks.once, name)
+    first = tasks.once.apply_async((name,), queue=NOBODY)
+    assert broker.llen(NOBODY) == 1
+    assert locks.exists(key)
+    revoke(app, first)
+    wait_for(lambda: not locks.exists(key), timeout=FREED_WITHIN, what="the key to be freed")
+    again = tasks.once.delay(name)
+    assert again.id != first.id
+    assert again.get(timeout=TIMEOUT) == again.id
+    assert broker.llen(NOBODY) == 1
+
+
+@pytest.mark.usefixtures("worker")
+def test_revoking_a_running_task_keeps_its_lock(
+    app: Celery, tasks: SimpleNamespace, locks: redis.Redis, broker: redis.Redis
+) -> None:
+    """A revoke without terminate leaves a running task's lock alone: Celery lets the task finish."""
+    name = unique("running")
+    key = lock_key(tasks.hold, name)
+    running = tasks.hold.delay(name)
+    wait_for(lambda: ran("rv.hold", running.id), what="the task to start")
+    markers = [unique("marker"), unique("marker")]
+    sent = [tasks.once.apply_async((marker,), queue=NOBODY) for marker in markers]
+    app.control.revoke([running.id, sent[0].id])
+    wait_for(lambda: not locks.exists(lock_key(tasks.once, markers[0])), timeout=FREED_WITHIN)
+    # Revokes are handled in order: once the next one is done, so is the first.
+    app.control.revoke(sent[1].id)
+    wait_for(lambda: not locks.exists(lock_key(tasks.once, markers[1])), timeout=FREED_WITHIN)
+    assert locks.exists(key)
+    assert tasks.hold.delay(name).id == running.id
+    gate(name).set()
+    assert running.get(timeout=TIMEOUT) == "done"
+
+
+def _queued(client: redis.Redis, name: str, task_id: str, prefix: str = "redislock") -> RedisLock:
+    """Take lock ``name`` the way ``apply_async`` does for the message of ``task_id``."""
+    lock = RedisLock(
+        client,
+        name,
+        ttl=60,
+        owner=queued_owner(task_id),
+        lease=task_id,
+        heartbeat=False,
+        prefix=prefix,
+    )
+    assert lock.acquire(blocking=False)
+    return lock
+
+
+def test_search_frees_only_locks_still_owned_by_the_message(
+    locks: redis.Redis,
+) -> None:
+    """The search by lease frees a lock its message still owns, never one an execution took over."""
+    _queued(locks, "t.job:queued", "id-queued")
+    running = RedisLock(locks, "t.job:running", ttl=60, owner="id-running:1a2b", lease="id-running")
+    assert running.acquire(blocking=False)
+    wanted = {"id-queued", "id-running", "id-unknown"}
+    find_and_free_queued(locks, "redislock", wanted)
+    assert wanted == {"id-unknown"}
+    assert lock_keys(locks) == ["redislock:{t.job:running}"]
+    running.release()
+
+
+def test_search_takes_the_prefix_literally(locks: redis.Redis) -> None:
+    """A prefix with glob characters matches only itself, and a name needing escaping is found."""
+    _queued(locks, "}odd", "id-odd", prefix="we*rd[1]")
+    _queued(locks, "plain", "id-other", prefix="weXrd1")
+    wanted = {"id-odd", "id-other"}
+    find_and_free_queued(locks, "we*rd[1]", wanted)
+    assert wanted == {"id-other"}
+    assert not locks.exists("we*rd[1]:{\\}odd}")
+    assert locks.exists("weXrd1:{plain}")
+    locks.delete("weXrd1:{plain}")
+
+
+def test_search_is_bounded(
+    locks: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The search gives up after MAX_SCAN_CALLS SCAN calls, logging which ids it did not find."""
+    keys = [f"bounded:{{t.job:{n}}}" for n in range(50)]
+    for n, key in enumerate(keys):
+        locks.hset(key, mapping={"lease": f"other-{n}", "owner": "x"})
+    caplog.set_level(logging.WARNING, logger="celery_redislock")
+    monkeypatch.setattr("celery_redislock.revoke.SCAN_COUNT", 1)
+    monkeypatch.setattr("celery_redislock.revoke.MAX_SCAN_CALLS", 2)
+    wanted = {"id-missing"}
+    find_and_free_queued(locks, "bounded", wanted)
+    locks.delete(*keys)
+    assert wanted == {"id-missing"}
+    assert "gave up" in caplog.text
+    assert "id-missing" in caplog.text
