@@ -66,7 +66,7 @@ from celery.result import AsyncResult
 from celery.utils import uuid
 
 from celery_redislock import signals
-from celery_redislock.client import get_client
+from celery_redislock.client import URL_SCHEMES, get_client
 from celery_redislock.errors import (
     LockBackendError,
     LockConflictError,
@@ -98,10 +98,6 @@ UNTIL_EXECUTING: Strategy = "until_executing"
 STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 CONFLICT_MODES: tuple[ConflictMode, ...] = get_args(ConflictMode)
 REDIS_ERROR_MODES: tuple[RedisErrorMode, ...] = get_args(RedisErrorMode)
-
-#: How a lock store URL may start (the schemes redis-py connects with). The one
-#: list every URL check uses.
-REDIS_URL_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://")
 
 #: Highest countdown, in seconds, of an ``on_conflict="retry"`` re-queue.
 MAX_RETRY_DELAY = 300.0
@@ -238,14 +234,15 @@ def check_redis_url(value: object, argument: str) -> str:
 
     Raises:
         TypeError: not a string.
-        ValueError: its scheme is not one of :data:`REDIS_URL_SCHEMES`.
+        ValueError: its scheme is not one of
+            :data:`celery_redislock.client.URL_SCHEMES`, the one list of them.
     """
-    schemes = ", ".join(REDIS_URL_SCHEMES)
+    schemes = ", ".join(URL_SCHEMES)
     if not isinstance(value, str):
         raise TypeError(
             f"{argument} must be a Redis URL string ({schemes}), not {type(value).__name__}"
         )
-    if not value.lower().startswith(REDIS_URL_SCHEMES):
+    if not value.startswith(URL_SCHEMES):
         raise ValueError(f"{argument} must be a Redis URL ({schemes}), got {_url_shown(value)}")
     return value
 
@@ -314,7 +311,7 @@ def lock_store_url(app: Any) -> str:
     if url:
         return check_redis_url(url, "app.conf.redislock_url")
     broker = app.conf.broker_url or ""
-    if not isinstance(broker, str) or not broker.lower().startswith(REDIS_URL_SCHEMES):
+    if not isinstance(broker, str) or not broker.startswith(URL_SCHEMES):
         raise ValueError(
             "no Redis URL for the locks: set app.conf.redislock_url (or the task's "
             f"lock_url); the broker URL {broker!r} is not a Redis URL"
