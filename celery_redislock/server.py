@@ -7,6 +7,12 @@ Example::
     with RedisServer() as server:          # free 127.0.0.1 port, persistence off
         print(server.url)                  # redis://127.0.0.1:PORT/0
 
+A server can also listen with TLS only (``tls=TLSSettings(...)``; its URL is then
+``rediss://…`` with the CA to verify it by), start from a configuration file
+(``config_file=``, needed by ``--sentinel``), and be given ACL users
+(:meth:`RedisServer.add_user`). :mod:`celery_redislock.deployments` builds
+Cluster, Sentinel, TLS and ACL deployments from these.
+
 The server binary is looked up in this order:
 
 1. the ``binary`` argument, then the ``CELERY_REDISLOCK_SERVER`` environment variable;
@@ -25,13 +31,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import TracebackType
+from typing import TypeVar
+from urllib.parse import quote, urlencode
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from celery_redislock.errors import ServerNotFoundError
+
+_Server = TypeVar("_Server", bound="RedisServer")
 
 #: Environment variable naming the server binary to use.
 SERVER_ENV = "CELERY_REDISLOCK_SERVER"
@@ -114,6 +127,75 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+@dataclass(frozen=True)
+class TLSSettings:
+    """The certificate files of a server that accepts TLS connections only.
+
+    Attributes:
+        ca_cert_file: the CA certificate (PEM) that signed the server's (and the
+            client's) certificate; clients verify the server with it.
+        cert_file: the server's certificate (PEM), valid for 127.0.0.1.
+        key_file: the server's private key (PEM).
+        client_cert_file: a certificate clients present (mutual TLS), or ``None``.
+        client_key_file: its private key, or ``None``.
+        auth_clients: whether the server demands a client certificate
+            (``--tls-auth-clients yes``); needs ``client_cert_file`` and
+            ``client_key_file`` so that :meth:`RedisServer.client` can present one.
+    """
+
+    ca_cert_file: str
+    cert_file: str
+    key_file: str
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+    auth_clients: bool = False
+
+    def __post_init__(self) -> None:
+        if self.auth_clients and not (self.client_cert_file and self.client_key_file):
+            raise ValueError(
+                "auth_clients=True needs client_cert_file and client_key_file: "
+                "clients must present a certificate the CA signed"
+            )
+
+    def server_args(self, port: int) -> tuple[str, ...]:
+        """Server arguments that listen with TLS on ``port`` and turn plain TCP off."""
+        return (
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            self.cert_file,
+            "--tls-key-file",
+            self.key_file,
+            "--tls-ca-cert-file",
+            self.ca_cert_file,
+            "--tls-auth-clients",
+            "yes" if self.auth_clients else "no",
+        )
+
+    def client_kwargs(self) -> dict[str, object]:
+        """``redis.Redis`` keyword arguments that verify the server (and present the
+        client certificate, if there is one)."""
+        kwargs: dict[str, object] = {
+            "ssl": True,
+            "ssl_cert_reqs": "required",
+            "ssl_ca_certs": self.ca_cert_file,
+        }
+        if self.client_cert_file and self.client_key_file:
+            kwargs["ssl_certfile"] = self.client_cert_file
+            kwargs["ssl_keyfile"] = self.client_key_file
+        return kwargs
+
+    def url_query(self) -> str:
+        """The same settings as the query string of a ``rediss://`` URL."""
+        query = {"ssl_cert_reqs": "required", "ssl_ca_certs": self.ca_cert_file}
+        if self.client_cert_file and self.client_key_file:
+            query["ssl_certfile"] = self.client_cert_file
+            query["ssl_keyfile"] = self.client_key_file
+        return urlencode(query, quote_via=quote, safe="/")
+
+
 class RedisServer:
     """A private ``redis-server``/``valkey-server`` process on 127.0.0.1.
 
@@ -122,6 +204,12 @@ class RedisServer:
         port: the port (default: a free one, retried if another process wins it).
         extra_args: more ``--option value`` arguments for the server.
         startup_timeout: seconds to wait for the first PING.
+        tls: listen with TLS only, on ``port`` (plain TCP off). :attr:`url` and
+            :meth:`client` then verify the server with the CA (the readiness
+            probe too). The server must be built with TLS support.
+        config_file: a configuration file, given to the server as its first
+            argument (``--sentinel`` needs one it can rewrite); the options above
+            are applied on top of it.
     """
 
     host = "127.0.0.1"
@@ -132,23 +220,64 @@ class RedisServer:
         port: int | None = None,
         extra_args: tuple[str, ...] = (),
         startup_timeout: float = 10.0,
+        *,
+        tls: TLSSettings | None = None,
+        config_file: str | None = None,
     ) -> None:
         self.binary = find_server_binary(binary)
         self.port = port or 0
         self.extra_args = extra_args
         self.startup_timeout = startup_timeout
+        self.tls = tls
+        self.config_file = config_file
         self.process: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self._paused = False
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:PORT/0``."""
-        return f"redis://{self.host}:{self.port}/0"
+        """``redis://127.0.0.1:PORT/0``; with TLS, ``rediss://127.0.0.1:PORT/0?ssl_cert_reqs=
+        required&ssl_ca_certs=<CA file>`` (plus the client certificate, if any)."""
+        return self.url_for()
+
+    def url_for(self, username: str | None = None, password: str | None = None, db: int = 0) -> str:
+        """This server's URL with credentials (an ACL user, or ``password`` alone for
+        the default user) and a database number; both are percent-encoded."""
+        credentials = ""
+        if username is not None or password is not None:
+            user = quote(username or "", safe="")
+            secret = "" if password is None else ":" + quote(password, safe="")
+            credentials = f"{user}{secret}@"
+        scheme = "rediss" if self.tls else "redis"
+        query = f"?{self.tls.url_query()}" if self.tls else ""
+        return f"{scheme}://{credentials}{self.host}:{self.port}/{db}{query}"
 
     def client(self, **kwargs: object) -> redis.Redis:
-        """A new client connected to this server."""
-        return redis.Redis(host=self.host, port=self.port, **kwargs)  # type: ignore[arg-type]
+        """A new client connected to this server (over TLS, verifying it, when it has TLS)."""
+        settings: dict[str, object] = dict(self.tls.client_kwargs()) if self.tls else {}
+        settings.update(kwargs)
+        return redis.Redis(host=self.host, port=self.port, **settings)  # type: ignore[arg-type]
+
+    def add_user(self, username: str, password: str, rules: Sequence[str]) -> str:
+        """Create (or reset) ACL user ``username`` with ``password`` and ``rules``; return its URL.
+
+        The user starts from nothing (``reset``): no commands, keys or channels,
+        then gets ``on``, the password and ``rules`` (e.g. ``"~app:*"``,
+        ``"&app:*"``, ``"-@all"``, ``"+evalsha"``), as ``ACL SETUSER`` reads them.
+        The default user is left as it was (no password, every permission), so
+        tests can still see everything through :meth:`client`.
+
+        Raises:
+            redis.ResponseError: the server rejected a rule (the message names it).
+        """
+        admin = self.client(socket_timeout=5.0, socket_connect_timeout=5.0)
+        try:
+            admin.execute_command(  # type: ignore[no-untyped-call]
+                "ACL", "SETUSER", username, "reset", "on", f">{password}", *rules
+            )
+        finally:
+            admin.close()
+        return self.url_for(username, password)
 
     def version(self) -> str:
         """The server's name and version, e.g. ``redis 7.0.15``."""
@@ -165,11 +294,12 @@ class RedisServer:
             if not fixed_port:
                 self.port = free_port(self.host)
             self._dir = tempfile.TemporaryDirectory(prefix="redislock-server-")
+            listen = self.tls.server_args(self.port) if self.tls else ("--port", str(self.port))
             self.process = subprocess.Popen(
                 [
                     self.binary,
-                    "--port",
-                    str(self.port),
+                    *((self.config_file,) if self.config_file else ()),
+                    *listen,
                     "--bind",
                     self.host,
                     "--save",
@@ -191,17 +321,36 @@ class RedisServer:
             )
             if self._wait_ready():
                 return self
+            complaint = self._exit_complaint()
             self._kill()
-            if fixed_port:
+            # A complaint on stderr is a bad option or configuration file: another
+            # port would not help. (A port taken meanwhile is logged, not printed.)
+            if fixed_port or complaint:
                 break
+        if complaint:
+            raise RuntimeError(
+                f"{self.binary} did not start on {self.host}:{self.port}: it exited "
+                f"saying: {complaint}"
+            )
         raise RuntimeError(
             f"{self.binary} did not start on {self.host}:{self.port} "
             f"within {self.startup_timeout} s"
         )
 
+    def _exit_complaint(self) -> str:
+        """What a server that already exited wrote on stderr (empty if it still runs)."""
+        process = self.process
+        if process is None or process.poll() is None or process.stderr is None:
+            return ""
+        return process.stderr.read(4000).decode(errors="replace").strip()
+
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + self.startup_timeout
-        probe = self.client(socket_timeout=1.0, socket_connect_timeout=1.0)
+        # No retries inside the client: a refused connect is polled again here,
+        # and a server that exited is noticed at once.
+        probe = self.client(
+            socket_timeout=1.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
+        )
         try:
             while time.monotonic() < deadline:
                 assert self.process is not None
@@ -317,7 +466,9 @@ class RedisServer:
         """
         if not self.port:
             raise RuntimeError("restart() needs a server that was started")
-        self.stop()
+        # Only the process: what a subclass keeps for its whole life (certificates)
+        # must outlive a restart.
+        self._kill()
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -327,8 +478,9 @@ class RedisServer:
                     raise
                 time.sleep(0.1)
 
-    def __enter__(self) -> RedisServer:
-        return self.start()
+    def __enter__(self: _Server) -> _Server:
+        self.start()
+        return self
 
     def __exit__(
         self,
