@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 import redis
 
-from celery_redislock.lock import DEFAULT_PREFIX, lock_keys, name_from_key
+from celery_redislock.lock import (
+    DEFAULT_PREFIX,
+    FENCE_TTL_MS,
+    lock_keys,
+    name_from_key,
+    wake_channel_prefix,
+)
+from celery_redislock.scripts import FORCE_RELEASE_SCRIPT, Call, request_id, send
+from celery_redislock.transport import DEFAULT_CALL_TIMEOUT, Deadline, Router, backend_errors
 
 
 @dataclass(frozen=True)
@@ -37,11 +45,13 @@ def list_locks(
     # Two commands per lock, but one round trip for them all.
     pipe = client.pipeline(transaction=False)
     for key in keys:
-        pipe.hmget(key, "lease", "count", "fence")
+        pipe.hmget(key, "owner", "lease", "count", "fence")
         pipe.pttl(key)
     replies = pipe.execute()
-    for key, (lease, count, fence), ttl in zip(keys, replies[::2], replies[1::2], strict=True):
-        if count is None:  # released between SCAN and HMGET
+    for key, (owner, lease, count, fence), ttl in zip(
+        keys, replies[::2], replies[1::2], strict=True
+    ):
+        if not owner:  # free (kept for its fencing counter), or gone since SCAN
             continue
         found.append(
             LockInfo(
@@ -56,14 +66,16 @@ def list_locks(
 
 
 def force_release(client: redis.Redis, name: str, prefix: str = DEFAULT_PREFIX) -> bool:
-    """Delete a lock whoever holds it and wake its waiters; return whether it existed.
+    """Free a lock whoever holds it and wake its waiters; return whether it was held.
 
     For operators only: the holder keeps running, unprotected, and finds the
     lock lost at its next heartbeat.
     """
-    key, _fence, channel = lock_keys(name, prefix)
-    pipe = client.pipeline(transaction=True)
-    pipe.delete(key)
-    pipe.publish(channel, "1")
-    deleted, _receivers = pipe.execute()
-    return bool(deleted)
+    key, queue = lock_keys(name, prefix)
+    call = Call(
+        FORCE_RELEASE_SCRIPT,
+        [key, queue],
+        ["", wake_channel_prefix(prefix), request_id(), FENCE_TTL_MS],
+    )
+    with backend_errors(f"release lock {name!r}"):
+        return bool(send(Router(client), key, call, Deadline.after(DEFAULT_CALL_TIMEOUT)))

@@ -91,12 +91,13 @@ class _Entry:
 class _Pending:
     """A request the lane keeps sending until it lands or ``until`` passes."""
 
-    __slots__ = ("call", "next_try", "pause", "until", "what")
+    __slots__ = ("call", "next_try", "pause", "quiet", "until", "what")
 
-    def __init__(self, call: Call, until: float, what: str, now: float) -> None:
+    def __init__(self, call: Call, until: float, what: str, now: float, quiet: bool) -> None:
         self.call = call
         self.until = until
         self.what = what
+        self.quiet = quiet
         self.next_try = now
         self.pause = 0.1
 
@@ -133,9 +134,9 @@ class _Lane:
             if entry is not None and entry.ref() is lock:
                 del self.entries[id(lock)]
 
-    def add_pending(self, call: Call, until: float, what: str) -> None:
+    def add_pending(self, call: Call, until: float, what: str, quiet: bool) -> None:
         with self.cond:
-            self.pending.append(_Pending(call, until, what, self.clock()))
+            self.pending.append(_Pending(call, until, what, self.clock(), quiet))
             self._wake(self.clock())
 
     def locks(self) -> list[Renewable]:
@@ -312,7 +313,9 @@ class _Lane:
         for item, result in zip(due, results, strict=True):
             if not isinstance(result, Exception):
                 done.append(item)
-                if result == Released.NOT_OWNED:
+                if item.quiet:
+                    logger.debug("celery_redislock: %s: done", item.what)
+                elif result == Released.NOT_OWNED:
                     logger.warning(
                         "celery_redislock: %s: the lock was no longer held (it had "
                         "expired or been taken over)",
@@ -368,11 +371,15 @@ class Heartbeat:
         if lane is not None:
             lane.unregister(lock)
 
-    def retry_in_background(self, lock: Renewable, call: Call, until: float, what: str) -> None:
+    def retry_in_background(
+        self, lock: Renewable, call: Call, until: float, what: str, quiet: bool = False
+    ) -> None:
         """Send ``call`` (a request about ``lock``, safe to send twice) until it
-        lands or the heartbeat's clock reaches ``until``; ``what`` names it in the logs."""
+        lands or the heartbeat's clock reaches ``until``; ``what`` names it in the
+        logs, where a release that found the lock not held is a warning unless
+        ``quiet``."""
         self._stopping = False
-        self._lane(lock.transport).add_pending(call, until, what)
+        self._lane(lock.transport).add_pending(call, until, what, quiet)
 
     def held(self) -> list[Renewable]:
         """The locks being renewed right now."""

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -54,15 +54,16 @@ from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.scripts import (
     ACQUIRE_SCRIPT,
     EXTEND_SCRIPT,
+    LEAVE_SCRIPT,
     RELEASE_LEASE_SCRIPT,
     RELEASE_SCRIPT,
     Acquired,
     AcquireReply,
     Call,
     Released,
+    request_id,
     send,
 )
-from celery_redislock.subscriber import Subscription
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
     TRANSIENT,
@@ -73,6 +74,7 @@ from celery_redislock.transport import (
     backend_errors,
     describe_error,
 )
+from celery_redislock.wakeups import Waiter, hub_for
 
 #: How long a name's fence hash outlives its last use, in ms. After it expires
 #: the next token is seeded from the server clock (microseconds), so tokens
@@ -169,8 +171,22 @@ def _empty_hash_tag(text: str) -> bool:
     return start != -1 and text[start + 1 : start + 2] == "}"
 
 
-def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> tuple[str, str, str]:
-    """Return ``(lock key, fence key, release channel)`` for a lock name.
+class LockKeys(NamedTuple):
+    """The Redis keys of one lock name."""
+
+    #: The lock hash (held, or free and keeping the fence counter).
+    lock: str
+    #: The sorted set of queued waiters.
+    queue: str
+
+
+def wake_channel_prefix(prefix: str = DEFAULT_PREFIX) -> str:
+    """The start of every process's wake channel, ``<prefix>:wake:``."""
+    return f"{prefix}:wake:"
+
+
+def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> LockKeys:
+    """Return the keys (lock hash, waiter queue) of a lock name.
 
     The name is the ``{hash tag}`` of every key, so the keys one script touches
     share a cluster slot. A name starting with ``}`` would make that tag empty, so
@@ -185,7 +201,7 @@ def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> tuple[str, str, str]:
     if name.startswith(("}", "\\")):
         name = "\\" + name
     base = f"{prefix}:{{{name}}}"
-    return base, f"{base}:fence", f"{base}:released"
+    return LockKeys(base, f"{base}:waiters")
 
 
 def name_from_key(key: str, prefix: str = DEFAULT_PREFIX) -> str:
@@ -283,7 +299,8 @@ class RedisLock:
         self.client = as_client(client_or_url)
         self.name = name
         self.prefix = prefix
-        self.key, self.fence_key, self.channel = lock_keys(name, prefix)
+        self.key, self.queue_key = lock_keys(name, prefix)
+        self.wake_prefix = wake_channel_prefix(prefix)
         #: The owner token (≥128 random bits unless given).
         self.owner = owner or secrets.token_hex(16)
         self.lease = lease or ""
@@ -298,6 +315,8 @@ class RedisLock:
         self._holds = 0
         self._expiry = 0.0
         self._pttl = 0
+        # A waiter's place in the lock's queue, kept across its tries.
+        self._position: str | None = None
         # Send time of a try of the current acquire whose reply never came.
         self._unconfirmed: float | None = None
         self._state = threading.Lock()
@@ -388,7 +407,7 @@ class RedisLock:
         ends = None if timeout is None or not blocking else started + timeout
         # Every try of this call sends the same request id: a try that landed
         # although its reply was lost is recognised by the next one.
-        request = secrets.token_hex(8)
+        request = request_id()
         self._unconfirmed = None
         acquired = False
         try:
@@ -414,8 +433,8 @@ class RedisLock:
         """
         call = Call(
             RELEASE_SCRIPT,
-            [self.key, self.fence_key],
-            [self.owner, self.channel, secrets.token_hex(8), FENCE_TTL_MS, ""],
+            [self.key, self.queue_key],
+            [self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, ""],
         )
         try:
             result = Released(self._run(call, self._call_deadline(None)))
@@ -456,7 +475,7 @@ class RedisLock:
 
     def locked(self) -> bool:
         """Whether any owner holds the lock now."""
-        return bool(self._read(("EXISTS", self.key)))
+        return bool(self._read(("HGET", self.key, "owner")))
 
     def owned(self) -> bool:
         """Whether this owner holds the lock now (asks Redis)."""
@@ -464,7 +483,8 @@ class RedisLock:
 
     def holder_lease(self) -> str | None:
         """The lease (task id) of whoever holds the lock now, if any."""
-        return _text(self._read(("HGET", self.key, "lease"))) or None
+        owner, lease = self._read(("HMGET", self.key, "owner", "lease"))
+        return (_text(lease) or None) if owner else None
 
     @property
     def holding(self) -> bool:
@@ -515,12 +535,22 @@ class RedisLock:
         """:func:`~celery_redislock.scripts.send` for this lock's key."""
         return send(self._router, self.key, call, deadline, then)
 
-    def _try_acquire(self, deadline: Deadline, request: str) -> bool:
-        """One acquire round trip; record the hold, or who holds the lock instead."""
+    def _try_acquire(self, deadline: Deadline, request: str, waiter: Waiter | None = None) -> bool:
+        """One acquire round trip; record the hold, or who holds the lock instead.
+
+        A ``waiter`` that finds the lock held is queued (keeping its place).
+        """
         call = Call(
             ACQUIRE_SCRIPT,
-            [self.key, self.fence_key],
-            [self.owner, self.ttl_ms, self.lease, FENCE_TTL_MS, request],
+            [self.key, self.queue_key],
+            [
+                self.owner,
+                self.ttl_ms,
+                self.lease,
+                request,
+                waiter.id if waiter else "",
+                (self._position or "") if waiter else "",
+            ],
         )
         wait = self._replica_wait(deadline)
         sent = time.monotonic()
@@ -539,6 +569,7 @@ class RedisLock:
         if reply.outcome is Acquired.HELD:
             self.blocked_by = reply.holder
             self._pttl = reply.pttl
+            self._position = reply.position or self._position
             return False
         if wait and reply.outcome is Acquired.TAKEN:
             self._check_replicas(raw[1], request)
@@ -589,42 +620,50 @@ class RedisLock:
             self,
             Call(
                 RELEASE_SCRIPT,
-                [self.key, self.fence_key],
-                [self.owner, self.channel, secrets.token_hex(8), FENCE_TTL_MS, request],
+                [self.key, self.queue_key],
+                [self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, request],
             ),
             sent + self.ttl,
             f"undoing the unconfirmed acquire of lock {self.name!r}",
         )
 
     def _wait(self, ends: float | None, request: str) -> bool:
-        """Wait for a release message (or the holder's TTL) and try again, until ``ends``.
+        """Queue for the lock and wait to be woken (or for the holder's TTL), until ``ends``.
 
-        A broken subscription or a failed try is retried with a short pause; a
-        waiter that has failed to reach Redis for ``call_timeout`` seconds in a
-        row (or whose time ran out after a failure) raises.
+        The process's wake-up subscription must be live before each try, or a
+        wake-up could slip by between the try and the wait. A broken subscription
+        or a failed try is retried with a short pause; a waiter that has failed to
+        reach Redis for ``call_timeout`` seconds in a row (or whose time ran out
+        after a failure) raises.
         """
-        subscription = Subscription(self.transport, self.channel)
+        hub = hub_for(self.transport, self.prefix)
+        waiter = hub.join()
+        self._position = None
+        acquired = False
         failing_since: float | None = None
         pause = 0.01
+        last_try = False
         try:
             while True:
                 now = time.monotonic()
                 try:
-                    if not subscription.active:
-                        # Subscribe before re-checking, or a release in between
-                        # would go unheard until the holder's TTL ran out.
-                        subscription = Subscription(self.transport, self.channel)
-                        subscription.open(self._call_deadline(ends))
-                    if self._try_acquire(self._call_deadline(ends), request):
+                    if not hub.wait_ready(self._call_deadline(ends)):
+                        raise RedisTimeoutError("the wake-up subscription is not in place")
+                    waiter.event.clear()
+                    if self._try_acquire(self._call_deadline(ends), request, waiter):
+                        acquired = True
                         return True
                     failing_since, pause = None, 0.01
                     wait = self._pttl / 1000 if self._pttl > 0 else 0.001
                     if ends is not None:
                         remaining = ends - time.monotonic()
-                        if remaining <= 0:
+                        if remaining <= 0 or last_try:
                             return False
+                        # Sleeping to the deadline: the try after it is the last.
+                        last_try = remaining <= wait
                         wait = min(wait, remaining)
-                    subscription.wait(wait)
+                    if waiter.event.wait(wait):
+                        last_try = False
                     continue
                 except RedisError as exc:
                     error = LockBackendError(
@@ -633,7 +672,6 @@ class RedisLock:
                     error.__cause__ = exc
                 except LockBackendError as exc:
                     error = exc
-                subscription.close()
                 # Only a broken connection or a timeout is worth another try.
                 if not isinstance(error.__cause__, TRANSIENT):
                     raise error
@@ -644,7 +682,25 @@ class RedisLock:
                 time.sleep(pause)
                 pause = min(0.5, pause * 2)
         finally:
-            subscription.close()
+            hub.leave(waiter)
+            if not acquired and self._position is not None:
+                self._leave_queue(waiter)
+            self._position = None
+
+    def _leave_queue(self, waiter: Waiter) -> None:
+        """Leave the waiter queue, so the next release wakes somebody still waiting
+        (in the background if Redis does not answer at once)."""
+        call = Call(LEAVE_SCRIPT, [self.queue_key], [waiter.id])
+        try:
+            self._run(call, Deadline.after(min(self.call_timeout, MIN_CALL * 4)))
+        except RedisError:
+            self._beat().retry_in_background(
+                self,
+                call,
+                time.monotonic() + self.call_timeout,
+                f"leaving the queue of lock {self.name!r}",
+                quiet=True,
+            )
 
     def _release_failed(self, call: Call, exc: RedisError) -> NoReturn:
         """A release got no answer: stop renewing, retry it in the background, raise."""
@@ -703,11 +759,11 @@ def release_lease(
         LockBackendError: Redis could not be reached.
     """
     client = as_client(client_or_url)
-    key, fence, channel = lock_keys(name, prefix)
+    key, queue = lock_keys(name, prefix)
     call = Call(
         RELEASE_LEASE_SCRIPT,
-        [key, fence],
-        [lease, channel, secrets.token_hex(8), FENCE_TTL_MS],
+        [key, queue],
+        [lease, wake_channel_prefix(prefix), request_id(), FENCE_TTL_MS],
     )
     with backend_errors(f"release lock {name!r}"):
         return bool(send(Router(client), key, call, Deadline.after(timeout)))

@@ -4,24 +4,35 @@ Each script runs atomically on the server, so every read-check-write below is a
 single step no other client can interleave with. All keys one call touches
 share the lock name's ``{hash tag}``, so one call touches a single cluster slot.
 
-The lock is a hash with the fields:
+A lock name has one hash, which lives as long as the lock is held and
+``FENCE_TTL`` past its last release:
 
-``owner``  the owner token of the holder (random, or a Celery task id plus a nonce)
-``lease``  the lease the holder belongs to (a Celery task id), or ``""``
-``count``  the holder's hold count (re-entrant acquires)
-``fence``  the fencing token handed out when the holder took the lock
-``req``    the id of the last request that changed the hold (acquire or release)
+``owner``     the owner token of the holder, ``""`` while the lock is free
+``lease``     the lease the holder belongs to (a Celery task id), or ``""``
+``count``     the holder's hold count (re-entrant acquires)
+``fence``     the last fencing token handed out for the name
+``req``       the id of the last request that changed the hold (acquire or release)
+``released``  the ids of the last few releases that freed the lock
+``queued``    ``"1"`` while waiters may be queued
 
-Beside it, the fence hash keeps ``n``, the last fencing token of the name, and
-``r``, the id of the last release that freed the lock; it expires
-``FENCE_TTL`` after its last use.
+Keeping the hash (rather than deleting it) on release keeps the fencing counter
+without a second key, and lets a release be one ``HSET`` and one ``PEXPIRE``. When
+the hash has expired, or the server lost its data, the next token is seeded
+from the server clock in microseconds, so tokens keep increasing.
+
+Waiters queue in a sorted set beside the hash (score: when they first queued), and
+a release that frees the lock wakes the first two of them, each through its own
+process's wake channel ``<prefix>:wake:<process>`` with the waiter's id as the
+message: a targeted handoff, not a broadcast, and one spare in case the first
+waiter has gone.
 
 **Retries.** A request can reach the server and run while its reply is lost
 (a reset connection, a timeout); the client then sends it again. Every request
 that changes state carries a fresh request id, and the scripts recognise their
 own second arrival: a retried acquire does not count a second hold, a retried
 release does not drop a second one, and a retried release of a lock it already
-freed still answers "freed" (from ``r``). **Expiry.** Every TTL is checked
+freed still answers "freed" (from ``released``, even if the lock was taken and
+freed again by others in between, up to ``RELEASES_REMEMBERED`` times). **Expiry.** Every TTL is checked
 inside the script before the first write, so no error can leave a key behind
 without an expiry.
 """
@@ -29,6 +40,7 @@ without an expiry.
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple
@@ -40,6 +52,10 @@ from celery_redislock.transport import ATTEMPTS, Deadline, Router, Transport, ru
 #: Highest TTL a script accepts, in ms (about 10 years; see ``lock.MAX_SECONDS``).
 MAX_TTL_MS = 315_360_000_000
 
+# Checks every script makes before its first write, so that an error can never
+# leave a write half done (a key without expiry, a lock freed but nobody woken):
+# the TTLs it was given, and — on servers with ACLs (Redis >= 7) — that the user
+# may run each command it is about to run on those keys and channels.
 _CHECK_TTLS = f"""
 local function check_ttl(value)
     local ms = tonumber(value)
@@ -48,79 +64,161 @@ local function check_ttl(value)
     end
     return nil
 end
+
+local function denied(command, ...)
+    if redis.acl_check_cmd and not redis.acl_check_cmd(command, ...) then
+        local target = select('#', ...) > 0 and (' on ' .. select(1, ...)) or ''
+        return redis.error_reply('NOPERM this user has no permission to run ' ..
+            string.upper(command) .. target .. ', which celery_redislock needs')
+    end
+    return nil
+end
 """
 
+#: Request ids are this many hex digits.
+REQUEST_ID_HEX = 10
+
+#: How many recent freeing releases a lock remembers, so that a retried release
+#: is recognised even if the lock was taken and freed again in between.
+RELEASES_REMEMBERED = 8
+
+# Shared by the scripts that free the lock: keep the hash (and its fence) as a
+# free remnant for ARGV[4] ms, remember the release (ARGV[3]), and hand the lock
+# to the first two queued waiters (wake channel prefix ARGV[2]).
+_FREE = """
+local function free(queued, released)
+    local bad = denied('hset', KEYS[1], 'owner', '') or denied('pexpire', KEYS[1], '1')
+    if queued == '1' then
+        bad = bad or denied('zpopmin', KEYS[2]) or denied('publish', ARGV[2] .. '0', '')
+    end
+    if bad then return bad end
+    -- The ids of the last few releases that freed the lock, newest first.
+    local history = string.sub(ARGV[3] .. ' ' .. (released or ''), 1, RELEASE_HISTORY)
+    redis.call('HSET', KEYS[1], 'owner', '', 'count', 0, 'released', history)
+    redis.call('PEXPIRE', KEYS[1], ARGV[4])
+    if queued == '1' then
+        local next = redis.call('ZPOPMIN', KEYS[2], 2)
+        if #next == 0 then
+            redis.call('HSET', KEYS[1], 'queued', '0')
+        end
+        for i = 1, #next, 2 do
+            local process = string.match(next[i], '^([^.]+)%.')
+            if process then
+                redis.call('PUBLISH', ARGV[2] .. process, next[i])
+            end
+        end
+    end
+    return 1
+end
+
+local function released_here(released)
+    return released ~= false and string.find(' ' .. released .. ' ', ' ' .. ARGV[3] .. ' ', 1, true)
+end
+""".replace("RELEASE_HISTORY", str(RELEASES_REMEMBERED * (REQUEST_ID_HEX + 1) - 1))
+
 #: Take the lock, take it again (re-entrant), or take it over from an earlier
-#: execution of the same lease.
+#: execution of the same lease; a waiter that finds it held joins the queue.
 #:
-#: KEYS[1] the lock hash; KEYS[2] the fence hash
+#: KEYS[1] the lock hash; KEYS[2] the waiter queue
 #: ARGV[1] owner token; ARGV[2] TTL in ms; ARGV[3] lease ("" for none);
-#: ARGV[4] TTL of the fence hash in ms; ARGV[5] request id
+#: ARGV[4] request id; ARGV[5] waiter id ("" when not waiting: not queued);
+#: ARGV[6] the waiter's queue position from an earlier reply ("" the first time)
 #: Returns {1, fence} when newly taken (or taken over), {2, fence} when re-entered,
-#: {0, pttl, holder lease} when another owner holds it. A retry of a request that
-#: already landed returns what the first arrival did.
+#: {0, pttl, holder lease, queue position} when another owner holds it. A retry
+#: of a request that already landed returns what the first arrival did.
 ACQUIRE = (
     _CHECK_TTLS
     + """
-local bad = check_ttl(ARGV[2]) or check_ttl(ARGV[4])
+local bad = check_ttl(ARGV[2])
 if bad then return bad end
 local lock = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'count', 'fence', 'req')
 if lock[1] == ARGV[1] then
+    bad = denied('pexpire', KEYS[1], '1') or denied('hset', KEYS[1], 'count', '1')
+    if bad then return bad end
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    if lock[5] == ARGV[5] then
+    if lock[5] == ARGV[4] then
         return {tonumber(lock[3]) == 1 and 1 or 2, tonumber(lock[4])}
     end
-    redis.call('HSET', KEYS[1], 'count', tonumber(lock[3]) + 1, 'req', ARGV[5])
+    redis.call('HSET', KEYS[1], 'count', tonumber(lock[3]) + 1, 'req', ARGV[4])
     return {2, tonumber(lock[4])}
 end
-if lock[1] and (ARGV[3] == '' or lock[2] ~= ARGV[3]) then
-    return {0, redis.call('PTTL', KEYS[1]), lock[2] or ''}
+if lock[1] and lock[1] ~= '' and (ARGV[3] == '' or lock[2] ~= ARGV[3]) then
+    local position = ARGV[6]
+    if ARGV[5] ~= '' then
+        local pttl = redis.call('PTTL', KEYS[1])
+        if position == '' then
+            bad = denied('time')
+            if bad then return bad end
+            local now = redis.call('TIME')
+            position = now[1] .. string.format('%06d', tonumber(now[2]))
+        end
+        bad = denied('zadd', KEYS[2], '1', 'w') or denied('pexpire', KEYS[2], '1')
+            or denied('hset', KEYS[1], 'queued', '1')
+        if bad then return bad end
+        redis.call('ZADD', KEYS[2], 'NX', position, ARGV[5])
+        if redis.call('PTTL', KEYS[2]) < pttl + tonumber(ARGV[2]) then
+            redis.call('PEXPIRE', KEYS[2], pttl + tonumber(ARGV[2]))
+        end
+        redis.call('HSET', KEYS[1], 'queued', '1')
+        return {0, pttl, lock[2] or '', position}
+    end
+    return {0, redis.call('PTTL', KEYS[1]), lock[2] or '', ''}
 end
-if redis.call('HEXISTS', KEYS[2], 'n') == 0 then
-    -- Seed a fresh counter from the server clock (microseconds) so tokens keep
-    -- increasing after an idle counter expired or the server lost its data.
+local fence = tonumber(lock[4])
+if fence then
+    fence = fence + 1
+else
+    -- No counter (first use, expired remnant, or a server that lost its data):
+    -- seed it from the server clock so tokens keep increasing.
+    bad = denied('time')
+    if bad then return bad end
     local now = redis.call('TIME')
-    redis.call('HSET', KEYS[2], 'n', now[1] .. string.format('%06d', tonumber(now[2])))
+    fence = tonumber(now[1] .. string.format('%06d', tonumber(now[2])))
 end
-local fence = redis.call('HINCRBY', KEYS[2], 'n', 1)
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
+bad = denied('hset', KEYS[1], 'owner', '') or denied('pexpire', KEYS[1], '1')
+if ARGV[5] ~= '' then
+    bad = bad or denied('zrem', KEYS[2], 'w')
+end
+if bad then return bad end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease', ARGV[3], 'count', 1,
-           'fence', fence, 'req', ARGV[5])
+           'fence', fence, 'req', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if ARGV[5] ~= '' then
+    redis.call('ZREM', KEYS[2], ARGV[5])
+end
 return {1, fence}
 """
 )
 
-#: Drop one hold; free the lock and wake waiters when the last hold goes.
+#: Drop one hold; free the lock and wake the next waiters when the last hold goes.
 #:
-#: KEYS[1] the lock hash; KEYS[2] the fence hash
-#: ARGV[1] owner token; ARGV[2] the wake-up channel; ARGV[3] request id;
-#: ARGV[4] TTL of the fence hash in ms; ARGV[5] "" or the request id of the
-#: acquire this release undoes (then it acts only if that acquire was the last
-#: change to the hold)
+#: KEYS[1] the lock hash; KEYS[2] the waiter queue
+#: ARGV[1] owner token; ARGV[2] the wake channel prefix (``<prefix>:wake:``);
+#: ARGV[3] request id; ARGV[4] how long the free hash keeps the fence, in ms;
+#: ARGV[5] "" or the request id of the acquire this release undoes (then it acts
+#: only if that acquire was the last change to the hold)
 #: Returns 1 when freed, 2 when a hold remains, 0 when not owned (nothing changed).
 RELEASE = (
     _CHECK_TTLS
+    + _FREE
     + """
 local bad = check_ttl(ARGV[4])
 if bad then return bad end
-local lock = redis.call('HMGET', KEYS[1], 'owner', 'count', 'req')
+local lock = redis.call('HMGET', KEYS[1], 'owner', 'count', 'req', 'released', 'queued')
 if lock[1] ~= ARGV[1] then
-    if redis.call('HGET', KEYS[2], 'r') == ARGV[3] then return 1 end
+    if released_here(lock[4]) then return 1 end
     return 0
 end
 if lock[3] == ARGV[3] then return 2 end
 if ARGV[5] ~= '' and lock[3] ~= ARGV[5] then return 0 end
 local count = tonumber(lock[2]) - 1
 if count > 0 then
+    bad = denied('hset', KEYS[1], 'count', '1')
+    if bad then return bad end
     redis.call('HSET', KEYS[1], 'count', count, 'req', ARGV[3])
     return 2
 end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[2], 'r', ARGV[3])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-redis.call('PUBLISH', ARGV[2], '1')
-return 1
+return free(lock[5], lock[4])
 """
 )
 
@@ -137,6 +235,8 @@ if bad then return bad end
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
     return 0
 end
+bad = denied('pexpire', KEYS[1], '1')
+if bad then return bad end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
@@ -146,27 +246,57 @@ return 1
 #: Celery task ends in a way its own process cannot report (revoked in the queue,
 #: terminated), where only the task id is known.
 #:
-#: KEYS[1] the lock hash; KEYS[2] the fence hash
-#: ARGV[1] lease (task id); ARGV[2] the wake-up channel; ARGV[3] request id;
-#: ARGV[4] TTL of the fence hash in ms
+#: KEYS[1] the lock hash; KEYS[2] the waiter queue
+#: ARGV[1] lease (task id); ARGV[2] the wake channel prefix; ARGV[3] request id;
+#: ARGV[4] how long the free hash keeps the fence, in ms
 #: Returns 1 when freed (now or by an earlier arrival of the same request), 0 when
 #: that lease does not hold it.
 RELEASE_LEASE = (
     _CHECK_TTLS
+    + _FREE
     + """
 local bad = check_ttl(ARGV[4])
 if bad then return bad end
-if ARGV[1] == '' or redis.call('HGET', KEYS[1], 'lease') ~= ARGV[1] then
-    if redis.call('HGET', KEYS[2], 'r') == ARGV[3] then return 1 end
+local lock = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'released', 'queued')
+if ARGV[1] == '' or not lock[1] or lock[1] == '' or lock[2] ~= ARGV[1] then
+    if released_here(lock[3]) then return 1 end
     return 0
 end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[2], 'r', ARGV[3])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-redis.call('PUBLISH', ARGV[2], '1')
-return 1
+return free(lock[4], lock[3])
 """
 )
+
+#: Free the lock whoever holds it (an operator's repair).
+#:
+#: KEYS[1] the lock hash; KEYS[2] the waiter queue
+#: ARGV[1] unused; ARGV[2] the wake channel prefix; ARGV[3] request id;
+#: ARGV[4] how long the free hash keeps the fence, in ms
+#: Returns 1 when freed, 0 when it was not held.
+FORCE_RELEASE = (
+    _CHECK_TTLS
+    + _FREE
+    + """
+local bad = check_ttl(ARGV[4])
+if bad then return bad end
+local lock = redis.call('HMGET', KEYS[1], 'owner', 'queued', 'released')
+if not lock[1] or lock[1] == '' then return 0 end
+return free(lock[2], lock[3])
+"""
+)
+
+#: Leave the waiter queue (a waiter that gave up or got the lock another way).
+#:
+#: KEYS[1] the waiter queue
+#: ARGV[1] waiter id
+#: Returns 1 when it was queued, else 0.
+LEAVE = """
+return redis.call('ZREM', KEYS[1], ARGV[1])
+"""
+
+
+def request_id() -> str:
+    """A fresh id for one state-changing request (sent again as is on a retry)."""
+    return secrets.token_hex(REQUEST_ID_HEX // 2)
 
 
 class Script:
@@ -201,6 +331,8 @@ ACQUIRE_SCRIPT = Script("ACQUIRE", ACQUIRE)
 RELEASE_SCRIPT = Script("RELEASE", RELEASE)
 EXTEND_SCRIPT = Script("EXTEND", EXTEND)
 RELEASE_LEASE_SCRIPT = Script("RELEASE_LEASE", RELEASE_LEASE)
+FORCE_RELEASE_SCRIPT = Script("FORCE_RELEASE", FORCE_RELEASE)
+LEAVE_SCRIPT = Script("LEAVE", LEAVE)
 
 
 def run_calls(
@@ -283,13 +415,15 @@ class AcquireReply(NamedTuple):
     pttl: int
     #: The holder's lease, if it has one (only when held by another owner).
     holder: str | None
+    #: A waiter's place in the queue (only when held and the caller waits).
+    position: str | None
 
     @classmethod
     def parse(cls, raw: Sequence[Any]) -> AcquireReply:
         outcome = Acquired(int(raw[0]))
         if outcome is Acquired.HELD:
-            return cls(outcome, None, int(raw[1]), _text(raw[2]) or None)
-        return cls(outcome, int(raw[1]), 0, None)
+            return cls(outcome, None, int(raw[1]), _text(raw[2]) or None, _text(raw[3]) or None)
+        return cls(outcome, int(raw[1]), 0, None, None)
 
 
 class Released(IntEnum):

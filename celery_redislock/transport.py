@@ -339,7 +339,9 @@ def run(
 
 def describe_error(exc: BaseException) -> str:
     """A one-line account of a Redis error that says what to do about it."""
-    if isinstance(exc, NoPermissionError):
+    if isinstance(exc, NoPermissionError) or any(
+        sign in str(exc) for sign in ("can't run this command", "ACL failure")
+    ):
         return (
             f"{exc} (the Redis user lacks a permission the locks need: see the "
             "README's ACL section)"

@@ -36,8 +36,16 @@ def log(kind: str, **fields: Any) -> None:
     store.rpush(f"log:{kind}", json.dumps(fields))
 
 
+# shared=False: a test process that imports this module must not hand these tasks
+# to every Celery app it creates later.
 @app.task(
-    base=SingletonTask, bind=True, lock_ttl=TTL, on_conflict="wait", lock_wait=30, lock_on=("key",)
+    base=SingletonTask,
+    bind=True,
+    shared=False,
+    lock_ttl=TTL,
+    on_conflict="wait",
+    lock_wait=30,
+    lock_on=("key",),
 )
 def fenced(self: Any, key: str, label: str, seconds: float) -> str:
     """Write to the fenced resource for up to ``seconds``, checking the lock before each write.

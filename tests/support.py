@@ -75,9 +75,22 @@ def make_app(url: str, name: str = "t") -> Celery:
     return app
 
 
+def held(client: redis.Redis, key: str) -> bool:
+    """Whether the lock hash ``key`` has an owner (a free lock's hash stays a while,
+    keeping its fencing counter)."""
+    return bool(client.hget(key, "owner"))
+
+
 def lock_keys(client: redis.Redis) -> list[str]:
-    """Lock hashes currently in Redis (fence counters excluded)."""
-    return sorted(k.decode() for k in client.scan_iter("redislock:*") if not k.endswith(b":fence"))
+    """Keys of the locks held now (a free lock's hash, kept for its fencing counter,
+    and waiter queues are left out)."""
+    keys = [k for k in client.scan_iter("redislock:{*}") if k.endswith(b"}")]
+    return sorted(k.decode() for k in keys if held(client, k.decode()))
+
+
+def waiter_queues(client: redis.Redis) -> list[str]:
+    """Lock waiter queues in Redis (each is gone once its last waiter has left)."""
+    return sorted(k.decode() for k in client.scan_iter("redislock:{*}:waiters"))
 
 
 def close_app(app: Celery) -> None:

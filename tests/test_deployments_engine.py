@@ -36,14 +36,13 @@ from tests.support import wait_for
 #: The smallest ACL a lock user needs, as ``ACL SETUSER locker on >password …`` rules
 #: (for the default prefix ``redislock``; the patterns follow the prefix):
 #:
-#: * ``~redislock:*`` the lock hash ``redislock:{name}`` and the fence hash
-#:   ``redislock:{name}:fence`` (both are a script's KEYS, checked before it runs);
-#: * ``&redislock:*`` the release channel ``redislock:{name}:released``: PUBLISH in
-#:   the release scripts, SUBSCRIBE by a waiter;
+#: * ``~redislock:*`` the lock hash ``redislock:{name}`` and the waiter queue
+#:   ``redislock:{name}:waiters`` (both are a script's KEYS, checked before it runs);
+#: * ``&redislock:*`` the wake channels ``redislock:wake:<process>``: PUBLISH in the
+#:   release scripts when someone waits, SUBSCRIBE by a waiting process;
 #: * ``+evalsha`` every operation, ``+eval`` the first use of a script on a server;
-#: * the commands the scripts run, each checked against the ACL when it runs:
-#:   HMGET HGET HEXISTS HSET HINCRBY PEXPIRE PTTL DEL PUBLISH TIME;
-#: * ``+exists`` for ``locked()`` (``owned()``/``holder_lease()`` use HGET);
+#: * the commands the scripts run (each script checks them before its first write):
+#:   HMGET HGET HSET PEXPIRE PTTL TIME ZADD ZREM ZPOPMIN PUBLISH;
 #: * ``+subscribe`` to wait for a release.
 #:
 #: Nothing else. The engine's connections authenticate with ``AUTH`` (RESP2), which
@@ -61,15 +60,14 @@ MINIMAL_ACL: tuple[str, ...] = (
     "+eval",
     "+hmget",
     "+hget",
-    "+hexists",
     "+hset",
-    "+hincrby",
     "+pexpire",
     "+pttl",
-    "+del",
-    "+publish",
     "+time",
-    "+exists",
+    "+zadd",
+    "+zrem",
+    "+zpopmin",
+    "+publish",
     "+subscribe",
 )
 
@@ -154,15 +152,20 @@ def store(request: pytest.FixtureRequest) -> Iterator[Store]:
 
 
 def lock_hashes(store: Store) -> list[str]:
-    """Lock hashes on every primary (fence hashes, which outlive locks, excluded)."""
+    """Held locks on every primary (a free lock's hash, which keeps its fencing counter
+    a while, left out)."""
     found = []
     for admin in store.admins():
-        found += [k.decode() for k in admin.scan_iter("redislock:*") if not k.endswith(b":fence")]
+        found += [
+            k.decode()
+            for k in admin.scan_iter("redislock:{*}")
+            if k.endswith(b"}") and admin.hget(k, "owner")
+        ]
     return found
 
 
 def keys_without_expiry(store: Store) -> list[str]:
-    """Lock keys (fence hashes included) that would never expire."""
+    """Lock keys (free hashes and waiter queues included) that would never expire."""
     return [
         key.decode()
         for admin in store.admins()
@@ -174,7 +177,7 @@ def keys_without_expiry(store: Store) -> list[str]:
 @pytest.fixture
 def locks(store: Store) -> Iterator[Store]:
     """The deployment under test; afterwards no lock is left on any primary and
-    every remaining key (fence hashes) expires."""
+    every remaining key (free hashes, waiter queues) expires."""
     yield store
     wait_for(lambda: not lock_hashes(store), timeout=10, what="no lock left")
     assert keys_without_expiry(store) == []
@@ -195,12 +198,6 @@ def in_thread(action: Callable[[], Any]) -> tuple[threading.Thread, dict[str, An
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, outcome
-
-
-def subscribers(admin: redis.Redis, channel: str) -> int:
-    """How many connections of ``admin``'s server are subscribed to ``channel``."""
-    reply: Any = admin.pubsub_numsub(channel)
-    return int(reply[0][1])
 
 
 # The contract, on every deployment.
@@ -255,7 +252,7 @@ def test_waiter_is_woken_by_the_release(locks: Store) -> None:
     assert holder.acquire(blocking=False)
     thread, outcome = in_thread(lambda: waiter.acquire(timeout=30))
     admin = locks.admin_for(holder.key)
-    wait_for(lambda: subscribers(admin, holder.channel) >= 1, what="the waiter's subscription")
+    wait_for(lambda: admin.zcard(holder.queue_key) >= 1, what="the waiter in the queue")
     released = time.monotonic()
     holder.release()
     thread.join(30)
@@ -304,7 +301,7 @@ def test_heartbeat_keeps_many_locks_alive_past_several_ttls(locks: Store) -> Non
     for lock in held:
         assert lock.acquire(blocking=False)
     primaries = locks.admins()
-    pattern = f"redislock:{{{locks.kind}:beat:*}}"  # the lock hashes, not their fences
+    pattern = f"redislock:{{{locks.kind}:beat:*}}"  # the lock hashes
     per_primary = [sum(1 for _ in admin.scan_iter(pattern)) for admin in primaries]
     assert all(count > 0 for count in per_primary), per_primary
     assert sum(per_primary) == len(held)
@@ -514,7 +511,7 @@ def exercise(user: AclUser, name: str = "acl-exercise") -> str | None:
         def release_when_waited_for() -> None:
             deadline = time.monotonic() + 5
             while not done.is_set() and time.monotonic() < deadline:
-                if subscribers(admin, first.channel):
+                if admin.zcard(first.queue_key):
                     first.release()
                     return
                 time.sleep(0.01)
@@ -556,17 +553,22 @@ def test_every_rule_of_the_minimal_acl_is_needed(
     """Without any one rule of MINIMAL_ACL some part of the engine is refused, for
     exactly the permission that rule grants."""
     user = redislock_acl_server_factory([r for r in MINIMAL_ACL if r != rule])
-    assert exercise(user) is not None
-    # ... and the server's ACL log names exactly what that rule would have allowed.
+    # What refused it refused it names exactly what that rule would have allowed: the
+    # server's ACL log (a refused command) or the script's own check (a command
+    # the script was about to run).
+    problem = exercise(user)
+    assert problem is not None
     refused = refusals(user.server)
+    logged = {(entry["reason"], entry["object"]) for entry in refused}
     if rule.startswith("~"):
-        assert {(entry["reason"], entry["object"]) for entry in refused} == {
-            ("key", "redislock:{acl-exercise}")
-        }
+        assert logged == {("key", "redislock:{acl-exercise}")}
     elif rule.startswith("&"):
-        assert {entry["reason"] for entry in refused} == {"channel"}
+        assert {reason for reason, _ in logged} <= {"channel"}
+        assert logged or "PUBLISH on redislock:wake:" in problem
     else:
-        assert {(entry["reason"], entry["object"]) for entry in refused} == {("command", rule[1:])}
+        assert logged == {("command", rule[1:])} or (
+            not logged and f"run {rule[1:].upper()}" in problem
+        )
 
 
 def refusals(server: RedisServer) -> list[dict[str, Any]]:
@@ -631,37 +633,30 @@ def test_user_without_the_channel_pattern_cannot_wait_and_nothing_is_written(
     admin.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RELEASE runs DEL (and writes the fence hash) before PUBLISH: when the ACL "
-    "refuses the PUBLISH the lock is already gone, yet release() raises 'could not "
-    "release … expires by its TTL' and no waiter is woken",
-)
 def test_release_refused_by_the_acl_changes_nothing(
     redislock_acl_server_factory: Callable[..., AclUser],
 ) -> None:
-    """A release the ACL refuses (no channel permission for the wake-up PUBLISH) raises
-    and leaves the lock as it was: still held by its owner."""
+    """A release the ACL refuses (no channel permission for the wake-up PUBLISH a queued
+    waiter needs) raises naming the permission and leaves the lock as it was: still
+    held by its owner, the waiter still queued."""
     user = redislock_acl_server_factory(_without("&redislock:*", "&other:*"))
     admin = user.server.client()
     lock = RedisLock(user.url, "refused-release", ttl=30, heartbeat=False)
     assert lock.acquire(blocking=False)
-    with pytest.raises(LockBackendError):
+    admin.zadd(lock.queue_key, {"someone.1": 1})
+    admin.hset(lock.key, "queued", "1")
+    before = admin.hgetall(lock.key)
+    with pytest.raises(LockBackendError) as excinfo:
         lock.release()
     try:
-        assert admin.hget(lock.key, "owner") == lock.owner.encode()
+        assert "PUBLISH on redislock:wake:" in str(excinfo.value)
+        assert admin.hgetall(lock.key) == before
+        assert admin.zcard(lock.queue_key) == 1
     finally:
-        admin.delete(lock.key)
+        admin.delete(lock.key, lock.queue_key)
         admin.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a command refused inside a script comes back as a plain error reply (Redis "
-    "7.0: 'The user executing the script can't run this command or subcommand'; "
-    "Valkey 8: 'ACL failure in script: …'), not NoPermissionError, so the message "
-    "lacks the ACL hint (and on Redis 7.0 names no command)",
-)
 def test_command_refused_inside_a_script_is_reported_as_a_permission_error(
     redislock_acl_server_factory: Callable[..., AclUser],
 ) -> None:
@@ -673,12 +668,6 @@ def test_command_refused_inside_a_script_is_reported_as_a_permission_error(
     assert "lacks a permission the locks need" in str(excinfo.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ACQUIRE writes the fence hash (HSET, HINCRBY) before its PEXPIRE; a refused "
-    "PEXPIRE leaves redislock:{name}:fence without an expiry, despite the scripts' "
-    "promise that no error leaves a key without one",
-)
 def test_command_refused_inside_a_script_leaves_no_key_without_expiry(
     redislock_acl_server_factory: Callable[..., AclUser],
 ) -> None:

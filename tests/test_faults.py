@@ -14,12 +14,13 @@ import redis
 
 from celery_redislock import LockBackendError, LockLostError, RedisLock
 from celery_redislock.heartbeat import get_heartbeat
-from celery_redislock.lock import FENCE_TTL_MS, lock_keys, release_lease
+from celery_redislock.lock import lock_keys, release_lease, wake_channel_prefix
 from celery_redislock.scripts import ACQUIRE, EXTEND, RELEASE
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import transport_for
+from celery_redislock.wakeups import hub_for
 from tests.proxy import FaultProxy
-from tests.support import wait_for, wait_until
+from tests.support import held, wait_for, wait_until
 
 
 @pytest.fixture
@@ -90,7 +91,7 @@ def test_release_on_stalled_server_stops_renewal_and_lands_later(
         assert lock not in get_heartbeat().held()
         assert not lock.holding
     assert "retried in the background" in str(excinfo.value)
-    wait_for(lambda: not direct.exists(lock.key), what="the background release")
+    wait_for(lambda: not held(direct, lock.key), what="the background release")
 
 
 def test_release_that_never_lands_leaves_the_lock_to_its_ttl(
@@ -106,7 +107,7 @@ def test_release_that_never_lands_leaves_the_lock_to_its_ttl(
         lock.release()
     assert "expires by its TTL" in str(excinfo.value)
     assert lock not in get_heartbeat().held()
-    wait_for(lambda: not direct.exists(lock.key), timeout=5, what="expiry by TTL")
+    wait_for(lambda: not held(direct, lock.key), timeout=5, what="expiry by TTL")
 
 
 # Transient errors are retried, and a retry never acts twice.
@@ -135,7 +136,7 @@ def test_retried_acquire_counts_one_hold(
     assert lock.acquire(blocking=False)
     assert hold_count(direct, lock) == 1
     lock.release()
-    assert not direct.exists(lock.key)
+    assert not held(direct, lock.key)
 
 
 def test_retried_reentrant_acquire_counts_one_hold(
@@ -149,7 +150,7 @@ def test_retried_reentrant_acquire_counts_one_hold(
     assert hold_count(direct, lock) == 2
     lock.release()
     lock.release()
-    assert not direct.exists(lock.key)
+    assert not held(direct, lock.key)
 
 
 def test_retried_inner_release_drops_one_hold(
@@ -179,7 +180,7 @@ def test_retried_final_release_reports_success(
     assert lock.acquire()
     proxy.drop_replies(1)
     lock.release()
-    assert not direct.exists(lock.key)
+    assert not held(direct, lock.key)
     assert not lock.holding
 
 
@@ -204,9 +205,9 @@ def test_unconfirmed_acquire_is_undone(
     proxy.drop_replies()
     with pytest.raises(LockBackendError):
         lock.acquire(blocking=False)
-    assert direct.exists(lock.key)  # it did land
+    assert held(direct, lock.key)  # it did land
     proxy.heal()
-    wait_for(lambda: not direct.exists(lock.key), what="the undo of the unconfirmed acquire")
+    wait_for(lambda: not held(direct, lock.key), what="the undo of the unconfirmed acquire")
     client.close()
 
 
@@ -228,7 +229,7 @@ def test_stalled_server_does_not_delay_renewals_on_a_healthy_one(
         wait_for(lambda: all(lock.lost for lock in bad), what="the sick server's locks lost")
         time.sleep(2.0)  # the fault: two more TTLs with the sick server stalled
         assert not any(lock.lost for lock in good)
-        assert all(checker.exists(lock.key) for lock in good)
+        assert all(held(checker, lock.key) for lock in good)
     for lock in good:
         lock.release()
     checker.close()
@@ -248,7 +249,7 @@ def test_dropped_lock_is_no_longer_renewed(
     del lock
     gc.collect()
     with caplog.at_level(logging.WARNING, logger="celery_redislock"):
-        wait_for(lambda: not direct.exists(key), timeout=5, what="expiry of the dropped lock")
+        wait_for(lambda: not held(direct, key), timeout=5, what="expiry of the dropped lock")
         wait_for(lambda: "dropped without release()" in caplog.text, what="the log of the drop")
     assert all(held.key != key for held in get_heartbeat().held())
 
@@ -309,8 +310,9 @@ def test_waiter_whose_subscription_is_reset_still_wakes_on_release(
     got: list[bool] = []
     thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
     thread.start()
-    channel = holder.channel
-    wait_for(lambda: direct.pubsub_numsub(channel)[0][1] == 1, what="the waiter's subscription")
+    channel = hub_for(waiter.transport, waiter.prefix).channel
+    wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
+    wait_for(lambda: direct.pubsub_numsub(channel)[0][1] == 1, what="the wake-up subscription")
     proxy.reset_all()
     wait_for(lambda: direct.pubsub_numsub(channel)[0][1] == 1, what="the re-subscription")
     holder.release()
@@ -328,7 +330,7 @@ def test_restart_while_held_and_waited_for(server: RedisServer, direct: redis.Re
     got: list[bool] = []
     thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
     thread.start()
-    wait_for(lambda: direct.pubsub_numsub(holder.channel)[0][1] == 1, what="the waiter")
+    wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
     server.restart()
     thread.join(20)
     assert got == [True]
@@ -348,23 +350,21 @@ def test_restart_while_held_and_waited_for(server: RedisServer, direct: redis.Re
 def test_scripts_refuse_bad_ttls_before_writing(direct: redis.Redis, bad_ttl: str) -> None:
     """Each script refuses a TTL Redis cannot store before its first write: no key is left
     without an expiry, and a held lock is left as it was."""
-    key, fence, channel = lock_keys("guarded")
+    key, queue = lock_keys("guarded")
+    wake = wake_channel_prefix()
     with pytest.raises(redis.ResponseError) as excinfo:
-        direct.eval(ACQUIRE, 2, key, fence, "me", bad_ttl, "", FENCE_TTL_MS, "r1")
+        direct.eval(ACQUIRE, 2, key, queue, "me", bad_ttl, "", "r1", "", "")
     assert "TTL out of range" in str(excinfo.value)
-    with pytest.raises(redis.ResponseError):
-        direct.eval(ACQUIRE, 2, key, fence, "me", 10_000, "", bad_ttl, "r1")
     assert direct.dbsize() == 0
 
-    direct.eval(ACQUIRE, 2, key, fence, "me", 10_000, "", FENCE_TTL_MS, "r2")
+    direct.eval(ACQUIRE, 2, key, queue, "me", 10_000, "", "r2", "", "")
     before = direct.hgetall(key)
     with pytest.raises(redis.ResponseError):
         direct.eval(EXTEND, 1, key, "me", bad_ttl)
     with pytest.raises(redis.ResponseError):
-        direct.eval(RELEASE, 2, key, fence, "me", channel, "r3", bad_ttl, "")
+        direct.eval(RELEASE, 2, key, queue, "me", wake, "r3", bad_ttl, "")
     assert direct.hgetall(key) == before
     assert 0 < direct.pttl(key) <= 10_000
-    assert direct.pttl(fence) > 0
 
 
 def test_fault_handling_adds_no_round_trips(server: RedisServer) -> None:

@@ -31,11 +31,11 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redislock import LockLostError, RedisLock
+from celery_redislock import RedisLock
 from celery_redislock.server import RedisServer
 from tests.fault_children import SOAK_HOLDS, SOAK_STATS, SOAK_STOP, fence_log, fenced_write
 from tests.proxy import FaultProxy
-from tests.support import close_app, lock_keys, wait_for
+from tests.support import close_app, held, lock_keys, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -429,16 +429,6 @@ def test_soak_with_resets_and_frozen_workers(
 # 4. A release whose reply was lost, retried after the lock changed hands.
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=LockLostError,
-    reason=(
-        "engine bug: RELEASE recognises an earlier arrival of a retried request only "
-        "while the fence hash's 'r' still holds its request id; once another owner has "
-        "taken and freed the lock, the retry answers 'not owned' and release() raises "
-        "LockLostError for a hold that was released normally"
-    ),
-)
 def test_release_retried_after_another_owner_freed_the_lock(
     redislock_server_factory: Callable[..., RedisServer],
 ) -> None:
@@ -465,7 +455,7 @@ def test_release_retried_after_another_owner_freed_the_lock(
         thread = threading.Thread(target=release)
         thread.start()
         try:
-            wait_for(lambda: not direct.exists(holder.key), what="the first release to land")
+            wait_for(lambda: not held(direct, holder.key), what="the first release to land")
             other = RedisLock(direct, "retried", ttl=30)
             assert other.acquire(blocking=False)
             other.release()

@@ -20,7 +20,7 @@ from celery_redislock import client as client_module
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.scripts import EXTEND
 from celery_redislock.server import RedisServer
-from tests.support import wait_until
+from tests.support import held, wait_until
 
 #: Forking a process that runs threads warns on Python >= 3.12; the fork test
 #: below does it on purpose, as Celery's prefork pool does.
@@ -435,7 +435,7 @@ def test_forked_child_has_its_own_heartbeat(client: redis.Redis, redislock_url: 
         if process.is_alive():
             process.kill()
     assert process.exitcode == 0
-    assert wait_until(lambda: not client.exists(key))
+    assert wait_until(lambda: not held(client, key))
     # The parent's own lock and heartbeat are untouched by the child.
     assert parent_lock in get_heartbeat().held()
     assert get_heartbeat() is parent_heartbeat

@@ -32,7 +32,9 @@ from celery_redislock import (
 )
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import FENCE_TTL_MS, lock_keys, name_from_key, release_lease
+from celery_redislock.scripts import REQUEST_ID_HEX
 from celery_redislock.server import RedisServer, available_server_binaries
+from tests.support import lock_keys as lock_keys_held
 from tests.support import wait_until
 
 #: Names that exercise the ``{hash tag}`` rules and unusual characters.
@@ -54,11 +56,19 @@ TRICKY_NAMES = [
 ]
 
 
-def no_subscribers(client: redis.Redis, lock: RedisLock) -> bool:
-    """Whether no connection is subscribed to anything (the lock's channel included)."""
-    channels = client.pubsub_channels()
-    numsub = client.pubsub_numsub(lock.channel)
-    return channels == [] and numsub == [(lock.channel.encode(), 0)]
+def nobody_queued(client: redis.Redis, lock: RedisLock) -> bool:
+    """Whether the lock's waiter queue is empty (its key gone)."""
+    return not client.exists(lock.queue_key)
+
+
+def queued(client: redis.Redis, lock: RedisLock) -> int:
+    """How many waiters are queued for the lock."""
+    return int(client.zcard(lock.queue_key))
+
+
+def held(client: redis.Redis, lock: RedisLock) -> bool:
+    """Whether the lock is held (its hash has an owner)."""
+    return bool(client.hget(lock.key, "owner"))
 
 
 class Waiter:
@@ -134,7 +144,7 @@ def test_acquire_sets_ttl_atomically(client: redis.Redis) -> None:
         b"count": b"1",
         b"fence": str(lock.token).encode(),
     }
-    assert len(request) == 16  # the id of the request that took it
+    assert len(request) == REQUEST_ID_HEX  # the id of the request that took it
     lock.release()
 
 
@@ -384,20 +394,22 @@ def test_blocking_timeout_returns_false(client: redis.Redis) -> None:
     assert other.acquire(timeout=0.3) is False
     assert holder.owned()
     assert not other.owned()
-    assert wait_until(lambda: no_subscribers(client, other))
+    assert wait_until(lambda: nobody_queued(client, other))
     holder.release()
 
 
 def test_waiting_does_not_poll(client: redis.Redis) -> None:
-    """A waiter on a long-lived lock tries at the start, once subscribed and at its deadline:
-    three attempts in a second, however long it waits, where a poller would make dozens."""
+    """A waiter on a long-lived lock tries at the start, once subscribed and at its deadline,
+    then leaves the queue: four requests in a second, however long it waits, where a
+    poller would make dozens."""
     holder = RedisLock(client, "no-poll", ttl=60)
     assert holder.acquire()
     client.config_resetstat()
     waiter = RedisLock(client, "no-poll", ttl=60)
     assert waiter.acquire(timeout=1.0) is False
     calls = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-    assert calls == 3
+    assert calls == 4
+    assert not client.exists(waiter.queue_key)
     holder.release()
 
 
@@ -421,8 +433,8 @@ def test_release_wakes_waiter(client: redis.Redis, cleanup: list[RedisLock]) -> 
     waiter_lock = RedisLock(client, "wake", ttl=60)
     cleanup.append(waiter_lock)
     waiter = Waiter(waiter_lock, timeout=30)
-    # The waiter is parked on the release channel before the release happens.
-    assert wait_until(lambda: client.pubsub_numsub(holder.channel)[0][1] == 1)
+    # The waiter is queued before the release happens.
+    assert wait_until(lambda: queued(client, holder) == 1)
     assert not waiter.done()
 
     holder.release()
@@ -435,7 +447,7 @@ def test_release_wakes_waiter(client: redis.Redis, cleanup: list[RedisLock]) -> 
     assert waiter_lock.token is not None
     assert holder.token is not None
     assert waiter_lock.token > holder.token
-    assert wait_until(lambda: no_subscribers(client, waiter_lock))
+    assert wait_until(lambda: nobody_queued(client, waiter_lock))
 
 
 def test_expiry_wakes_waiter_and_old_holder_lost_it(
@@ -461,7 +473,7 @@ def test_expiry_wakes_waiter_and_old_holder_lost_it(
     assert isinstance(excinfo.value, LockLostError)
     assert holder.lost
     assert waiter_lock.owned()
-    assert wait_until(lambda: no_subscribers(client, waiter_lock))
+    assert wait_until(lambda: nobody_queued(client, waiter_lock))
 
 
 def test_many_waiters_each_get_it_once(client: redis.Redis) -> None:
@@ -483,14 +495,14 @@ def test_many_waiters_each_get_it_once(client: redis.Redis) -> None:
     threads = [threading.Thread(target=wait_then_release, args=(i,)) for i in range(5)]
     for thread in threads:
         thread.start()
-    assert wait_until(lambda: client.pubsub_numsub(holder.channel)[0][1] == 5)
+    assert wait_until(lambda: queued(client, holder) == 5)
     holder.release()
     for thread in threads:
         thread.join(30)
     assert errors == []
     assert sorted(order) == list(range(5))
     assert not holder.locked()
-    assert wait_until(lambda: no_subscribers(client, holder))
+    assert wait_until(lambda: nobody_queued(client, holder))
 
 
 # Fencing tokens.
@@ -521,7 +533,8 @@ def test_token_unchanged_on_reentry(client: redis.Redis) -> None:
 
 
 def test_token_increases_after_fence_counter_expired(client: redis.Redis) -> None:
-    """When the fence counter is gone (expired), the next token is still larger."""
+    """When the free lock's hash (and its fence counter) is gone, the next token is
+    still larger."""
     lock = RedisLock(client, "fence-expired", ttl=30)
     tokens: list[int] = []
     for _ in range(3):
@@ -529,37 +542,44 @@ def test_token_increases_after_fence_counter_expired(client: redis.Redis) -> Non
         assert lock.token is not None
         tokens.append(lock.token)
         lock.release()
-        assert client.delete(lock.fence_key) == 1
+        assert client.delete(lock.key) == 1
     assert tokens[0] < tokens[1] < tokens[2]
 
 
-def test_fence_counter_has_ttl(client: redis.Redis) -> None:
-    """The fence counter expires FENCE_TTL_MS after the last acquire."""
+def test_free_lock_keeps_its_fence_for_fence_ttl(client: redis.Redis) -> None:
+    """A released lock's hash stays, free, for FENCE_TTL_MS: it carries the fence
+    counter and nothing else of the holder's."""
     lock = RedisLock(client, "fence-ttl", ttl=30)
     assert lock.acquire()
     lock.release()
-    assert 0 < client.pttl(lock.fence_key) <= FENCE_TTL_MS
+    assert 0 < client.pttl(lock.key) <= FENCE_TTL_MS
+    assert client.hget(lock.key, "owner") == b""
+    assert client.hget(lock.key, "fence") == str(lock.token).encode()
+    assert not lock.locked()
 
 
 # Bounded memory.
 
 
-def test_many_names_leave_only_fence_counters(client: redis.Redis) -> None:
-    """10,000 distinct names leave only their expiring fence counters: no lock hashes,
-    no channels."""
+def test_many_names_leave_only_expiring_free_hashes(client: redis.Redis) -> None:
+    """10,000 distinct names leave one free, expiring hash each (their fence counters):
+    nothing held, no queues, no channels."""
     count = 10_000
     for i in range(count):
         lock = RedisLock(client, f"bounded-{i}", ttl=30, heartbeat=False)
         assert lock.acquire(blocking=False)
         lock.release()
     keys = sorted(key.decode() for key in client.scan_iter(count=1000))
-    assert keys == sorted(lock_keys(f"bounded-{i}")[1] for i in range(count))
+    assert keys == sorted(lock_keys(f"bounded-{i}").lock for i in range(count))
+    assert lock_keys_held(client) == []
     pipe = client.pipeline(transaction=False)
     for key in keys:
         pipe.pttl(key)
     ttls = pipe.execute()
     assert all(0 < ttl <= FENCE_TTL_MS for ttl in ttls)
-    assert client.pubsub_channels() == []
+    # Only process wake channels (one per process, kept a while after the last wait).
+    channels = [c.decode() if isinstance(c, bytes) else c for c in client.pubsub_channels()]
+    assert all(c.startswith("redislock:wake:") for c in channels)
 
 
 def test_client_is_not_kept_alive(redislock_server: RedisServer) -> None:
@@ -579,26 +599,26 @@ def test_client_is_not_kept_alive(redislock_server: RedisServer) -> None:
 
 
 @pytest.mark.parametrize("name", TRICKY_NAMES)
-def test_lock_and_fence_keys_share_a_slot(name: str) -> None:
-    """The lock hash and its fence counter hash to the same cluster slot (one script
+def test_lock_and_queue_keys_share_a_slot(name: str) -> None:
+    """The lock hash and its waiter queue hash to the same cluster slot (one script
     touches both)."""
-    key, fence, _channel = lock_keys(name)
-    assert key_slot(key.encode()) == key_slot(fence.encode())
-    assert key != fence
+    key, queue = lock_keys(name)
+    assert key_slot(key.encode()) == key_slot(queue.encode())
+    assert key != queue
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.text(min_size=1), prefix=st.sampled_from(["redislock", "app", "a{b}", "x}"]))
 def test_keys_share_a_slot_for_any_name(name: str, prefix: str) -> None:
-    """For any name and prefix, the lock key and fence key share a slot."""
-    key, fence, _channel = lock_keys(name, prefix)
-    assert key_slot(key.encode()) == key_slot(fence.encode())
+    """For any name and prefix, the lock key and queue key share a slot."""
+    key, queue = lock_keys(name, prefix)
+    assert key_slot(key.encode()) == key_slot(queue.encode())
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(first=st.text(min_size=1), second=st.text(min_size=1))
 def test_distinct_names_get_distinct_keys(first: str, second: str) -> None:
-    """Two different names never share a lock key, fence key or channel."""
+    """Two different names never share a lock key or queue key."""
     if first != second:
         assert set(lock_keys(first)).isdisjoint(lock_keys(second))
 
@@ -606,7 +626,7 @@ def test_distinct_names_get_distinct_keys(first: str, second: str) -> None:
 def test_escaped_names_do_not_collide() -> None:
     """Names that need escaping never land on another name's keys."""
     keys = [lock_keys(name) for name in TRICKY_NAMES]
-    flat = [key for triple in keys for key in triple]
+    flat = [key for pair in keys for key in pair]
     assert len(flat) == len(set(flat))
 
 
@@ -810,8 +830,8 @@ def test_mutual_exclusion_history(redislock_url: str, client: redis.Redis) -> No
         assert acquired >= prev_released, "two critical sections overlapped"
         assert token > prev_token, "tokens did not increase in acquisition order"
     assert all(worker.exitcode == 0 for worker in workers)
-    assert wait_until(lambda: client.pubsub_channels() == [])
-    assert not client.exists(lock_keys("contended")[0])
+    assert not client.exists(lock_keys("contended").queue)
+    assert not client.hget(lock_keys("contended").lock, "owner")
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -8,7 +8,7 @@ import pytest
 
 from celery_redislock import LockBackendError, RedisLock
 from celery_redislock.server import RedisServer
-from tests.support import wait_for
+from tests.support import held, wait_for
 
 
 def test_acquire_without_enough_replicas_gives_the_lock_back(
@@ -23,7 +23,7 @@ def test_acquire_without_enough_replicas_gives_the_lock_back(
     assert "only 0 of 1 replica(s) confirmed it" in str(excinfo.value)
     assert not lock.holding
     checker = primary.client()
-    wait_for(lambda: not checker.exists(lock.key), what="the hold given back")
+    wait_for(lambda: not held(checker, lock.key), what="the hold given back")
     checker.close()
 
 

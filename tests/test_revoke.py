@@ -24,6 +24,7 @@ from celery_redislock.task import queued_owner
 from tests.support import (
     close_app,
     gate,
+    held,
     lock_keys,
     make_app,
     quiet_sockets,
@@ -160,10 +161,10 @@ def test_countdown_task_revoked_frees_key(
     name = unique("countdown")
     key = lock_key(tasks.once, name)
     first = tasks.once.apply_async((name,), countdown=60)
-    assert locks.exists(key)
+    assert held(locks, key)
     wait_for(lambda: scheduled_here(first.id), what="the worker to schedule the countdown")
     revoke(app, first)
-    wait_for(lambda: not locks.exists(key), timeout=FREED_WITHIN, what="the key to be freed")
+    wait_for(lambda: not held(locks, key), timeout=FREED_WITHIN, what="the key to be freed")
     again = tasks.once.delay(name)
     assert again.id != first.id
     assert again.get(timeout=TIMEOUT) == again.id
@@ -184,9 +185,9 @@ def test_message_in_broker_revoked_frees_key(
     key = lock_key(tasks.once, name)
     first = tasks.once.apply_async((name,), queue=NOBODY)
     assert broker.llen(NOBODY) == 1
-    assert locks.exists(key)
+    assert held(locks, key)
     revoke(app, first)
-    wait_for(lambda: not locks.exists(key), timeout=FREED_WITHIN, what="the key to be freed")
+    wait_for(lambda: not held(locks, key), timeout=FREED_WITHIN, what="the key to be freed")
     again = tasks.once.delay(name)
     assert again.id != first.id
     assert again.get(timeout=TIMEOUT) == again.id
@@ -205,11 +206,11 @@ def test_revoking_a_running_task_keeps_its_lock(
     markers = [unique("marker"), unique("marker")]
     sent = [tasks.once.apply_async((marker,), queue=NOBODY) for marker in markers]
     app.control.revoke([running.id, sent[0].id])
-    wait_for(lambda: not locks.exists(lock_key(tasks.once, markers[0])), timeout=FREED_WITHIN)
+    wait_for(lambda: not held(locks, lock_key(tasks.once, markers[0])), timeout=FREED_WITHIN)
     # Revokes are handled in order: once the next one is done, so is the first.
     app.control.revoke(sent[1].id)
-    wait_for(lambda: not locks.exists(lock_key(tasks.once, markers[1])), timeout=FREED_WITHIN)
-    assert locks.exists(key)
+    wait_for(lambda: not held(locks, lock_key(tasks.once, markers[1])), timeout=FREED_WITHIN)
+    assert held(locks, key)
     assert tasks.hold.delay(name).id == running.id
     gate(name).set()
     assert running.get(timeout=TIMEOUT) == "done"
@@ -251,8 +252,8 @@ def test_search_takes_the_prefix_literally(locks: redis.Redis) -> None:
     wanted = {"id-odd", "id-other"}
     find_and_free_queued(locks, "we*rd[1]", wanted)
     assert wanted == {"id-other"}
-    assert not locks.exists("we*rd[1]:{\\}odd}")
-    assert locks.exists("weXrd1:{plain}")
+    assert not held(locks, "we*rd[1]:{\\}odd}")
+    assert held(locks, "weXrd1:{plain}")
     locks.delete("weXrd1:{plain}")
 
 

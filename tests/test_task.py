@@ -34,12 +34,14 @@ from celery_redislock.task import OPTIONS, LockOptions
 from tests.support import (
     close_app,
     gate,
+    held,
     lock_keys,
     make_app,
     quiet_sockets,
     record,
     runs,
     wait_for,
+    waiter_queues,
 )
 
 TIMEOUT = 20
@@ -258,13 +260,12 @@ def worker(app: Celery) -> Iterator[Any]:
 
 @pytest.fixture
 def locks(redislock_server: RedisServer) -> Iterator[redis.Redis]:
-    """A client to the lock database; every test must leave no lock and no channel behind."""
+    """A client to the lock database; every test must leave no lock held and no waiter
+    queued behind."""
     client = redislock_server.client()
     yield client
     wait_for(lambda: not lock_keys(client), timeout=10, what="locks to be released")
-    wait_for(
-        lambda: not client.pubsub_channels("redislock:*"), timeout=10, what="waiters to unsubscribe"
-    )
+    wait_for(lambda: not waiter_queues(client), timeout=10, what="waiters to leave their queues")
     client.close()
 
 
@@ -327,7 +328,7 @@ class TestConflictModes:
         """on_conflict='wait' fails like 'raise' once lock_wait has passed."""
         name = unique("short")
         first = tasks.short_wait.delay(name)
-        wait_for(lambda: locks.exists(f"redislock:{{{tasks.short_wait.lock_name((name,), {})}}}"))
+        wait_for(lambda: held(locks, f"redislock:{{{tasks.short_wait.lock_name((name,), {})}}}"))
         with pytest.raises(LockConflictError) as excinfo:
             tasks.short_wait.delay(name).get(timeout=TIMEOUT)
         gate(name).set()
@@ -377,7 +378,7 @@ class TestEndPaths:
                 result.get(timeout=TIMEOUT)
         else:
             key = f"redislock:{{{tasks.ends.lock_name((how,), {})}}}"
-            wait_for(lambda: not locks.exists(key) and bool(runs_of_fence(locks, key)))
+            wait_for(lambda: not held(locks, key) and bool(runs_of_fence(locks, key)))
 
     def test_self_retry_really_requeues(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
         """self.retry() is re-queued and each attempt runs under the lock, which ends free."""
@@ -401,8 +402,8 @@ class TestEndPaths:
 
 
 def runs_of_fence(client: redis.Redis, key: str) -> bool:
-    """Whether the lock at ``key`` was ever taken (its fence counter exists)."""
-    return bool(client.exists(f"{key}:fence"))
+    """Whether the lock at ``key`` was ever taken (its hash keeps a fencing token)."""
+    return bool(client.hget(key, "fence"))
 
 
 @pytest.mark.usefixtures("worker")
@@ -475,7 +476,7 @@ class TestEnqueueStrategies:
         key = f"redislock:{{{tasks.until_executing.lock_name((name,), {})}}}"
         first = tasks.until_executing.delay(name)
         wait_for(lambda: running("until_executing", name))
-        assert not locks.exists(key)
+        assert not held(locks, key)
         second = tasks.until_executing.delay(name)
         assert second.id != first.id
         gate(name).set()
@@ -487,9 +488,9 @@ class TestEnqueueStrategies:
         name = unique("revoke")
         key = f"redislock:{{{tasks.until_executed.lock_name((name,), {})}}}"
         result = tasks.until_executed.apply_async((name,), countdown=1)
-        assert locks.exists(key)
+        assert held(locks, key)
         result.revoke()
-        wait_for(lambda: not locks.exists(key), what="the revoked task's lock to go")
+        wait_for(lambda: not held(locks, key), what="the revoked task's lock to go")
         assert not running("until_executed", name)
 
 
@@ -922,10 +923,7 @@ class TestEnqueueEdges:
             return sorted(k.decode() for k in client.scan_iter("shop-locks:*"))
 
         keys = job.apply().get()
-        assert keys == [
-            f"shop-locks:{{{job.lock_name((), {})}}}",
-            f"shop-locks:{{{job.lock_name((), {})}}}:fence",
-        ]
+        assert keys == [f"shop-locks:{{{job.lock_name((), {})}}}"]
         close_app(app)
 
 
@@ -946,7 +944,7 @@ def test_interruption_right_after_acquire_releases(
     result = job.apply()
     assert isinstance(result.result, RuntimeError)
     client = redislock_server.client()
-    assert not client.exists(f"redislock:{{{job.lock_name((), {})}}}")
+    assert not held(client, f"redislock:{{{job.lock_name((), {})}}}")
     assert all(
         not lock.key.endswith(f"{{{job.lock_name((), {})}}}") for lock in get_heartbeat().held()
     )

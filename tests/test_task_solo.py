@@ -92,6 +92,6 @@ def test_wait_is_woken_by_release(app: Celery, locks: redis.Redis) -> None:
     holder = RedisLock(locks, patient.lock_name((name,), {}), ttl=60)
     assert holder.acquire(blocking=False)
     result = patient.delay(name)
-    wait_for(lambda: locks.pubsub_numsub(holder.channel)[0][1] == 1, what="a subscribed waiter")
+    wait_for(lambda: locks.zcard(holder.queue_key) == 1, what="a queued waiter")
     holder.release()
     assert result.get(timeout=TIMEOUT) == name

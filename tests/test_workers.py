@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from celery_redislock.server import RedisServer
-from tests.support import close_app, lock_keys, wait_for
+from tests.support import close_app, held, lock_keys, wait_for, waiter_queues
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,7 +128,7 @@ def test_contention_history(env: tuple[Any, redis.Redis, Callable[..., Worker]])
         assert after["start"] >= before["end"], "two executions overlapped"
         assert after["token"] > before["token"]
     assert lock_keys(client) == []
-    assert client.pubsub_channels("redislock:*") == []
+    assert waiter_queues(client) == []
 
 
 def test_killed_worker_lock_expires(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
@@ -138,9 +138,9 @@ def test_killed_worker_lock_expires(env: tuple[Any, redis.Redis, Callable[..., W
     mod.sleeper.delay("k", 60)
     wait_for(lambda: records(client, "sleeper"), what="the task to start")
     key = f"redislock:{{{mod.sleeper.lock_name(('k', 60), {})}}}"
-    assert client.exists(key)
+    assert held(client, key)
     doomed.kill_all()
-    wait_for(lambda: not client.exists(key), timeout=10, what="the TTL to free the lock")
+    wait_for(lambda: not held(client, key), timeout=10, what="the TTL to free the lock")
     launch("next", concurrency=1)
     assert mod.sleeper.delay("k", 0.1).get(timeout=30) == "k"  # same key, new holder
 
@@ -156,10 +156,10 @@ def test_heartbeat_keeps_long_task_locked(
     key = f"redislock:{{{mod.sleeper.lock_name(('long', 5), {})}}}"
     deadline = time.monotonic() + 4
     while time.monotonic() < deadline:
-        assert client.exists(key), "the lock expired while its task was running"
+        assert held(client, key), "the lock expired while its task was running"
         time.sleep(0.1)
     assert result.get(timeout=30) == "long"
-    assert not client.exists(key)
+    assert not held(client, key)
 
 
 def test_acks_late_redelivery_runs(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
@@ -176,7 +176,7 @@ def test_acks_late_redelivery_runs(env: tuple[Any, redis.Redis, Callable[..., Wo
     runs = records(client, "late_done")
     assert [r["run"] for r in runs] == [2]
     assert {r["id"] for r in records(client, "late")} == {result.id}
-    wait_for(lambda: not client.exists(key), what="the lock to be released")
+    wait_for(lambda: not held(client, key), what="the lock to be released")
 
 
 def test_soft_time_limit_releases(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
@@ -197,9 +197,9 @@ def test_revoke_terminate_releases(env: tuple[Any, redis.Redis, Callable[..., Wo
     result = mod.sleeper.delay("t", 60)
     wait_for(lambda: records(client, "sleeper"), what="the task to start")
     key = f"redislock:{{{mod.sleeper.lock_name(('t', 60), {})}}}"
-    assert client.exists(key)
+    assert held(client, key)
     result.revoke(terminate=True, signal="SIGKILL")
-    wait_for(lambda: not client.exists(key), timeout=10, what="the lock to be freed")
+    wait_for(lambda: not held(client, key), timeout=10, what="the lock to be freed")
     assert not records(client, "sleeper_done")
 
 
@@ -264,10 +264,10 @@ def test_revoked_countdown_task_frees_key(
     worker = launch("eta", concurrency=1, REDISLOCK_TEST_VISIBILITY_TIMEOUT="600")
     first = mod.queued_once.apply_async(("c",), countdown=120)
     key = f"redislock:{{{mod.queued_once.lock_name(('c',), {})}}}"
-    assert client.exists(key)
+    assert held(client, key)
     wait_for(lambda: first.id in scheduled_ids(mod.app, worker), what="the countdown to be held")
     revoke(mod.app, first, how)
-    wait_for(lambda: not client.exists(key), timeout=5, what="the revoked task's key to be freed")
+    wait_for(lambda: not held(client, key), timeout=5, what="the revoked task's key to be freed")
     again = mod.queued_once.delay("c")
     assert again.id != first.id
     assert again.get(timeout=30) == again.id
@@ -290,7 +290,7 @@ def test_revoked_message_behind_busy_slot_frees_key(
     assert first.id not in reserved_ids(mod.app, worker)
     assert broker.llen("workers-queue") == 1  # still not fetched after the inspect round trip
     revoke(mod.app, first, how)
-    wait_for(lambda: not client.exists(key), timeout=5, what="the revoked task's key to be freed")
+    wait_for(lambda: not held(client, key), timeout=5, what="the revoked task's key to be freed")
     again = mod.queued_once.delay("b")
     assert again.id != first.id
     client.set("release:slot", 1)

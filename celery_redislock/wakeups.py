@@ -1,0 +1,230 @@
+"""Wake-ups for waiting lock holders: one subscriber per process and server.
+
+A waiter queues itself in the lock's waiter queue (inside the acquire that finds
+the lock held) with an id ``<process>.<n>``; a release that frees the lock pops
+the first two ids and publishes each on its process's wake channel,
+``<prefix>:wake:<process>``. Each process keeps one subscription to its own wake
+channel per server and key prefix — a :class:`WakeHub` with a thread of its
+own — shared by all its waiters, and sets the event of the waiter named in the
+message. So a release wakes at most two waiters, wherever they are, instead of
+every waiter of every process.
+
+The subscription must be in place before a waiter queues itself, or a wake-up
+sent in between would be lost: :meth:`WakeHub.wait_ready` blocks until it is.
+When the subscription breaks, the hub wakes every waiter (each then re-checks
+the lock and waits for the hub to be subscribed again) and reconnects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from celery_redislock.transport import (
+    DEFAULT_CALL_TIMEOUT,
+    TRANSIENT,
+    Deadline,
+    Transport,
+    describe_error,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a hub keeps its subscription with no waiter before it lets it go.
+IDLE_EXIT = 30.0
+
+#: How often the hub's thread looks up from reading, in seconds.
+_POLL = 0.5
+
+_process = secrets.token_hex(8)
+_counter = itertools.count(1)
+
+
+def process_token() -> str:
+    """This process's id in waiter ids and wake channels (new after ``fork()``)."""
+    return _process
+
+
+class Waiter:
+    """One waiting acquire: its id in the queue and the event a wake-up sets."""
+
+    __slots__ = ("event", "id")
+
+    def __init__(self, waiter_id: str) -> None:
+        self.id = waiter_id
+        self.event = threading.Event()
+
+
+class WakeHub:
+    """The wake channel of this process on one server, for one key prefix.
+
+    Arguments:
+        transport: the server's connections.
+        prefix: the key prefix (the channel is ``<prefix>:wake:<process>``).
+    """
+
+    def __init__(self, transport: Transport, prefix: str) -> None:
+        self.transport = transport
+        self.channel = f"{prefix}:wake:{process_token()}"
+        self._waiters: dict[str, Waiter] = {}
+        self._guard = threading.Condition()
+        # Whether the subscription is confirmed, and why the last attempt failed.
+        self._subscribed = False
+        self._failure: RedisError | None = None
+        self._thread: threading.Thread | None = None
+        #: Wake-up messages received, for tests and benchmarks.
+        self.received = 0
+
+    def join(self) -> Waiter:
+        """A new waiter; the hub subscribes (in the background) if it is not yet."""
+        waiter = Waiter(f"{process_token()}.{next(_counter)}")
+        with self._guard:
+            self._waiters[waiter.id] = waiter
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-redislock-wakeups", daemon=True
+                )
+                self._thread.start()
+        return waiter
+
+    def leave(self, waiter: Waiter) -> None:
+        """Forget ``waiter`` (it got the lock or gave up)."""
+        with self._guard:
+            self._waiters.pop(waiter.id, None)
+
+    def wait_ready(self, deadline: Deadline) -> bool:
+        """Block until the subscription is confirmed, or ``deadline`` passes.
+
+        Raises:
+            redis.RedisError: subscribing failed for a reason a retry will not
+                cure (a missing ACL permission, say).
+        """
+        with self._guard:
+            while not self._subscribed:
+                failure = self._failure
+                if failure is not None and not isinstance(failure, TRANSIENT):
+                    raise failure
+                remaining = deadline.remaining()
+                if remaining <= 0:
+                    return False
+                self._guard.wait(remaining)
+            return True
+
+    def _set_state(self, subscribed: bool, failure: RedisError | None = None) -> None:
+        with self._guard:
+            self._subscribed = subscribed
+            self._failure = failure
+            self._guard.notify_all()
+
+    def _wake_all(self) -> None:
+        with self._guard:
+            waiters = list(self._waiters.values())
+        for waiter in waiters:
+            waiter.event.set()
+
+    def _run(self) -> None:
+        pause = 0.05
+        me = threading.current_thread()
+        while True:
+            with self._guard:
+                if not self._waiters:
+                    # Nobody waits: no reason to (re)connect.
+                    self._thread = None
+                    return
+            conn: Any = None
+            try:
+                conn = self._subscribe()
+                pause = 0.05
+                self._set_state(True)
+                self._listen(conn)
+                return
+            except Exception as exc:  # the thread must not die with waiters relying on it
+                self._set_state(False, exc if isinstance(exc, RedisError) else None)
+                with self._guard:
+                    waiting = bool(self._waiters)
+                logger.log(
+                    logging.WARNING if waiting else logging.DEBUG,
+                    "celery_redislock: wake-up subscription on %s broke: %s; reconnecting",
+                    self.transport.describe(),
+                    describe_error(exc),
+                )
+            finally:
+                with self._guard:
+                    if self._thread is me and self._subscribed:
+                        self._subscribed = False
+                if conn is not None:
+                    conn.disconnect()
+            # A wake-up published while the subscription was down is lost: every
+            # waiter re-checks the lock once the hub is subscribed again.
+            self._wake_all()
+            time.sleep(pause)
+            pause = min(1.0, pause * 2)
+
+    def _subscribe(self) -> Any:
+        deadline = Deadline.after(DEFAULT_CALL_TIMEOUT)
+        conn = self.transport.connection(deadline)
+        try:
+            self.transport.bound(conn, deadline.remaining())
+            conn.send_command("SUBSCRIBE", self.channel, check_health=False)
+            while True:
+                self.transport.bound(conn, deadline.remaining())
+                reply = conn.read_response()
+                if isinstance(reply, list) and reply[:1] == [b"subscribe"]:
+                    return conn
+        except BaseException:
+            conn.disconnect()
+            raise
+
+    def _listen(self, conn: Any) -> None:
+        """Deliver wake-ups until the connection breaks (raises), or until nobody has
+        waited for :data:`IDLE_EXIT` seconds (then the thread ends)."""
+        idle_since = time.monotonic()
+        while True:
+            if conn.can_read(timeout=_POLL):
+                reply = conn.read_response()
+                if isinstance(reply, list) and reply[:1] == [b"message"]:
+                    self.received += 1
+                    with self._guard:
+                        waiter = self._waiters.get(reply[2].decode())
+                    if waiter is not None:
+                        waiter.event.set()
+                continue
+            with self._guard:
+                if self._waiters:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since >= IDLE_EXIT:
+                    self._subscribed = False
+                    self._thread = None
+                    return
+
+
+_hubs: dict[tuple[Transport, str], WakeHub] = {}
+_hubs_guard = threading.Lock()
+
+
+def hub_for(transport: Transport, prefix: str) -> WakeHub:
+    """This process's hub for ``transport`` and ``prefix``."""
+    hub = _hubs.get((transport, prefix))
+    if hub is None:
+        with _hubs_guard:
+            hub = _hubs.get((transport, prefix))
+            if hub is None:
+                hub = _hubs[(transport, prefix)] = WakeHub(transport, prefix)
+    return hub
+
+
+def _reset_after_fork() -> None:
+    global _process, _hubs_guard
+    _process = secrets.token_hex(8)
+    _hubs.clear()
+    _hubs_guard = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
