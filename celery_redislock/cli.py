@@ -15,16 +15,14 @@ from typing import Any
 import click
 
 from celery_redislock.admin import force_release, list_locks
-from celery_redislock.client import get_client
 from celery_redislock.lock import DEFAULT_PREFIX
-from celery_redislock.task import lock_store_url
+from celery_redislock.store import describe_store, lock_store
 
 
 def _store(ctx: click.Context) -> tuple[Any, str]:
     app = ctx.obj.app
-    url = lock_store_url(app)
     prefix = app.conf.get("redislock_prefix") or DEFAULT_PREFIX
-    return get_client(url), str(prefix)
+    return lock_store(app), str(prefix)
 
 
 @click.group()
@@ -40,7 +38,7 @@ def ping(ctx: click.Context) -> None:
     client, _prefix = _store(ctx)
     info = client.info("server")
     version = info.get("valkey_version") or info.get("redis_version")
-    click.echo(f"lock store {lock_store_url(ctx.obj.app)}: ok (server {version})")
+    click.echo(f"lock store {describe_store(ctx.obj.app)}: ok (server {version})")
 
 
 @redislock.command(name="list")

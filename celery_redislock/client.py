@@ -27,7 +27,7 @@ import os
 import threading
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote, urlparse, urlsplit, urlunsplit
 
 import redis
 from redis.cluster import RedisCluster
@@ -47,18 +47,36 @@ _clients: dict[str, redis.Redis] = {}
 _guard = threading.Lock()
 
 
+def url_shown(url: str) -> str:
+    """``url`` as a message may show it: with any password replaced by ``***``."""
+    shown = []
+    for part in url.split(";"):
+        parsed = urlsplit(part)
+        try:
+            password = parsed.password
+        except ValueError:  # pragma: no cover - a port that is not a number
+            password = None
+        if password is not None:
+            netloc = parsed.netloc.replace(f":{password}@", ":***@", 1)
+            part = urlunsplit(parsed._replace(netloc=netloc))
+        shown.append(part)
+    return ";".join(shown)
+
+
 def check_url(value: object, argument: str = "url") -> str:
-    """Return ``value`` if it is a lock store URL, or raise naming ``argument``."""
+    """Return ``value`` if it is a lock store URL, or raise naming ``argument``.
+
+    The message shows the URL's scheme only: the rest may hold a password.
+    """
+    schemes = ", ".join(URL_SCHEMES)
     if not isinstance(value, str):
         raise TypeError(
-            f"{argument} must be a Redis URL string ({', '.join(URL_SCHEMES)}), "
-            f"not {type(value).__name__}"
+            f"{argument} must be a Redis URL string ({schemes}), not {type(value).__name__}"
         )
     if not value.startswith(URL_SCHEMES):
-        raise ValueError(
-            f"{argument} {value!r} is not a Redis URL: it must start with one of "
-            f"{', '.join(URL_SCHEMES)}"
-        )
+        scheme, sep, _rest = value.partition("://")
+        shown = f"{scheme}://…" if sep else f"{value[:12]!r} (no scheme)"
+        raise ValueError(f"{argument} must be a Redis URL ({schemes}), got {shown}")
     return value
 
 
@@ -98,7 +116,7 @@ def _sentinel_master(url: str, options: dict[str, Any]) -> redis.Redis:
     master_name = options.pop("master_name", None)
     if not master_name:
         raise ValueError(
-            f"the Sentinel URL {url!r} needs the master's name: set "
+            f"the Sentinel URL {url_shown(url)!r} needs the master's name: set "
             'app.conf.redislock_transport_options = {"master_name": "mymaster"} '
             "(or broker_transport_options when the broker URL is used)"
         )

@@ -50,6 +50,7 @@ from celery.worker import state as worker_state
 from celery_redislock.errors import LockNotOwnedError
 from celery_redislock.lock import RedisLock, name_from_key, release_lease
 from celery_redislock.task import WHILE_EXECUTING, SingletonTask, queued_owner
+from celery_redislock.transport import Client
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ def _locks_while_queued(task: object) -> bool:
     return isinstance(task, SingletonTask) and task.lock_options.strategy != WHILE_EXECUTING
 
 
-def free_queued(client: redis.Redis, name: str, task_id: str, prefix: str) -> bool:
+def free_queued(client: Client, name: str, task_id: str, prefix: str) -> bool:
     """Free lock ``name`` if the message of ``task_id`` still owns it; return whether it did.
 
     The release compares the owner on the server: a lock an execution has taken
@@ -207,7 +208,7 @@ def free_queued(client: redis.Redis, name: str, task_id: str, prefix: str) -> bo
     return True
 
 
-def find_and_free_queued(client: redis.Redis, prefix: str, task_ids: set[str]) -> None:
+def find_and_free_queued(client: Client, prefix: str, task_ids: set[str]) -> None:
     """Free the locks under ``prefix`` that the messages of ``task_ids`` still own.
 
     Scans the lock keys (at most :data:`MAX_SCAN_CALLS` ``SCAN`` calls) and reads

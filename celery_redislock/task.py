@@ -58,7 +58,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, ClassVar, Literal, NamedTuple, cast, get_args
 
-import redis
 from celery import Task
 from celery import signals as celery_signals
 from celery.exceptions import Reject, Retry
@@ -66,7 +65,7 @@ from celery.result import AsyncResult
 from celery.utils import uuid
 
 from celery_redislock import signals
-from celery_redislock.client import URL_SCHEMES, get_client
+from celery_redislock.client import check_url
 from celery_redislock.errors import (
     LockBackendError,
     LockConflictError,
@@ -82,6 +81,13 @@ from celery_redislock.lock import (
     check_ttl,
     release_lease,
 )
+from celery_redislock.store import (
+    check_client_source,
+    check_transport_options,
+    lock_store,
+    store_url,
+)
+from celery_redislock.transport import Client
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +147,8 @@ class LockOptions:
     on_redis_error: RedisErrorMode
     #: Prefix of the lock keys (``lock_prefix``).
     prefix: str
+    #: Replicas that must confirm a new hold before the task runs (``lock_min_replicas``).
+    min_replicas: int
     #: The task's own lock store (``lock_url``); ``None``: the app's, read from
     #: ``app.conf`` at each use so that configuring the app late works.
     url: str | None
@@ -165,6 +173,7 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("lock_retry_delay", "retry_delay", "redislock_retry_delay", 1.0),
     _Option("lock_on_redis_error", "on_redis_error", "redislock_on_redis_error", "fail"),
     _Option("lock_prefix", "prefix", "redislock_prefix", DEFAULT_PREFIX),
+    _Option("lock_min_replicas", "min_replicas", "redislock_min_replicas", 0),
 )
 
 
@@ -223,28 +232,8 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _url_shown(url: str) -> str:
-    """A URL as an error message may show it: its scheme only (the rest may hold a password)."""
-    scheme, sep, _rest = url.partition("://")
-    return f"{scheme}://…" if sep else f"{url[:12]!r} (no scheme)"
-
-
-def check_redis_url(value: object, argument: str) -> str:
-    """Return ``value`` if it is a URL of a Redis server, or raise naming ``argument``.
-
-    Raises:
-        TypeError: not a string.
-        ValueError: its scheme is not one of
-            :data:`celery_redislock.client.URL_SCHEMES`, the one list of them.
-    """
-    schemes = ", ".join(URL_SCHEMES)
-    if not isinstance(value, str):
-        raise TypeError(
-            f"{argument} must be a Redis URL string ({schemes}), not {type(value).__name__}"
-        )
-    if not value.startswith(URL_SCHEMES):
-        raise ValueError(f"{argument} must be a Redis URL ({schemes}), got {_url_shown(value)}")
-    return value
+#: Kept under its earlier name: :func:`celery_redislock.client.check_url`.
+check_redis_url = check_url
 
 
 def _check_option(option: _Option, value: object, source: str) -> object:
@@ -257,6 +246,12 @@ def _check_option(option: _Option, value: object, source: str) -> object:
         return _check_choice(source, value, REDIS_ERROR_MODES)
     if option.field == "prefix":
         return check_prefix(value, source)
+    if option.field == "min_replicas":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{source} must be an int, not {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{source} must be >= 0, got {value}")
+        return value
     return check_ttl(value, source)
 
 
@@ -285,6 +280,10 @@ def resolve_options(task_class: type[SingletonTask], app: Any) -> LockOptions:
         check_redis_url(url, "lock_url")
     elif app.conf.get("redislock_url"):
         check_redis_url(app.conf.get("redislock_url"), "app.conf.redislock_url")
+    check_client_source(app.conf.get("redislock_client"))
+    check_transport_options(
+        app.conf.get("redislock_transport_options"), "app.conf.redislock_transport_options"
+    )
     return LockOptions(
         ttl=cast(float, values["ttl"]),
         enqueue_ttl=cast(float, values["enqueue_ttl"]),
@@ -294,12 +293,14 @@ def resolve_options(task_class: type[SingletonTask], app: Any) -> LockOptions:
         retry_delay=cast(float, values["retry_delay"]),
         on_redis_error=cast(RedisErrorMode, values["on_redis_error"]),
         prefix=cast(str, values["prefix"]),
+        min_replicas=cast(int, values["min_replicas"]),
         url=url,
     )
 
 
 def lock_store_url(app: Any) -> str:
-    """The lock store of ``app``: ``redislock_url``, else the broker URL if it is Redis.
+    """The URL of ``app``'s lock store: ``redislock_url``, else the broker URL if it
+    is a Redis one (``redislock_client``, when set, takes precedence over both).
 
     Read at each use, so that configuring the app after defining its tasks works.
 
@@ -310,13 +311,7 @@ def lock_store_url(app: Any) -> str:
     url = app.conf.get("redislock_url")
     if url:
         return check_redis_url(url, "app.conf.redislock_url")
-    broker = app.conf.broker_url or ""
-    if not isinstance(broker, str) or not broker.startswith(URL_SCHEMES):
-        raise ValueError(
-            "no Redis URL for the locks: set app.conf.redislock_url (or the task's "
-            f"lock_url); the broker URL {broker!r} is not a Redis URL"
-        )
-    return broker
+    return store_url(app)[0]
 
 
 def _body_signature(cls: type[Task]) -> Any:
@@ -410,6 +405,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     lock_on_redis_error: ClassVar[str | None] = _resolved("on_redis_error")
     #: Prefix of the lock keys in Redis.
     lock_prefix: ClassVar[str | None] = _resolved("prefix")
+    #: Replicas that must confirm a new hold (Redis ``WAIT``) before the body runs;
+    #: narrows what a failover can lose, see the README's Deployments section.
+    lock_min_replicas: ClassVar[int | None] = _resolved("min_replicas")
 
     # Per task (set on the task instance, never on a class).
     _lock_options: LockOptions | None = None
@@ -473,9 +471,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         return options
 
     @property
-    def lock_client(self) -> redis.Redis:
-        """The (per-process, shared) client of the lock store."""
-        return get_client(self.lock_options.url or lock_store_url(self.app))
+    def lock_client(self) -> Client:
+        """The (per-process, shared) client of the lock store (see :mod:`celery_redislock.store`)."""
+        return lock_store(self.app, self.lock_options.url)
 
     def lock_name(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
         """The lock name of a call: ``<task name>:<digest of its key material>``."""
@@ -495,6 +493,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             lease=task_id,
             heartbeat=heartbeat,
             on_lost=self._on_lost,
+            min_replicas=self.lock_options.min_replicas if heartbeat else 0,
             prefix=self.lock_options.prefix,
         )
 

@@ -678,6 +678,7 @@ class TestOptions:
             wait=30.0,
             retry_delay=1.0,
             on_redis_error="fail",
+            min_replicas=0,
             prefix="redislock",
             url=None,
         )

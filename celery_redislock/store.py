@@ -1,0 +1,114 @@
+"""The lock store of a Celery app: which Redis the locks of its tasks live in.
+
+Looked up at each use (so configuring the app after defining its tasks works),
+in this order:
+
+1. ``app.conf.redislock_client``: a ready redis-py client (``redis.Redis``, a
+   Sentinel ``master_for()`` client, ``redis.cluster.RedisCluster``) or a
+   zero-argument callable returning one, called lazily once per process (after
+   ``fork()``, so a prefork child builds its own);
+2. ``app.conf.redislock_url`` (``redis://``, ``rediss://``, ``unix://`` or
+   ``sentinel://``), with ``app.conf.redislock_transport_options`` for Sentinel
+   (``master_name``, ``sentinel_kwargs``, as Celery's
+   ``broker_transport_options``);
+3. the broker URL, when it is one of those, with ``broker_transport_options``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import redis
+from redis.cluster import RedisCluster
+
+from celery_redislock.client import URL_SCHEMES, check_url, get_client, url_shown
+from celery_redislock.transport import Client
+
+#: A lock store given directly: a client, or a callable that builds one.
+ClientSource = Client | Callable[[], Client]
+
+_built: weakref.WeakKeyDictionary[Any, tuple[int, Client]] = weakref.WeakKeyDictionary()
+_guard = threading.Lock()
+
+
+def check_client_source(value: object, argument: str = "app.conf.redislock_client") -> None:
+    """Raise naming ``argument`` unless ``value`` is a client, a callable or ``None``."""
+    if value is None or isinstance(value, redis.Redis | RedisCluster) or callable(value):
+        return
+    raise TypeError(
+        f"{argument} must be a redis.Redis or redis.cluster.RedisCluster client, or a "
+        f"callable returning one, not {type(value).__name__}"
+    )
+
+
+def check_transport_options(value: object, argument: str) -> Mapping[str, Any]:
+    """Return ``value`` if it is a mapping (or ``None`` as empty), or raise naming ``argument``."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{argument} must be a dict, not {type(value).__name__}")
+    return value
+
+
+def store_url(app: Any) -> tuple[str, Mapping[str, Any]]:
+    """The URL of ``app``'s lock store and its transport options (``redislock_client`` aside).
+
+    Raises:
+        ValueError: neither ``redislock_url`` nor the broker URL is a Redis URL;
+            the message says what to set.
+    """
+    url = app.conf.get("redislock_url")
+    if url:
+        check_url(url, "app.conf.redislock_url")
+        options = app.conf.get("redislock_transport_options")
+        return url, check_transport_options(options, "app.conf.redislock_transport_options")
+    broker = app.conf.broker_url or ""
+    if not isinstance(broker, str) or not broker.startswith(URL_SCHEMES):
+        raise ValueError(
+            "no lock store: set app.conf.redislock_url (or redislock_client, or the task's "
+            f"lock_url); the broker URL {url_shown(str(broker))} is not a Redis URL"
+        )
+    options = app.conf.get("broker_transport_options")
+    return broker, check_transport_options(options, "app.conf.broker_transport_options")
+
+
+def lock_store(app: Any, url: str | None = None) -> Client:
+    """The client of ``app``'s lock store (or of ``url``, a task's own ``lock_url``).
+
+    Raises:
+        TypeError, ValueError: the configuration names no usable lock store.
+    """
+    if url is not None:
+        return get_client(url)
+    source = app.conf.get("redislock_client")
+    if source is None:
+        store, options = store_url(app)
+        return get_client(store, options if store.startswith("sentinel://") else None)
+    check_client_source(source)
+    if isinstance(source, redis.Redis | RedisCluster):
+        return source
+    built = _built.get(app)
+    if built is None or built[0] != os.getpid():
+        with _guard:
+            built = _built.get(app)
+            if built is None or built[0] != os.getpid():
+                client: Client = source()
+                check_client_source(client, "the client app.conf.redislock_client returned")
+                if callable(client) and not isinstance(client, redis.Redis | RedisCluster):
+                    raise TypeError("app.conf.redislock_client returned a callable, not a client")
+                built = _built[app] = (os.getpid(), client)
+    return built[1]
+
+
+def describe_store(app: Any, url: str | None = None) -> str:
+    """Where ``app``'s locks live, for messages (no password shown)."""
+    if url is not None:
+        return url_shown(url)
+    source = app.conf.get("redislock_client")
+    if source is not None:
+        return f"app.conf.redislock_client ({type(source).__name__})"
+    return url_shown(store_url(app)[0])

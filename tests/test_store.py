@@ -1,0 +1,205 @@
+"""The lock store of an app: redislock_client, Sentinel URLs with transport options, the
+broker as a fallback, and SingletonTask end to end on Cluster, Sentinel and TLS."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from redis.cluster import RedisCluster
+
+from celery_redislock import SingletonTask
+from celery_redislock.client import url_shown
+from celery_redislock.deployments import ClusterDeployment, SentinelDeployment, TLSServer
+from celery_redislock.server import RedisServer
+from celery_redislock.store import describe_store, lock_store, store_url
+from tests.support import close_app
+
+
+def make(name: str, **conf: Any) -> Celery:
+    """An app with no broker of its own unless ``broker_url`` is given in ``conf``."""
+    app = Celery(name, set_as_current=False, broker=conf.pop("broker_url", "memory://"))
+    app.conf.update(conf)
+    app.finalize()
+    return app
+
+
+def job_of(app: Celery, **options: Any) -> Any:
+    """A bound SingletonTask that reports its fencing token and whether it held its lock."""
+
+    @app.task(base=SingletonTask, bind=True, shared=False, name=f"{app.main}.job", **options)
+    def job(self: Any, key: str) -> tuple[int | None, bool]:
+        handle = self.lock
+        assert handle is not None
+        return handle.token, bool(self.lock_client.hget(handle_key(self, key), "owner"))
+
+    return job
+
+
+def handle_key(task: Any, key: str) -> str:
+    """The Redis key of ``task``'s lock for ``key``."""
+    return f"{task.lock_options.prefix}:{{{task.lock_name((key,), {})}}}"
+
+
+def test_redislock_client_given_ready(redislock_server: RedisServer) -> None:
+    """A ready client in redislock_client is the lock store, ahead of redislock_url."""
+    client = redislock_server.client()
+    app = make("ready", redislock_client=client, redislock_url="redis://127.0.0.1:1/0")
+    job = job_of(app)
+    assert job.lock_client is client
+    token, held = job.apply(("a",)).get()
+    assert isinstance(token, int)
+    assert held
+    assert describe_store(app) == "app.conf.redislock_client (Redis)"
+    close_app(app)
+    client.close()
+
+
+def test_redislock_client_callable_is_called_once_per_process(
+    redislock_server: RedisServer,
+) -> None:
+    """A callable in redislock_client is called lazily, once per process, however many
+    tasks run."""
+    calls: list[redis.Redis] = []
+
+    def build() -> redis.Redis:
+        calls.append(redislock_server.client())
+        return calls[-1]
+
+    app = make("lazy", redislock_client=build)
+    job = job_of(app)
+    assert calls == []
+    for key in ("a", "b", "c"):
+        assert job.apply((key,)).get()[1]
+    assert len(calls) == 1
+    assert job.lock_client is calls[0]
+    close_app(app)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "error"),
+    [
+        ("redislock_client", 5, TypeError),
+        ("redislock_client", "redis://127.0.0.1/0", TypeError),
+        ("redislock_transport_options", ["master_name"], TypeError),
+        ("redislock_min_replicas", -1, ValueError),
+        ("redislock_min_replicas", 1.5, TypeError),
+    ],
+)
+def test_bad_store_settings_fail_at_definition(setting: str, value: object, error: type) -> None:
+    """A redislock_client that is no client, transport options that are no dict, and a bad
+    redislock_min_replicas fail when the task is defined, naming the setting."""
+    app = make("bad-store", **{setting: value})
+    with pytest.raises(error) as excinfo:
+
+        @app.task(base=SingletonTask, shared=False)
+        def job() -> None: ...
+
+    assert setting in str(excinfo.value)
+
+
+def test_callable_returning_no_client_is_refused(redislock_server: RedisServer) -> None:
+    """A redislock_client callable that returns something else raises at use."""
+    app = make("returns-junk", redislock_client=lambda: "redis://x")
+    job = job_of(app)
+    with pytest.raises(TypeError) as excinfo:
+        job.lock_client  # noqa: B018
+    assert "redislock_client" in str(excinfo.value)
+
+
+def test_passwords_are_not_shown() -> None:
+    """Messages show lock store URLs without their passwords."""
+    assert url_shown("redis://:hunter2@h:6379/0") == "redis://:***@h:6379/0"
+    assert url_shown("sentinel://u:pw@a:1;sentinel://b:2") == "sentinel://u:***@a:1;sentinel://b:2"
+    app = make("shown", redislock_url="rediss://me:hunter2@h:6380/0")
+    assert "hunter2" not in describe_store(app)
+
+
+def test_sentinel_url_with_transport_options(redislock_sentinel: SentinelDeployment) -> None:
+    """redislock_url = sentinel://… with redislock_transport_options locks on the master
+    the Sentinels name."""
+    app = make(
+        "sentinel-url",
+        redislock_url=redislock_sentinel.sentinel_url,
+        redislock_transport_options=redislock_sentinel.transport_options,
+    )
+    job = job_of(app)
+    token, held = job.apply((uuid.uuid4().hex,)).get()
+    assert isinstance(token, int)
+    assert held
+    close_app(app)
+
+
+def test_sentinel_url_without_master_name_says_what_to_set(
+    redislock_sentinel: SentinelDeployment,
+) -> None:
+    """A Sentinel URL without master_name fails at use with a message naming the setting."""
+    app = make("sentinel-nameless", redislock_url=redislock_sentinel.sentinel_url)
+    job = job_of(app)
+    with pytest.raises(ValueError) as excinfo:
+        job.lock_client  # noqa: B018
+    assert "redislock_transport_options" in str(excinfo.value)
+    assert "master_name" in str(excinfo.value)
+
+
+def test_sentinel_broker_is_the_fallback(redislock_sentinel: SentinelDeployment) -> None:
+    """With redislock_url unset and a Sentinel broker, the broker URL and its transport
+    options are the lock store."""
+    app = make(
+        "sentinel-broker",
+        broker_url=redislock_sentinel.sentinel_url,
+        broker_transport_options=redislock_sentinel.transport_options,
+    )
+    url, options = store_url(app)
+    assert url == redislock_sentinel.sentinel_url
+    assert options["master_name"] == redislock_sentinel.transport_options["master_name"]
+    client = lock_store(app)
+    assert client.connection_pool.service_name == options["master_name"]  # type: ignore[union-attr]
+    _token, held = job_of(app).apply((uuid.uuid4().hex,)).get()
+    assert held
+    close_app(app)
+
+
+def test_min_replicas_on_sentinel(redislock_sentinel: SentinelDeployment) -> None:
+    """lock_min_replicas=1 with a live replica: the task runs, its lock confirmed by the replica."""
+    app = make(
+        "sentinel-replicated",
+        redislock_url=redislock_sentinel.sentinel_url,
+        redislock_transport_options=redislock_sentinel.transport_options,
+    )
+    job = job_of(app, lock_min_replicas=1)
+    assert job.lock_options.min_replicas == 1
+    _token, held = job.apply((uuid.uuid4().hex,)).get()
+    assert held
+    close_app(app)
+
+
+def test_cluster_client(redislock_cluster: ClusterDeployment) -> None:
+    """A RedisCluster in redislock_client: tasks with different keys lock on every primary."""
+    cluster = redislock_cluster.client()
+    app = make("cluster", redislock_client=cluster)
+    job = job_of(app)
+    primaries = set()
+    for i in range(12):
+        key = f"k{i}"
+        token, held = job.apply((key,)).get()
+        assert held
+        assert isinstance(token, int)
+        slot = cluster.keyslot(handle_key(job, key))  # type: ignore[no-untyped-call]
+        primaries.add(redislock_cluster.primary_for_slot(slot).port)
+    assert len(primaries) == 3
+    assert isinstance(job.lock_client, RedisCluster)
+    close_app(app)
+    cluster.close()
+
+
+def test_tls_url(redislock_tls_server: TLSServer) -> None:
+    """A rediss:// URL with ssl_ca_certs locks over TLS."""
+    app = make("tls", redislock_url=redislock_tls_server.url)
+    token, held = job_of(app).apply((uuid.uuid4().hex,)).get()
+    assert held
+    assert isinstance(token, int)
+    close_app(app)
