@@ -12,7 +12,7 @@ from celery import Celery
 from redis.cluster import RedisCluster
 
 from celery_redislock import SingletonTask
-from celery_redislock.client import url_shown
+from celery_redislock.client import get_client, url_shown
 from celery_redislock.deployments import ClusterDeployment, SentinelDeployment, TLSServer
 from celery_redislock.server import RedisServer
 from celery_redislock.store import describe_store, lock_store, store_url
@@ -203,3 +203,19 @@ def test_tls_url(redislock_tls_server: TLSServer) -> None:
     assert held
     assert isinstance(token, int)
     close_app(app)
+
+
+def test_sentinel_options_reach_redis_py(redislock_sentinel: SentinelDeployment) -> None:
+    """sentinel_kwargs go to the Sentinel connections, other transport options and the
+    URL's password to the master's."""
+    url = redislock_sentinel.sentinel_url.replace("sentinel://", "sentinel://:pw-from-url@", 1)
+    options = {
+        **redislock_sentinel.transport_options,
+        "sentinel_kwargs": {"socket_timeout": 1.25},
+        "socket_keepalive": True,
+    }
+    client: Any = get_client(url, options)
+    assert client.connection_pool.connection_kwargs["password"] == "pw-from-url"
+    assert client.connection_pool.connection_kwargs["socket_keepalive"] is True
+    sentinel = client.connection_pool.sentinel_manager
+    assert sentinel.sentinel_kwargs["socket_timeout"] == 1.25
