@@ -9,7 +9,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY celery_redislock ./celery_redislock
+COPY src ./src
 COPY example_worker ./example_worker
 RUN pip install . \
     && useradd --create-home --uid 10001 seckill

@@ -158,7 +158,8 @@ def test_compose_services_are_wired_as_documented() -> None:
 
 
 def test_dockerfile_installs_the_package() -> None:
-    """The Dockerfile copies what `pip install .` needs and defaults to a worker."""
+    """The Dockerfile copies what `pip install .` needs (the package's source directory)
+    and the example, which runs from the working directory."""
     import tomllib
 
     text = DOCKERFILE.read_text()
@@ -171,8 +172,8 @@ def test_dockerfile_installs_the_package() -> None:
             assert (ROOT / source).exists(), f"COPY source {source} is missing"
             copied.add(source.rstrip("/"))
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    needed = {"pyproject.toml", project["project"]["readme"]}
-    needed |= set(project["tool"]["setuptools"]["packages"])
+    needed = {"pyproject.toml", project["project"]["readme"], "example_worker"}
+    needed |= set(project["tool"]["setuptools"]["package-dir"].values())
     assert needed <= copied
     ignored = {
         line.strip().rstrip("/")

@@ -839,3 +839,37 @@ def test_mutual_exclusion_history(redislock_url: str, client: redis.Redis) -> No
 def test_name_from_key_inverts_lock_keys(name: str, prefix: str) -> None:
     """name_from_key gives back the name of any lock key, escaped names included."""
     assert name_from_key(lock_keys(name, prefix)[0], prefix) == name
+
+
+# The holder's description.
+
+
+def test_holder_info_is_stored_with_the_hold(client: redis.Redis) -> None:
+    """holder_info is written with the hold, in the same round trip, and a later holder
+    without one blanks it."""
+    described = RedisLock(
+        client, "described", ttl=30, holder_info={"task": "proj.rebuild", "state": "running"}
+    )
+    before = described.transport.sends
+    assert described.acquire()
+    assert described.transport.sends - before <= 2  # one, or two on the script's first use
+    fields = client.hmget(described.key, "task", "state", "node")
+    assert fields == [b"proj.rebuild", b"running", b""]
+    described.release()
+    plain = RedisLock(client, "described", ttl=30)
+    assert plain.acquire()
+    assert client.hget(plain.key, "task") == b""
+    plain.release()
+
+
+@pytest.mark.parametrize(
+    "info",
+    [{"colour": "red"}, {"task": 5}, {"task": "x" * 201}, ["task"]],
+    ids=["unknown-field", "not-a-str", "too-long", "not-a-mapping"],
+)
+def test_holder_info_is_checked(client: redis.Redis, info: object) -> None:
+    """A holder description with an unknown field, a non-str or over-long value, or that
+    is no mapping, raises naming holder_info."""
+    with pytest.raises((TypeError, ValueError)) as excinfo:
+        RedisLock(client, "bad-info", ttl=5, holder_info=info)  # type: ignore[arg-type]
+    assert "holder_info" in str(excinfo.value)

@@ -122,16 +122,23 @@ end
 #: KEYS[1] the lock hash; KEYS[2] the waiter queue
 #: ARGV[1] owner token; ARGV[2] TTL in ms; ARGV[3] lease ("" for none);
 #: ARGV[4] request id; ARGV[5] waiter id ("" when not waiting: not queued);
-#: ARGV[6] the waiter's queue position from an earlier reply ("" the first time)
+#: ARGV[6] the waiter's queue position from an earlier reply ("" the first time);
+#: ARGV[7..] optionally, the holder's description: one value per HOLDER_FIELDS
+#: name, in that order, written with the hold (and blanked by a holder without one)
 #: Returns {1, fence} when newly taken (or taken over), {2, fence} when re-entered,
 #: {0, pttl, holder lease, queue position} when another owner holds it. A retry
 #: of a request that already landed returns what the first arrival did.
+#: The holder's description a lock can carry (what ``celery redislock list`` shows):
+#: the task name, ``queued``/``running``, the worker node, its process id, and
+#: when the hold began (Unix time, in seconds).
+HOLDER_FIELDS = ("task", "state", "node", "pid", "since")
+
 ACQUIRE = (
     _CHECK_TTLS
     + """
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
-local lock = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'count', 'fence', 'req')
+local lock = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'count', 'fence', 'req', 'task')
 if lock[1] == ARGV[1] then
     bad = denied('pexpire', KEYS[1], '1') or denied('hset', KEYS[1], 'count', '1')
     if bad then return bad end
@@ -180,14 +187,21 @@ if ARGV[5] ~= '' then
     bad = bad or denied('zrem', KEYS[2], 'w')
 end
 if bad then return bad end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease', ARGV[3], 'count', 1,
-           'fence', fence, 'req', ARGV[4])
+local fields = {'owner', ARGV[1], 'lease', ARGV[3], 'count', 1, 'fence', fence, 'req', ARGV[4]}
+if #ARGV > 6 or lock[6] then
+    -- A holder without a description blanks the one its predecessor left.
+    for i, name in ipairs({HOLDER_FIELDS}) do
+        fields[#fields + 1] = name
+        fields[#fields + 1] = ARGV[6 + i] or ''
+    end
+end
+redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 if ARGV[5] ~= '' then
     redis.call('ZREM', KEYS[2], ARGV[5])
 end
 return {1, fence}
-"""
+""".replace("{HOLDER_FIELDS}", "{" + ", ".join(f"'{f}'" for f in HOLDER_FIELDS) + "}")
 )
 
 #: Drop one hold; free the lock and wake the next waiters when the last hold goes.

@@ -50,8 +50,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import random
 import secrets
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -494,8 +496,19 @@ class SingletonTask(Task):  # type: ignore[misc]
             heartbeat=heartbeat,
             on_lost=self._on_lost,
             min_replicas=self.lock_options.min_replicas if heartbeat else 0,
+            holder_info=self._holder_info(running=heartbeat),
             prefix=self.lock_options.prefix,
         )
+
+    def _holder_info(self, running: bool) -> dict[str, str]:
+        """Who holds the lock, stored with it for ``celery redislock list``."""
+        info = {"task": self.name[:200], "since": f"{time.time():.3f}"}
+        if running:
+            node = getattr(self.request, "hostname", None) or socket.gethostname()
+            info.update(state="running", node=str(node)[:200], pid=str(os.getpid()))
+        else:
+            info["state"] = "queued"
+        return info
 
     def _on_lost(self, lock: RedisLock) -> None:
         logger.warning(

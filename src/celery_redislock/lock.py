@@ -35,7 +35,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn
 
@@ -54,6 +54,7 @@ from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.scripts import (
     ACQUIRE_SCRIPT,
     EXTEND_SCRIPT,
+    HOLDER_FIELDS,
     LEAVE_SCRIPT,
     RELEASE_LEASE_SCRIPT,
     RELEASE_SCRIPT,
@@ -135,6 +136,31 @@ def check_timeout(value: object, argument: str = "timeout") -> float | None:
     if value == float("inf"):
         return None
     return float(value)
+
+
+#: Longest value of a holder description field, in characters.
+MAX_INFO_LENGTH = 200
+
+
+def check_holder_info(value: object, argument: str = "holder_info") -> tuple[str, ...]:
+    """The ACQUIRE arguments for a holder description: one value per
+    :data:`~celery_redislock.scripts.HOLDER_FIELDS` name, or none at all."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{argument} must be a mapping of str to str, not {type(value).__name__}")
+    unknown = set(value) - set(HOLDER_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"{argument} has unknown field(s) {sorted(map(str, unknown))}; "
+            f"known: {', '.join(HOLDER_FIELDS)}"
+        )
+    for field, text in value.items():
+        if not isinstance(text, str) or len(text) > MAX_INFO_LENGTH:
+            raise ValueError(
+                f"{argument}[{field!r}] must be a str of at most {MAX_INFO_LENGTH} characters"
+            )
+    return tuple(str(value.get(field, "")) for field in HOLDER_FIELDS)
 
 
 def check_name(value: object, argument: str = "name") -> str:
@@ -241,6 +267,9 @@ class RedisLock:
             window in which a failover loses a lock; it does not close it — the
             fencing token is the real defence.
         replica_timeout: see ``min_replicas``.
+        holder_info: a description of the holder stored with each new hold (same
+            round trip), for operators: any of ``task``, ``state``, ``node``,
+            ``pid``, ``since`` (strings of at most 200 characters).
         prefix: key prefix.
 
     One object is one holder: threads sharing it share its holds (it is
@@ -266,6 +295,7 @@ class RedisLock:
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         min_replicas: int = 0,
         replica_timeout: float = 1.0,
+        holder_info: Mapping[str, str] | None = None,
         prefix: str = DEFAULT_PREFIX,
         _heartbeat: Heartbeat | None = None,
     ) -> None:
@@ -296,6 +326,7 @@ class RedisLock:
         #: Replicas that must confirm a new hold (``WAIT``) before acquire succeeds.
         self.min_replicas = min_replicas
         self.replica_timeout = check_ttl(replica_timeout, "replica_timeout")
+        self._info = check_holder_info(holder_info)
         self.client = as_client(client_or_url)
         self.name = name
         self.prefix = prefix
@@ -550,6 +581,7 @@ class RedisLock:
                 request,
                 waiter.id if waiter else "",
                 (self._position or "") if waiter else "",
+                *self._info,
             ],
         )
         wait = self._replica_wait(deadline)
