@@ -51,6 +51,10 @@ MIN_ROUND_TRIP = 0.05
 #: Pause between retries of a failed renewal, at most (seconds).
 RENEW_RETRY = 0.5
 
+#: How long a reply owed on an idle connection may wait for the connection's next
+#: request before the lane reads it itself, in seconds.
+DRAIN_DELAY = 0.05
+
 
 class Renewable(Protocol):
     """What the heartbeat needs from a lock."""
@@ -112,6 +116,8 @@ class _Lane:
         self.cond = threading.Condition()
         self.entries: dict[int, _Entry] = {}
         self.pending: list[_Pending] = []
+        # When to read the replies owed on idle connections (None: nothing owed).
+        self.drain_at: float | None = None
         self.thread: threading.Thread | None = None
         # When the sleeping thread wakes by itself (-inf while it is awake).
         self.wake_at = -math.inf
@@ -138,6 +144,12 @@ class _Lane:
         with self.cond:
             self.pending.append(_Pending(call, until, what, self.clock(), quiet))
             self._wake(self.clock())
+
+    def drain_later(self) -> None:
+        with self.cond:
+            if self.drain_at is None:
+                self.drain_at = self.clock() + DRAIN_DELAY
+                self._wake(self.drain_at)
 
     def locks(self) -> list[Renewable]:
         with self.cond:
@@ -167,20 +179,24 @@ class _Lane:
                 batch = self._next_batch()
                 if batch is None:
                     return
-                locks, pending = batch
+                locks, pending, drain = batch
             try:
                 if locks:
                     self.renew(locks)
                     self.heartbeat.rounds += 1
                 if pending:
                     self._send_pending(pending)
+                if drain:
+                    self.transport.drain(Deadline.after(DEFAULT_CALL_TIMEOUT))
+                    if self.transport.owes_replies():
+                        self.drain_later()
             except Exception:  # pragma: no cover - the thread must not die
                 logger.exception("celery_redislock heartbeat round failed")
             # No strong reference may outlive the round: a lock dropped by its
             # user must be collectable while the thread sleeps.
-            del batch, locks, pending
+            del batch, locks, pending, drain
 
-    def _next_batch(self) -> tuple[list[Renewable], list[_Pending]] | None:
+    def _next_batch(self) -> tuple[list[Renewable], list[_Pending], bool] | None:
         """With ``cond`` held: sleep until work is due; ``None`` when the thread should end."""
         idle_since = self.clock()
         while True:
@@ -191,6 +207,8 @@ class _Lane:
                 return None
             times = [e.due for e in self.entries.values()]
             times += [p.next_try for p in self.pending]
+            if self.drain_at is not None:
+                times.append(self.drain_at)
             if times:
                 idle_since = now
                 wait = min(times) - now
@@ -212,7 +230,10 @@ class _Lane:
             if lock is not None and entry.due - lock.renew_interval / 2 <= now:
                 locks.append(lock)
         pending = [p for p in self.pending if p.next_try <= now]
-        return locks, pending
+        drain = self.drain_at is not None and self.drain_at <= now
+        if drain:
+            self.drain_at = None
+        return locks, pending, drain
 
     def _drop_collected(self) -> None:
         while self.collected:
@@ -380,6 +401,10 @@ class Heartbeat:
         ``quiet``."""
         self._stopping = False
         self._lane(lock.transport).add_pending(call, until, what, quiet)
+
+    def drain_later(self, transport: Transport) -> None:
+        """Have ``transport``'s owed replies read soon, if no request reads them first."""
+        self._lane(transport).drain_later()
 
     def held(self) -> list[Renewable]:
         """The locks being renewed right now."""

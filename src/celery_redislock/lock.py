@@ -32,15 +32,16 @@ or not the heartbeat has run since.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, Literal, NamedTuple, NoReturn
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_redislock.client import as_client
@@ -77,9 +78,11 @@ from celery_redislock.transport import (
 )
 from celery_redislock.wakeups import Waiter, hub_for
 
-#: How long a name's fence hash outlives its last use, in ms. After it expires
-#: the next token is seeded from the server clock (microseconds), so tokens
-#: still increase.
+logger = logging.getLogger(__name__)
+
+#: How long a free lock's hash (and its fencing counter) outlives its last
+#: release, in ms. After it expires the next token is seeded from the server
+#: clock (microseconds), so tokens still increase.
 FENCE_TTL_MS = 3_600_000
 
 #: Default key prefix.
@@ -100,6 +103,10 @@ MIN_TTL = 0.001
 #: Shortest deadline of a round trip made for a caller whose own time is
 #: (nearly) up, in seconds: a last check still gets a fair chance to answer.
 MIN_CALL = 0.05
+
+#: What a ``release(wait=False)`` turned out to do: freed or dropped a hold, found
+#: the lock already lost, failed for good, or is being retried in the background.
+ReleaseOutcome = Literal["released", "lost", "failed", "retrying"]
 
 #: Errors after which a request may have run on the server although no reply came.
 _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError)
@@ -450,12 +457,26 @@ class RedisLock:
             if not acquired and self._unconfirmed is not None:
                 self._undo(request, self._unconfirmed)
 
-    def release(self) -> None:
+    def release(
+        self, wait: bool = True, then: Callable[[ReleaseOutcome], Any] | None = None
+    ) -> None:
         """Drop one hold; the last hold frees the lock and wakes a waiter.
 
         If Redis cannot be reached, the hold is dropped locally all the same: the
         lock is no longer renewed, the release is retried in the background until
         the lock's TTL would have run out, and this call raises.
+
+        Arguments:
+            wait: wait for the server's answer (the default). With ``wait=False``
+                the release is written to the server and the call returns: the
+                hold is dropped locally at once (renewal stops), and the answer is
+                read later — by the next request on that connection, or by the
+                heartbeat thread within :data:`~celery_redislock.heartbeat.DRAIN_DELAY`,
+                or at exit. A lock found already lost is then logged, and a failed
+                release retried in the background.
+            then: with ``wait=False``, called with the outcome once the answer is
+                read (from whichever thread reads it); it then also decides what to
+                log about a lock found lost.
 
         Raises:
             LockNotOwnedError: this owner does not hold the lock (nothing deleted).
@@ -467,6 +488,9 @@ class RedisLock:
             [self.key, self.queue_key],
             [self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, ""],
         )
+        if not wait:
+            self._release_later(call, then)
+            return
         try:
             result = Released(self._run(call, self._call_deadline(None)))
         except RedisError as exc:
@@ -482,6 +506,57 @@ class RedisLock:
             done = result is Released.FREED or self._holds == 0
         if done:
             self._forget()
+
+    def _release_later(self, call: Call, then: Callable[[ReleaseOutcome], Any] | None) -> None:
+        """``release(wait=False)``: write the release, drop the hold, read the answer later."""
+        with self._state:
+            if self._holds == 0:
+                raise LockNotOwnedError(self.name)
+            self._holds -= 1
+            last = self._holds == 0
+            until = self._expiry
+        if last:
+            self._forget()
+        transport = self.transport
+
+        def answered(result: list[Any] | RedisError) -> None:
+            reply = result if isinstance(result, RedisError) else result[0]
+            outcome: ReleaseOutcome = "released"
+            if isinstance(reply, NoScriptError | RedisConnectionError | RedisTimeoutError):
+                # Not run, or not known to have run: send it again (it is
+                # recognised if it did run).
+                self._beat().retry_in_background(
+                    self,
+                    call,
+                    max(until, time.monotonic() + MIN_CALL),
+                    f"releasing lock {self.name!r}",
+                )
+                outcome = "retrying"
+            elif isinstance(reply, Exception):
+                logger.warning("celery_redislock: releasing lock %s failed: %s", self.name, reply)
+                outcome = "failed"
+            elif reply == Released.NOT_OWNED:
+                self._lost = True
+                if then is None:
+                    logger.warning(
+                        "celery_redislock: lock %s was no longer held when released (it "
+                        "had expired or been taken over)",
+                        self.name,
+                    )
+                outcome = "lost"
+            if then is not None:
+                then(outcome)
+
+        # By text until this server is known to have the script: a deferred
+        # request that meets NOSCRIPT would only be sent again.
+        command = call.by_sha() if call.script.sha in transport.scripts else call.by_text()
+        try:
+            transport.send_deferred([command], self._call_deadline(None), answered)
+        except RedisError as exc:
+            with self._state:
+                self._holds += 1
+            self._release_failed(call, exc)
+        self._beat().drain_later(transport)
 
     def extend(self, ttl: float | None = None) -> None:
         """Reset the remaining TTL to ``ttl`` seconds (default: the lock's TTL).

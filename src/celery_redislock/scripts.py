@@ -374,6 +374,9 @@ def run_calls(
         for i, reply in zip(missing, again, strict=False):
             replies[i] = reply
         replies[len(calls) :] = again[len(missing) :]
+    for call, reply in zip(calls, replies, strict=False):
+        if not isinstance(reply, NoScriptError):
+            transport.scripts.add(call.script.sha)
     return replies
 
 

@@ -79,6 +79,7 @@ from celery_redislock.lock import (
     DEFAULT_PREFIX,
     DEFAULT_TTL,
     RedisLock,
+    ReleaseOutcome,
     check_prefix,
     check_ttl,
     release_lease,
@@ -640,25 +641,48 @@ class SingletonTask(Task):  # type: ignore[misc]
             if lock.holding and keep:
                 lock.detach()
             elif lock.holding:
-                self._release(lock, taken_over_ok=retrying)
-                signals.lock_released.send(
-                    sender=self, task_id=task_id, key=key, held=time.monotonic() - taken
-                )
+                self._release(lock, task_id, time.monotonic() - taken, taken_over_ok=retrying)
 
-    def _release(self, lock: RedisLock, taken_over_ok: bool = False) -> None:
-        try:
-            lock.release()
-        except LockLostError:
-            if not taken_over_ok:
+    def _release(
+        self, lock: RedisLock, task_id: str, held: float, taken_over_ok: bool = False
+    ) -> None:
+        """Release without waiting for the answer: the request is written before the
+        worker stores the task's result, so a client that sees the result and sends
+        the task again finds the key free, but the task does not wait a round trip
+        for it. The answer is read moments later; ``lock_released`` reports it."""
+
+        def answered(outcome: ReleaseOutcome) -> None:
+            if outcome == "lost" and not taken_over_ok:
                 logger.warning(
                     "lock %s of %s[%s] was lost before the task ended",
                     lock.name,
                     self.name,
                     lock.lease,
                 )
+            elif outcome in ("failed", "retrying"):
+                logger.warning(
+                    "could not confirm the release of lock %s of %s[%s]; it is retried "
+                    "in the background, or expires by its TTL",
+                    lock.name,
+                    self.name,
+                    lock.lease,
+                )
+            signals.lock_released.send(
+                sender=self,
+                task_id=task_id,
+                key=lock.name,
+                held=held,
+                outcome="failed" if outcome == "retrying" else outcome,
+            )
+
+        try:
+            lock.release(wait=False, then=answered)
         except LockBackendError as exc:
             logger.warning(
                 "could not release lock %s (it will expire by its TTL): %s", lock.name, exc
+            )
+            signals.lock_released.send(
+                sender=self, task_id=task_id, key=lock.name, held=held, outcome="failed"
             )
 
     def _conflict(self, lock: RedisLock, key: str, request: Any) -> Any:

@@ -21,11 +21,13 @@ through :func:`backend_errors`, the one place where they are translated.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -71,6 +73,14 @@ TRANSIENT: tuple[type[RedisError], ...] = (
 
 #: Idle connections a transport keeps for reuse; more are opened when needed.
 MAX_IDLE = 8
+
+#: What to do with the replies of requests sent with :meth:`Transport.send_deferred`:
+#: called once with the replies (error replies as exceptions among them), or with
+#: the error that kept them from being read. It runs in whichever thread reads
+#: them, so it must be quick and must not raise.
+ReplyHandler = Callable[[list[Any] | RedisError], None]
+
+logger = logging.getLogger(__name__)
 
 
 class Deadline:
@@ -127,10 +137,14 @@ class Transport:
         kwargs.update(_OVERRIDES, retry=Retry(NoBackoff(), 0))
         self._kwargs = kwargs
         self._idle: list[Any] = []
+        # Replies still owed on a connection, oldest first: (how many, handler).
+        self._owed: dict[Any, list[tuple[int, ReplyHandler]]] = {}
         self._guard = threading.Lock()
         self._pid = os.getpid()
         #: Requests written to the server (round trips started), for tests and benchmarks.
         self.sends = 0
+        #: Digests of the scripts this server has run for us (cached there).
+        self.scripts: set[str] = set()
 
     def describe(self) -> str:
         """``host:port`` (or the socket path) of the server, for messages."""
@@ -165,11 +179,53 @@ class Transport:
         finally:
             self._checkin(conn, healthy)
 
+    def send_deferred(
+        self, commands: Sequence[Sequence[Any]], deadline: Deadline, handler: ReplyHandler
+    ) -> None:
+        """Write ``commands`` now and read their replies later.
+
+        The replies are read by the next request on the same connection (before
+        it is sent), by :meth:`drain`, or by :meth:`flush`, and handed to
+        ``handler``. When this returns, the request is in the kernel's send buffer:
+        the server will run it even if this process dies before reading the reply.
+
+        Raises:
+            redis.ConnectionError, redis.TimeoutError: the request could not be
+                written (nothing was sent, or not all of it).
+        """
+        conn = self._checkout(deadline)
+        try:
+            self._bound(conn, deadline)
+            conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+        except BaseException:
+            conn.disconnect()
+            raise
+        self.sends += 1
+        with self._guard:
+            self._owed.setdefault(conn, []).append((len(commands), handler))
+        self._checkin(conn, True)
+
+    def owes_replies(self) -> bool:
+        """Whether replies of deferred requests are still unread."""
+        with self._guard:
+            return bool(self._owed)
+
+    def drain(self, deadline: Deadline) -> None:
+        """Read the replies owed on idle connections and hand them to their handlers."""
+        with self._guard:
+            owing = [conn for conn in self._idle if conn in self._owed]
+            self._idle = [conn for conn in self._idle if conn not in self._owed]
+        for conn in owing:
+            self._checkin(conn, self._settle(conn, deadline))
+
     def reset(self) -> None:
         """Close every idle connection (after a failover, the next call reconnects)."""
         with self._guard:
             idle, self._idle = self._idle, []
         for conn in idle:
+            self._fail_owed(
+                conn, RedisConnectionError("connection reset before its reply was read")
+            )
             conn.disconnect()
 
     def connection(self, deadline: Deadline) -> Any:
@@ -210,8 +266,11 @@ class Transport:
         with self._guard:
             if self._pid != os.getpid():
                 # A forked child never talks over its parent's sockets.
-                self._idle, self._pid = [], os.getpid()
+                self._idle, self._owed, self._pid = [], {}, os.getpid()
             conn = self._idle.pop() if self._idle else None
+        if conn is not None and not self._settle(conn, deadline):
+            conn.disconnect()
+            conn = None
         if conn is None:
             conn = self.connection_class(**self._kwargs)
             try:
@@ -223,13 +282,56 @@ class Transport:
 
     def _checkin(self, conn: Any, healthy: bool) -> None:
         if not healthy:
+            self._fail_owed(conn, RedisConnectionError("connection lost before its reply was read"))
             conn.disconnect()
             return
         with self._guard:
-            if self._pid == os.getpid() and len(self._idle) < MAX_IDLE:
+            # A connection that owes replies stays, whatever the count, until read.
+            if self._pid == os.getpid() and (len(self._idle) < MAX_IDLE or conn in self._owed):
                 self._idle.append(conn)
                 return
         conn.disconnect()
+
+    def _settle(self, conn: Any, deadline: Deadline) -> bool:
+        """Read the replies owed on ``conn`` and hand them over; False if it broke."""
+        with self._guard:
+            owed = self._owed.pop(conn, None)
+        if not owed:
+            return True
+        broken: RedisError | None = None
+        for count, handler in owed:
+            result: list[Any] | RedisError
+            if broken is None:
+                try:
+                    replies: list[Any] = []
+                    for _reply in range(count):
+                        self._bound(conn, deadline)
+                        try:
+                            replies.append(conn.read_response())
+                        except ResponseError as exc:
+                            replies.append(exc)
+                    result = replies
+                except RedisError as exc:
+                    conn.disconnect()
+                    broken = result = exc
+            else:
+                result = broken
+            _hand_over(handler, result)
+        return broken is None
+
+    def _fail_owed(self, conn: Any, error: RedisError) -> None:
+        with self._guard:
+            owed = self._owed.pop(conn, None)
+        for _count, handler in owed or ():
+            _hand_over(handler, error)
+
+
+def _hand_over(handler: ReplyHandler, result: list[Any] | RedisError) -> None:
+    """Call a reply handler; whatever it raises is logged, never propagated."""
+    try:
+        handler(result)
+    except Exception:
+        logger.exception("celery_redislock: a deferred reply's handler failed")
 
 
 _transports: weakref.WeakKeyDictionary[redis.Redis, Transport] = weakref.WeakKeyDictionary()
@@ -363,6 +465,17 @@ def backend_errors(action: str) -> Iterator[None]:
         yield
     except RedisError as exc:
         raise LockBackendError(f"could not {action}: {describe_error(exc)}") from exc
+
+
+def flush(timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
+    """Read every reply still owed in this process (before it exits)."""
+    deadline = Deadline.after(timeout)
+    for transport in list(_transports.values()):
+        if transport.owes_replies():
+            transport.drain(deadline)
+
+
+atexit.register(flush)
 
 
 def _forget_after_fork() -> None:

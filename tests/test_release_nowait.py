@@ -1,0 +1,129 @@
+"""release(wait=False): the release leaves without waiting for its answer, and still
+keeps every promise a waited-for release makes."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import redis
+from celery.contrib.testing.worker import start_worker
+
+from celery_redislock import LockNotOwnedError, RedisLock, SingletonTask
+from celery_redislock.heartbeat import get_heartbeat
+from celery_redislock.server import RedisServer
+from celery_redislock.transport import transport_for
+from tests.proxy import FaultProxy
+from tests.support import close_app, held, make_app, quiet_sockets, wait_for
+
+
+def test_task_waits_for_one_round_trip_only(redislock_server: RedisServer) -> None:
+    """A SingletonTask's body ends without waiting for its release's answer: when apply()
+    returns, the answer is still unread, and it is read moments later."""
+    app = make_app(redislock_server.url, "one-trip")
+
+    @app.task(base=SingletonTask, shared=False)
+    def job() -> str:
+        return "done"
+
+    job.apply()  # scripts cached on the server
+    transport = transport_for(job.lock_client)
+    wait_for(lambda: not transport.owes_replies(), what="the first answers")
+    before = transport.sends
+    assert job.apply().get() == "done"
+    assert transport.sends - before == 2  # the acquire's round trip and the release's write
+    assert transport.owes_replies()
+    wait_for(lambda: not transport.owes_replies(), what="the release's answer to be read")
+    close_app(app)
+
+
+@pytest.mark.slow
+def test_lock_is_free_once_the_result_is_seen(redislock_server: RedisServer) -> None:
+    """With a real worker, a client that sees a task's result finds its key free at once,
+    every time: the release is written before the result is stored."""
+    app = make_app(redislock_server.url, "result-then-free")
+    locks = redislock_server.client()
+
+    @app.task(base=SingletonTask, shared=False, on_conflict="raise")
+    def job(n: int) -> int:
+        return n
+
+    still_held = []
+    worker = start_worker(app, pool="threads", concurrency=2, perform_ping_check=False)
+    with worker:
+        for n in range(50):
+            assert job.delay(n).get(timeout=20) == n
+            key = f"redislock:{{{job.lock_name((n,), {})}}}"
+            if held(locks, key):
+                still_held.append(n)
+    with quiet_sockets():
+        close_app(app)
+    locks.close()
+    assert still_held == []
+
+
+def test_release_nowait_of_a_lost_lock_is_logged(
+    redislock_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A release that turns out not to have been owned is still logged (and reported to
+    ``then`` as 'lost')."""
+    lock = RedisLock(redislock_client, "nowait-lost", ttl=10)
+    assert lock.acquire()
+    redislock_client.delete(lock.key)
+    outcomes: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="celery_redislock"):
+        lock.release(wait=False)
+        wait_for(lambda: "no longer held when released" in caplog.text, what="the warning")
+    assert lock.acquire()
+    redislock_client.delete(lock.key)
+    lock.release(wait=False, then=outcomes.append)
+    wait_for(lambda: outcomes == ["lost"], what="the outcome")
+
+
+def test_release_nowait_stops_renewal_even_if_unanswered(
+    redislock_server: RedisServer,
+) -> None:
+    """A release whose answer never comes still stops renewal at once: the lock then
+    goes by its TTL (or by the background retry once the server answers again)."""
+    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+        client = redis.Redis.from_url(proxy.url)
+        direct = redislock_server.client()
+        lock = RedisLock(client, "nowait-blackholed", ttl=1.0, call_timeout=0.5)
+        assert lock.acquire()
+        proxy.blackhole()
+        outcomes: list[str] = []
+        lock.release(wait=False, then=outcomes.append)
+        assert lock not in get_heartbeat().held()
+        assert not lock.holding
+        wait_for(lambda: not held(direct, lock.key), timeout=10, what="the lock to go")
+        wait_for(lambda: outcomes == ["retrying"], timeout=10, what="the outcome")
+        client.close()
+        direct.close()
+
+
+def test_release_nowait_without_a_hold_raises(redislock_client: redis.Redis) -> None:
+    """release(wait=False) of a lock this object does not hold raises at once."""
+    with pytest.raises(LockNotOwnedError):
+        RedisLock(redislock_client, "nowait-unheld", ttl=5).release(wait=False)
+
+
+def test_release_written_before_exit_lands(redislock_server: RedisServer) -> None:
+    """A process that releases without waiting and exits at once (no cleanup at all)
+    still frees the lock: the request was written before release() returned."""
+    child = textwrap.dedent(
+        f"""
+        import os
+        from celery_redislock import RedisLock
+        lock = RedisLock({redislock_server.url!r}, "nowait-exit", ttl=60)
+        assert lock.acquire()
+        lock.release(wait=False)
+        os._exit(0)
+        """
+    )
+    subprocess.run([sys.executable, "-c", child], check=True, timeout=60)
+    direct = redislock_server.client()
+    wait_for(lambda: not held(direct, "redislock:{nowait-exit}"), what="the release to land")
+    direct.close()
