@@ -873,3 +873,22 @@ def test_holder_info_is_checked(client: redis.Redis, info: object) -> None:
     with pytest.raises((TypeError, ValueError)) as excinfo:
         RedisLock(client, "bad-info", ttl=5, holder_info=info)  # type: ignore[arg-type]
     assert "holder_info" in str(excinfo.value)
+
+
+def test_threads_sharing_one_object_do_not_exclude_each_other(client: redis.Redis) -> None:
+    """Two threads sharing one RedisLock share its holds (re-entrant by owner, not by
+    thread); each thread with its own object is excluded."""
+    shared = RedisLock(client, "shared-object", ttl=10)
+    assert shared.acquire()
+    results: list[bool] = []
+    thread = threading.Thread(target=lambda: results.append(shared.acquire(blocking=False)))
+    thread.start()
+    thread.join(10)
+    assert results == [True]
+    own = RedisLock(client, "shared-object", ttl=10)
+    thread = threading.Thread(target=lambda: results.append(own.acquire(blocking=False)))
+    thread.start()
+    thread.join(10)
+    assert results == [True, False]
+    shared.release()
+    shared.release()
