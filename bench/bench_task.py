@@ -1,184 +1,262 @@
 # mypy: disallow-untyped-decorators=False
 # (Celery ships no type information, so ``@app.task`` is an untyped decorator.)
-"""Throughput of a no-op SingletonTask against a plain task, and the lock's Redis cost.
+"""SingletonTask in real workers, beside a plain task and the peer libraries.
 
 Usage::
 
-    python bench/bench_task.py [--url URL] [--tasks N] [--rounds R] [--quick]
+    python bench/bench_task.py [--quick] [--url URL] [--only 1,2,3] [--tasks N] [--rounds R]
+                               [--work-ms 0,5] [--pools solo,prefork] [--profile] [--json FILE]
 
-Without ``--url`` a private server is started (see
-:class:`celery_redislock.server.RedisServer`). The broker, the result backend
-and the lock store all use that one server, and one ``celery worker`` process
-(solo pool) runs every task, so the two kinds differ only by the lock.
+Two private servers are started on free 127.0.0.1 ports (see
+:class:`celery_redislock.server.RedisServer`): one is the broker and result
+backend, the other holds nothing but locks, so that ``INFO commandstats`` on it
+counts exactly what each kind of lock costs (``CONFIG RESETSTAT`` before each
+batch). With ``--url`` both roles share that server and the lock counts include
+the broker's traffic. Workers are real ``celery worker`` subprocesses importing
+this module as ``bench_task``.
 
-Three measurements, figures only (nothing is asserted):
+Sections, numbered after the project's performance goals (figures only,
+nothing is asserted; a figure that misses its target prints ``NOT MET``):
 
-1. Throughput: each round enqueues N plain tasks and waits for all results, then
-   N singleton tasks (the order alternates between rounds); every call has
-   distinct arguments, so no singleton ever conflicts. The worker is paused
-   (SIGSTOP) while a batch is enqueued and the clock runs from its resumption to
-   the last result, so the figure is how fast one worker drains a backlog.
-   Prints tasks/s per round, the medians, the ratio singleton/plain and, on
-   Linux, the worker's CPU time per task (steadier than wall time on a busy
-   machine).
-2. Lock cost per uncontended singleton task: the task body path runs eagerly
-   (``task.apply()``) against a second server that holds nothing but locks, so
-   every command it sees is the lock's. Client requests (round trips) are
-   counted on the client connection, and ``INFO commandstats`` shows what the
-   scripts run inside the server.
-3. Heartbeat batching: many locks held at once by one process, renewed with
-   short TTLs; prints renewal rounds (one pipelined round trip each) against
-   the number of EXTEND calls.
+1. Lock cost per task: each kind of task run through ``apply_async`` in eager
+   mode against the lock-only server, so every lock command it makes is seen:
+   client round trips (and how many were made on the calling thread, the
+   task's critical path), ``EVALSHA`` calls and the commands run inside them.
+   With ``--profile``, ``cProfile`` of eager SingletonTask executions too.
+2. Throughput ratio to a plain task: a worker (solo pool, then prefork with 2
+   processes) drains batches of no-op tasks (and of tasks that sleep
+   ``--work-ms``) for each kind: plain, ``SingletonTask``, celery-once's
+   ``QueueOnce``, celery-singleton's ``Singleton``, and a plain task taking
+   redis-py's ``Lock`` in its body. Kinds are interleaved over rounds and each
+   round's rate is divided by the same round's plain rate.
+3. Contention: 50 purchases of one event, each a 10 ms critical section, on 4
+   worker processes waiting for the lock: makespan against the ideal
+   50 x 10 ms, for ``SingletonTask(on_conflict="wait")`` and plain tasks using
+   python-redis-lock or redis-py's ``Lock``; lock commands per purchase.
 
-The worker subprocess imports this module as ``bench_task``; the task names are
-fixed so the script and the worker agree whatever the module is called.
+celery-once and celery-singleton take their lock when the task is *sent*
+(``apply_async``) and free it when it ends, so part of their cost is paid by
+the producer: the tables show the producer's time per ``apply_async`` beside
+the worker's rate. ``SingletonTask`` (default strategy) and the in-body locks
+take it when the task runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import itertools
 import os
-import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import celery
-import kombu
 import redis
 from celery import Celery
 from celery.result import ResultSet
+from common import (
+    CommandCount,
+    Findings,
+    Spread,
+    command_calls,
+    counting_writes,
+    describe_machine,
+    import_peer,
+    per_operation,
+    print_profile,
+    reset_stats,
+    rotated,
+    servers,
+)
 
-from celery_redislock import RedisLock, RedisServer, SingletonTask
-from celery_redislock.client import get_client
-from celery_redislock.heartbeat import get_heartbeat
+from celery_redislock import SingletonTask
+from celery_redislock.transport import transport_for
 
-#: Environment variable giving the worker subprocess the server URL.
+#: Environment variables giving the worker subprocess the server URLs.
 URL_ENV = "CELERY_REDISLOCK_BENCH_URL"
+LOCK_URL_ENV = "CELERY_REDISLOCK_BENCH_LOCK_URL"
 #: Queue of the benchmark tasks (so a worker of another app on the same server
 #: does not take them).
 QUEUE = "celery_redislock_bench"
 HERE = Path(__file__).resolve().parent
 
+#: Contention: purchases, critical section (seconds), worker processes.
+PURCHASES, CRITICAL, CONTENDERS = 50, 0.010, 4
 
-def configure(app: Celery, url: str) -> None:
-    """Broker, result backend and lock store: the server at ``url``."""
+celery_once, ONCE_MISSING = import_peer("celery-once")
+celery_singleton, SINGLETON_MISSING = import_peer("celery-singleton")
+redis_lock, REDIS_LOCK_MISSING = import_peer("python-redis-lock")
+
+
+def configure(app: Celery, url: str, lock_url: str) -> None:
+    """Broker and results on ``url``; every kind of lock on ``lock_url``."""
     app.conf.update(
         broker_url=url,
         result_backend=url,
-        redislock_url=url,
+        redislock_url=lock_url,
         task_default_queue=QUEUE,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         result_expires=600,
+        # celery-once: its Redis backend, locks kept at most an hour.
+        ONCE={
+            "backend": "celery_once.backends.Redis",
+            "settings": {"url": lock_url, "default_timeout": 3600},
+        },
+        # celery-singleton: its Redis backend; an expiry like the others' (it has none by default).
+        singleton_backend_url=lock_url,
+        singleton_lock_expiry=3600,
     )
 
 
 app = Celery("bench_task", set_as_current=False)
 if os.environ.get(URL_ENV):
-    configure(app, os.environ[URL_ENV])
+    configure(app, os.environ[URL_ENV], os.environ.get(LOCK_URL_ENV, os.environ[URL_ENV]))
+
+_lock_clients: dict[tuple[int, str], redis.Redis] = {}
 
 
-@app.task(name="bench.plain", shared=False)
-def plain(round_id: str, index: int, work: float = 0.0) -> None:
-    """A no-op task (or one that sleeps ``work`` seconds, standing for real work)."""
+def lock_client() -> redis.Redis:
+    """A client of the lock store for the in-body locks (one per process: workers fork)."""
+    url = app.conf.redislock_url
+    key = (os.getpid(), url)
+    if key not in _lock_clients:
+        _lock_clients[key] = redis.Redis.from_url(url)
+    return _lock_clients[key]
+
+
+def busy(work: float) -> None:
+    """Stand for ``work`` seconds of real work (a sleep: it leaves the CPU to others)."""
     if work:
         time.sleep(work)
+
+
+# The kinds of task compared in sections 1 and 2; all take (round_id, index, work).
+@app.task(name="bench.plain", shared=False)
+def plain(round_id: str, index: int, work: float = 0.0) -> None:
+    """No lock at all: the baseline."""
+    busy(work)
 
 
 @app.task(name="bench.singleton", base=SingletonTask, shared=False)
 def singleton(round_id: str, index: int, work: float = 0.0) -> None:
-    """The same task, run under a lock keyed on its arguments."""
-    if work:
-        time.sleep(work)
+    """This project's task: a lock keyed on all arguments, held while it runs."""
+    busy(work)
 
 
-# Environment.
-def load_average() -> str:
-    """The 1/5/15-minute load averages, or ``n/a``: other work on the machine skews the figures."""
-    try:
-        return "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-    except (AttributeError, OSError):
-        return "n/a"
+@app.task(name="bench.redis_py", shared=False)
+def redis_py(round_id: str, index: int, work: float = 0.0) -> None:
+    """A plain task that takes redis-py's ``Lock`` around its body."""
+    with lock_client().lock(f"bench.redis_py:{round_id}:{index}", timeout=60):
+        busy(work)
 
 
-def describe_machine() -> list[str]:
-    """Lines describing the machine and library versions."""
+once: Any = None
+if celery_once is not None:
+
+    @app.task(name="bench.once", base=celery_once.QueueOnce, shared=False, once={"graceful": True})
+    def once(round_id: str, index: int, work: float = 0.0) -> None:
+        """celery-once: locked by ``apply_async``, unlocked after the task returns."""
+        busy(work)
+
+
+csingleton: Any = None
+if celery_singleton is not None:
+
+    @app.task(name="bench.celery_singleton", base=celery_singleton.Singleton, shared=False)
+    def csingleton(round_id: str, index: int, work: float = 0.0) -> None:
+        """celery-singleton: locked by ``apply_async``, unlocked on success or failure."""
+        busy(work)
+
+
+# The purchases of section 3; each returns when its critical section began and ended.
+@app.task(
+    name="bench.purchase_singleton",
+    base=SingletonTask,
+    shared=False,
+    lock_on=("event_id",),
+    on_conflict="wait",
+    lock_wait=120,
+)
+def purchase_singleton(event_id: str, index: int, work: float) -> tuple[float, float]:
+    """A purchase under this project's lock, waiting for it when another holds it."""
+    began = time.time()
+    busy(work)
+    return began, time.time()
+
+
+@app.task(name="bench.purchase_redis_py", shared=False)
+def purchase_redis_py(event_id: str, index: int, work: float) -> tuple[float, float]:
+    """A purchase under redis-py's ``Lock`` (it polls every 0.1 s while it waits)."""
+    with lock_client().lock(f"bench.purchase:{event_id}", timeout=60, blocking_timeout=120):
+        began = time.time()
+        busy(work)
+        return began, time.time()
+
+
+purchase_prl: Any = None
+if redis_lock is not None:
+
+    @app.task(name="bench.purchase_prl", shared=False)
+    def purchase_prl(event_id: str, index: int, work: float) -> tuple[float, float]:
+        """A purchase under python-redis-lock (waiters block in ``BLPOP`` on a signal list)."""
+        lock = redis_lock.Lock(lock_client(), f"bench.purchase:{event_id}", expire=60)  # type: ignore[union-attr]
+        with lock:
+            began = time.time()
+            busy(work)
+            return began, time.time()
+
+
+@dataclass
+class Kind:
+    """One kind of task: its label, the task (``None``: unavailable) and why not."""
+
+    label: str
+    task: Any
+    note: str = ""
+    missing: str = ""
+
+
+def task_kinds() -> list[Kind]:
+    """The kinds compared in sections 1 and 2, plain first."""
     return [
-        f"machine: {platform.platform()} ({platform.machine()}), {os.cpu_count()} CPUs, "
-        f"load average {load_average()}",
-        f"python:  {platform.python_implementation()} {platform.python_version()}",
-        f"celery:  {celery.__version__}, kombu {kombu.__version__}, redis-py {redis.__version__}",
+        Kind("plain task", plain, "no lock"),
+        Kind("SingletonTask", singleton, "lock while running"),
+        Kind("celery-once", once, "lock from send to end", ONCE_MISSING),
+        Kind("celery-singleton", csingleton, "lock from send to end", SINGLETON_MISSING),
+        Kind("redis-py Lock in task", redis_py, "lock in the body"),
     ]
 
 
-def server_version(url: str) -> str:
-    """``redis 7.0.15``-style name and version of the server at ``url``."""
-    with redis.Redis.from_url(url) as client:
-        info = client.info("server")
-    if "valkey_version" in info:
-        return f"valkey {info['valkey_version']}"
-    return f"redis {info['redis_version']}"
-
-
-def command_calls(client: redis.Redis) -> dict[str, int]:
-    """``INFO commandstats`` as ``{command: calls}`` (the INFO calls themselves left out)."""
-    stats: dict[str, Any] = client.info("commandstats")
-    calls = {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
-    calls.pop("info", None)
-    return calls
-
-
-def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    """Per-command difference of two :func:`command_calls` snapshots (zeros dropped)."""
-    diff = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-    return {name: n for name, n in diff.items() if n}
-
-
-# 1. Throughput with a real worker.
+# Workers.
 @contextmanager
-def worker_process(url: str) -> Iterator[subprocess.Popen[bytes]]:
-    """A ``celery worker`` subprocess (solo pool) importing this module."""
+def worker_process(
+    url: str, lock_url: str, pool: str, concurrency: int
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``celery worker`` subprocess importing this module, in a process group of its own
+    (so the whole pool can be paused and its CPU time summed)."""
     env = dict(os.environ)
-    env[URL_ENV] = url
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")) if p
-    )
+    env[URL_ENV], env[LOCK_URL_ENV] = url, lock_url
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
+    command = [
+        sys.executable, "-m", "celery", "--app", "bench_task:app", "--quiet", "worker",
+        "--pool", pool, "--concurrency", str(concurrency), "--loglevel", "WARNING",
+        "--without-mingle", "--without-gossip", "--without-heartbeat", "--queues", QUEUE,
+        "--hostname", f"bench-{uuid.uuid4().hex[:8]}@%h",
+    ]  # fmt: skip
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "--app",
-                "bench_task:app",
-                "--quiet",
-                "worker",
-                "--pool",
-                "solo",
-                "--loglevel",
-                "WARNING",
-                "--without-mingle",
-                "--without-gossip",
-                "--without-heartbeat",
-                "--queues",
-                QUEUE,
-                "--hostname",
-                f"bench-{uuid.uuid4().hex[:8]}@%h",
-            ],
-            cwd=HERE,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+            command, cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
         try:
             yield process
         except BaseException:
@@ -188,276 +266,438 @@ def worker_process(url: str) -> Iterator[subprocess.Popen[bytes]]:
                 print(f"--- worker output (tail) ---\n{tail}", file=sys.stderr)
             raise
         finally:
-            if CAN_PAUSE:
-                os.kill(process.pid, signal.SIGCONT)
-            process.terminate()
+            signal_group(process, signal.SIGCONT)
+            signal_group(process, signal.SIGTERM)
             try:
-                process.wait(15)
+                process.wait(20)
             except subprocess.TimeoutExpired:
-                process.kill()
+                signal_group(process, signal.SIGKILL)
                 process.wait()
 
 
-#: Whether the worker can be paused while a batch is enqueued (POSIX).
-CAN_PAUSE = hasattr(signal, "SIGSTOP")
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc`` only)."""
+def signal_group(process: subprocess.Popen[bytes], signum: signal.Signals) -> None:
+    """Send ``signum`` to the worker's whole process group (its pool processes too)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        os.killpg(process.pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def group_cpu(pgid: int) -> float | None:
+    """User + system CPU seconds of every process in group ``pgid`` (Linux ``/proc`` only)."""
+    total, found = 0, False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+            found = True
+    return total / os.sysconf("SC_CLK_TCK") if found else None
+
+
+@dataclass
+class Batch:
+    """What one batch cost."""
+
+    rate: float  #: tasks per second drained by the worker
+    cpu_ms: float | None  #: worker CPU per task (all its processes)
+    enqueue_us: float  #: producer time per apply_async
+    commands: CommandCount  #: lock-store commands per task (producer and worker)
+    results: list[Any] = field(default_factory=list)
 
 
 def run_batch(
-    task: Any, count: int, worker: subprocess.Popen[bytes], timeout: float, work: float = 0.0
-) -> tuple[float, float | None]:
-    """Enqueue ``count`` calls with distinct arguments and wait for every result.
+    calls: list[tuple[Any, tuple[Any, ...]]],
+    worker: subprocess.Popen[bytes],
+    lock_stats: redis.Redis,
+    timeout: float,
+) -> Batch:
+    """Send ``calls`` while the worker is paused, then time it draining them.
 
-    The worker is paused while the batch is enqueued, and the clock starts when
-    it resumes: the figure is how fast one worker drains a backlog, without the
-    producer competing for the CPU. (Where processes cannot be paused, the clock
-    starts before the first message is sent.)
-
-    Returns the seconds taken and the worker's CPU seconds (``None`` off Linux).
+    The worker's process group is stopped (SIGSTOP) while the batch is sent, and
+    the clock starts when it resumes: the rate is how fast the worker drains a
+    backlog, without the producer competing for the CPU. Lock-store commands are
+    counted from before the first send to the last result.
     """
-    round_id = uuid.uuid4().hex
-    if CAN_PAUSE:
-        os.kill(worker.pid, signal.SIGSTOP)
+    reset_stats(lock_stats)
+    signal_group(worker, signal.SIGSTOP)
     try:
         started = time.perf_counter()
-        results = ResultSet([task.apply_async((round_id, i, work)) for i in range(count)])
+        results = ResultSet([task.apply_async(args) for task, args in calls])
+        enqueue = time.perf_counter() - started
     finally:
-        if CAN_PAUSE:
-            cpu_before = cpu_seconds(worker.pid)
-            started = time.perf_counter()
-            os.kill(worker.pid, signal.SIGCONT)
+        cpu_before = group_cpu(worker.pid)
+        started = time.perf_counter()
+        signal_group(worker, signal.SIGCONT)
     # join_native polls every `interval` seconds (0.5 by default, too coarse here).
-    results.join_native(timeout=timeout, propagate=True, interval=0.005)
+    values = results.join_native(timeout=timeout, propagate=True, interval=0.002)
     elapsed = time.perf_counter() - started
-    cpu_after = cpu_seconds(worker.pid)
+    cpu_after = group_cpu(worker.pid)
+    commands = per_operation(command_calls(lock_stats), len(calls))
     results.forget()
-    if not CAN_PAUSE or cpu_before is None or cpu_after is None:
-        return elapsed, None
-    return elapsed, cpu_after - cpu_before
+    cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+    return Batch(
+        rate=len(calls) / elapsed,
+        cpu_ms=None if cpu is None else cpu / len(calls) * 1e3,
+        enqueue_us=enqueue / len(calls) * 1e6,
+        commands=commands,
+        results=list(values),
+    )
 
 
-def measure_throughput(
-    url: str, count: int, rounds: int, work: float = 0.0
-) -> dict[str, list[float]]:
-    """Alternate plain and singleton rounds on one worker.
+# 1. Lock cost per task.
+def bench_cost_per_task(lock_url: str, count: int, findings: Findings, profile: bool) -> None:
+    """Section 1: round trips and server commands per task, every kind run eagerly.
 
-    Returns ``{"plain": [tasks/s...], "singleton": [...], "plain_cpu": [worker CPU
-    ms per task...], "singleton_cpu": [...]}`` (the CPU lists empty off Linux).
+    With ``profile``, also where a SingletonTask execution spends the client's CPU.
     """
-    client = redis.Redis.from_url(url)
-    kinds: dict[str, Any] = {"plain": plain, "singleton": singleton}
-    figures: dict[str, list[float]] = {
-        "plain": [],
-        "singleton": [],
-        "plain_cpu": [],
-        "singleton_cpu": [],
-    }
-    evalsha = {"plain": 0, "singleton": 0}
-    with worker_process(url) as worker:
-        plain.apply_async(("warm-up", 0)).get(timeout=60)  # waits for the worker to be up
-        for name in kinds:  # warm both paths: connections, scripts, imports
-            run_batch(kinds[name], max(20, count // 10), worker, timeout=60)
-        for r in range(rounds):
-            order = ["plain", "singleton"] if r % 2 == 0 else ["singleton", "plain"]
-            for name in order:
-                before = command_calls(client)
-                elapsed, cpu = run_batch(
-                    kinds[name], count, worker, timeout=60 + count * (0.02 + work), work=work
-                )
-                calls = delta(before, command_calls(client))
-                figures[name].append(count / elapsed)
-                if cpu is not None:
-                    figures[f"{name}_cpu"].append(cpu / count * 1000)
-                evalsha[name] += calls.get("evalsha", 0) + calls.get("eval", 0)
-            line = (
-                f"  round {r + 1}/{rounds}: plain {figures['plain'][-1]:6.0f} tasks/s, "
-                f"singleton {figures['singleton'][-1]:6.0f} tasks/s"
-            )
-            if figures["plain_cpu"] and figures["singleton_cpu"]:
-                line += (
-                    f"   (worker CPU per task: plain {figures['plain_cpu'][-1]:.2f} ms, "
-                    f"singleton {figures['singleton_cpu'][-1]:.2f} ms)"
-                )
-            print(line, flush=True)
-    extra = (evalsha["singleton"] - evalsha["plain"]) / (count * rounds)
-    print(f"  EVALSHA per task in the worker, singleton minus plain: {extra:.2f}")
-    return figures
-
-
-# 2. Lock cost per uncontended task, on a lock-only server.
-@contextmanager
-def counting_requests(client: redis.Redis) -> Iterator[Callable[[], int]]:
-    """Count the requests ``client`` sends (one per ``execute_command``)."""
-    original: Callable[..., Any] = client.execute_command
-    sent = 0
-
-    def counted(*args: Any, **options: Any) -> Any:
-        nonlocal sent
-        sent += 1
-        return original(*args, **options)
-
-    setattr(client, "execute_command", counted)  # noqa: B010 - instance override
+    print(
+        f"\n1. Lock cost per task: {count} tasks of each kind through apply_async in eager mode"
+        " (producer and worker in one thread), against the lock-only server"
+    )
+    app.conf.task_always_eager = True
     try:
-        yield lambda: sent
+        stats = redis.Redis.from_url(lock_url)
+        # The engine's connections to the lock store, to read its own round-trip counter.
+        client = singleton.lock_client
+        engine = transport_for(client) if isinstance(client, redis.Redis) else None
+        rows: list[tuple[str, Any, Callable[[str, int], tuple[Any, ...]]]] = []
+        for kind in task_kinds():
+            if kind.task is not None:
+                rows.append((kind.label, kind.task, lambda r, i: (r, i, 0.0)))
+            if kind.task is singleton:
+                rows.append(("SingletonTask, one key", singleton, lambda r, i: ("same", 0, 0.0)))
+        print(
+            f"   {'kind':<24} {'round':>6} {'waited':>7} {'EVALSHA':>8} {'other':>6} {'all':>5}"
+            f"   {'us/task':>7}   other commands per task"
+        )
+        print(f"   {'':<24} {'trips':>6} {'for':>7} {'':>8} {'cmds':>6} {'cmds':>5}")
+        engine_rows: dict[str, tuple[float, float, CommandCount, float]] = {}
+        for label, task, arguments in rows:
+            for i in range(20):  # scripts loaded, connections open, imports done
+                task.apply_async(arguments("warm-up", i)).get()
+            round_id = uuid.uuid4().hex
+            sends = engine.sends if engine else 0
+            reset_stats(stats)
+            with counting_writes() as writes:
+                started = time.perf_counter()
+                for i in range(count):
+                    task.apply_async(arguments(round_id, i)).get()
+                took = (time.perf_counter() - started) / count * 1e6
+            calls = per_operation(command_calls(stats), count)
+            print(
+                f"   {label:<24} {writes.total / count:6.2f} {writes.waited / count:7.2f}"
+                f" {calls.scripts:8.2f} {calls.other:6.2f} {calls.total:5.2f}   {took:7.0f}"
+                f"   {calls.breakdown()}"
+            )
+            if task is singleton:
+                per_task_sends = (engine.sends - sends) / count if engine else float("nan")
+                engine_rows[label] = (
+                    writes.total / count,
+                    writes.waited / count,
+                    calls,
+                    per_task_sends,
+                )
+        for kind in task_kinds():
+            if kind.task is None:
+                print(f"   {kind.label:<24} left out: {kind.missing}")
+        print(
+            "   (SingletonTask: new arguments each time, the usual case, so each task's lock name"
+            " is new and its fence counter is seeded from the server clock: the TIME; 'one key':"
+            " the same arguments every time)"
+        )
+        for label, (_, _, calls, _) in engine_rows.items():
+            print(
+                f"   {label}: {calls.other:.2f} commands inside the scripts per task: "
+                + findings.add(
+                    1,
+                    f"{label}: commands run by the scripts per task",
+                    f"{calls.other:.2f}",
+                    "<= 6",
+                    calls.other <= 6,
+                )
+                + f"; {calls.total:.2f} counting the EVALSHAs: "
+                + findings.add(
+                    1,
+                    f"{label}: all server commands per task, EVALSHAs included",
+                    f"{calls.total:.2f}",
+                    "<= 6 (EVALSHA counted too)",
+                    calls.total <= 6,
+                )
+            )
+        if profile:
+            profile_singleton(count)
+        trips, caller, calls, own_sends = engine_rows["SingletonTask"]
+        print(
+            f"   SingletonTask: {trips:.2f} round trips per task: "
+            + findings.add(
+                1, "SingletonTask: round trips per task", f"{trips:.2f}", "<= 2", trips <= 2.0001
+            )
+            + f" (the lock's own counter, Transport.sends: {own_sends:.2f})"
+        )
+        print(
+            f"   SingletonTask: {caller:.2f} of them waited for on the task's own thread: "
+            + findings.add(
+                1,
+                "SingletonTask: round trips on the task's critical path",
+                f"{caller:.2f}",
+                "1 (next target)",
+                caller <= 1.0001,
+            )
+        )
+        stats.close()
     finally:
-        delattr(client, "execute_command")
+        app.conf.task_always_eager = False
 
 
-def measure_lock_cost(lock_url: str, count: int) -> None:
-    """Run the singleton body path eagerly against a lock-only server and count commands."""
-    eager = Celery("bench_eager", set_as_current=False)
-    eager.conf.update(redislock_url=lock_url, broker_url="memory://", result_backend=None)
-
-    @eager.task(name="bench.eager_singleton", base=SingletonTask, shared=False)
-    def eager_singleton(round_id: str, index: int) -> None:
-        """The no-op under a lock."""
-
-    @eager.task(name="bench.eager_plain", shared=False)
-    def eager_plain(round_id: str, index: int) -> None:
-        """The no-op."""
-
-    lock_client = get_client(lock_url)
-    for i in range(10):  # loads the scripts, opens the connection
-        eager_singleton.apply(("warm-up", i)).get()
-        eager_plain.apply(("warm-up", i)).get()
-    started = time.perf_counter()
-    for i in range(count):
-        eager_plain.apply(("plain", i))
-    plain_elapsed = time.perf_counter() - started
-    stats = redis.Redis.from_url(lock_url)
+def profile_singleton(count: int) -> None:
+    """cProfile (CPU time) of ``count`` eager SingletonTask executions with new arguments."""
     round_id = uuid.uuid4().hex
-    before = command_calls(stats)
-    with counting_requests(lock_client) as sent:
-        started = time.perf_counter()
-        for i in range(count):
-            result = eager_singleton.apply((round_id, i))
-            if result.failed():
-                raise RuntimeError(f"eager singleton failed: {result.result!r}")
-        elapsed = time.perf_counter() - started
-        requests = sent()
-    calls = delta(before, command_calls(stats))
-    leftover = sum(1 for _ in stats.scan_iter("redislock:{bench.eager_singleton*}", count=1000))
-    fences = sum(1 for _ in stats.scan_iter("redislock:{bench.eager_singleton*}:fence", count=1000))
-    inside = {k: v for k, v in calls.items() if k not in ("evalsha", "eval", "script|load")}
-    print(f"  client requests (round trips) per task: {requests / count:.2f}")
+    profiler = cProfile.Profile(time.process_time)
+    profiler.enable()
+    for i in range(count):
+        singleton.apply_async((round_id, i, 0.0)).get()
+    profiler.disable()
     print(
-        "  EVALSHA per task: "
-        f"{calls.get('evalsha', 0) / count:.2f}, EVAL {calls.get('eval', 0) / count:.2f}, "
-        f"SCRIPT LOAD {calls.get('script|load', 0) / count:.2f}"
+        f"   profile of {count} eager SingletonTask executions (CPU time; producer and task in"
+        " one thread, no broker):"
     )
-    print(
-        f"  commands run inside the scripts per task: {sum(inside.values()) / count:.2f} ("
-        + ", ".join(f"{k} {v / count:.2f}" for k, v in sorted(inside.items()))
-        + ")"
-    )
-    print(
-        f"  left in Redis: {leftover} lock hashes, {fences} fencing counters "
-        "(one per distinct key, expiring an hour after its last use)"
-    )
-    plain_us, singleton_us = plain_elapsed / count * 1e6, elapsed / count * 1e6
-    print(
-        f"  task.apply() in process: plain {plain_us:.0f} us, singleton {singleton_us:.0f} us "
-        f"(the lock adds {singleton_us - plain_us:.0f} us; {count} calls each)"
-    )
+    print_profile(profiler)
 
 
-# 3. Heartbeat batching.
-def measure_heartbeat(lock_url: str, held: int, seconds: float) -> None:
-    """Hold ``held`` locks with a short TTL for ``seconds``; count renewal rounds and EXTENDs."""
+# 2. Throughput ratio to a plain task.
+def bench_throughput(
+    url: str,
+    lock_url: str,
+    pool: str,
+    concurrency: int,
+    count: int,
+    rounds: int,
+    works: list[float],
+    findings: Findings,
+) -> dict[tuple[str, float], Spread]:
+    """Section 2 for one pool: every kind, interleaved over rounds; returns the ratios."""
+    kinds = task_kinds()
+    processes = "1 process" if pool == "solo" else f"{concurrency} processes"
+    print(f"\n2. Throughput, {pool} pool ({processes}), {rounds} rounds, kinds interleaved")
     stats = redis.Redis.from_url(lock_url)
-    heartbeat = get_heartbeat()
-    ttl = 0.6  # renewed every 0.2 s
-    locks = [RedisLock(lock_url, f"bench-heartbeat-{i}", ttl=ttl) for i in range(held)]
-    for lock in locks:
-        lock.acquire(blocking=False)
-    # Let one renewal round pass (the first one on a server also loads the script),
-    # then start and stop the window between two rounds, so none is cut in half.
-    time.sleep(ttl / 3 + ttl / 6)
-    rounds_before = heartbeat.rounds
-    before = command_calls(stats)
-    time.sleep(seconds)
-    calls = delta(before, command_calls(stats))
-    rounds = heartbeat.rounds - rounds_before
-    for lock in locks:
-        lock.release()
-    lost = sum(lock.lost for lock in locks)
-    print(
-        f"  {held} locks held {seconds:.1f} s (TTL {ttl} s): {rounds} renewal round trips, "
-        f"{calls.get('evalsha', 0)} EXTEND calls ({calls.get('evalsha', 0) / max(rounds, 1):.1f} "
-        f"per round trip), {lost} lost"
+    batches: dict[tuple[str, float], list[Batch]] = {}
+    ratios: dict[tuple[str, float], Spread] = {}
+    broken: dict[str, str] = {k.label: k.missing for k in kinds if k.task is None}
+    with worker_process(url, lock_url, pool, concurrency) as worker:
+        plain.apply_async(("warm-up", 0)).get(timeout=60)  # the worker is up
+        for kind in kinds:  # connections, scripts, imports; and does it work at all?
+            if kind.label in broken:
+                continue
+            try:
+                run_batch([(kind.task, ("warm-up", i, 0.0)) for i in range(20)], worker, stats, 60)
+            except Exception as exc:
+                broken[kind.label] = f"fails with Celery here: {exc!r}"[:200]
+        live = [kind for kind in kinds if kind.label not in broken]
+        for r in range(rounds):
+            for work in works:
+                n = count if not work else max(20, count // 2)
+                for kind in rotated(live, r):
+                    round_id = uuid.uuid4().hex
+                    calls = [(kind.task, (round_id, i, work)) for i in range(n)]
+                    batch = run_batch(calls, worker, stats, 60 + n * (0.05 + work))
+                    batches.setdefault((kind.label, work), []).append(batch)
+            print(
+                f"   round {r + 1}/{rounds}: "
+                + ", ".join(
+                    f"{kind.label} {batches[(kind.label, works[0])][-1].rate:.0f}/s"
+                    for kind in live
+                ),
+                flush=True,
+            )
+    for work in works:
+        what = "no-op tasks" if not work else f"tasks of {work * 1e3:g} ms"
+        base = batches[("plain task", work)]
+        n = len(base)
+        print(f"   {what}:")
+        print(
+            f"   {'kind':<24} {'tasks/s':>15} {'ratio to plain':>18} {'worker CPU':>14}"
+            f" {'apply_async':>12} {'lock commands':>14}"
+        )
+        print(f"   {'':<24} {'':>15} {'':>18} {'ms/task':>14} {'us/task':>12} {'per task':>14}")
+        for kind in kinds:
+            if kind.label in broken:
+                print(f"   {kind.label:<24} {broken[kind.label]}")
+                continue
+            mine = batches[(kind.label, work)]
+            ratio = Spread.of([mine[i].rate / base[i].rate for i in range(n)])
+            ratios[(kind.label, work)] = ratio
+            cpu = [b.cpu_ms for b in mine if b.cpu_ms is not None]
+            commands = mine[-1].commands
+            print(
+                f"   {kind.label:<24} {Spread.of([b.rate for b in mine]).show(0):>15}"
+                f" {ratio.show(2):>18} {Spread.of(cpu).show(2) if cpu else 'n/a':>14}"
+                f" {Spread.of([b.enqueue_us for b in mine]).show(0):>12}"
+                f" {commands.total:14.2f}"
+            )
+        engine = ratios.get(("SingletonTask", work))
+        if engine is not None:
+            print(
+                f"   SingletonTask / plain, {what}, {pool}: {engine.show(3)}: "
+                + findings.add(
+                    2,
+                    f"SingletonTask/plain throughput, {what}, {pool} pool",
+                    engine.show(3),
+                    ">= 0.95",
+                    engine.median >= 0.95,
+                )
+            )
+        for kind in kinds:
+            if kind.label not in ("plain task", "SingletonTask") and (kind.label, work) in ratios:
+                findings.add(2, f"{kind.label}/plain throughput, {what}, {pool} pool",
+                             ratios[(kind.label, work)].show(2))  # fmt: skip
+    for label, why in broken.items():
+        findings.add(2, f"{label}, {pool} pool", why)
+    stats.close()
+    return ratios
+
+
+def print_ratio_table(
+    ratios: dict[str, dict[tuple[str, float], Spread]], works: list[float]
+) -> None:
+    """The ratio of each kind to a plain task, per pool and work: median (min-max over rounds)."""
+    print("\n2. Throughput ratio to a plain task, median (min-max over rounds), per pool:")
+    columns = [(pool, work) for pool in ratios for work in works]
+    header = "".join(
+        f" {pool + (', no-op' if not work else f', {work * 1e3:g} ms'):>22}"
+        for pool, work in columns
     )
+    print(f"   {'kind':<24}{header}")
+    for kind in task_kinds():
+        cells = "".join(
+            f" {ratios[pool][(kind.label, work)].show(2) if (kind.label, work) in ratios[pool] else 'n/a':>22}"
+            for pool, work in columns
+        )
+        print(f"   {kind.label:<24}{cells}")
+
+
+# 3. Contention.
+def bench_contention(url: str, lock_url: str, rounds: int, findings: Findings) -> None:
+    """Section 3: 50 purchases of one event on 4 worker processes, waiting for the lock."""
+    ideal = PURCHASES * CRITICAL
+    kinds: list[tuple[str, Any, str]] = [
+        ("SingletonTask, on_conflict=wait", purchase_singleton, ""),
+        ("python-redis-lock in task", purchase_prl, REDIS_LOCK_MISSING),
+        ("redis-py Lock in task", purchase_redis_py, ""),
+    ]
+    print(
+        f"\n3. Contention: {PURCHASES} purchases of one event, {CRITICAL * 1e3:g} ms critical"
+        f" section each, prefork pool of {CONTENDERS} processes; ideal makespan"
+        f" {ideal * 1e3:.0f} ms; {rounds} round(s), kinds interleaved"
+    )
+    stats = redis.Redis.from_url(lock_url)
+    live = [kind for kind in kinds if kind[1] is not None]
+    measured: dict[str, list[tuple[float, float, float, int, CommandCount]]] = {}
+    with worker_process(url, lock_url, "prefork", CONTENDERS) as worker:
+        plain.apply_async(("warm-up", 0)).get(timeout=60)
+        for _label, task, _ in live:  # every process: connections, scripts, subscriptions
+            event = f"warm-{uuid.uuid4().hex}"
+            run_batch([(task, (event, i, 0.0)) for i in range(CONTENDERS * 3)], worker, stats, 60)
+        for r in range(rounds):
+            for label, task, _ in rotated(live, r):
+                event = f"event-{uuid.uuid4().hex[:8]}"
+                calls = [(task, (event, i, CRITICAL)) for i in range(PURCHASES)]
+                batch = run_batch(calls, worker, stats, 180)
+                spans = sorted((float(a), float(b)) for a, b in batch.results)
+                overlaps = sum(1 for p, n in itertools.pairwise(spans) if n[0] < p[1])
+                gaps = sorted(n[0] - p[1] for p, n in itertools.pairwise(spans))
+                makespan = PURCHASES / batch.rate
+                measured.setdefault(label, []).append(
+                    (
+                        makespan,
+                        spans[-1][1] - spans[0][0],
+                        gaps[len(gaps) // 2],
+                        overlaps,
+                        batch.commands,
+                    )
+                )
+    print(
+        f"   {'kind':<32} {'makespan ms':>18} {'x ideal':>16} {'first->last ms':>16}"
+        f" {'gap ms':>13} {'overlaps':>8}   lock commands per purchase"
+    )
+    for label, _task, missing in kinds:
+        if label not in measured:
+            print(f"   {label:<32} left out: {missing}")
+            continue
+        rows = measured[label]
+        span = Spread.of([row[0] * 1e3 for row in rows])
+        factor = Spread.of([row[0] / ideal for row in rows])
+        commands = rows[-1][4]
+        print(
+            f"   {label:<32} {span.show(0):>18} {factor.show(2):>16}"
+            f" {Spread.of([row[1] * 1e3 for row in rows]).show(0):>16}"
+            f" {Spread.of([row[2] * 1e3 for row in rows]).show(2):>13}"
+            f" {sum(row[3] for row in rows):8d}   {commands.total:.2f}"
+            f" ({commands.scripts:.2f} EVALSHA; {commands.breakdown()})"
+        )
+        findings.add(3, f"{label}: makespan / ideal", factor.show(2))
+        findings.add(3, f"{label}: lock commands per purchase", f"{commands.total:.2f}")
+    print(
+        "   makespan: from the workers' resumption to the last result; first->last: first"
+        " critical section's start to the last one's end; gap: median time between one"
+        " purchase's end and the next one's start"
+    )
+    stats.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print its figures."""
+    """Run the selected sections and print their figures."""
     parser = argparse.ArgumentParser(
-        description="Throughput of a no-op SingletonTask against a plain task, and the lock's Redis cost."
+        description="SingletonTask in real workers, beside a plain task and the peer libraries."
     )
-    parser.add_argument("--url", help="Redis URL to use (default: start a private server)")
-    parser.add_argument("--tasks", type=int, help="tasks per kind and round (default 1000)")
-    parser.add_argument("--rounds", type=int, help="rounds of each kind (default 5)")
-    parser.add_argument("--quick", action="store_true", help="a short run (about 15 s)")
+    parser.add_argument("--url", help="Redis URL to use (default: start private servers)")
+    parser.add_argument("--quick", action="store_true", help="a short run (about 25 s)")
+    parser.add_argument("--only", help="comma-separated sections to run, e.g. 2,3")
+    parser.add_argument("--tasks", type=int, help="no-op tasks per batch (default 200)")
+    parser.add_argument("--rounds", type=int, help="rounds of section 2 (default 5)")
     parser.add_argument(
-        "--work-ms",
-        type=float,
-        default=0.0,
-        help="milliseconds each task sleeps, standing for real work (default 0: no-op)",
+        "--work-ms", default="0,5",
+        help="comma-separated milliseconds each task sleeps, standing for real work (default 0,5)",
+    )  # fmt: skip
+    parser.add_argument("--pools", default="solo,prefork", help="pools of section 2")
+    parser.add_argument(
+        "--profile", action="store_true", help="section 1: also profile SingletonTask executions"
     )
+    parser.add_argument("--json", help="write the findings against the targets to this file")
     options = parser.parse_args(argv)
-    count = options.tasks or (200 if options.quick else 1000)
+    count = options.tasks or (100 if options.quick else 200)
     rounds = options.rounds or (3 if options.quick else 5)
     if count < 1 or rounds < 1:
         parser.error("--tasks and --rounds must be at least 1")
-
-    for line in describe_machine():
-        print(line)
-    with ExitStack() as stack:
-        url = options.url or stack.enter_context(RedisServer()).url
-        try:
-            lock_url = stack.enter_context(RedisServer()).url
-            lock_note = "a private server holding only locks"
-        except Exception as exc:  # no server binary: share the given server
-            lock_url = url
-            lock_note = f"the main server ({exc}; other clients' commands would count)"
-        print(f"server:  {server_version(url)} at {url}")
-        print(f"tasks:   {count} per kind and round, {rounds} rounds, 1 worker (solo pool)")
-        print(flush=True)
-
-        configure(app, url)
-        what = f"tasks of {options.work_ms:g} ms" if options.work_ms else "no-op tasks"
-        print(f"Throughput, {what}, broker + results + locks on one server:")
-        figures = measure_throughput(url, count, rounds, options.work_ms / 1000)
-        plain_rate = statistics.median(figures["plain"])
-        singleton_rate = statistics.median(figures["singleton"])
-        print(f"  plain:     {plain_rate:6.0f} tasks/s (median of {rounds})")
-        print(f"  singleton: {singleton_rate:6.0f} tasks/s (median of {rounds})")
-        print(f"  ratio singleton/plain: {singleton_rate / plain_rate:.3f} (target >= 0.95)")
-        if figures["plain_cpu"] and figures["singleton_cpu"]:
-            plain_cpu = statistics.median(figures["plain_cpu"])
-            singleton_cpu = statistics.median(figures["singleton_cpu"])
-            print(
-                f"  worker CPU per task (median): plain {plain_cpu:.2f} ms, "
-                f"singleton {singleton_cpu:.2f} ms (ratio plain/singleton "
-                f"{plain_cpu / singleton_cpu:.3f})"
-            )
-        print()
-
-        print(f"Lock cost per uncontended singleton task, on {lock_note}:")
-        measure_lock_cost(lock_url, 500 if options.quick else 2000)
-        print("  (target: 2 round trips, acquire + release)")
-        print()
-
-        print("Heartbeat, one process:")
-        measure_heartbeat(lock_url, 100, 1.0)
-    print(f"\nload average at the end: {load_average()}")
+    works = [float(w) / 1e3 for w in options.work_ms.split(",")]
+    if 0.0 not in works:
+        works.insert(0, 0.0)
+    pools = options.pools.split(",")
+    sections = {int(s) for s in options.only.split(",")} if options.only else {1, 2, 3}
+    findings = Findings()
+    started = time.monotonic()
+    with servers(options.url, 2) as (url, lock_url):
+        for line in describe_machine(url):
+            print(line)
+        where = "one shared server" if options.url else "a private server"
+        print(f"broker + results: {where} at {url}; locks: {lock_url}")
+        configure(app, url, lock_url)
+        if 1 in sections:
+            bench_cost_per_task(lock_url, 200 if options.quick else 500, findings, options.profile)
+        if 2 in sections:
+            ratios = {
+                pool: bench_throughput(
+                    url, lock_url, pool, 1 if pool == "solo" else 2, count, rounds, works, findings
+                )
+                for pool in pools
+            }
+            print_ratio_table(ratios, works)
+        if 3 in sections:
+            bench_contention(url, lock_url, 1 if options.quick else 3, findings)
+    print(f"\nbench_task: {time.monotonic() - started:.0f} s")
+    findings.save(options.json)
     return 0
 
 
