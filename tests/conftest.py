@@ -1,8 +1,11 @@
-"""Shared test configuration: the ``--skip-slow`` flag."""
+"""Shared test configuration: the kit's fixtures and the ``--skip-slow`` flag."""
 
 from __future__ import annotations
 
 import pytest
+
+# The same opt-in plugin users enable: private servers, deployments, helpers.
+pytest_plugins = ["celery_redislock.testing"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,28 +1,63 @@
-"""The ``celery redislock`` command, run through Celery's own command line."""
+"""The ``celery redislock`` command, run through Celery's own command line, and the
+``celery_redislock.admin`` functions behind it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import jsonschema
+import pytest
 import redis
+from celery import Celery
+from redis.cluster import RedisCluster
 
-from celery_redislock import RedisLock
-from celery_redislock.admin import force_release, list_locks
-from celery_redislock.server import RedisServer
+from celery_redislock import RedisLock, SingletonTask
+from celery_redislock.admin import (
+    LIST_SCHEMA,
+    SHOW_SCHEMA,
+    STATS_SCHEMA,
+    check_pattern,
+    clear_locks,
+    find_locks,
+    force_release,
+    list_locks,
+    lock_stats,
+    purge_locks,
+    read_lock,
+)
+from celery_redislock.deployments import ClusterDeployment
+from celery_redislock.server import RedisServer, free_port
+from celery_redislock.testing import hold_lock, leave_stale_lock, run_worker
+from tests import cli_app
+from tests.support import close_app, make_app, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def celery(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``celery -A tests.worker_app redislock ARGS`` against the server at ``url``."""
-    env = dict(os.environ, REDISLOCK_TEST_URL=url, PYTHONPATH=str(ROOT))
+def celery(
+    url: str,
+    *args: str,
+    app: str | None = "tests.cli_app",
+    stdin: str | None = None,
+    cwd: Path = ROOT,
+    **env: str,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``celery [-A app] redislock ARGS`` against the server at ``url``."""
+    environment = dict(os.environ, REDISLOCK_TEST_URL=url, PYTHONPATH=str(ROOT), **env)
+    command = [sys.executable, "-m", "celery", *(["-A", app] if app else []), "redislock", *args]
     return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.worker_app", "redislock", *args],
-        cwd=ROOT,
-        env=env,
+        command,
+        cwd=cwd,
+        env=environment,
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=60,
@@ -30,52 +65,456 @@ def celery(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_list_and_release(redislock_server: RedisServer, redislock_client: redis.Redis) -> None:
-    """`list` shows a held lock with its holder; `release` frees it; a second release fails."""
-    lock = RedisLock(redislock_client, "shop.purchase:abc", ttl=30, lease="task-1")
-    assert lock.acquire(blocking=False)
-    listed = celery(redislock_server.url, "list")
-    assert listed.returncode == 0, listed.stderr
-    assert "shop.purchase:abc\tholder=task-1\tholds=1" in listed.stdout
-    assert "1 lock(s) held" in listed.stdout
-    released = celery(redislock_server.url, "release", "shop.purchase:abc")
-    assert released.returncode == 0, released.stderr
-    assert not lock.locked()
-    again = celery(redislock_server.url, "release", "shop.purchase:abc")
-    assert again.returncode != 0
-    assert "no lock named" in again.stderr
-    lock.detach()
+def one_line_failure(result: subprocess.CompletedProcess[str]) -> str:
+    """The single stderr line of a failed command (asserting there is exactly one)."""
+    assert result.returncode != 0, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
 
 
-def test_ping(redislock_server: RedisServer) -> None:
-    """`ping` reports the lock store and its server version."""
-    result = celery(redislock_server.url, "ping")
-    assert result.returncode == 0, result.stderr
-    assert "ok (server" in result.stdout
+@pytest.fixture(scope="module")
+def app(redislock_server: RedisServer) -> Iterator[Celery]:
+    """tests.cli_app's app on the session server (the command under test uses the same)."""
+    cli_app.use(redislock_server.url)
+    yield cli_app.app
+    close_app(cli_app.app)
 
 
-def test_list_locks_filters_by_pattern(redislock_client: redis.Redis) -> None:
+@pytest.fixture(scope="module")
+def worker(app: Celery) -> Iterator[Any]:
+    """An in-process worker running tests.cli_app's tasks and answering inspect."""
+    with run_worker(app, concurrency=4, hostname="cli-worker@test") as worker:
+        yield worker
+
+
+@pytest.fixture
+def locks(redislock_server: RedisServer) -> Iterator[redis.Redis]:
+    """The lock database, emptied before the test (the broker's database is left
+    alone: the module's worker consumes from it)."""
+    client = redislock_server.client()
+    client.flushdb()
+    yield client
+    client.close()
+
+
+def running_report(app: Celery, locks: redis.Redis, account: int) -> Any:
+    """Send cliapp.report(account) and wait until its body holds the lock."""
+    result = cli_app.report.delay(account)
+    name = cli_app.report.lock_name((account,), {})
+    wait_for(
+        lambda: (info := read_lock(locks, name)) is not None and info.state == "running",
+        what="the report task to hold its lock",
+    )
+    return result
+
+
+def finish_report(locks: redis.Redis, account: int, result: Any) -> Any:
+    """Let a running report end and return its result."""
+    locks.set(f"go:{account}", 1)
+    return result.get(timeout=30)
+
+
+# The admin functions.
+def test_list_locks_filters_by_pattern(locks: redis.Redis) -> None:
     """list_locks matches names by glob and reports hold count and fence."""
-    a = RedisLock(redislock_client, "a.task:1", ttl=30)
-    b = RedisLock(redislock_client, "b.task:1", ttl=30)
+    a = RedisLock(locks, "a.task:1", ttl=30)
+    b = RedisLock(locks, "b.task:1", ttl=30)
     assert a.acquire()
     assert a.acquire()
     assert b.acquire()
-    infos = list_locks(redislock_client, "a.*")
+    infos = list_locks(locks, "a.*")
     assert [(i.name, i.count, i.fence) for i in infos] == [("a.task:1", 2, a.token)]
-    assert force_release(redislock_client, "b.task:1")
-    assert not force_release(redislock_client, "b.task:1")
+    assert force_release(locks, "b.task:1")
+    assert not force_release(locks, "b.task:1")
     a.release()
     a.release()
     b.detach()
 
 
-def test_list_locks_round_trips_escaped_names(redislock_client: redis.Redis) -> None:
+def test_list_locks_round_trips_escaped_names(locks: redis.Redis) -> None:
     """Names that lock_keys escapes (leading '}' or backslash) are listed as given."""
     names = ["}odd{", "\\back", "plain"]
-    held = [RedisLock(redislock_client, name, ttl=30) for name in names]
+    held = [RedisLock(locks, name, ttl=30) for name in names]
     for lock in held:
         assert lock.acquire()
-    assert sorted(info.name for info in list_locks(redislock_client)) == sorted(names)
+    assert sorted(info.name for info in list_locks(locks)) == sorted(names)
     for lock in held:
         lock.release()
+
+
+def test_list_locks_leaves_out_free_locks(locks: redis.Redis) -> None:
+    """A released lock's hash (kept for its fencing counter) is not listed."""
+    lock = RedisLock(locks, "freed", ttl=30)
+    assert lock.acquire()
+    lock.release()
+    assert locks.exists("redislock:{freed}")
+    assert list_locks(locks) == []
+
+
+def test_list_locks_describes_queued_and_running_holders(
+    app: Celery, locks: redis.Redis, worker: Any
+) -> None:
+    """A queued until_executed lock and a running task's lock are told apart, with the
+    task, the holder id, the worker node and pid, the age and the TTL."""
+    queued = cli_app.queued.apply_async(("q",), countdown=60)  # waits in the worker
+    running = running_report(app, locks, 1)
+    before = time.time()
+    by_task = {info.task: info for info in list_locks(locks)}
+    assert by_task["cliapp.queued"].state == "queued"
+    assert by_task["cliapp.queued"].holder == queued.id
+    assert by_task["cliapp.queued"].node is None
+    report = by_task["cliapp.report"]
+    assert (report.state, report.holder, report.pid) == ("running", running.id, os.getpid())
+    assert report.node
+    assert report.since is not None
+    assert report.since <= before
+    age = report.age()
+    assert age is not None
+    assert age >= 0
+    assert 0 < report.ttl_ms <= 60_000
+    assert (report.count, report.waiters) == (1, 0)
+    assert [i.name for i in list_locks(locks, state="running")] == [report.name]
+    assert [i.task for i in list_locks(locks, task="cliapp.queued")] == ["cliapp.queued"]
+    assert [i.holder for i in list_locks(locks, holder=running.id)] == [running.id]
+    assert finish_report(locks, 1, running) == report.fence
+    queued.revoke()
+    wait_for(lambda: not list_locks(locks), what="the revoked task's lock to go")
+
+
+def test_list_locks_counts_waiters(locks: redis.Redis) -> None:
+    """A waiter queued for a held lock shows in the lock's waiter count."""
+    holder = RedisLock(locks, "busy", ttl=30)
+    assert holder.acquire()
+    waiter = RedisLock(locks, "busy", ttl=30)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=20)))
+    thread.start()
+    wait_for(lambda: list_locks(locks)[0].waiters == 1, what="the waiter to queue")
+    holder.release()
+    thread.join(20)
+    assert got == [True]
+    waiter.release()
+
+
+def test_list_locks_scans_every_cluster_primary(redislock_cluster: ClusterDeployment) -> None:
+    """On a Redis Cluster, locks on every primary are listed."""
+    client: RedisCluster = redislock_cluster.client()
+    names = [f"spread:{i}" for i in range(12)]
+    held = [RedisLock(client, name, ttl=30) for name in names]
+    for lock in held:
+        assert lock.acquire()
+    primaries = {redislock_cluster.primary_for_key(lock.key).port for lock in held}
+    assert len(primaries) > 1
+    assert [info.name for info in list_locks(client, "spread:*")] == sorted(names)
+    assert find_locks(client, "spread:3")[0].name == "spread:3"
+    for lock in held:
+        lock.release()
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "complaint"),
+    [("", "must not be empty"), ("a[", "never closed"), ("a\\", "unescaped")],
+)
+def test_bad_patterns_are_refused(pattern: str, complaint: str) -> None:
+    """A pattern Redis would misread is refused with a message saying why."""
+    with pytest.raises(ValueError, match="pattern") as info:
+        check_pattern(pattern)
+    assert complaint in str(info.value)
+
+
+def test_find_locks_by_name_or_holder(locks: redis.Redis) -> None:
+    """find_locks takes a lock name or the task id of its holder."""
+    lock = RedisLock(locks, "job:7", ttl=30, lease="task-7")
+    assert lock.acquire()
+    assert [i.name for i in find_locks(locks, "job:7")] == ["job:7"]
+    assert [i.name for i in find_locks(locks, "task-7")] == ["job:7"]
+    assert find_locks(locks, "nobody") == []
+    lock.release()
+
+
+def test_purge_locks(app: Celery, locks: redis.Redis) -> None:
+    """purge_locks frees by task, by node, or all; clear_locks is purge_locks(all=True)."""
+    with pytest.raises(ValueError, match="task=NAME, node=NODENAME or all=True"):
+        purge_locks(app)
+    leave_stale_lock(cli_app.report, 1, ttl=30)
+    leave_stale_lock(cli_app.report, 2, ttl=30)
+    other = RedisLock(locks, "plain", ttl=30, holder_info={"node": "elsewhere@host"})
+    assert other.acquire()
+    other.detach()
+    assert purge_locks(app, node="crashed@leave_stale_lock") == 2
+    assert [i.name for i in list_locks(locks)] == ["plain"]
+    leave_stale_lock(cli_app.report, 3, ttl=30)
+    assert purge_locks(app, task="cliapp.report") == 1
+    assert clear_locks(app) == 1
+    assert list_locks(locks) == []
+
+
+def test_lock_stats(locks: redis.Redis) -> None:
+    """lock_stats counts held locks per task and state and finds the oldest hold."""
+    now = time.time()
+    for name, task, state, since in [
+        ("a:1", "a", "running", now - 30),
+        ("a:2", "a", "queued", now - 5),
+        ("b:1", "b", "running", now - 60),
+    ]:
+        lock = RedisLock(
+            locks,
+            name,
+            ttl=30,
+            holder_info={"task": task, "state": state, "since": str(since)},
+        )
+        assert lock.acquire()
+        lock.detach()
+    stats = lock_stats(list_locks(locks), now)
+    jsonschema.validate(stats, STATS_SCHEMA)
+    assert stats["held"] == 3
+    assert stats["by_task"]["a"] == {"queued": 1, "running": 1, "unknown": 0, "waiters": 0}
+    assert stats["oldest"]["name"] == "b:1"
+    assert stats["oldest"]["age"] == pytest.approx(60, abs=1)
+
+
+# The command line.
+def test_ping(redislock_server: RedisServer) -> None:
+    """`ping` reports the lock store and its server version."""
+    result = celery(redislock_server.url, "ping")
+    assert result.returncode == 0, result.stderr
+    assert f"lock store {redislock_server.url}: ok (server " in result.stdout
+
+
+def test_unreachable_store_is_one_line_without_password(redislock_server: RedisServer) -> None:
+    """With the lock store down, a command prints one line naming the store (password
+    hidden) and why, and exits non-zero: no traceback."""
+    down = f"redis://:s3cret@127.0.0.1:{free_port()}/0"
+    for command in (["ping"], ["list"], ["release", "x:1", "--yes"], ["stats"]):
+        result = celery(redislock_server.url, *command, REDISLOCK_TEST_LOCK_URL=down)
+        line = one_line_failure(result)
+        assert line == (
+            f"Error: lock store {down.replace('s3cret', '***')}: unreachable (connection refused)"
+        )
+
+
+def test_missing_app_says_pass_a(tmp_path: Path) -> None:
+    """Without -A, the command says to pass one instead of failing on Celery's default app."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "celery", "redislock", "list"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "pass -A proj" in one_line_failure(result)
+
+
+def test_list_text_and_json(app: Celery, locks: redis.Redis, worker: Any) -> None:
+    """`list` shows one row per held lock with state, node and pid; `--json` follows the
+    documented schema; filters narrow it down."""
+    running = running_report(app, locks, 2)
+    plain = RedisLock(locks, "plain:1", ttl=30, lease="lease-1")
+    assert plain.acquire()
+    url = str(app.conf.redislock_url)
+    text = celery(url, "list")
+    assert text.returncode == 0, text.stderr
+    header, *rows, total = text.stdout.splitlines()
+    assert header.split() == [
+        "NAME",
+        "TASK",
+        "HOLDER",
+        "STATE",
+        "NODE",
+        "PID",
+        "AGE",
+        "TTL",
+        "FENCE",
+        "HOLDS",
+        "WAITERS",
+    ]
+    assert total == "2 lock(s) held"
+    report_row = next(row.split() for row in rows if row.startswith("cliapp.report:"))
+    assert report_row[1:4] == ["cliapp.report", running.id, "running"]
+    assert report_row[5] == str(os.getpid())
+    listed = celery(url, "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    document = json.loads(listed.stdout)
+    jsonschema.validate(document, LIST_SCHEMA)
+    assert document["count"] == 2
+    assert {lock["name"] for lock in document["locks"]} == {
+        "plain:1",
+        cli_app.report.lock_name((2,), {}),
+    }
+    only = json.loads(celery(url, "list", "--json", "--state", "running").stdout)
+    assert [lock["holder"] for lock in only["locks"]] == [running.id]
+    by_holder = json.loads(celery(url, "list", "--json", "--holder", "lease-1").stdout)
+    assert [lock["name"] for lock in by_holder["locks"]] == ["plain:1"]
+    by_pattern = json.loads(celery(url, "list", "plain:*", "--json").stdout)
+    assert by_pattern["count"] == 1
+    by_task = json.loads(celery(url, "list", "--task", "cliapp.report", "--json").stdout)
+    assert by_task["locks"][0]["holder"] == running.id
+    finish_report(locks, 2, running)
+    plain.release()
+
+
+def test_bad_pattern_is_one_line(redislock_server: RedisServer) -> None:
+    """A malformed glob is refused in one line."""
+    result = celery(redislock_server.url, "list", "broken[")
+    assert "'[' is never closed" in one_line_failure(result)
+
+
+def test_show_by_name_and_by_task_id(app: Celery, locks: redis.Redis, worker: Any) -> None:
+    """`show` finds a lock by name or by its holder's task id, and tells what the result
+    backend and the live workers know of the holder."""
+    running = running_report(app, locks, 3)
+    url = str(app.conf.redislock_url)
+    name = cli_app.report.lock_name((3,), {})
+    by_id = celery(url, "show", running.id)
+    assert by_id.returncode == 0, by_id.stderr
+    fields = dict(line.split(None, 1) for line in by_id.stdout.splitlines() if line.strip())
+    assert fields["name"] == name
+    assert fields["state"] == "running"
+    assert fields["worker"] == "cli-worker@test reports it active"
+    assert fields["result"] == "PENDING"
+    shown = celery(url, "show", name, "--json")
+    document = json.loads(shown.stdout)
+    jsonschema.validate(document, SHOW_SCHEMA)
+    (entry,) = document["locks"]
+    assert entry["lock"]["holder"] == running.id
+    assert entry["holder_status"]["worker"] == "cli-worker@test"
+    assert entry["holder_status"]["worker_state"] == "active"
+    finish_report(locks, 3, running)
+    missing = celery(url, "show", "no-such-lock")
+    assert "no lock named 'no-such-lock' is held" in one_line_failure(missing)
+
+
+def test_name_of_a_call(app: Celery) -> None:
+    """`name` prints the lock name a call would use; ARGS are JSON values or strings."""
+    url = str(app.conf.redislock_url)
+    result = celery(url, "name", "cliapp.report", "42", "--kwargs", '{"full": true}')
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == cli_app.report.lock_name((42,), {"full": True})
+    as_text = celery(url, "name", "cliapp.queued", "hello")
+    assert as_text.stdout.strip() == cli_app.queued.lock_name(("hello",), {})
+    unknown = celery(url, "name", "cliapp.nope")
+    assert "no task 'cliapp.nope'" in one_line_failure(unknown)
+    bad = celery(url, "name", "cliapp.report", "1", "--kwargs", "[1]")
+    assert "--kwargs must be a JSON object" in one_line_failure(bad)
+
+
+def test_release_asks_first(app: Celery, locks: redis.Redis) -> None:
+    """`release NAME` lists what it would free and asks; 'n' (or no answer) frees
+    nothing, 'y' frees it and says whose lock it evicted."""
+    url = str(app.conf.redislock_url)
+    name = leave_stale_lock(cli_app.report, 5, ttl=30)
+    declined = celery(url, "release", name, stdin="n\n")
+    assert declined.returncode != 0
+    assert read_lock(locks, name) is not None
+    confirmed = celery(url, "release", name, stdin="y\n")
+    assert confirmed.returncode == 0, confirmed.stderr
+    assert f"released {name}: evicted task cliapp.report, holder crashed-" in confirmed.stdout
+    assert "running on crashed@leave_stale_lock" in confirmed.stdout
+    assert read_lock(locks, name) is None
+
+
+def test_release_by_pattern_holder_and_task(app: Celery, locks: redis.Redis) -> None:
+    """`release` takes exactly one of NAME, --pattern, --holder or --task; a NAME that
+    looks like a glob gets a hint to use --pattern."""
+    url = str(app.conf.redislock_url)
+    for account in (6, 7, 8):
+        leave_stale_lock(cli_app.report, account, ttl=30)
+    hint = celery(url, "release", "cliapp.report:*", "--yes")
+    assert "use --pattern 'cliapp.report:*'" in one_line_failure(hint)
+    holder = list_locks(locks)[0].holder
+    assert holder is not None
+    by_holder = celery(url, "release", "--holder", holder, "--yes")
+    assert by_holder.returncode == 0, by_holder.stderr
+    assert len(list_locks(locks)) == 2
+    by_pattern = celery(url, "release", "--pattern", "cliapp.report:*", "--yes")
+    assert by_pattern.stdout.count("released ") == 2
+    assert list_locks(locks) == []
+    leave_stale_lock(cli_app.report, 9, ttl=30)
+    by_task = celery(url, "release", "--task", "cliapp.report", "--yes")
+    assert by_task.returncode == 0, by_task.stderr
+    assert list_locks(locks) == []
+    both = celery(url, "release", "x:1", "--task", "cliapp.report")
+    assert both.returncode == 2
+    assert "exactly one of" in one_line_failure(both)
+
+
+def test_release_refuses_a_running_holder_unless_forced(
+    app: Celery, locks: redis.Redis, worker: Any
+) -> None:
+    """A lock whose holder a live worker is running is not released without --force;
+    with it, the lock is freed and the running task finds it lost."""
+    running = running_report(app, locks, 10)
+    url = str(app.conf.redislock_url)
+    name = cli_app.report.lock_name((10,), {})
+    refused = celery(url, "release", name, "--yes")
+    line = one_line_failure(refused)
+    assert f"its holder {running.id} is running on cli-worker@test" in line
+    assert "--force" in line
+    assert read_lock(locks, name) is not None
+    forced = celery(url, "release", name, "--yes", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert f"released {name}: evicted task cliapp.report, holder {running.id}" in forced.stdout
+    assert read_lock(locks, name) is None
+    finish_report(locks, 10, running)
+
+
+def test_purge(app: Celery, locks: redis.Redis) -> None:
+    """`purge` frees every lock of a task, of a node, or of the app, after the same checks."""
+    url = str(app.conf.redislock_url)
+    nothing = celery(url, "purge")
+    assert nothing.returncode == 2
+    assert "--task NAME, --node NODENAME or --all" in one_line_failure(nothing)
+    leave_stale_lock(cli_app.report, 11, ttl=30)
+    leave_stale_lock(cli_app.queued, "x", ttl=30)
+    by_node = celery(url, "purge", "--node", "crashed@leave_stale_lock", "--yes")
+    assert by_node.stdout.count("released ") == 2, by_node.stderr
+    leave_stale_lock(cli_app.report, 12, ttl=30)
+    with hold_lock(cli_app.queued, "y"):
+        by_task = celery(url, "purge", "--task", "cliapp.report", "--yes")
+        assert by_task.stdout.count("released ") == 1, by_task.stderr
+        everything = celery(url, "purge", "--all", "--yes")
+        assert everything.stdout.count("released ") == 1, everything.stderr
+    assert list_locks(locks) == []
+    empty = celery(url, "purge", "--all", "--yes")
+    assert empty.returncode == 0
+    assert "no lock of the app is held" in empty.stdout
+
+
+def test_stats(app: Celery, locks: redis.Redis) -> None:
+    """`stats` counts held locks by task and state; `--json` follows the schema."""
+    url = str(app.conf.redislock_url)
+    leave_stale_lock(cli_app.report, 13, ttl=30)
+    with hold_lock(cli_app.queued, "z"):
+        text = celery(url, "stats")
+        assert text.returncode == 0, text.stderr
+        assert text.stdout.startswith("2 lock(s) held, 0 waiter(s) queued")
+        document = json.loads(celery(url, "stats", "--json").stdout)
+    jsonschema.validate(document, STATS_SCHEMA)
+    assert document["held"] == 2
+    assert set(document["by_task"]) == {"cliapp.report", "cliapp.queued"}
+
+
+def test_purge_covers_tasks_with_prefixes_of_their_own(
+    redislock_server: RedisServer, locks: redis.Redis
+) -> None:
+    """A task with a lock_prefix of its own has its locks purged with the app's others."""
+    app = make_app(redislock_server.url, "prefixes")
+
+    @app.task(base=SingletonTask, shared=False, name="prefixes.own", lock_prefix="own")
+    def own(n: int) -> None: ...
+
+    @app.task(base=SingletonTask, shared=False, name="prefixes.default")
+    def default(n: int) -> None: ...
+
+    leave_stale_lock(own, 1, ttl=30)
+    leave_stale_lock(default, 1, ttl=30)
+    assert [info.prefix for info in list_locks(locks, prefix="own")] == ["own"]
+    assert purge_locks(app, all=True) == 2
+    assert list_locks(locks, prefix="own") == []
+    assert list_locks(locks) == []
+    close_app(app)

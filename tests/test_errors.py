@@ -16,6 +16,7 @@ from celery_redislock.errors import (
     LockLostError,
     LockNotOwnedError,
     LockTimeoutError,
+    NoLockError,
     ServerNotFoundError,
     TaskSkippedError,
 )
@@ -33,6 +34,7 @@ SAMPLES: list[LockError] = [
     TaskSkippedError("report:7", "task-id-2"),
     LockBackendError("could not acquire lock 'x': Connection refused"),
     KeyDerivationError("cannot derive a key from <object>"),
+    NoLockError("task 'shop.report' has no lock here"),
     ServerNotFoundError("no server"),
 ]
 

@@ -48,6 +48,8 @@ def test_acquired_and_released(app: Celery, sent: list[tuple[str, dict[str, Any]
         return int(self.lock.token)
 
     result = job.apply()
+    # The release's answer is read after the task returns; the signal follows it.
+    wait_for(lambda: len(sent) == 2, what="lock_released")
     names = [name for name, _ in sent]
     assert names == ["lock_acquired", "lock_released"]
     acquired, released = sent[0][1], sent[1][1]
@@ -56,6 +58,23 @@ def test_acquired_and_released(app: Celery, sent: list[tuple[str, dict[str, Any]
     assert acquired["key"] == released["key"] == job.lock_name((), {})
     assert acquired["waited"] >= 0
     assert released["held"] >= 0
+    assert released["outcome"] == "released"
+
+
+def test_released_reports_a_lost_lock(
+    app: Celery, redislock_client: redis.Redis, sent: list[tuple[str, dict[str, Any]]]
+) -> None:
+    """A lock taken from the running task ends with lock_released outcome 'lost'."""
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: Any) -> None:
+        redislock_client.hset(f"redislock:{{{self.lock.key}}}", "owner", "someone-else")
+
+    job.apply().get()
+    wait_for(lambda: any(name == "lock_released" for name, _ in sent), what="lock_released")
+    released = [kw for name, kw in sent if name == "lock_released"]
+    assert [kw["outcome"] for kw in released] == ["lost"]
+    redislock_client.flushdb()
 
 
 def test_conflict_names_holder_and_action(

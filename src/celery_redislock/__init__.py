@@ -11,6 +11,22 @@ Quick start::
     def rebuild_report(account_id, full=False): ...
 
 The lock engine is usable on its own: :class:`RedisLock`.
+
+Public names (``__all__``; the tests hold this list and ``__all__`` to each other):
+
+- ``SingletonTask``, ``LockHandle``, ``is_skipped``: the task base class, the
+  lock as seen from a task body (``self.lock``), the skipped-duplicate marker test
+- ``RedisLock``: the lock engine
+- ``LockError``, ``LockNotOwnedError``, ``LockLostError``, ``LockTimeoutError``,
+  ``LockConflictError``, ``TaskSkippedError``, ``LockBackendError``,
+  ``KeyDerivationError``, ``NoLockError``, ``ServerNotFoundError``: the errors
+- ``signals``: the Celery-style signals sent around a task's lock
+- ``__version__``
+
+Elsewhere, by purpose: :mod:`celery_redislock.admin` (read and repair locks;
+``purge_locks``), :mod:`celery_redislock.metrics` (Prometheus),
+:mod:`celery_redislock.testing` (the pytest kit), :mod:`celery_redislock.server`
+(``RedisServer``, a private server), :mod:`celery_redislock.deployments`.
 """
 
 from __future__ import annotations
@@ -24,11 +40,11 @@ from celery_redislock.errors import (
     LockLostError,
     LockNotOwnedError,
     LockTimeoutError,
+    NoLockError,
     ServerNotFoundError,
     TaskSkippedError,
 )
 from celery_redislock.lock import RedisLock
-from celery_redislock.server import RedisServer
 from celery_redislock.task import LockHandle, SingletonTask, is_skipped
 
 __version__ = "0.1.0"
@@ -42,8 +58,8 @@ __all__ = [
     "LockLostError",
     "LockNotOwnedError",
     "LockTimeoutError",
+    "NoLockError",
     "RedisLock",
-    "RedisServer",
     "ServerNotFoundError",
     "SingletonTask",
     "TaskSkippedError",

@@ -1,71 +1,471 @@
-"""Read and repair lock state: what the ``celery redislock`` command shows and does."""
+"""Read and repair lock state: what ``celery redislock`` shows and does, callable from Python.
+
+Everything here reads the storage format of :mod:`celery_redislock.scripts`: one
+hash per lock name (held while its ``owner`` field is non-empty, kept free for a
+while after release for its fencing counter) with the holder's description
+(task, state, node, pid, since), and a sorted set of queued waiters beside it.
+
+Reads only ever ``SCAN`` the keyspace (never ``KEYS``), on every primary of a
+Redis Cluster, and read what they found in one pipelined round trip per batch,
+over the engine's own bounded connections: an unreachable store costs a
+command at most its timeout.
+
+For code::
+
+    from celery_redislock.admin import list_locks, purge_locks
+
+    for info in list_locks(client, "proj.tasks.rebuild_report:*"):
+        print(info.name, info.holder, info.state, info.age())
+    purge_locks(app, task="proj.tasks.rebuild_report")   # free them all
+
+:func:`purge_locks` (alias :func:`clear_locks`) is the counterpart of
+celery-singleton's ``clear_locks(app)``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisError
 
 from celery_redislock.lock import (
     DEFAULT_PREFIX,
     FENCE_TTL_MS,
+    check_prefix,
     lock_keys,
     name_from_key,
     wake_channel_prefix,
 )
-from celery_redislock.scripts import FORCE_RELEASE_SCRIPT, Call, request_id, send
-from celery_redislock.transport import DEFAULT_CALL_TIMEOUT, Deadline, Router, backend_errors
+from celery_redislock.scripts import FORCE_RELEASE_SCRIPT, HOLDER_FIELDS, Call, request_id, send
+from celery_redislock.store import describe_store, lock_store
+from celery_redislock.transport import (
+    DEFAULT_CALL_TIMEOUT,
+    Client,
+    Deadline,
+    Router,
+    Transport,
+    backend_errors,
+    run,
+)
+
+__all__ = [
+    "HOLDER_STATES",
+    "LIST_SCHEMA",
+    "SHOW_SCHEMA",
+    "STATS_SCHEMA",
+    "HolderStatus",
+    "LockInfo",
+    "Store",
+    "WorkerActivity",
+    "app_stores",
+    "check_pattern",
+    "clear_locks",
+    "find_locks",
+    "force_release",
+    "holder_status",
+    "list_locks",
+    "lock_stats",
+    "purge_locks",
+    "read_lock",
+    "worker_activity",
+]
+
+#: What a lock's holder can be doing: its message waits in the queue (an
+#: ``until_*`` lock taken by ``apply_async``), or its body runs.
+HolderState = Literal["queued", "running"]
+HOLDER_STATES: tuple[HolderState, ...] = ("queued", "running")
+
+#: Keys asked for per ``SCAN`` call (a hint to the server, not a limit).
+SCAN_COUNT = 1000
+
+#: The hash fields read for each lock, in order.
+_FIELDS = ("owner", "lease", "count", "fence", *HOLDER_FIELDS)
 
 
 @dataclass(frozen=True)
 class LockInfo:
-    """One held lock as stored in Redis."""
+    """One held lock, as stored in Redis."""
 
     #: The lock name (for a task: ``<task name>:<digest>``).
     name: str
-    #: The lease (task id) of the holder, or ``None`` for a plain lock.
+    #: The lease (Celery task id) of the holder, or ``None`` for a plain lock.
     holder: str | None
     #: How many times the holder has taken it (re-entrant holds).
     count: int
     #: The fencing token of the current hold.
     fence: int
-    #: Milliseconds until it expires without renewal.
+    #: Milliseconds until it expires without renewal (``-1``: no expiry).
     ttl_ms: int
+    #: The holder's task name, when the holder described itself (a SingletonTask does).
+    task: str | None = None
+    #: ``"queued"`` (taken at enqueue, the message waits) or ``"running"``.
+    state: HolderState | None = None
+    #: The worker node that runs the holder (``celery@host``), when running.
+    node: str | None = None
+    #: The worker process that runs the holder, when running.
+    pid: int | None = None
+    #: When the hold began, in Unix seconds.
+    since: float | None = None
+    #: How many waiters are queued for the lock (``on_conflict="wait"`` tasks).
+    waiters: int = 0
+    #: The key prefix the lock lives under.
+    prefix: str = DEFAULT_PREFIX
+
+    def age(self, now: float | None = None) -> float | None:
+        """Seconds since the hold began (``None`` when the holder did not say)."""
+        if self.since is None:
+            return None
+        return max(0.0, (time.time() if now is None else now) - self.since)
+
+    def to_json(self, now: float | None = None) -> dict[str, Any]:
+        """The lock as a JSON object of the documented schema (:data:`LOCK_SCHEMA`)."""
+        age = self.age(now)
+        return {
+            "name": self.name,
+            "prefix": self.prefix,
+            "task": self.task,
+            "holder": self.holder,
+            "state": self.state,
+            "node": self.node,
+            "pid": self.pid,
+            "since": self.since,
+            "age": None if age is None else round(age, 3),
+            "ttl": None if self.ttl_ms < 0 else self.ttl_ms / 1000,
+            "fence": self.fence,
+            "count": self.count,
+            "waiters": self.waiters,
+        }
+
+
+def _nullable(kind: str, **extra: Any) -> dict[str, Any]:
+    return {"type": [kind, "null"], **extra}
+
+
+#: JSON schema of one lock in ``--json`` output.
+LOCK_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": [
+        "name",
+        "prefix",
+        "task",
+        "holder",
+        "state",
+        "node",
+        "pid",
+        "since",
+        "age",
+        "ttl",
+        "fence",
+        "count",
+        "waiters",
+    ],
+    "properties": {
+        "name": {"type": "string", "description": "the lock name"},
+        "prefix": {"type": "string", "description": "the key prefix it lives under"},
+        "task": _nullable("string", description="the holder's task name"),
+        "holder": _nullable("string", description="the holder's task id (lease)"),
+        "state": {"enum": ["queued", "running", None], "description": "queued or running"},
+        "node": _nullable("string", description="worker node running the holder"),
+        "pid": _nullable("integer", description="worker process running the holder"),
+        "since": _nullable("number", description="when the hold began (Unix seconds)"),
+        "age": _nullable("number", minimum=0, description="seconds since the hold began"),
+        "ttl": _nullable("number", description="seconds until it expires unless renewed"),
+        "fence": {"type": "integer", "description": "fencing token of the hold"},
+        "count": {"type": "integer", "minimum": 1, "description": "re-entrant holds"},
+        "waiters": {"type": "integer", "minimum": 0, "description": "queued waiters"},
+    },
+}
+
+#: JSON schema of ``celery redislock list --json``.
+LIST_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["locks", "count"],
+    "properties": {
+        "locks": {"type": "array", "items": LOCK_SCHEMA},
+        "count": {"type": "integer", "minimum": 0},
+    },
+}
+
+#: JSON schema of what is known of a holder (``show --json``).
+HOLDER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["task_id", "result_state", "worker", "worker_state", "workers_answered"],
+    "properties": {
+        "task_id": {"type": "string"},
+        "result_state": _nullable("string", description="AsyncResult(id).state, if known"),
+        "worker": _nullable("string", description="the live worker that reports the task"),
+        "worker_state": {
+            "enum": ["active", "reserved", "scheduled", None],
+            "description": "how that worker reports it",
+        },
+        "workers_answered": {
+            "type": "integer",
+            "minimum": 0,
+            "description": "how many workers answered within the timeout",
+        },
+    },
+}
+
+#: JSON schema of ``celery redislock show --json``.
+SHOW_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["locks"],
+    "properties": {
+        "locks": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["lock", "holder_status"],
+                "properties": {
+                    "lock": LOCK_SCHEMA,
+                    "holder_status": {"anyOf": [HOLDER_SCHEMA, {"type": "null"}]},
+                },
+            },
+        },
+    },
+}
+
+#: JSON schema of ``celery redislock stats --json``.
+STATS_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["held", "waiters", "by_task", "oldest"],
+    "properties": {
+        "held": {"type": "integer", "minimum": 0, "description": "locks held"},
+        "waiters": {"type": "integer", "minimum": 0, "description": "waiters queued, in all"},
+        "by_task": {
+            "type": "object",
+            "description": "per task name ('' for locks without one): held locks by state",
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["queued", "running", "unknown", "waiters"],
+                "properties": {
+                    "queued": {"type": "integer", "minimum": 0},
+                    "running": {"type": "integer", "minimum": 0},
+                    "unknown": {"type": "integer", "minimum": 0},
+                    "waiters": {"type": "integer", "minimum": 0},
+                },
+            },
+        },
+        "oldest": {"anyOf": [LOCK_SCHEMA, {"type": "null"}]},
+    },
+}
+
+
+def check_pattern(pattern: object, argument: str = "pattern") -> str:
+    """Return ``pattern`` if it is a usable Redis glob, or raise ``ValueError`` naming it.
+
+    A glob matches lock names: ``*`` any run of characters, ``?`` one, ``[abc]``
+    a class, ``\\`` escapes the next character.
+    """
+    if not isinstance(pattern, str):
+        raise TypeError(f"{argument} must be a str, not {type(pattern).__name__}")
+    if not pattern:
+        raise ValueError(f"{argument} must not be empty (use '*' for every lock)")
+    try:
+        pattern.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{argument} {pattern!r} cannot be encoded as UTF-8") from None
+    escaped = in_class = False
+    for char in pattern:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "[" and not in_class:
+            in_class = True
+        elif char == "]" and in_class:
+            in_class = False
+    if escaped:
+        raise ValueError(f"bad {argument} {pattern!r}: it ends with an unescaped '\\'")
+    if in_class:
+        raise ValueError(f"bad {argument} {pattern!r}: '[' is never closed by ']'")
+    return pattern
+
+
+def is_glob(text: str) -> bool:
+    """Whether ``text`` contains a glob wildcard (``*``, ``?`` or ``[``)."""
+    return any(char in text for char in "*?[")
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis ``MATCH`` pattern."""
+    return "".join(f"\\{char}" if char in "*?[]\\" else char for char in text)
+
+
+def _text(value: bytes | str | None) -> str | None:
+    """Decode a reply (the engine's connections return bytes)."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def _int(value: bytes | str | None, default: int | None = 0) -> int | None:
+    text = _text(value)
+    try:
+        return int(text) if text else default
+    except ValueError:
+        return default
+
+
+def _float(value: bytes | str | None) -> float | None:
+    text = _text(value)
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
+
+
+def _parse(key: str, prefix: str, row: Sequence[Any], pttl: Any, waiters: Any) -> LockInfo | None:
+    """A :class:`LockInfo` from the replies read for ``key``; ``None`` unless it is held."""
+    if isinstance(row, Exception) or not row or not row[0]:
+        return None  # not a lock hash, gone since the scan, or free
+    values = dict(zip(_FIELDS, row, strict=True))
+    state = _text(values["state"])
+    return LockInfo(
+        name=name_from_key(key, prefix),
+        holder=_text(values["lease"]) or None,
+        count=_int(values["count"]) or 0,
+        fence=_int(values["fence"]) or 0,
+        ttl_ms=int(pttl) if isinstance(pttl, int) else -2,
+        task=_text(values["task"]) or None,
+        state=state if state in HOLDER_STATES else None,
+        node=_text(values["node"]) or None,
+        pid=_int(values["pid"], None),
+        since=_float(values["since"]),
+        waiters=waiters if isinstance(waiters, int) else 0,
+        prefix=prefix,
+    )
+
+
+def _read_commands(key: str) -> list[tuple[Any, ...]]:
+    """The reads that describe lock ``key``: its fields, its TTL and its queue length."""
+    return [("HMGET", key, *_FIELDS), ("PTTL", key), ("ZCARD", f"{key}:waiters")]
+
+
+def _scan(transport: Transport, match: str, timeout: float) -> Iterator[list[str]]:
+    """The keys matching ``match`` on one server, a batch per ``SCAN`` call."""
+    cursor: Any = 0
+    while True:
+        (reply,) = run(
+            transport,
+            [("SCAN", cursor, "MATCH", match, "COUNT", SCAN_COUNT)],
+            Deadline.after(timeout),
+        )
+        if isinstance(reply, Exception):
+            raise reply
+        cursor, keys = reply
+        yield [_text(key) or "" for key in keys]
+        if int(cursor) == 0:
+            return
 
 
 def list_locks(
-    client: redis.Redis, pattern: str = "*", prefix: str = DEFAULT_PREFIX
+    client: Client,
+    pattern: str = "*",
+    prefix: str = DEFAULT_PREFIX,
+    *,
+    task: str | None = None,
+    holder: str | None = None,
+    state: HolderState | None = None,
+    timeout: float = DEFAULT_CALL_TIMEOUT,
 ) -> list[LockInfo]:
-    """Every lock whose name matches the glob ``pattern``, sorted by name."""
+    """Every held lock whose name matches the glob ``pattern``, sorted by name.
+
+    Arguments:
+        client: the lock store (one server, or a Redis Cluster: every primary is scanned).
+        pattern: a glob over lock names (see :func:`check_pattern`).
+        prefix: the key prefix.
+        task: only locks whose holder is this task (by its description, or, for a
+            holder without one, by the name's ``<task>:`` part).
+        holder: only the lock held by this task id (lease).
+        state: only locks whose holder is ``"queued"`` or ``"running"``.
+        timeout: deadline of each round trip, in seconds.
+
+    Raises:
+        ValueError: a bad pattern, prefix or state.
+        LockBackendError: the store could not be reached.
+    """
+    check_pattern(pattern)
+    check_prefix(prefix)
+    if state is not None and state not in HOLDER_STATES:
+        raise ValueError(f"state must be one of {', '.join(HOLDER_STATES)}, got {state!r}")
+    match = f"{glob_escape(prefix)}:{{{pattern}}}"
     found: list[LockInfo] = []
-    keys = [
-        raw.decode() if isinstance(raw, bytes) else str(raw)
-        for raw in client.scan_iter(f"{prefix}:{{{pattern}}}", count=1000)
-    ]
-    # Two commands per lock, but one round trip for them all.
-    pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.hmget(key, "owner", "lease", "count", "fence")
-        pipe.pttl(key)
-    replies = pipe.execute()
-    for key, (owner, lease, count, fence), ttl in zip(
-        keys, replies[::2], replies[1::2], strict=True
-    ):
-        if not owner:  # free (kept for its fencing counter), or gone since SCAN
-            continue
-        found.append(
-            LockInfo(
-                name=name_from_key(key, prefix),
-                holder=lease.decode() if lease else None,
-                count=int(count),
-                fence=int(fence or 0),
-                ttl_ms=int(ttl),
-            )
-        )
+    with backend_errors("list locks"):
+        for transport in Router(client).transports():
+            for keys in _scan(transport, match, timeout):
+                if not keys:
+                    continue
+                commands = [command for key in keys for command in _read_commands(key)]
+                replies = run(transport, commands, Deadline.after(timeout))
+                for i, key in enumerate(keys):
+                    row, pttl, waiters = replies[3 * i : 3 * i + 3]
+                    info = _parse(key, prefix, row, pttl, waiters)
+                    if info is not None and _matches(info, task, holder, state):
+                        found.append(info)
     return sorted(found, key=lambda info: info.name)
 
 
-def force_release(client: redis.Redis, name: str, prefix: str = DEFAULT_PREFIX) -> bool:
+def _matches(
+    info: LockInfo, task: str | None, holder: str | None, state: HolderState | None
+) -> bool:
+    if holder is not None and info.holder != holder:
+        return False
+    if state is not None and info.state != state:
+        return False
+    if task is not None:
+        named = info.task if info.task is not None else info.name.rpartition(":")[0]
+        return named == task
+    return True
+
+
+def read_lock(
+    client: Client, name: str, prefix: str = DEFAULT_PREFIX, timeout: float = DEFAULT_CALL_TIMEOUT
+) -> LockInfo | None:
+    """Lock ``name`` if it is held, else ``None``: one round trip.
+
+    Raises:
+        LockBackendError: the store could not be reached.
+    """
+    key = lock_keys(name, prefix).lock
+    first, *then = _read_commands(key)
+    with backend_errors(f"read lock {name!r}"):
+        replies = send(Router(client), key, first, Deadline.after(timeout), then)
+    return _parse(key, prefix, *replies)
+
+
+def find_locks(
+    client: Client,
+    name_or_id: str,
+    prefix: str = DEFAULT_PREFIX,
+    timeout: float = DEFAULT_CALL_TIMEOUT,
+) -> list[LockInfo]:
+    """The held lock called ``name_or_id``, or else those held by task id ``name_or_id``.
+
+    Raises:
+        LockBackendError: the store could not be reached.
+    """
+    info = read_lock(client, name_or_id, prefix, timeout)
+    if info is not None:
+        return [info]
+    return list_locks(client, "*", prefix, holder=name_or_id, timeout=timeout)
+
+
+def force_release(client: Client, name: str, prefix: str = DEFAULT_PREFIX) -> bool:
     """Free a lock whoever holds it and wake its waiters; return whether it was held.
 
     For operators only: the holder keeps running, unprotected, and finds the
@@ -79,3 +479,282 @@ def force_release(client: redis.Redis, name: str, prefix: str = DEFAULT_PREFIX) 
     )
     with backend_errors(f"release lock {name!r}"):
         return bool(send(Router(client), key, call, Deadline.after(DEFAULT_CALL_TIMEOUT)))
+
+
+def lock_stats(locks: Iterable[LockInfo], now: float | None = None) -> dict[str, Any]:
+    """Totals over ``locks``: held, waiters, per task by state, and the oldest hold
+    (a JSON object of :data:`STATS_SCHEMA`)."""
+    held = waiters = 0
+    by_task: dict[str, dict[str, int]] = {}
+    oldest: LockInfo | None = None
+    for info in locks:
+        held += 1
+        waiters += info.waiters
+        counts = by_task.setdefault(
+            info.task or "", {"queued": 0, "running": 0, "unknown": 0, "waiters": 0}
+        )
+        counts[info.state or "unknown"] += 1
+        counts["waiters"] += info.waiters
+        if info.since is not None and (oldest is None or info.since < (oldest.since or 0)):
+            oldest = info
+    return {
+        "held": held,
+        "waiters": waiters,
+        "by_task": dict(sorted(by_task.items())),
+        "oldest": oldest.to_json(now) if oldest is not None else None,
+    }
+
+
+class Store(NamedTuple):
+    """One place locks of an app live: a client and a key prefix."""
+
+    client: Client
+    prefix: str
+    #: Where it is, for messages (no password shown).
+    description: str
+
+
+def app_stores(app: Any) -> list[Store]:
+    """Where the locks of ``app`` live: its lock store under ``redislock_prefix``,
+    plus the own ``lock_url``/``lock_prefix`` of each registered SingletonTask.
+
+    Raises:
+        ValueError, TypeError: the app names no usable lock store.
+    """
+    from celery_redislock.task import SingletonTask
+
+    stores: dict[tuple[str, str], Store] = {}
+    problem: Exception | None = None
+    try:
+        prefix = check_prefix(app.conf.get("redislock_prefix") or DEFAULT_PREFIX)
+        description = describe_store(app)
+        stores[(description, prefix)] = Store(lock_store(app), prefix, description)
+    except (ValueError, TypeError) as exc:
+        problem = exc
+    for task in list(app.tasks.values()):
+        if not isinstance(task, SingletonTask):
+            continue
+        options = task.lock_options
+        where = (describe_store(app, options.url), options.prefix)
+        if options.url is None and problem is not None:
+            raise problem
+        if where not in stores:
+            stores[where] = Store(task.lock_client, options.prefix, where[0])
+    if not stores:
+        assert problem is not None
+        raise problem
+    return list(stores.values())
+
+
+@dataclass(frozen=True)
+class WorkerActivity:
+    """What the live workers said about their tasks (Celery's ``inspect``)."""
+
+    #: Task id -> (worker node, ``"active"``/``"reserved"``/``"scheduled"``).
+    tasks: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: The workers that answered within the timeout.
+    answered: frozenset[str] = frozenset()
+    #: Why nothing could be asked (the broker was unreachable), else ``None``.
+    error: str | None = None
+
+    def running(self, task_id: str | None) -> str | None:
+        """The node a live worker reports running ``task_id`` on, else ``None``."""
+        where = self.tasks.get(task_id or "")
+        return where[0] if where is not None and where[1] == "active" else None
+
+
+_INSPECT_KINDS = ("active", "reserved", "scheduled")
+
+_T = TypeVar("_T")
+
+
+class _Call:
+    """``function(argument)`` on a thread of its own; :meth:`result` joins it."""
+
+    def __init__(self, function: Callable[[str], dict[str, Any]], argument: str) -> None:
+        self._result: dict[str, Any] = {}
+
+        def target() -> None:
+            self._result = function(argument)
+
+        self._thread = threading.Thread(target=target, name="redislock-inspect", daemon=True)
+        self._thread.start()
+
+    def result(self) -> dict[str, Any]:
+        self._thread.join()
+        return self._result
+
+
+def worker_activity(
+    app: Any, timeout: float = 1.0, kinds: Sequence[str] = _INSPECT_KINDS
+) -> WorkerActivity:
+    """Ask every live worker of ``app`` which tasks it runs (``active``), holds
+    (``reserved``) and waits on for an ETA (``scheduled``); each question waits
+    ``timeout`` seconds for the answers. Never raises for an unreachable broker:
+    :attr:`WorkerActivity.error` says why nothing is known."""
+    tasks: dict[str, tuple[str, str]] = {}
+    answered: set[str] = set()
+    errors: list[str] = []
+
+    def ask(kind: str) -> dict[str, Any]:
+        # One connection per question, so the questions wait for answers together.
+        try:
+            with app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=0)
+                inspect = app.control.inspect(timeout=timeout, connection=conn)
+                return getattr(inspect, kind)() or {}
+        except Exception as exc:  # the broker is the app's business: report, never fail
+            errors.append(f"workers not asked: {exc}")
+            return {}
+
+    threads = {kind: _Call(ask, kind) for kind in kinds}
+    for kind, call in threads.items():
+        for node, entries in call.result().items():
+            answered.add(node)
+            for entry in entries or ():
+                request = entry.get("request", entry) if kind == "scheduled" else entry
+                task_id = request.get("id") if isinstance(request, dict) else None
+                if task_id and task_id not in tasks:
+                    tasks[task_id] = (node, kind)
+    if errors:
+        return WorkerActivity(tasks, frozenset(answered), errors[0])
+    return WorkerActivity(tasks, frozenset(answered))
+
+
+def _bounded(function: Callable[[], _T], timeout: float) -> _T | None:
+    """``function()``, or ``None`` if it raises or takes longer than ``timeout`` seconds
+    (a result backend whose client retries on its own cannot hold a command up)."""
+    box: list[_T] = []
+
+    def call() -> None:
+        try:
+            box.append(function())
+        except Exception:
+            return
+
+    thread = threading.Thread(target=call, name="redislock-admin", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return box[0] if box else None
+
+
+@dataclass(frozen=True)
+class HolderStatus:
+    """What is known of the task holding a lock."""
+
+    task_id: str
+    #: Its state in the result backend (``AsyncResult(id).state``), if it could be read.
+    result_state: str | None
+    #: The live worker that reports it, and how (``active``, ``reserved``, ``scheduled``).
+    worker: str | None
+    worker_state: str | None
+    #: How many workers answered (0: none alive, or the broker unreachable).
+    workers_answered: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The status as a JSON object of the documented schema (``HOLDER_SCHEMA``)."""
+        return {
+            "task_id": self.task_id,
+            "result_state": self.result_state,
+            "worker": self.worker,
+            "worker_state": self.worker_state,
+            "workers_answered": self.workers_answered,
+        }
+
+
+def holder_status(
+    app: Any, task_id: str, timeout: float = 1.0, activity: WorkerActivity | None = None
+) -> HolderStatus:
+    """Ask the result backend and the live workers about ``task_id``, each within
+    about ``timeout`` seconds (pass ``activity`` to reuse one round of questions)."""
+    if activity is None:
+        activity = worker_activity(app, timeout)
+    state = _bounded(lambda: str(app.AsyncResult(task_id).state), timeout)
+    node, kind = activity.tasks.get(task_id, (None, None))
+    return HolderStatus(task_id, state, node, kind, len(activity.answered))
+
+
+def purge_locks(
+    app: Any, *, task: str | None = None, node: str | None = None, all: bool = False
+) -> int:
+    """Free the locks of ``app``'s tasks, whoever holds them; return how many were freed.
+
+    The counterpart of celery-singleton's ``clear_locks(app)``: ``purge_locks(app,
+    all=True)`` frees every lock in the app's lock stores (a test's or a
+    deployment's clean slate); ``task=`` only those held for that task name;
+    ``node=`` only those held by tasks running on that worker node (one that died
+    and will not come back). Holders still running are not stopped, and find
+    their locks lost at their next renewal. Waiters are woken.
+
+    Raises:
+        ValueError: none of ``task``, ``node`` or ``all=True`` was given.
+        LockBackendError: a lock store could not be reached.
+    """
+    if task is None and node is None and not all:
+        raise ValueError("purge_locks: say what to free: task=NAME, node=NODENAME or all=True")
+    freed = 0
+    for store in app_stores(app):
+        for info in list_locks(store.client, "*", store.prefix, task=task):
+            if node is not None and info.node != node:
+                continue
+            if force_release(store.client, info.name, store.prefix):
+                freed += 1
+    return freed
+
+
+def clear_locks(app: Any) -> int:
+    """Free every lock of ``app``: celery-singleton's ``clear_locks(app)``, same name."""
+    return purge_locks(app, all=True)
+
+
+def is_cluster(client: Client) -> bool:
+    """Whether ``client`` talks to a Redis Cluster."""
+    return isinstance(client, RedisCluster)
+
+
+def server_versions(client: Client, timeout: float = DEFAULT_CALL_TIMEOUT) -> list[str]:
+    """The server version of each primary of the lock store (``INFO server``).
+
+    Raises:
+        LockBackendError: the store could not be reached.
+    """
+    versions = []
+    with backend_errors("reach the lock store"):
+        for transport in Router(client).transports():
+            (reply,) = run(transport, [("INFO", "server")], Deadline.after(timeout))
+            if isinstance(reply, Exception):
+                raise reply
+            text = _text(reply) or ""
+            fields = dict(
+                line.split(":", 1) for line in text.splitlines() if ":" in line and line[0] != "#"
+            )
+            versions.append(fields.get("valkey_version") or fields.get("redis_version") or "?")
+    return versions
+
+
+def short_reason(exc: BaseException) -> str:
+    """Why a lock store could not be used, in a few words for a one-line message."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, RedisError):
+        cause = cause.__cause__
+    if cause is None:
+        return str(exc)
+    message = str(cause)
+    if isinstance(cause, redis.AuthenticationError) or "WRONGPASS" in message:
+        return "authentication failed (check the user name and password)"
+    if isinstance(cause, redis.TimeoutError):
+        return "unreachable (timed out)"
+    if isinstance(cause, redis.ConnectionError):
+        lowered = message.lower()
+        for sign, said in (
+            ("refused", "connection refused"),
+            ("name or service not known", "unknown host"),
+            ("nodename nor servname", "unknown host"),
+            ("timed out", "timed out"),
+            ("no route", "no route to host"),
+            ("reset by peer", "connection reset"),
+        ):
+            if sign in lowered:
+                return f"unreachable ({said})"
+        return f"unreachable ({message})"
+    return str(exc).removeprefix("could not ").split(": ", 1)[-1]

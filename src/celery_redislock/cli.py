@@ -4,65 +4,560 @@ Installed as a plug-in of Celery's own command line (``celery.commands`` entry
 point), so it runs against the app's configuration::
 
     celery -A proj redislock ping
-    celery -A proj redislock list 'proj.tasks.purchase:*'
-    celery -A proj redislock release 'proj.tasks.purchase:1f0c…'
+    celery -A proj redislock list 'proj.tasks.purchase:*' --state running
+    celery -A proj redislock show 6c1d9a0e-…            # a lock name or a holder's task id
+    celery -A proj redislock name proj.tasks.purchase 42 --kwargs '{"user": 7}'
+    celery -A proj redislock release --holder 6c1d9a0e-…
+    celery -A proj redislock purge --node celery@dead-host --yes
+    celery -A proj redislock stats --json
+
+The commands work on every place the app's locks live (its lock store under
+``redislock_prefix``, plus any task's own ``lock_url``/``lock_prefix``). The
+logic is in :mod:`celery_redislock.admin`; this module parses, asks and prints.
+Every failure is one line on stderr and a non-zero exit status.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import json
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from typing import Any, TypeVar, cast
 
 import click
+from celery import _state
 
-from celery_redislock.admin import force_release, list_locks
-from celery_redislock.lock import DEFAULT_PREFIX
-from celery_redislock.store import describe_store, lock_store
+from celery_redislock.admin import (
+    HOLDER_STATES,
+    HolderState,
+    LockInfo,
+    Store,
+    WorkerActivity,
+    app_stores,
+    check_pattern,
+    find_locks,
+    force_release,
+    holder_status,
+    is_glob,
+    list_locks,
+    lock_stats,
+    read_lock,
+    server_versions,
+    short_reason,
+    worker_activity,
+)
+from celery_redislock.errors import LockBackendError, LockError
+from celery_redislock.store import store_url
+
+#: Seconds ``show``, ``release`` and ``purge`` wait for live workers to answer.
+DEFAULT_INSPECT_TIMEOUT = 1.0
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _store(ctx: click.Context) -> tuple[Any, str]:
+class Failure(click.ClickException):
+    """A failure reported as one line on stderr (``Error: …``), with an exit status."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _no_app(app: Any) -> bool:
+    """Whether ``app`` is Celery's fallback app with no lock store configured (no ``-A``)."""
+    fallback: Any = getattr(_state, "default_app", None)
+    if app is not fallback:
+        return False
+    if app.conf.get("redislock_client") is not None:
+        return False
+    try:
+        store_url(app)
+    except (ValueError, TypeError):
+        return True
+    return False
+
+
+def _stores(ctx: click.Context) -> list[Store]:
+    """The places the app's locks live; one-line failures for a missing app or config."""
     app = ctx.obj.app
-    prefix = app.conf.get("redislock_prefix") or DEFAULT_PREFIX
-    return lock_store(app), str(prefix)
+    if _no_app(app):
+        raise Failure(
+            "no Celery app: pass -A proj (the module of your Celery app), as in "
+            "`celery -A proj redislock list`"
+        )
+    try:
+        return app_stores(app)
+    except (ValueError, TypeError) as exc:
+        raise Failure(f"lock store: {exc}") from None
+
+
+def one_line_errors(command: _F) -> _F:
+    """Turn what a command can fail with into a one-line message and exit status 1
+    (store unreachable, bad configuration, bad input), never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        ctx = click.get_current_context()
+        try:
+            return command(*args, **kwargs)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except LockBackendError as exc:
+            raise Failure(f"lock store {_where(ctx)}: {short_reason(exc)}") from None
+        except (ValueError, TypeError, LockError) as exc:
+            raise Failure(str(exc)) from None
+
+    return cast(_F, wrapper)
+
+
+def _where(ctx: click.Context) -> str:
+    """The lock store(s) a failed command was talking to, for its message."""
+    stores: list[Store] | None = getattr(ctx, "redislock_stores", None)
+    if stores:
+        return ", ".join(sorted({store.description for store in stores}))
+    return "?"
+
+
+def _stores_of(ctx: click.Context) -> list[Store]:
+    stores = _stores(ctx)
+    ctx.redislock_stores = stores  # type: ignore[attr-defined]
+    return stores
+
+
+def _duration(seconds: float | None) -> str:
+    """``seconds`` for a person: ``12.3s``, ``4m05s``, ``2h03m``, ``3d04h``."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _ttl(info: LockInfo) -> str:
+    return "none" if info.ttl_ms < 0 else _duration(info.ttl_ms / 1000)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows as lines of left-aligned columns (the last one unpadded)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+_HEADER = ("NAME", "TASK", "HOLDER", "STATE", "NODE", "PID", "AGE", "TTL", "FENCE", "HOLDS")
+
+
+def _row(info: LockInfo, now: float) -> tuple[str, ...]:
+    return (
+        info.name,
+        info.task or "-",
+        info.holder or "-",
+        info.state or "-",
+        info.node or "-",
+        str(info.pid) if info.pid is not None else "-",
+        _duration(info.age(now)),
+        _ttl(info),
+        str(info.fence),
+        str(info.count),
+        str(info.waiters),
+    )
+
+
+def _whose(info: LockInfo) -> str:
+    """Who held ``info``, in a few words: task, holder id and where it ran."""
+    parts = [f"task {info.task}"] if info.task else []
+    parts.append(f"holder {info.holder or '-'}")
+    if info.state == "running":
+        parts.append(f"running on {info.node or '?'}" + (f" pid {info.pid}" if info.pid else ""))
+    elif info.state == "queued":
+        parts.append("queued")
+    return ", ".join(parts)
+
+
+def _emit_json(document: Any) -> None:
+    click.echo(json.dumps(document, indent=2, sort_keys=False))
 
 
 @click.group()
 @click.pass_context
 def redislock(ctx: click.Context) -> None:
-    """Inspect and repair celery_redislock locks."""
+    """Inspect and repair celery_redislock locks (of the app given with -A)."""
 
 
 @redislock.command()
 @click.pass_context
+@one_line_errors
 def ping(ctx: click.Context) -> None:
-    """Check that the lock store answers, and show its version."""
-    client, _prefix = _store(ctx)
-    info = client.info("server")
-    version = info.get("valkey_version") or info.get("redis_version")
-    click.echo(f"lock store {describe_store(ctx.obj.app)}: ok (server {version})")
+    """Check that the lock store answers, and show its server version."""
+    for store in _stores_of(ctx):
+        versions = server_versions(store.client)
+        primaries = f"{len(versions)} primaries, " if len(versions) > 1 else ""
+        click.echo(
+            f"lock store {store.description}: ok ({primaries}server {', '.join(sorted(set(versions)))})"
+        )
+
+
+def _collect(
+    ctx: click.Context,
+    pattern: str = "*",
+    task: str | None = None,
+    holder: str | None = None,
+    state: HolderState | None = None,
+) -> list[tuple[Store, LockInfo]]:
+    found = []
+    for store in _stores_of(ctx):
+        for info in list_locks(
+            store.client, pattern, store.prefix, task=task, holder=holder, state=state
+        ):
+            found.append((store, info))
+    return found
 
 
 @redislock.command(name="list")
 @click.argument("pattern", default="*")
+@click.option("--task", "task", metavar="NAME", help="Only locks held for this task name.")
+@click.option("--holder", metavar="TASK_ID", help="Only the lock held by this task id.")
+@click.option("--state", type=click.Choice(HOLDER_STATES), help="Only queued or running holders.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema in the README).")
 @click.pass_context
-def list_(ctx: click.Context, pattern: str) -> None:
-    """List held locks whose name matches PATTERN (a glob)."""
-    client, prefix = _store(ctx)
-    locks = list_locks(client, pattern, prefix)
-    for info in locks:
-        click.echo(
-            f"{info.name}\tholder={info.holder or '-'}\tholds={info.count}"
-            f"\tfence={info.fence}\tttl={info.ttl_ms / 1000:.1f}s"
-        )
-    click.echo(f"{len(locks)} lock(s) held")
+@one_line_errors
+def list_(
+    ctx: click.Context,
+    pattern: str,
+    task: str | None,
+    holder: str | None,
+    state: HolderState | None,
+    as_json: bool,
+) -> None:
+    """List held locks whose name matches PATTERN (a glob, default every lock).
+
+    One row per lock: name, task, holder task id, state (queued: taken when the
+    message was sent; running), worker node and pid, age, TTL left, fencing
+    token, hold count and queued waiters.
+    """
+    check_pattern(pattern)
+    found = _collect(ctx, pattern, task, holder, state)
+    now = time.time()
+    if as_json:
+        _emit_json({"locks": [info.to_json(now) for _, info in found], "count": len(found)})
+        return
+    if found:
+        for line in _table([(*_HEADER, "WAITERS"), *(_row(info, now) for _, info in found)]):
+            click.echo(line)
+    click.echo(f"{len(found)} lock(s) held")
 
 
 @redislock.command()
-@click.argument("name")
+@click.argument("name_or_id", metavar="NAME|TASK_ID")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(0.05, 60),
+    default=DEFAULT_INSPECT_TIMEOUT,
+    show_default=True,
+    help="Seconds to wait for the workers' and the result backend's answers.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema in the README).")
 @click.pass_context
-def release(ctx: click.Context, name: str) -> None:
-    """Force-release lock NAME whoever holds it (the holder is not stopped)."""
-    client, prefix = _store(ctx)
-    if force_release(client, name, prefix):
-        click.echo(f"released {name}")
+@one_line_errors
+def show(ctx: click.Context, name_or_id: str, timeout: float, as_json: bool) -> None:
+    """Show one lock in full (by name, or by its holder's task id), and what is
+    known of the holder: its result state and whether a live worker has it."""
+    found = [
+        (store, info)
+        for store in _stores_of(ctx)
+        for info in find_locks(store.client, name_or_id, store.prefix)
+    ]
+    if not found:
+        raise Failure(f"no lock named {name_or_id!r} is held, and no lock is held by that task id")
+    holders = [info.holder for _, info in found if info.holder]
+    activity = worker_activity(ctx.obj.app, timeout) if holders else WorkerActivity()
+    now = time.time()
+    entries = []
+    for _, info in found:
+        status = holder_status(ctx.obj.app, info.holder, timeout, activity) if info.holder else None
+        entries.append((info, status))
+    if as_json:
+        _emit_json(
+            {
+                "locks": [
+                    {"lock": info.to_json(now), "holder_status": s.to_json() if s else None}
+                    for info, s in entries
+                ]
+            }
+        )
+        return
+    for number, (info, status) in enumerate(entries):
+        if number:
+            click.echo("")
+        since = (
+            datetime.fromtimestamp(info.since, timezone.utc).isoformat(timespec="seconds")
+            if info.since is not None
+            else "-"
+        )
+        lines = [
+            ("name", info.name),
+            ("prefix", info.prefix),
+            ("task", info.task or "-"),
+            ("holder", info.holder or "-"),
+            ("state", info.state or "-"),
+            ("node", info.node or "-"),
+            ("pid", str(info.pid) if info.pid is not None else "-"),
+            ("since", f"{since} ({_duration(info.age(now))} ago)"),
+            ("ttl", _ttl(info)),
+            ("fence", str(info.fence)),
+            ("holds", str(info.count)),
+            ("waiters", str(info.waiters)),
+        ]
+        if status is not None:
+            lines.append(("result", status.result_state or "unknown (result backend not read)"))
+            if status.worker is not None:
+                worker = f"{status.worker} reports it {status.worker_state}"
+            elif activity.error is not None:
+                worker = activity.error
+            else:
+                worker = (
+                    f"no live worker reports it ({status.workers_answered} worker(s) "
+                    f"answered within {timeout:g} s)"
+                )
+            lines.append(("worker", worker))
+        for line in _table(lines):
+            click.echo(line)
+
+
+def _parse_value(text: str) -> Any:
+    """A command-line argument as a JSON value, or as the string itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+@redislock.command(context_settings={"ignore_unknown_options": True})
+@click.argument("task_name", metavar="TASK")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--kwargs", "kwargs_json", metavar="JSON", help="Keyword arguments, a JSON object.")
+@click.pass_context
+@one_line_errors
+def name(
+    ctx: click.Context, task_name: str, args: tuple[str, ...], kwargs_json: str | None
+) -> None:
+    """Print the lock name a call of TASK with ARGS would use.
+
+    Each ARG is read as a JSON value (42, "42", [1, 2], null), else taken as a
+    string: `name proj.tasks.rebuild_report 42 --kwargs '{"full": true}'`.
+    """
+    from celery_redislock.task import SingletonTask
+
+    _stores_of(ctx)  # the same "no app" check as every command
+    app = ctx.obj.app
+    task = app.tasks.get(task_name)
+    if task is None or not isinstance(task, SingletonTask):
+        known = sorted(n for n, t in app.tasks.items() if isinstance(t, SingletonTask))
+        what = "no task" if task is None else "not a SingletonTask:"
+        raise Failure(
+            f"{what} {task_name!r} in app {app.main!r}; its SingletonTasks: "
+            + (", ".join(known) or "none")
+        )
+    kwargs: Any = {}
+    if kwargs_json is not None:
+        try:
+            kwargs = json.loads(kwargs_json)
+        except ValueError as exc:
+            raise Failure(f"--kwargs is not valid JSON: {exc}") from None
+        if not isinstance(kwargs, dict):
+            raise Failure("--kwargs must be a JSON object, e.g. '{\"full\": true}'")
+    click.echo(task.lock_name([_parse_value(arg) for arg in args], kwargs))
+
+
+_TIMEOUT_OPTION = click.option(
+    "--timeout",
+    type=click.FloatRange(0.05, 60),
+    default=DEFAULT_INSPECT_TIMEOUT,
+    show_default=True,
+    help="Seconds to wait for live workers to say what they run.",
+)
+_YES_OPTION = click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+_FORCE_OPTION = click.option(
+    "--force", is_flag=True, help="Also release locks whose holder a live worker is running."
+)
+
+
+def _release_all(
+    ctx: click.Context,
+    found: list[tuple[Store, LockInfo]],
+    what: str,
+    yes: bool,
+    force: bool,
+    timeout: float,
+) -> None:
+    """Release ``found`` after the safety checks: live holders, then confirmation."""
+    if not force and any(info.holder for _, info in found):
+        activity = worker_activity(ctx.obj.app, timeout, kinds=("active",))
+        if activity.error is not None:
+            raise Failure(
+                f"cannot tell whether the holders still run ({activity.error}); "
+                "pass --force to release anyway"
+            )
+        running = [(info, activity.running(info.holder)) for _, info in found]
+        running = [(info, node) for info, node in running if node is not None]
+        if running:
+            info, node = running[0]
+            more = f" (and {len(running) - 1} more)" if len(running) > 1 else ""
+            raise Failure(
+                f"refusing to release {info.name}: its holder {info.holder} is running on "
+                f"{node}{more}; pass --force to release it anyway (the task keeps running, "
+                "unprotected)"
+            )
+    for _, info in found:
+        click.echo(f"to release: {info.name} ({_whose(info)})")
+    if not yes:
+        click.confirm(f"Release {len(found)} lock(s) {what}?", abort=True, err=True)
+    for store, info in found:
+        if force_release(store.client, info.name, store.prefix):
+            click.echo(f"released {info.name}: evicted {_whose(info)}")
+        else:
+            click.echo(f"{info.name} was no longer held")
+
+
+@redislock.command()
+@click.argument("lock_name", metavar="[NAME]", required=False)
+@click.option("--pattern", metavar="GLOB", help="Every held lock whose name matches GLOB.")
+@click.option("--holder", metavar="TASK_ID", help="The lock held by this task id.")
+@click.option("--task", "task", metavar="NAME", help="Every lock held for this task name.")
+@_YES_OPTION
+@_FORCE_OPTION
+@_TIMEOUT_OPTION
+@click.pass_context
+@one_line_errors
+def release(
+    ctx: click.Context,
+    lock_name: str | None,
+    pattern: str | None,
+    holder: str | None,
+    task: str | None,
+    yes: bool,
+    force: bool,
+    timeout: float,
+) -> None:
+    """Force-release locks, whoever holds them, and wake their waiters.
+
+    Give exactly one of NAME, --pattern, --holder or --task. Asks first unless
+    --yes; refuses a lock whose holder a live worker is running unless --force.
+    The holder is not stopped: it finds its lock lost at its next renewal.
+    """
+    chosen = [x for x in (lock_name, pattern, holder, task) if x is not None]
+    if len(chosen) != 1:
+        raise Failure("give exactly one of NAME, --pattern GLOB, --holder TASK_ID, --task NAME", 2)
+    if lock_name is not None:
+        found = [
+            (store, info)
+            for store in _stores_of(ctx)
+            if (info := read_lock(store.client, lock_name, store.prefix)) is not None
+        ]
+        if not found:
+            hint = (
+                f"; it looks like a pattern: use --pattern {lock_name!r}"
+                if is_glob(lock_name)
+                else ""
+            )
+            raise Failure(f"no lock named {lock_name!r} is held{hint}")
+        what = f"named {lock_name}"
+    elif pattern is not None:
+        found = _collect(ctx, check_pattern(pattern))
+        what = f"matching {pattern}"
+    elif holder is not None:
+        found = _collect(ctx, holder=holder)
+        what = f"held by {holder}"
     else:
-        raise click.ClickException(f"no lock named {name!r} is held")
+        found = _collect(ctx, task=task)
+        what = f"of task {task}"
+    if not found:
+        raise Failure(f"no lock {what} is held")
+    _release_all(ctx, found, what, yes, force, timeout)
+
+
+@redislock.command()
+@click.option("--task", "task", metavar="NAME", help="Every lock held for this task name.")
+@click.option("--node", metavar="NODENAME", help="Every lock held by tasks running on this node.")
+@click.option("--all", "everything", is_flag=True, help="Every lock of the app.")
+@_YES_OPTION
+@_FORCE_OPTION
+@_TIMEOUT_OPTION
+@click.pass_context
+@one_line_errors
+def purge(
+    ctx: click.Context,
+    task: str | None,
+    node: str | None,
+    everything: bool,
+    yes: bool,
+    force: bool,
+    timeout: float,
+) -> None:
+    """Release every lock of a task, of a worker node, or of the app.
+
+    The same checks as `release`: asks first unless --yes, refuses holders a
+    live worker is running unless --force. From Python:
+    celery_redislock.admin.purge_locks(app, task=..., node=..., all=...).
+    """
+    if task is None and node is None and not everything:
+        raise Failure("say what to purge: --task NAME, --node NODENAME or --all", 2)
+    found = [(store, info) for store, info in _collect(ctx, task=task) if node in (None, info.node)]
+    what = " and ".join(
+        part
+        for part in (
+            f"of task {task}" if task else "",
+            f"on node {node}" if node else "",
+            "of the app" if everything and not (task or node) else "",
+        )
+        if part
+    )
+    if not found:
+        click.echo(f"no lock {what} is held")
+        return
+    _release_all(ctx, found, what, yes, force, timeout)
+
+
+@redislock.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema in the README).")
+@click.pass_context
+@one_line_errors
+def stats(ctx: click.Context, as_json: bool) -> None:
+    """Held locks by task and state, queued waiters, and the oldest hold."""
+    now = time.time()
+    summary = lock_stats((info for _, info in _collect(ctx)), now)
+    if as_json:
+        _emit_json(summary)
+        return
+    click.echo(f"{summary['held']} lock(s) held, {summary['waiters']} waiter(s) queued")
+    if summary["by_task"]:
+        rows = [("TASK", "RUNNING", "QUEUED", "OTHER", "WAITERS")]
+        for task_name, counts in summary["by_task"].items():
+            rows.append(
+                (
+                    task_name or "(no task)",
+                    str(counts["running"]),
+                    str(counts["queued"]),
+                    str(counts["unknown"]),
+                    str(counts["waiters"]),
+                )
+            )
+        for line in _table(rows):
+            click.echo(line)
+    oldest = summary["oldest"]
+    if oldest is not None:
+        click.echo(
+            f"oldest: {oldest['name']} ({_duration(oldest['age'])}, "
+            f"holder {oldest['holder'] or '-'}, {oldest['state'] or 'no state'})"
+        )

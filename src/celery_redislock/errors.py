@@ -11,6 +11,7 @@ one ``except LockError`` catches them all::
     ├── TaskSkippedError         a duplicate was skipped inside a chain or chord
     ├── LockBackendError         Redis could not be reached or answered with an error
     ├── KeyDerivationError       the task's arguments cannot be turned into a lock key
+    ├── NoLockError              a task body asked for a lock (or its token) it does not have
     └── ServerNotFoundError      no Redis-compatible server binary for the embedded helper
 
 Bad arguments (a negative TTL, an unknown option value) raise the built-in
@@ -107,6 +108,16 @@ class LockBackendError(LockError):
 
 class KeyDerivationError(LockError, TypeError):
     """The task's arguments cannot be serialised into a lock key."""
+
+
+class NoLockError(LockError):
+    """A task body asked for its lock, or its fencing token, and has none.
+
+    ``self.lock`` outside a locked execution (a plain call, an
+    ``until_executing`` task, whose lock is gone once the body starts), or
+    ``self.lock.fence`` in a body that runs unlocked because the lock store was
+    unreachable (``lock_on_redis_error="run"``).
+    """
 
 
 class ServerNotFoundError(LockError):

@@ -8,8 +8,12 @@ Connect to them like Celery's own signals; the sender is the task::
     def count_conflicts(sender, task_id, key, holder, action, **kwargs):
         CONFLICTS.labels(sender.name, action).inc()
 
-A receiver runs inside the task's execution (or its ``apply_async``), so keep
-it fast; an exception it raises is logged by Celery's dispatcher and ignored.
+A receiver runs inside the task's execution (or its ``apply_async``), except
+``lock_lost`` (sent from the heartbeat thread) and ``lock_released`` (sent by
+whichever thread reads the release's answer, moments after the task ended), so
+keep it fast and thread-safe; an exception it raises is logged by Celery's
+dispatcher and ignored. :mod:`celery_redislock.metrics` turns them into
+Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -30,5 +34,8 @@ lock_conflict = Signal(name="lock_conflict", providing_args={"task_id", "key", "
 #: A running task's lock was lost (expired or taken over); sent from the heartbeat.
 lock_lost = Signal(name="lock_lost", providing_args={"task_id", "key"})
 
-#: The task's body ended and its lock was released. ``held`` is in seconds.
-lock_released = Signal(name="lock_released", providing_args={"task_id", "key", "held"})
+#: The task's body ended and its release got its answer. ``held`` is in seconds;
+#: ``outcome`` is ``"released"`` (the lock was freed, or a hold dropped),
+#: ``"lost"`` (it had expired or been taken over before the release) or
+#: ``"failed"`` (no answer: retried in the background, else it expires by its TTL).
+lock_released = Signal(name="lock_released", providing_args={"task_id", "key", "held", "outcome"})

@@ -48,6 +48,7 @@ hard time limit, SIGKILL, lost worker  the heartbeat dies with the process and t
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 import os
@@ -55,6 +56,8 @@ import random
 import secrets
 import socket
 import time
+import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -72,6 +75,7 @@ from celery_redislock.errors import (
     LockBackendError,
     LockConflictError,
     LockLostError,
+    NoLockError,
     TaskSkippedError,
 )
 from celery_redislock.keys import KeyBuilder, KeySource
@@ -180,6 +184,55 @@ OPTIONS: tuple[_Option, ...] = (
 )
 
 
+#: Every ``app.conf`` setting celery_redislock reads.
+KNOWN_SETTINGS: frozenset[str] = frozenset(
+    {option.setting for option in OPTIONS}
+    | {"redislock_url", "redislock_client", "redislock_transport_options", "redislock_metrics"}
+)
+
+
+class UnknownSettingWarning(UserWarning):
+    """An ``app.conf`` setting is named like a celery_redislock one, but is none (a typo)."""
+
+
+# Apps whose settings were checked already: each warns once.
+_settings_checked: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def check_settings(app: Any) -> list[str]:
+    """Warn (:class:`UnknownSettingWarning`, once per app) about each ``redislock_*``
+    setting of ``app`` that celery_redislock does not know, naming the closest
+    known one; return the unknown names.
+
+    A misspelt setting would otherwise be ignored without a word, leaving the
+    default in force (``redislock_ttl_seconds = 600`` still gives 60 s locks).
+    """
+    if app in _settings_checked:
+        return []
+    _settings_checked.add(app)
+    unknown = []
+    for name in sorted({str(key) for key in app.conf}):
+        lowered = name.lower()
+        if not lowered.startswith("redislock_") or name in KNOWN_SETTINGS:
+            continue
+        unknown.append(name)
+        if lowered in KNOWN_SETTINGS:
+            hint = f"did you mean {lowered}? (settings are lower-case)"
+        else:
+            close = difflib.get_close_matches(lowered, sorted(KNOWN_SETTINGS), n=1, cutoff=0.6)
+            hint = (
+                f"did you mean {close[0]}?"
+                if close
+                else f"known settings: {', '.join(sorted(KNOWN_SETTINGS))}"
+            )
+        warnings.warn(
+            f"app.conf.{name} is not a celery_redislock setting and is ignored; {hint}",
+            UnknownSettingWarning,
+            stacklevel=2,
+        )
+    return unknown
+
+
 def skipped_result(key: str, holder: str | None) -> dict[str, Any]:
     """The result a duplicate returns with ``on_conflict="skip"``."""
     return {"skipped": True, "lock_key": key, "holder": holder}
@@ -206,8 +259,26 @@ class LockHandle:
     @property
     def token(self) -> int | None:
         """The fencing token: pass it to the resource you protect and let it reject
-        writes carrying a smaller token than one it has seen."""
+        writes carrying a smaller token than one it has seen. ``None`` when the
+        task runs unlocked (``lock_on_redis_error="run"``); :attr:`fence` raises
+        instead."""
         return self._lock.token if self._lock is not None else None
+
+    @property
+    def fence(self) -> int:
+        """The fencing token, as an ``int`` (what :attr:`token` is when there is one).
+
+        Raises:
+            NoLockError: the task runs without a lock (``lock_on_redis_error="run"``
+                and the store was unreachable), so it has no token to write with.
+        """
+        token = self.token
+        if token is None:
+            raise NoLockError(
+                f"lock {self.key!r} was not taken (the lock store was unreachable and "
+                'lock_on_redis_error="run"): there is no fencing token to write with'
+            )
+        return token
 
     @property
     def held(self) -> bool:
@@ -428,6 +499,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         for task in tasks:
             task._configure(app)
         if tasks:
+            check_settings(app)
             from celery_redislock.revoke import RevokedLockRelease
 
             # Its workers free the until_* lock of a task revoked while queued.
@@ -521,9 +593,23 @@ class SingletonTask(Task):  # type: ignore[misc]
         signals.lock_lost.send(sender=self, task_id=lock.lease, key=lock.name)
 
     @property
-    def lock(self) -> LockHandle | None:
-        """The current execution's :class:`LockHandle` (``None`` outside one)."""
-        return getattr(self.request, "redislock", None)
+    def lock(self) -> LockHandle:
+        """The current execution's :class:`LockHandle`, inside a bound task's body.
+
+        Raises:
+            NoLockError: there is none: outside a locked execution (a plain
+                function call, ``apply_async``'s side), or in an
+                ``until_executing`` task, whose lock is released as its body starts.
+        """
+        handle: LockHandle | None = getattr(self.request, "redislock", None)
+        if handle is None:
+            why = (
+                "an until_executing task's lock is released as its body starts"
+                if self.lock_options.strategy == UNTIL_EXECUTING
+                else "self.lock exists only inside the body of a locked execution"
+            )
+            raise NoLockError(f"task {self.name!r} holds no lock here: {why}")
+        return handle
 
     # Enqueue side.
     def apply_async(
@@ -694,25 +780,71 @@ class SingletonTask(Task):  # type: ignore[misc]
             sender=self, task_id=request.id, key=key, holder=holder, action=mode
         )
         if mode == "wait":
+            logger.info(
+                "%s[%s] waits up to %g s: lock %s held by %s",
+                self.name,
+                request.id,
+                opts.wait,
+                key,
+                holder,
+            )
+            started = time.monotonic()
             if lock.acquire(blocking=True, timeout=opts.wait):
+                logger.info(
+                    "%s[%s] got lock %s after waiting %.3f s",
+                    self.name,
+                    request.id,
+                    key,
+                    time.monotonic() - started,
+                )
                 return None
             holder = lock.blocked_by
+            logger.info(
+                "%s[%s] gave up after waiting %g s: lock %s still held by %s",
+                self.name,
+                request.id,
+                opts.wait,
+                key,
+                holder,
+            )
             raise LockConflictError(
                 key,
                 holder,
                 f"lock {key!r} is still held by task {holder!r} after waiting {opts.wait:g} s",
             )
         if mode == "raise":
+            logger.info(
+                "%s[%s] raises LockConflictError: lock %s held by %s",
+                self.name,
+                request.id,
+                key,
+                holder,
+            )
             raise LockConflictError(key, holder)
         if mode == "retry":
             countdown = min(MAX_RETRY_DELAY, opts.retry_delay * 2 ** (request.retries or 0))
             countdown *= random.uniform(0.5, 1.5)
+            logger.info(
+                "%s[%s] retries in %.1f s: lock %s held by %s",
+                self.name,
+                request.id,
+                countdown,
+                key,
+                holder,
+            )
             raise self.retry(
                 exc=LockConflictError(key, holder),
                 countdown=countdown,
                 **{_NO_ENQUEUE_LOCK: True},
             )
         if request.callbacks or request.chain or request.chord:
+            logger.info(
+                "%s[%s] skipped inside a chain/chord: lock %s held by %s",
+                self.name,
+                request.id,
+                key,
+                holder,
+            )
             raise TaskSkippedError(
                 key,
                 holder,
@@ -735,3 +867,20 @@ def _release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 
 celery_signals.task_revoked.connect(_release_revoked, weak=False)
+
+
+def _metrics_at_worker_start(sender: Any = None, **_: Any) -> None:
+    """Turn on :mod:`celery_redislock.metrics` in a worker whose app sets
+    ``redislock_metrics = True``: in its main process at ``worker_init`` (the
+    prefork children inherit it) and in each pool child at ``worker_process_init``."""
+    from celery import current_app
+
+    app = getattr(sender, "app", None) or current_app
+    if app.conf.get("redislock_metrics"):
+        from celery_redislock import metrics
+
+        metrics.enable()
+
+
+celery_signals.worker_init.connect(_metrics_at_worker_start, weak=False)
+celery_signals.worker_process_init.connect(_metrics_at_worker_start, weak=False)

@@ -1,0 +1,397 @@
+"""A test kit for code that uses celery_redislock: a private Redis, a real worker,
+and helpers that stage what other holders do to your task's lock.
+
+An opt-in pytest plugin: enable it in your ``conftest.py``::
+
+    pytest_plugins = ["celery_redislock.testing"]
+
+(or run ``pytest -p celery_redislock.testing``). Nothing is loaded otherwise:
+installing celery_redislock does not touch other pytest sessions.
+
+Fixtures (each server starts on a free 127.0.0.1 port, only when a test asks):
+    redislock_server          one server for the whole session (``.url``, ``.client()``)
+    redislock_url             its ``redis://`` URL
+    redislock_client          a client to it, with every database flushed before the test
+    redislock_server_factory  ``factory(binary=None, extra_args=())`` starts more
+                              independent servers, stopped after the test
+
+Deployments (from :mod:`celery_redislock.deployments`):
+    redislock_cluster              a 3-primary Redis Cluster for the session
+                                   (``.client()`` is a ``RedisCluster``)
+    redislock_cluster_factory      ``factory(masters=3, replicas_per_master=0)``: clusters
+                                   of the test's own (to kill nodes in), stopped after it
+    redislock_sentinel             a primary, one replica and three Sentinels for the
+                                   session (``.sentinel_url``, ``.transport_options``,
+                                   ``.client()``); do not kill its primary: use the factory
+    redislock_sentinel_factory     ``factory(replicas=1, sentinels=3)``: Sentinel deployments
+                                   of the test's own (``.kill_master()``,
+                                   ``.wait_for_failover()``), stopped after it
+    redislock_tls_server           a TLS-only server for the session (``.url`` is
+                                   ``rediss://…?ssl_cert_reqs=required&ssl_ca_certs=…``,
+                                   ``.ca_path``); needs ``cryptography``; skipped
+                                   when the server binary has no TLS
+    redislock_acl_server_factory   ``factory(rules, username="locker", password=…)``: a new
+                                   server with that ACL user; returns an ``AclUser``
+                                   (``.url``, ``.client()``, ``.server``)
+
+Session servers and deployments are shared: a test must leave no keys behind (or
+clean up what it wrote) and must not stop or kill their processes.
+
+Helpers, for testing your own duplicate handling against a real lock:
+    configure_app(app, url)          point an app's broker, results and locks at a server
+    run_worker(app)                  a real worker (threads pool) in this process
+    hold_lock(task, *args, **kw)     hold the lock of that call as another task would
+    leave_stale_lock(task, *args, ttl=…, **kw)
+                                     leave a crashed holder's lock behind: nobody
+                                     renews it, it frees after ``ttl`` seconds
+    steal_lock(task, *args, **kw)    take the lock of a running call away from it:
+                                     its ``self.lock.check()`` raises ``LockLostError``
+    assert_no_locks(client)          fail if any lock is held or any waiter queued
+"""
+
+from __future__ import annotations
+
+import gc
+import secrets
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import redis
+from celery.contrib.testing.worker import start_worker
+
+from celery_redislock.admin import LockInfo, glob_escape, list_locks
+from celery_redislock.deployments import (
+    AclUser,
+    ClusterDeployment,
+    SentinelDeployment,
+    TLSServer,
+    create_acl_user,
+    tls_available,
+)
+from celery_redislock.heartbeat import get_heartbeat
+from celery_redislock.lock import DEFAULT_PREFIX, RedisLock
+from celery_redislock.server import RedisServer
+from celery_redislock.task import SingletonTask
+from celery_redislock.transport import Client
+
+__all__ = [
+    "assert_no_locks",
+    "configure_app",
+    "hold_lock",
+    "leave_stale_lock",
+    "run_worker",
+    "steal_lock",
+]
+
+
+# Fixtures.
+@pytest.fixture(scope="session")
+def redislock_server() -> Iterator[RedisServer]:
+    """A private server on a free 127.0.0.1 port, shared by the session."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redislock_url(redislock_server: RedisServer) -> str:
+    """The session server's URL."""
+    return redislock_server.url
+
+
+@pytest.fixture
+def redislock_client(redislock_server: RedisServer) -> Iterator[redis.Redis]:
+    """A client to the session server; every database is emptied first."""
+    client = redislock_server.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def redislock_server_factory() -> Iterator[Callable[..., RedisServer]]:
+    """Start more servers (``factory(binary=None, extra_args=())``); all stop afterwards."""
+    started: list[RedisServer] = []
+
+    def factory(binary: str | None = None, extra_args: tuple[str, ...] = ()) -> RedisServer:
+        server = RedisServer(binary=binary, extra_args=extra_args).start()
+        started.append(server)
+        return server
+
+    yield factory
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redislock_cluster() -> Iterator[ClusterDeployment]:
+    """A Redis Cluster of three primaries (no replicas), shared by the session."""
+    with ClusterDeployment(masters=3) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def redislock_cluster_factory() -> Iterator[Callable[..., ClusterDeployment]]:
+    """Start clusters of the test's own (``factory(masters=3, replicas_per_master=0,
+    **kwargs)``, as :class:`ClusterDeployment` takes them); all stop afterwards."""
+    started: list[ClusterDeployment] = []
+
+    def factory(masters: int = 3, replicas_per_master: int = 0, **kwargs: Any) -> ClusterDeployment:
+        cluster = ClusterDeployment(masters, replicas_per_master, **kwargs)
+        started.append(cluster)
+        return cluster.start()
+
+    yield factory
+    for cluster in started:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def redislock_sentinel() -> Iterator[SentinelDeployment]:
+    """A primary with one replica watched by three Sentinels, shared by the session."""
+    with SentinelDeployment(replicas=1, sentinels=3) as deployment:
+        yield deployment
+
+
+@pytest.fixture
+def redislock_sentinel_factory() -> Iterator[Callable[..., SentinelDeployment]]:
+    """Start Sentinel deployments of the test's own (``factory(replicas=1, sentinels=3,
+    **kwargs)``, as :class:`SentinelDeployment` takes them); all stop afterwards."""
+    started: list[SentinelDeployment] = []
+
+    def factory(replicas: int = 1, sentinels: int = 3, **kwargs: Any) -> SentinelDeployment:
+        deployment = SentinelDeployment(replicas=replicas, sentinels=sentinels, **kwargs)
+        started.append(deployment)
+        return deployment.start()
+
+    yield factory
+    for deployment in started:
+        deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def redislock_tls_server() -> Iterator[TLSServer]:
+    """A server that accepts only TLS, with a throw-away CA, shared by the session.
+
+    Tests that use it are skipped when the server binary was built without TLS.
+    """
+    if not tls_available():
+        pytest.skip("the Redis server binary was built without TLS support")
+    with TLSServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redislock_acl_server_factory() -> Iterator[Callable[..., AclUser]]:
+    """Start a server with one ACL user: ``factory(rules, username="locker",
+    password="locker-password")`` returns the :class:`AclUser`; servers stop afterwards."""
+    started: list[RedisServer] = []
+
+    def factory(
+        rules: Sequence[str],
+        username: str = "locker",
+        password: str = "locker-password",
+        binary: str | None = None,
+    ) -> AclUser:
+        server = RedisServer(binary=binary)
+        started.append(server)
+        return create_acl_user(server.start(), username, password, rules)
+
+    yield factory
+    for server in started:
+        server.stop()
+
+
+# Helpers.
+def configure_app(app: Any, url: str) -> Any:
+    """Point ``app``'s broker, result backend and lock store at the server at ``url``.
+
+    The broker and results use database 1 and the locks database 0 of that
+    server, so a test can look at (and clean) the locks without touching queued
+    messages. Call it before the app first sends a task or reads a result (a
+    session or module fixture): Celery keeps its connections once made. Returns
+    the app.
+    """
+    base = url.rsplit("/", 1)[0]
+    app.conf.update(
+        broker_url=f"{base}/1",
+        result_backend=f"{base}/1",
+        redislock_url=url,
+        broker_connection_retry_on_startup=True,
+    )
+    return app
+
+
+@contextmanager
+def run_worker(
+    app: Any,
+    concurrency: int = 4,
+    pool: str = "threads",
+    shutdown_timeout: float = 30.0,
+    **options: Any,
+) -> Iterator[Any]:
+    """Run a real Celery worker for ``app`` in this process while the block runs.
+
+    A threads-pool worker consumes the app's default queue, executes tasks
+    (locks, heartbeat, revokes and all) and answers remote-control commands;
+    it stops, after the tasks it runs have finished, when the block ends.
+    ``options`` go to Celery's ``start_worker`` (``hostname=``, ``queues=``…).
+    """
+    worker_cm = start_worker(
+        app,
+        pool=pool,
+        concurrency=concurrency,
+        perform_ping_check=False,
+        shutdown_timeout=shutdown_timeout,
+        **options,
+    )
+    worker = worker_cm.__enter__()
+    try:
+        yield worker
+    finally:
+        # A stopped in-process worker drops (rather than closes) its broker
+        # connections; collect them now, quietly, not in some later test.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            worker_cm.__exit__(None, None, None)
+            gc.collect()
+
+
+def _call_lock(task: SingletonTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The lock name of ``task(*args, **kwargs)``, checking that ``task`` is a SingletonTask."""
+    if not isinstance(task, SingletonTask):
+        raise TypeError(f"{task!r} is not a SingletonTask")
+    return task.lock_name(args, kwargs)
+
+
+def _holder(task: SingletonTask, state: str, node: str) -> dict[str, str]:
+    return {
+        "task": task.name[:200],
+        "state": state,
+        "node": node,
+        "pid": "0",
+        "since": f"{time.time():.3f}",
+    }
+
+
+@contextmanager
+def hold_lock(task: SingletonTask, /, *args: Any, **kwargs: Any) -> Iterator[RedisLock]:
+    """Hold the lock of the call ``task(*args, **kwargs)`` while the block runs, as
+    another execution of the task would (a holder with a task id of its own).
+
+    Inside the block a duplicate meets the task's ``on_conflict`` (an
+    ``until_executed`` task's ``delay()`` returns the holder's ``AsyncResult``).
+    The lock is renewed while held and released when the block ends. Yields
+    the :class:`RedisLock` (its ``lease`` is the holder's task id).
+    """
+    name = _call_lock(task, args, kwargs)
+    options = task.lock_options
+    lock = RedisLock(
+        task.lock_client,
+        name,
+        ttl=options.ttl,
+        lease=f"held-by-test-{secrets.token_hex(6)}",
+        holder_info=_holder(task, "running", "test@hold_lock"),
+        prefix=options.prefix,
+    )
+    if not lock.acquire(blocking=False):
+        raise AssertionError(f"lock {name!r} is already held by {lock.blocked_by!r}")
+    try:
+        yield lock
+    finally:
+        if lock.holding:
+            try:
+                lock.release()
+            except Exception:  # lost or stolen in the block: nothing left to free
+                lock.detach()
+
+
+def leave_stale_lock(task: SingletonTask, /, *args: Any, ttl: float = 1.0, **kwargs: Any) -> str:
+    """Leave the lock of ``task(*args, **kwargs)`` held as a crashed worker would:
+    held by a task id nobody runs, never renewed, freed by its TTL after ``ttl``
+    seconds (or by a release). Returns the lock name."""
+    name = _call_lock(task, args, kwargs)
+    lock = RedisLock(
+        task.lock_client,
+        name,
+        ttl=ttl,
+        lease=f"crashed-{secrets.token_hex(6)}",
+        heartbeat=False,
+        holder_info=_holder(task, "running", "crashed@leave_stale_lock"),
+        prefix=task.lock_options.prefix,
+    )
+    if not lock.acquire(blocking=False):
+        raise AssertionError(f"lock {name!r} is already held by {lock.blocked_by!r}")
+    lock.detach()
+    return name
+
+
+@contextmanager
+def steal_lock(task: SingletonTask, /, *args: Any, **kwargs: Any) -> Iterator[RedisLock]:
+    """Take the lock of a running call ``task(*args, **kwargs)`` away from it, as if it
+    had expired and another holder had taken it, while the block runs.
+
+    The running execution's lock is lost from then on: its ``self.lock.lost`` is
+    true and ``self.lock.check()`` raises :class:`~celery_redislock.LockLostError`
+    — at once when it runs in this process (a :func:`run_worker` worker), at its
+    next renewal (within ``lock_ttl / 3``) in another one. The new hold has a newer
+    fencing token (the yielded lock's ``token``) and is released when the block
+    ends.
+
+    Raises:
+        AssertionError: nobody holds that lock.
+    """
+    name = _call_lock(task, args, kwargs)
+    options = task.lock_options
+    client = task.lock_client
+    probe = RedisLock(client, name, heartbeat=False, prefix=options.prefix)
+    victim = probe.holder_lease()
+    if victim is None:
+        raise AssertionError(f"lock {name!r} is not held by a task: nothing to steal")
+    # Same lease, new owner: the script takes it over atomically, with a new
+    # fence, and no waiter can slip in between.
+    thief = RedisLock(
+        client,
+        name,
+        ttl=options.ttl,
+        lease=victim,
+        holder_info=_holder(task, "running", "test@steal_lock"),
+        prefix=options.prefix,
+    )
+    if not thief.acquire(blocking=False):
+        raise AssertionError(f"could not take lock {name!r} over from {victim!r}")
+    beat = get_heartbeat()
+    # A holder in this process learns at once: renewing it now finds it taken.
+    beat.renew([lock for lock in beat.held() if lock.key == thief.key and lock is not thief])
+    try:
+        yield thief
+    finally:
+        if thief.holding:
+            try:
+                thief.release()
+            except Exception:
+                thief.detach()
+
+
+def assert_no_locks(client: Client, prefix: str = DEFAULT_PREFIX, timeout: float = 2.0) -> None:
+    """Fail unless, within ``timeout`` seconds, no lock under ``prefix`` is held and no
+    waiter is queued (releases at the end of a task may land just after its result)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held: list[LockInfo] = list_locks(client, "*", prefix)
+        queues = sorted(
+            key.decode() if isinstance(key, bytes) else str(key)
+            for key in client.scan_iter(f"{glob_escape(prefix)}:{{*}}:waiters", count=1000)
+        )
+        if not held and not queues:
+            return
+        if time.monotonic() >= deadline:
+            lines = [
+                f"{info.name} (holder {info.holder}, {info.state or 'no state'})" for info in held
+            ]
+            lines += [f"{queue} (waiters queued)" for queue in queues]
+            raise AssertionError("locks left behind:\n  " + "\n  ".join(lines))
+        time.sleep(0.02)

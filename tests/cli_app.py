@@ -1,0 +1,50 @@
+"""A Celery app for the ``celery redislock`` command tests.
+
+Imported twice: by the test process, which runs its tasks on an in-process
+worker (configured with ``configure_app``), and by the command under test
+(``celery -A tests.cli_app redislock …``), which reads the server URL from
+``REDISLOCK_TEST_URL``. A task holds its lock until the test sets ``go:<name>``
+in Redis, so the two processes share the same picture.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+
+from celery_redislock import SingletonTask
+from celery_redislock.testing import configure_app
+from tests.support import make_app
+
+app = make_app(os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6379/0"), "cliapp")
+if os.environ.get("REDISLOCK_TEST_LOCK_URL"):
+    app.conf.redislock_url = os.environ["REDISLOCK_TEST_LOCK_URL"]
+
+
+def store() -> redis.Redis:
+    """A client to the lock store (the go signals live there too)."""
+    return redis.Redis.from_url(str(app.conf.redislock_url))
+
+
+@app.task(base=SingletonTask, bind=True, shared=False, name="cliapp.report")
+def report(self: SingletonTask, account_id: int, full: bool = False) -> int:
+    """Hold the lock until ``go:<account_id>`` is set (at most 30 s); return the fence."""
+    deadline = time.monotonic() + 30
+    client = store()
+    while not client.exists(f"go:{account_id}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client.close()
+    return self.lock.fence
+
+
+@app.task(base=SingletonTask, shared=False, name="cliapp.queued", lock_strategy="until_executed")
+def queued(name: str) -> str:
+    """An until_executed task: its lock is held from the send."""
+    return name
+
+
+def use(url: str) -> None:
+    """Point the app at the server at ``url`` (the test process's side)."""
+    configure_app(app, url)
