@@ -892,3 +892,32 @@ def test_threads_sharing_one_object_do_not_exclude_each_other(client: redis.Redi
     assert results == [True, False]
     shared.release()
     shared.release()
+
+
+def test_contenders_take_turns(client: redis.Redis) -> None:
+    """Four threads taking one lock over and over, each asking again at once after its
+    release, take turns: a freed lock goes to the waiters it woke, not to the releaser
+    coming straight back, so the hold counts stay within a factor of two."""
+    counts = [0, 0, 0, 0]
+    total = threading.Semaphore(200)
+    errors: list[BaseException] = []
+
+    def contend(index: int) -> None:
+        lock = RedisLock(client, "turns", ttl=10)
+        try:
+            while total.acquire(blocking=False):
+                assert lock.acquire(timeout=20)
+                counts[index] += 1
+                time.sleep(0.001)  # the critical section
+                lock.release()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert sum(counts) == 200
+    assert max(counts) <= 2 * min(counts), counts

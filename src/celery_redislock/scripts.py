@@ -14,6 +14,8 @@ A lock name has one hash, which lives as long as the lock is held and
 ``req``       the id of the last request that changed the hold (acquire or release)
 ``released``  the ids of the last few releases that freed the lock
 ``queued``    ``"1"`` while waiters may be queued
+``reserved``  the waiters a release just woke (``reserved_until``: until when, in
+              ms): the free lock is theirs for ``RESERVE_MS``
 
 Keeping the hash (rather than deleting it) on release keeps the fencing counter
 without a second key, and lets a release be one ``HSET`` and one ``PEXPIRE``. When
@@ -65,6 +67,11 @@ local function check_ttl(value)
     return nil
 end
 
+local function now_ms()
+    local now = redis.call('TIME')
+    return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+end
+
 local function denied(command, ...)
     if redis.acl_check_cmd and not redis.acl_check_cmd(command, ...) then
         local target = select('#', ...) > 0 and (' on ' .. select(1, ...)) or ''
@@ -78,6 +85,12 @@ end
 #: Request ids are this many hex digits.
 REQUEST_ID_HEX = 10
 
+#: How long, in ms, a lock freed with waiters queued is kept for the (at most two)
+#: waiters it woke: a newcomer, or the releaser coming back, queues behind them
+#: instead of taking it first. Long enough for a woken waiter to ask; short enough
+#: that a waiter that vanished in between delays the others only briefly.
+RESERVE_MS = 250
+
 #: How many recent freeing releases a lock remembers, so that a retried release
 #: is recognised even if the lock was taken and freed again in between.
 RELEASES_REMEMBERED = 8
@@ -90,22 +103,34 @@ local function free(queued, released)
     local bad = denied('hset', KEYS[1], 'owner', '') or denied('pexpire', KEYS[1], '1')
     if queued == '1' then
         bad = bad or denied('zpopmin', KEYS[2]) or denied('publish', ARGV[2] .. '0', '')
+            or denied('time')
     end
     if bad then return bad end
     -- The ids of the last few releases that freed the lock, newest first.
     local history = string.sub(ARGV[3] .. ' ' .. (released or ''), 1, RELEASE_HISTORY)
-    redis.call('HSET', KEYS[1], 'owner', '', 'count', 0, 'released', history)
-    redis.call('PEXPIRE', KEYS[1], ARGV[4])
+    local fields = {'owner', '', 'count', 0, 'released', history}
+    local next = {}
     if queued == '1' then
-        local next = redis.call('ZPOPMIN', KEYS[2], 2)
+        next = redis.call('ZPOPMIN', KEYS[2], 2)
         if #next == 0 then
-            redis.call('HSET', KEYS[1], 'queued', '0')
+            fields[#fields + 1] = 'queued'
+            fields[#fields + 1] = '0'
+        else
+            -- Handed to the waiters it wakes: for RESERVE_MS, nobody else takes it.
+            local woken = {}
+            for i = 1, #next, 2 do woken[#woken + 1] = next[i] end
+            fields[#fields + 1] = 'reserved'
+            fields[#fields + 1] = table.concat(woken, ' ')
+            fields[#fields + 1] = 'reserved_until'
+            fields[#fields + 1] = now_ms() + RESERVE_MS
         end
-        for i = 1, #next, 2 do
-            local process = string.match(next[i], '^([^.]+)%.')
-            if process then
-                redis.call('PUBLISH', ARGV[2] .. process, next[i])
-            end
+    end
+    redis.call('HSET', KEYS[1], unpack(fields))
+    redis.call('PEXPIRE', KEYS[1], ARGV[4])
+    for i = 1, #next, 2 do
+        local process = string.match(next[i], '^([^.]+)%.')
+        if process then
+            redis.call('PUBLISH', ARGV[2] .. process, next[i])
         end
     end
     return 1
@@ -114,7 +139,9 @@ end
 local function released_here(released)
     return released ~= false and string.find(' ' .. released .. ' ', ' ' .. ARGV[3] .. ' ', 1, true)
 end
-""".replace("RELEASE_HISTORY", str(RELEASES_REMEMBERED * (REQUEST_ID_HEX + 1) - 1))
+""".replace("RELEASE_HISTORY", str(RELEASES_REMEMBERED * (REQUEST_ID_HEX + 1) - 1)).replace(
+    "RESERVE_MS", str(RESERVE_MS)
+)
 
 #: Take the lock, take it again (re-entrant), or take it over from an earlier
 #: execution of the same lease; a waiter that finds it held joins the queue.
@@ -126,7 +153,8 @@ end
 #: ARGV[7..] optionally, the holder's description: one value per HOLDER_FIELDS
 #: name, in that order, written with the hold (and blanked by a holder without one)
 #: Returns {1, fence} when newly taken (or taken over), {2, fence} when re-entered,
-#: {0, pttl, holder lease, queue position} when another owner holds it. A retry
+#: {0, ms to wait, holder lease, queue position} when another owner holds it (or
+#: it was just freed for the waiters a release woke, and the caller is not one). A retry
 #: of a request that already landed returns what the first arrival did.
 #: The holder's description a lock can carry (what ``celery redislock list`` shows):
 #: the task name, ``queued``/``running``, the worker node, its process id, and
@@ -138,7 +166,8 @@ ACQUIRE = (
     + """
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
-local lock = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'count', 'fence', 'req', 'task')
+local lock = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'count', 'fence', 'req', 'task',
+                       'reserved', 'reserved_until')
 if lock[1] == ARGV[1] then
     bad = denied('pexpire', KEYS[1], '1') or denied('hset', KEYS[1], 'count', '1')
     if bad then return bad end
@@ -149,10 +178,22 @@ if lock[1] == ARGV[1] then
     redis.call('HSET', KEYS[1], 'count', tonumber(lock[3]) + 1, 'req', ARGV[4])
     return {2, tonumber(lock[4])}
 end
+-- How long the caller can expect to wait: the holder's remaining TTL, or the
+-- time left to the waiters a release woke (a free lock is theirs for a moment).
+local wait_ms, holder = nil, ''
 if lock[1] and lock[1] ~= '' and (ARGV[3] == '' or lock[2] ~= ARGV[3]) then
+    wait_ms, holder = redis.call('PTTL', KEYS[1]), lock[2] or ''
+elseif lock[7] and lock[7] ~= ''
+        and not (ARGV[5] ~= '' and string.find(' ' .. lock[7] .. ' ', ' ' .. ARGV[5] .. ' ', 1, true)) then
+    bad = denied('time')
+    if bad then return bad end
+    local left = tonumber(lock[8]) - now_ms()
+    if left > 0 then wait_ms = left end
+end
+if wait_ms then
     local position = ARGV[6]
     if ARGV[5] ~= '' then
-        local pttl = redis.call('PTTL', KEYS[1])
+        local pttl = wait_ms
         if position == '' then
             bad = denied('time')
             if bad then return bad end
@@ -167,9 +208,9 @@ if lock[1] and lock[1] ~= '' and (ARGV[3] == '' or lock[2] ~= ARGV[3]) then
             redis.call('PEXPIRE', KEYS[2], pttl + tonumber(ARGV[2]))
         end
         redis.call('HSET', KEYS[1], 'queued', '1')
-        return {0, pttl, lock[2] or '', position}
+        return {0, pttl, holder, position}
     end
-    return {0, redis.call('PTTL', KEYS[1]), lock[2] or '', ''}
+    return {0, wait_ms, holder, ''}
 end
 local fence = tonumber(lock[4])
 if fence then
@@ -188,6 +229,10 @@ if ARGV[5] ~= '' then
 end
 if bad then return bad end
 local fields = {'owner', ARGV[1], 'lease', ARGV[3], 'count', 1, 'fence', fence, 'req', ARGV[4]}
+if lock[7] and lock[7] ~= '' then
+    fields[#fields + 1] = 'reserved'
+    fields[#fields + 1] = ''
+end
 if #ARGV > 6 or lock[6] then
     -- A holder without a description blanks the one its predecessor left.
     for i, name in ipairs({HOLDER_FIELDS}) do
