@@ -441,3 +441,20 @@ def test_forked_child_has_its_own_heartbeat(client: redis.Redis, redislock_url: 
     assert get_heartbeat() is parent_heartbeat
     assert parent_lock.owned()
     parent_lock.release()
+
+
+def test_flushed_script_is_sent_by_text_once_per_round(client: redis.Redis) -> None:
+    """After SCRIPT FLUSH, renewing many locks sends the script's text once, not once
+    per lock: one EVAL, the rest by digest."""
+    locks = [RedisLock(client, f"flushed-many-{i}", ttl=30, heartbeat=False) for i in range(20)]
+    for lock in locks:
+        assert lock.acquire()
+    client.script_flush()
+    client.config_resetstat()
+    Heartbeat().renew(locks)
+    stats = client.info("commandstats")
+    assert stats["cmdstat_eval"]["calls"] == 1
+    assert stats["cmdstat_evalsha"]["calls"] == 20 + 19  # the first try, then the rest again
+    assert not any(lock.lost for lock in locks)
+    for lock in locks:
+        lock.release()

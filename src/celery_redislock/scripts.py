@@ -403,8 +403,9 @@ def run_calls(
     """Run ``calls``, then the plain commands ``then``, in one pipelined round trip.
 
     Returns one reply (or error) per call and per command. Calls the server does
-    not know by digest yet (``NOSCRIPT``: not run) are sent again by text in a
-    second round trip, which also caches them, followed by ``then`` again.
+    not know by digest yet (``NOSCRIPT``: not run) are sent again in a second
+    round trip, followed by ``then`` again: the first of each script by text
+    (which caches it), the others by digest.
     Transient errors are retried within ``deadline`` (the scripts recognise a retry).
 
     Raises:
@@ -415,7 +416,14 @@ def run_calls(
         i for i, reply in enumerate(replies[: len(calls)]) if isinstance(reply, NoScriptError)
     ]
     if missing:
-        again = run(transport, [*(calls[i].by_text() for i in missing), *then], deadline)
+        # The text once per script (running it caches it), then by digest.
+        sent: set[str] = set()
+        resend = []
+        for i in missing:
+            sha = calls[i].script.sha
+            resend.append(calls[i].by_sha() if sha in sent else calls[i].by_text())
+            sent.add(sha)
+        again = run(transport, [*resend, *then], deadline)
         for i, reply in zip(missing, again, strict=False):
             replies[i] = reply
         replies[len(calls) :] = again[len(missing) :]
