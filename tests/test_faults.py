@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -17,7 +18,7 @@ from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import lock_keys, release_lease, wake_channel_prefix
 from celery_redislock.scripts import ACQUIRE, EXTEND, RELEASE
 from celery_redislock.server import RedisServer
-from celery_redislock.transport import transport_for
+from celery_redislock.transport import pack, transport_for
 from celery_redislock.wakeups import hub_for
 from tests.proxy import FaultProxy
 from tests.support import held, wait_for, wait_until
@@ -379,3 +380,13 @@ def test_fault_handling_adds_no_round_trips(server: RedisServer) -> None:
         assert lock.acquire(blocking=False)
         lock.release()
     assert transport.sends - before == 20
+
+
+def test_requests_are_encoded_as_resp() -> None:
+    """The engine's own request encoder writes the RESP redis-py would, for the argument
+    types the engine sends, and refuses any other."""
+    commands = [("EVALSHA", "ab", 2, "k", "é", b"\x00raw"), ("PING",)]
+    packer: Any = redis.Connection().pack_commands  # type: ignore[no-untyped-call]
+    assert pack(commands) == b"".join(packer(commands))
+    with pytest.raises(TypeError):
+        pack([("SET", "k", 1.5)])
