@@ -405,7 +405,8 @@ def _check_python(words: list[str]) -> None:
         return
     script = ROOT / words[1]
     assert script.is_file(), f"no {words[1]}"
-    text = script.read_text()
+    # The script's options, or those of a module beside it that it shares them from.
+    text = "".join(path.read_text() for path in script.parent.glob("*.py"))
     for option in _options(words[2:]):
         assert f'"{option}"' in text, f"{words[1]} has no {option}"
 
@@ -481,6 +482,20 @@ def test_console_commands_exist() -> None:
             raise AssertionError(f"{block.where}: {shlex.join(words)}: {exc}") from None
         seen += 1
     assert seen > 10
+
+
+def test_demo_report_on_the_page_uses_the_demo_labels() -> None:
+    """The seckill report the Getting started page quotes checks what the demo checks."""
+    sources = "".join(path.read_text() for path in (ROOT / "example_worker").glob("*.py"))
+    quoted = [
+        label
+        for block in blocks(DOCS / "getting-started.md")
+        if block.lang == "text" and "invariants:" in block.code
+        for label in re.findall(r"\[ok  \] ([^:]+):", block.code)
+    ]
+    assert len(quoted) == 5
+    for label in quoted:
+        assert f'"{label}' in sources, label
 
 
 def acl_rules_on_page() -> list[str]:
