@@ -343,10 +343,54 @@ def test_every_python_sample_is_run_or_says_why_not() -> None:
 
 def test_code_blocks_have_a_known_language() -> None:
     """Every fenced block says what it is, so none escapes the checks by accident."""
-    known = {"python", "console", "text", "mermaid"}
+    known = {"python", "console", "text", "mermaid", "toml"}
     for page in PAGES:
         for block in blocks(page):
             assert block.lang in known, f"{block.where}: fence language {block.lang!r}"
+
+
+_TYPED_TASKS = """
+from celery import Celery
+
+from celery_redislock import LockHandle, RedisLock, SingletonTask
+
+app = Celery("shop")
+
+
+@app.task(base=SingletonTask, bind=True, lock_on=("account_id",))
+def rebuild_report(self: SingletonTask, account_id: int) -> int:
+    self.lock.check()
+    handle: LockHandle = self.lock
+    return handle.fence + account_id
+
+
+def invoice(url: str) -> int | None:
+    with RedisLock(url, "invoice:42", ttl=30) as lock:
+        return lock.token
+"""
+
+
+def test_typing_configuration_checks_a_project(tmp_path: Path) -> None:
+    """The mypy configuration Getting started gives lets mypy --strict accept a
+    project that uses SingletonTask, self.lock and RedisLock."""
+    (config,) = [
+        block.code
+        for block in blocks(DOCS / "getting-started.md")
+        if block.lang == "toml" and block.title == "pyproject.toml"
+    ]
+    assert tomllib.loads(config)["tool"]["mypy"]["strict"] is True
+    (tmp_path / "pyproject.toml").write_text(config)
+    (tmp_path / "shop").mkdir()
+    (tmp_path / "shop" / "__init__.py").write_text("")
+    (tmp_path / "shop" / "tasks.py").write_text(_TYPED_TASKS)
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "shop"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # -- Console commands -------------------------------------------------------------
