@@ -6,12 +6,16 @@ An opt-in pytest plugin: enable it in your ``conftest.py``::
     pytest_plugins = ["celery_redislock.testing"]
 
 (or run ``pytest -p celery_redislock.testing``). Nothing is loaded otherwise:
-installing celery_redislock does not touch other pytest sessions.
+installing celery_redislock does not touch other pytest sessions. The helpers
+raise their own ``AssertionError`` messages, so the module opts out of pytest's
+assertion rewriting (PYTEST_DONT_REWRITE): a ``conftest.py`` may import them
+before it lists the plugin, without a warning.
 
 Fixtures (each server starts on a free 127.0.0.1 port, only when a test asks):
     redislock_server          one server for the whole session (``.url``, ``.client()``)
     redislock_url             its ``redis://`` URL
-    redislock_client          a client to it, with every database flushed before the test
+    redislock_client          a client to its database 0 (where :func:`configure_app`
+                              puts the locks), emptied before the test
     redislock_server_factory  ``factory(binary=None, extra_args=())`` starts more
                               independent servers, stopped after the test
 
@@ -44,6 +48,9 @@ Helpers, for testing your own duplicate handling against a real lock:
     leave_stale_lock(task, *args, ttl=…, **kw)
                                      leave a crashed holder's lock behind: nobody
                                      renews it, it frees after ``ttl`` seconds
+    wait_for_lock(task, *args, timeout=10, **kw)
+                                     wait until the call's lock is held (by a running
+                                     or queued task); returns what ``list`` shows of it
     steal_lock(task, *args, **kw)    take the lock of a running call away from it:
                                      its ``self.lock.check()`` raises ``LockLostError``
     assert_no_locks(client)          fail if any lock is held or any waiter queued
@@ -63,7 +70,7 @@ import pytest
 import redis
 from celery.contrib.testing.worker import start_worker
 
-from celery_redislock.admin import LockInfo, glob_escape, list_locks
+from celery_redislock.admin import LockInfo, glob_escape, list_locks, read_lock
 from celery_redislock.deployments import (
     AclUser,
     ClusterDeployment,
@@ -85,6 +92,7 @@ __all__ = [
     "leave_stale_lock",
     "run_worker",
     "steal_lock",
+    "wait_for_lock",
 ]
 
 
@@ -104,9 +112,10 @@ def redislock_url(redislock_server: RedisServer) -> str:
 
 @pytest.fixture
 def redislock_client(redislock_server: RedisServer) -> Iterator[redis.Redis]:
-    """A client to the session server; every database is emptied first."""
+    """A client to the session server's database 0, emptied first (a worker's broker
+    database, 1 with :func:`configure_app`, is left alone)."""
     client = redislock_server.client()
-    client.flushall()
+    client.flushdb()
     yield client
     client.close()
 
@@ -211,7 +220,7 @@ def configure_app(app: Any, url: str) -> Any:
 
     The broker and results use database 1 and the locks database 0 of that
     server, so a test can look at (and clean) the locks without touching queued
-    messages. Call it before the app first sends a task or reads a result (a
+    messages; results do not expire. Call it before the app first sends a task or reads a result (a
     session or module fixture): Celery keeps its connections once made. Returns
     the app.
     """
@@ -221,6 +230,10 @@ def configure_app(app: Any, url: str) -> Any:
         result_backend=f"{base}/1",
         redislock_url=url,
         broker_connection_retry_on_startup=True,
+        # Results on a throw-away server need no expiry; and Celery writes expiring
+        # results with a redis-py call that warns it is deprecated, which a test
+        # session turning warnings into errors would see as failed result writes.
+        result_expires=None,
     )
     return app
 
@@ -327,6 +340,27 @@ def leave_stale_lock(task: SingletonTask, /, *args: Any, ttl: float = 1.0, **kwa
         raise AssertionError(f"lock {name!r} is already held by {lock.blocked_by!r}")
     lock.detach()
     return name
+
+
+def wait_for_lock(
+    task: SingletonTask, /, *args: Any, timeout: float = 10.0, **kwargs: Any
+) -> LockInfo:
+    """Wait until the lock of ``task(*args, **kwargs)`` is held, and return it as
+    ``celery redislock show`` sees it (``.holder``, ``.state``, ``.node``…).
+
+    Raises:
+        AssertionError: it was not held within ``timeout`` seconds.
+    """
+    name = _call_lock(task, args, kwargs)
+    client, prefix = task.lock_client, task.lock_options.prefix
+    deadline = time.monotonic() + timeout
+    while True:
+        info = read_lock(client, name, prefix)
+        if info is not None:
+            return info
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"lock {name!r} was not taken within {timeout:g} s")
+        time.sleep(0.01)
 
 
 @contextmanager

@@ -1,0 +1,163 @@
+"""celery_redislock.testing, the test kit for users: its helpers, and the README's
+complete example run as a pytest session of its own."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock import LockLostError, RedisLock, SingletonTask, is_skipped
+from celery_redislock.admin import read_lock
+from celery_redislock.server import RedisServer
+from celery_redislock.testing import (
+    assert_no_locks,
+    configure_app,
+    hold_lock,
+    leave_stale_lock,
+    run_worker,
+    steal_lock,
+    wait_for_lock,
+)
+from tests.support import close_app, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_example() -> dict[str, str]:
+    """The files of the README's "Testing your own code" example: each ```python block
+    there whose first line is ``# <name>.py``."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Testing your own code", 1)[1].split("\n## ", 1)[0]
+    files = {}
+    for block in re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL):
+        first, _, rest = block.partition("\n")
+        match = re.fullmatch(r"# (\w+\.py)", first.strip())
+        if match:
+            files[match.group(1)] = rest
+    return files
+
+
+def test_readme_example_passes_as_a_project_of_its_own(tmp_path: Path) -> None:
+    """The README's example (task, conftest, tests) passes when run as a user's project:
+    the plugin is enabled by its conftest alone."""
+    files = readme_example()
+    assert set(files) == {"tasks.py", "conftest.py", "test_tasks.py"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 passed" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def app(redislock_server: RedisServer) -> Iterator[Celery]:
+    """An app pointed at the session server by the kit, with a task to hold, and a worker."""
+    app = configure_app(Celery("kit", set_as_current=False), redislock_server.url)
+    app.conf.task_default_queue = "kit-queue"
+
+    @app.task(base=SingletonTask, bind=True, shared=False, name="kit.job")
+    def job(self: SingletonTask, n: int, until_lost: bool = False) -> bool:
+        deadline = time.monotonic() + 20
+        while until_lost and not self.lock.lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if until_lost:
+            self.lock.check()
+        return True
+
+    with run_worker(app, concurrency=2):
+        yield app
+    close_app(app)
+
+
+@pytest.fixture
+def job(app: Celery) -> Any:
+    """The kit.job task."""
+    return app.tasks["kit.job"]
+
+
+def test_configure_app_uses_database_1_for_messages_and_0_for_locks() -> None:
+    """configure_app points broker and results at database 1 and locks at the given URL."""
+    app = configure_app(Celery("conf", set_as_current=False), "redis://127.0.0.1:7000/0")
+    assert app.conf.broker_url == "redis://127.0.0.1:7000/1"
+    assert app.conf.result_backend == "redis://127.0.0.1:7000/1"
+    assert app.conf.redislock_url == "redis://127.0.0.1:7000/0"
+    assert app.conf.result_expires is None
+
+
+def test_hold_lock_makes_a_call_a_duplicate(job: Any, redislock_client: redis.Redis) -> None:
+    """Inside hold_lock the call is a duplicate of another holder; after it, it runs."""
+    with hold_lock(job, 1) as held:
+        outcome = job.delay(1).get(timeout=20)
+        assert is_skipped(outcome)
+        assert outcome["holder"] == held.lease
+        assert job.delay(2).get(timeout=20) is True
+        with pytest.raises(AssertionError, match="already held"), hold_lock(job, n=1):
+            pass
+    assert job.delay(1).get(timeout=20) is True
+    assert_no_locks(redislock_client)
+
+
+def test_leave_stale_lock_is_never_renewed(job: Any, redislock_client: redis.Redis) -> None:
+    """A stale lock is held with a crashed holder's description and frees by its TTL."""
+    name = leave_stale_lock(job, 3, ttl=0.5)
+    info = read_lock(redislock_client, name)
+    assert info is not None
+    assert (info.state, info.node) == ("running", "crashed@leave_stale_lock")
+    assert is_skipped(job.delay(3).get(timeout=20))
+    wait_for(lambda: read_lock(redislock_client, name) is None, what="the TTL to free it")
+
+
+def test_steal_lock_makes_the_running_task_lose_it(job: Any, redislock_client: redis.Redis) -> None:
+    """steal_lock takes a running call's lock over: its self.lock reports it lost at once
+    and check() raises; the thief's token is newer."""
+    result = job.delay(4, until_lost=True)
+    before = wait_for_lock(job, 4, until_lost=True)
+    assert before.holder == result.id
+    with steal_lock(job, 4, until_lost=True) as thief, pytest.raises(LockLostError):
+        result.get(timeout=20)
+    assert thief.token is not None
+    assert thief.token > before.fence
+    assert_no_locks(redislock_client)
+    with pytest.raises(AssertionError, match="nothing to steal"), steal_lock(job, 5):
+        pass
+
+
+def test_wait_for_lock_gives_up(job: Any) -> None:
+    """wait_for_lock fails, naming the lock, when nobody takes it in time."""
+    with pytest.raises(AssertionError, match="was not taken within"):
+        wait_for_lock(job, 6, timeout=0.05)
+
+
+def test_assert_no_locks_lists_what_is_left(redislock_client: redis.Redis) -> None:
+    """assert_no_locks passes on a clean store and fails naming held locks and queues."""
+    assert_no_locks(redislock_client, timeout=0)
+    lock = RedisLock(redislock_client, "left:1", ttl=30, lease="task-left")
+    assert lock.acquire()
+    redislock_client.zadd("redislock:{left:1}:waiters", {"w": 1})
+    with pytest.raises(AssertionError) as failure:
+        assert_no_locks(redislock_client, timeout=0.05)
+    assert "left:1 (holder task-left" in str(failure.value)
+    assert "redislock:{left:1}:waiters (waiters queued)" in str(failure.value)
+    lock.release()
+    redislock_client.delete("redislock:{left:1}:waiters")
+    assert_no_locks(redislock_client, timeout=0)

@@ -1,0 +1,169 @@
+"""What a task body and a task's app see: ``self.lock`` and its fence, warnings about
+misspelt settings, and the log lines of a waiting duplicate."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock import LockConflictError, LockHandle, NoLockError, RedisLock, SingletonTask
+from celery_redislock.server import RedisServer, free_port
+from celery_redislock.task import KNOWN_SETTINGS, OPTIONS, UnknownSettingWarning
+from celery_redislock.testing import hold_lock
+from tests.support import close_app, make_app, wait_for
+
+
+@pytest.fixture
+def app(redislock_server: RedisServer) -> Iterator[Celery]:
+    """An app on the test server (tasks run eagerly through apply())."""
+    app = make_app(redislock_server.url, "face")
+    yield app
+    close_app(app)
+
+
+def test_fence_is_the_token_as_an_int(app: Celery, redislock_client: redis.Redis) -> None:
+    """Inside a locked body, self.lock is a LockHandle and self.lock.fence its token."""
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: SingletonTask) -> tuple[bool, int, int | None]:
+        handle = self.lock
+        return isinstance(handle, LockHandle), handle.fence, handle.token
+
+    is_handle, fence, token = job.apply().get()
+    assert is_handle
+    assert fence == token
+    assert isinstance(fence, int)
+
+
+def test_lock_outside_an_execution_raises(app: Celery) -> None:
+    """Reading task.lock outside a locked execution raises NoLockError, a LockError."""
+
+    @app.task(base=SingletonTask, bind=True, shared=False, name="face.outside")
+    def job(self: SingletonTask) -> None: ...
+
+    with pytest.raises(NoLockError, match="holds no lock here"):
+        _ = job.lock
+
+
+def test_until_executing_body_has_no_lock(app: Celery, redislock_client: redis.Redis) -> None:
+    """An until_executing task's body finds no lock: its lock went as the body started."""
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_strategy="until_executing")
+    def job(self: SingletonTask) -> str:
+        try:
+            _ = self.lock
+        except NoLockError as exc:
+            return str(exc)
+        return "had a lock"
+
+    assert "until_executing" in job.apply().get()
+
+
+def test_fence_raises_when_running_unlocked(redislock_server: RedisServer) -> None:
+    """With the store away and lock_on_redis_error='run', the body runs, token is None and
+    fence raises NoLockError instead of handing out a missing token."""
+    app = make_app(redislock_server.url, "unlocked")
+    app.conf.redislock_url = f"redis://127.0.0.1:{free_port()}/0"
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_on_redis_error="run")
+    def job(self: SingletonTask) -> tuple[bool, int | None, str]:
+        try:
+            _ = self.lock.fence
+        except NoLockError as exc:
+            return self.lock.held, self.lock.token, str(exc)
+        return True, 0, ""
+
+    held, token, message = job.apply().get()
+    assert (held, token) == (False, None)
+    assert "no fencing token" in message
+    close_app(app)
+
+
+def test_misspelt_setting_warns_once_naming_the_closest(redislock_server: RedisServer) -> None:
+    """An unknown redislock_* setting warns, once per app, at task definition, naming the
+    closest known setting."""
+    app = Celery("typo", set_as_current=False)
+    app.conf.update(redislock_url=redislock_server.url, redislock_ttl_seconds=600)
+    app.finalize()
+    with pytest.warns(UnknownSettingWarning, match=r"redislock_ttl_seconds .* redislock_ttl\?"):
+
+        @app.task(base=SingletonTask, shared=False, name="typo.one")
+        def one() -> None: ...
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        @app.task(base=SingletonTask, shared=False, name="typo.two")
+        def two() -> None: ...
+
+
+def test_upper_case_setting_is_named_in_lower_case(redislock_server: RedisServer) -> None:
+    """A setting spelt in capitals is pointed to its lower-case name."""
+    app = Celery("caps", set_as_current=False)
+    app.conf.update(redislock_url=redislock_server.url, REDISLOCK_ON_CONFLICT="wait")
+    app.finalize()
+    with pytest.warns(UnknownSettingWarning, match="did you mean redislock_on_conflict"):
+
+        @app.task(base=SingletonTask, shared=False, name="caps.job")
+        def job() -> None: ...
+
+
+def test_known_settings_do_not_warn(redislock_server: RedisServer) -> None:
+    """Every setting celery_redislock reads passes without a warning."""
+    assert {option.setting for option in OPTIONS} <= KNOWN_SETTINGS
+    assert {
+        "redislock_url",
+        "redislock_client",
+        "redislock_transport_options",
+        "redislock_metrics",
+    } <= KNOWN_SETTINGS
+    app = Celery("known", set_as_current=False)
+    app.conf.update(
+        redislock_url=redislock_server.url,
+        redislock_ttl=30,
+        redislock_metrics=False,
+        redislock_transport_options={},
+    )
+    app.finalize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        @app.task(base=SingletonTask, shared=False, name="known.job")
+        def job() -> None: ...
+
+
+def test_waits_are_logged(
+    app: Celery, redislock_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A waiting duplicate logs at INFO when it starts waiting, when it gets the lock, and
+    when it gives up."""
+    caplog.set_level(logging.INFO, logger="celery_redislock")
+
+    @app.task(base=SingletonTask, shared=False, on_conflict="wait", lock_wait=0.1)
+    def short() -> None: ...
+
+    with hold_lock(short), pytest.raises(LockConflictError, match="still held"):
+        short.apply().get()
+    assert "waits up to 0.1 s" in caplog.text
+    assert "gave up after waiting 0.1 s" in caplog.text
+
+    @app.task(base=SingletonTask, shared=False, on_conflict="wait", lock_wait=20)
+    def patient() -> None: ...
+
+    holder = RedisLock(redislock_client, patient.lock_name((), {}), ttl=30, lease="first")
+    assert holder.acquire()
+    outcome: list[Any] = []
+    waiter = threading.Thread(target=lambda: outcome.append(patient.apply().get()))
+    waiter.start()
+    wait_for(lambda: "waits up to 20 s" in caplog.text, what="the waiter to log its wait")
+    holder.release()
+    waiter.join(20)
+    assert outcome == [None]
+    assert "got lock" in caplog.text
