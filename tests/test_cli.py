@@ -21,7 +21,9 @@ from redis.cluster import RedisCluster
 
 from celery_redislock import RedisLock, SingletonTask
 from celery_redislock.admin import (
+    HOLDER_SCHEMA,
     LIST_SCHEMA,
+    LOCK_SCHEMA,
     SHOW_SCHEMA,
     STATS_SCHEMA,
     check_pattern,
@@ -32,6 +34,7 @@ from celery_redislock.admin import (
     lock_stats,
     purge_locks,
     read_lock,
+    server_versions,
 )
 from celery_redislock.deployments import ClusterDeployment
 from celery_redislock.server import RedisServer, free_port
@@ -518,3 +521,37 @@ def test_purge_covers_tasks_with_prefixes_of_their_own(
     assert list_locks(locks, prefix="own") == []
     assert list_locks(locks) == []
     close_app(app)
+
+
+def readme_table(title: str) -> list[str]:
+    """The first column of the README table that follows ``title`` (a line of its own)."""
+    readme = (ROOT / "README.md").read_text()
+    after = readme.split(f"\n{title}\n", 1)[1].lstrip("\n")
+    rows = after.split("\n\n", 1)[0].splitlines()[2:]
+    return [row.split("|")[1].strip().strip("`") for row in rows]
+
+
+def test_readme_documents_the_json_schema() -> None:
+    """The README's field tables for LOCK and HOLDER list exactly the schemas' fields."""
+    assert readme_table("A `LOCK`:") == list(LOCK_SCHEMA["properties"])
+    assert readme_table("A `HOLDER`:") == list(HOLDER_SCHEMA["properties"])
+    assert set(LOCK_SCHEMA["required"]) == set(LOCK_SCHEMA["properties"])
+
+
+def test_reads_scan_and_never_use_keys(locks: redis.Redis) -> None:
+    """Listing locks walks the keyspace with SCAN, never KEYS."""
+    lock = RedisLock(locks, "scanned:1", ttl=30)
+    assert lock.acquire()
+    locks.config_resetstat()
+    assert [info.name for info in list_locks(locks)] == ["scanned:1"]
+    stats = locks.info("commandstats")
+    assert "cmdstat_scan" in stats
+    assert "cmdstat_keys" not in stats
+    lock.release()
+
+
+def test_ping_reaches_every_cluster_primary(redislock_cluster: ClusterDeployment) -> None:
+    """On a Redis Cluster, the server version is read from each primary."""
+    client = redislock_cluster.client()
+    assert len(server_versions(client)) == 3
+    client.close()

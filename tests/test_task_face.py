@@ -167,3 +167,37 @@ def test_waits_are_logged(
     waiter.join(20)
     assert outcome == [None]
     assert "got lock" in caplog.text
+
+
+def test_every_conflict_is_logged(
+    app: Celery, redislock_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A skipped, raised or retried duplicate and a deduplicated enqueue each log at INFO."""
+    caplog.set_level(logging.INFO, logger="celery_redislock")
+
+    @app.task(base=SingletonTask, shared=False, name="face.skip")
+    def skip() -> None: ...
+
+    @app.task(base=SingletonTask, shared=False, name="face.raise", on_conflict="raise")
+    def raising() -> None: ...
+
+    @app.task(
+        base=SingletonTask, shared=False, name="face.retry", on_conflict="retry", max_retries=0
+    )
+    def retrying() -> None: ...
+
+    @app.task(base=SingletonTask, shared=False, name="face.dedup", lock_strategy="until_executed")
+    def dedup() -> None: ...
+
+    with hold_lock(skip), hold_lock(raising), hold_lock(retrying), hold_lock(dedup):
+        assert skip.apply().get()["skipped"]
+        with pytest.raises(LockConflictError):
+            raising.apply().get()
+        with pytest.raises(LockConflictError):
+            retrying.apply().get()
+        dedup.delay()
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(m.startswith("face.skip[") and " skipped: lock" in m for m in messages)
+    assert any(m.startswith("face.raise[") and "raises LockConflictError" in m for m in messages)
+    assert any(m.startswith("face.retry[") and "retries in" in m for m in messages)
+    assert any(m.startswith("face.dedup: duplicate of held-by-test-") for m in messages)
