@@ -655,6 +655,27 @@ def test_cli_table_matches_the_commands() -> None:
     assert {_code(row["command"]) for row in rows} == set(redislock.commands)
 
 
+def test_json_field_tables_match_the_schemas() -> None:
+    """The Operations page's LOCK and HOLDER field tables list exactly the fields of the
+    JSON Schemas that `list --json` and `show --json` follow."""
+    from celery_redislock.admin import LIST_SCHEMA, SHOW_SCHEMA
+
+    lock = LIST_SCHEMA["properties"]["locks"]["items"]["properties"]
+    holder = SHOW_SCHEMA["properties"]["locks"]["items"]["properties"]["holder_status"]
+    holder_fields = next(
+        option["properties"]
+        for option in holder.get("anyOf", holder.get("oneOf", [holder]))
+        if "properties" in option
+    )
+    found = {}
+    for table in tables(DOCS / "operations.md"):
+        for column in ("`LOCK` field", "`HOLDER` field"):
+            if table and column in table[0]:
+                found[column] = {_code(row[column]) for row in table}
+    assert found["`LOCK` field"] == set(lock)
+    assert found["`HOLDER` field"] == set(holder_fields)
+
+
 def _testing_module() -> ast.Module:
     return ast.parse((ROOT / "src" / "celery_redislock" / "testing.py").read_text())
 
