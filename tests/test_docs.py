@@ -634,6 +634,20 @@ def test_configuration_page_lists_every_option_and_setting() -> None:
     assert ("lock_url", "redislock_url") in page
 
 
+def test_configuration_page_names_every_redislock_argument() -> None:
+    """The Configuration page names every argument RedisLock takes, and no other."""
+    import inspect
+
+    from celery_redislock import RedisLock
+
+    text = (DOCS / "configuration.md").read_text().split("## The lock engine's arguments")[1]
+    section = re.split(r"\bSee\b", text.split("\n## ")[0])[0]
+    parameters = inspect.signature(RedisLock).parameters
+    expected = {name for name in parameters if not name.startswith("_")}
+    named = set(re.findall(r"`(\w+)`", section)) | {"client_or_url", "name", "ttl"}
+    assert named == expected
+
+
 def test_signals_table_matches_the_signals() -> None:
     """The Operations page lists every signal with exactly the arguments it provides."""
     from celery_redislock import signals
