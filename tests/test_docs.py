@@ -196,6 +196,8 @@ def run_page(spec: dict[str, Any]) -> None:
 def then_task_locks(namespace: dict[str, Any]) -> None:
     """The sample's ``app`` locks where it was configured to: a task run with it holds
     its lock, with a fencing token, in the app's lock store."""
+    from redis.exceptions import NoPermissionError
+
     from celery_redislock import SingletonTask
 
     app = namespace["app"]
@@ -209,6 +211,10 @@ def then_task_locks(namespace: dict[str, Any]) -> None:
     token, held = check.apply().get()
     assert isinstance(token, int), token
     assert held, f"{name}: no lock in the store the sample configured"
+    # Shared deployments must be left as found: drop the freed lock's hash too.
+    key = f"{check.lock_options.prefix}:{{{check.lock_name((), {})}}}"
+    with contextlib.suppress(NoPermissionError):  # the minimal ACL has no DEL
+        check.lock_client.delete(key)
 
 
 class Deployments:
@@ -227,7 +233,11 @@ class Deployments:
         return self.request.getfixturevalue(name)
 
     def _start_server(self) -> str:
-        self._fixture("redislock_client")  # each page starts from an empty database
+        # Each page starts from an empty server, and leaves it empty for the tests after.
+        client = self._fixture("redislock_server").client()
+        client.flushall()
+        self.request.addfinalizer(client.close)
+        self.request.addfinalizer(client.flushall)
         url: str = self._fixture("redislock_url")
         return url.rsplit("/", 1)[0]
 
