@@ -10,19 +10,21 @@ Example::
 
 Keys, for a lock named ``N`` with the default prefix::
 
-    redislock:{N}          hash: owner, lease, count, fence, req  (lives as long as the lock)
-    redislock:{N}:fence    hash: last fencing token, last release (expires FENCE_TTL after use)
-    redislock:{N}:released pub/sub channel, never a key           (one message per release)
+    redislock:{N}           hash: owner, lease, count, fence, req, ...  (held: as long as
+                            the lock; free: kept FENCE_TTL for its fencing counter)
+    redislock:{N}:waiters   sorted set of queued waiters                (while someone waits)
+    redislock:wake:<P>      pub/sub channel of process P, never a key   (its waiters' wake-ups)
 
 (a name starting with ``}`` or ``\\`` is written ``\\N`` inside the braces, so the
-hash tag is never empty and all three share one cluster slot).
+hash tag is never empty and both keys share one cluster slot).
 
 Acquire, release and extend are each one round trip (an ``EVALSHA``), bounded by
 a deadline and retried on a broken connection; the scripts recognise a retried
 request, so a retry never acts twice (see :mod:`celery_redislock.scripts`). A
-waiter subscribes to the release channel, re-checks the lock, then waits for a
-message or for the holder's remaining TTL, whichever comes first — a lock that
-expires publishes nothing, so the TTL bounds every wait.
+waiter queues itself (in the acquire that finds the lock held) and sleeps until
+a release wakes it or the holder's remaining TTL runs out — a lock that expires
+wakes nobody, so the TTL bounds every wait. A release wakes the first two queued
+waiters, and the freed lock is theirs for a moment: first come, first served.
 
 The holder keeps a local deadline: the send time of the last confirmed acquire
 or renewal plus the TTL. The server cannot expire the lock before it, so until
