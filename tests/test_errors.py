@@ -9,6 +9,7 @@ import pytest
 
 from celery_redislock import errors
 from celery_redislock.errors import (
+    DuplicateTaskError,
     KeyDerivationError,
     LockBackendError,
     LockConflictError,
@@ -32,6 +33,7 @@ SAMPLES: list[LockError] = [
     LockConflictError("report:7", "task-id-1"),
     LockConflictError("report:7", None),
     TaskSkippedError("report:7", "task-id-2"),
+    DuplicateTaskError("report:7", "task-id-3"),
     LockBackendError("could not acquire lock 'x': Connection refused"),
     KeyDerivationError("cannot derive a key from <object>"),
     NoLockError("task 'shop.report' has no lock here"),

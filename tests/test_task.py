@@ -679,6 +679,7 @@ class TestOptions:
             retry_delay=1.0,
             on_redis_error="fail",
             min_replicas=0,
+            on_duplicate="return",
             prefix="redislock",
             url=None,
         )
@@ -950,3 +951,16 @@ def test_interruption_right_after_acquire_releases(
         not lock.key.endswith(f"{{{job.lock_name((), {})}}}") for lock in get_heartbeat().held()
     )
     close_app(app)
+
+
+def test_retry_countdown_grows_jittered_and_capped() -> None:
+    """The retry countdown doubles per retry, is jittered 0.5-1.5x, and never exceeds
+    MAX_RETRY_DELAY, jitter included."""
+    from celery_redislock.task import MAX_RETRY_DELAY, retry_countdown
+
+    first = [retry_countdown(2.0, 0) for _ in range(200)]
+    assert all(1.0 <= c <= 3.0 for c in first)
+    third = [retry_countdown(2.0, 2) for _ in range(200)]
+    assert all(4.0 <= c <= 12.0 for c in third)
+    assert all(retry_countdown(250.0, retries) <= MAX_RETRY_DELAY for retries in range(60))
+    assert max(retry_countdown(250.0, 0) for _ in range(500)) == MAX_RETRY_DELAY

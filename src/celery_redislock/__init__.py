@@ -18,7 +18,7 @@ Public names (``__all__``; the tests hold this list and ``__all__`` to each othe
   lock as seen from a task body (``self.lock``), the skipped-duplicate marker test
 - ``RedisLock``: the lock engine
 - ``LockError``, ``LockNotOwnedError``, ``LockLostError``, ``LockTimeoutError``,
-  ``LockConflictError``, ``TaskSkippedError``, ``LockBackendError``,
+  ``LockConflictError``, ``TaskSkippedError``, ``DuplicateTaskError``, ``LockBackendError``,
   ``KeyDerivationError``, ``NoLockError``, ``ServerNotFoundError``: the errors
 - ``signals``: the Celery-style signals sent around a task's lock
 - ``__version__``
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from celery_redislock import signals
 from celery_redislock.errors import (
+    DuplicateTaskError,
     KeyDerivationError,
     LockBackendError,
     LockConflictError,
@@ -50,6 +51,7 @@ from celery_redislock.task import LockHandle, SingletonTask, is_skipped
 __version__ = "0.1.0"
 
 __all__ = [
+    "DuplicateTaskError",
     "KeyDerivationError",
     "LockBackendError",
     "LockConflictError",

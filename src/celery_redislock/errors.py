@@ -8,7 +8,8 @@ one ``except LockError`` catches them all::
     │   └── LockLostError        a held lock expired or was taken over while in use
     ├── LockTimeoutError         a blocking acquire gave up after its timeout
     ├── LockConflictError        a singleton task found its key held (on_conflict="raise"/"wait")
-    ├── TaskSkippedError         a duplicate was skipped inside a chain or chord
+    │   ├── TaskSkippedError     a duplicate was skipped inside a chain or chord
+    │   └── DuplicateTaskError   an until_* task sent while its key was held (on_duplicate="raise")
     ├── LockBackendError         Redis could not be reached or answered with an error
     ├── KeyDerivationError       the task's arguments cannot be turned into a lock key
     ├── NoLockError              a task body asked for a lock (or its token) it does not have
@@ -91,6 +92,23 @@ class LockConflictError(_StructuredError):
             key,
             holder,
             message or f"lock {key!r} is held by task {holder!r}; this duplicate did not run",
+        )
+
+
+class DuplicateTaskError(LockConflictError):
+    """An ``until_*`` task was sent while its key was held, with ``on_duplicate="raise"``.
+
+    Nothing was sent. ``holder`` is the id of the task that holds the key (the one
+    already queued or running), ``key`` the lock name.
+    """
+
+    def __init__(self, key: str, holder: str | None, message: str | None = None) -> None:
+        super().__init__(
+            key,
+            holder,
+            message
+            or f"lock {key!r} is held by task {holder!r}: this duplicate was not sent "
+            "(AsyncResult(exc.holder) follows the one that was)",
         )
 
 

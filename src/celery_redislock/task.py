@@ -48,6 +48,7 @@ hard time limit, SIGKILL, lost worker  the heartbeat dies with the process and t
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import logging
@@ -72,6 +73,7 @@ from celery.utils import uuid
 from celery_redislock import signals
 from celery_redislock.client import check_url
 from celery_redislock.errors import (
+    DuplicateTaskError,
     LockBackendError,
     LockConflictError,
     LockLostError,
@@ -104,6 +106,7 @@ Strategy = Literal["while_executing", "until_executed", "until_executing"]
 ConflictMode = Literal["skip", "raise", "retry", "wait"]
 #: What a task does when the lock store cannot be reached.
 RedisErrorMode = Literal["fail", "run"]
+DuplicateMode = Literal["return", "raise"]
 
 WHILE_EXECUTING: Strategy = "while_executing"
 UNTIL_EXECUTED: Strategy = "until_executed"
@@ -111,9 +114,23 @@ UNTIL_EXECUTING: Strategy = "until_executing"
 STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 CONFLICT_MODES: tuple[ConflictMode, ...] = get_args(ConflictMode)
 REDIS_ERROR_MODES: tuple[RedisErrorMode, ...] = get_args(RedisErrorMode)
+DUPLICATE_MODES: tuple[DuplicateMode, ...] = get_args(DuplicateMode)
 
 #: Highest countdown, in seconds, of an ``on_conflict="retry"`` re-queue.
 MAX_RETRY_DELAY = 300.0
+
+#: ``apply_async`` option with lock option overrides for one call.
+CALL_OPTIONS = "lock_options"
+
+#: The options ``lock_options={...}`` may override (fields of :class:`LockOptions`);
+#: the strategy, the prefix and the store make the lock itself and stay per task.
+PER_CALL_OPTIONS = frozenset(
+    {"ttl", "enqueue_ttl", "on_conflict", "wait", "retry_delay", "on_redis_error",
+     "min_replicas", "on_duplicate"}
+)  # fmt: skip
+
+#: Message header carrying a call's overrides to the worker.
+_OVERRIDES_HEADER = "redislock_options"
 
 #: ``apply_async`` option that re-queues without taking the enqueue-time lock.
 _NO_ENQUEUE_LOCK = "redislock_no_enqueue_lock"
@@ -156,6 +173,9 @@ class LockOptions:
     prefix: str
     #: Replicas that must confirm a new hold before the task runs (``lock_min_replicas``).
     min_replicas: int
+    #: What sending an ``until_*`` task whose key is held does (``lock_on_duplicate``):
+    #: return the holder's ``AsyncResult``, or raise :class:`DuplicateTaskError`.
+    on_duplicate: DuplicateMode
     #: The task's own lock store (``lock_url``); ``None``: the app's, read from
     #: ``app.conf`` at each use so that configuring the app late works.
     url: str | None
@@ -181,6 +201,7 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("lock_on_redis_error", "on_redis_error", "redislock_on_redis_error", "fail"),
     _Option("lock_prefix", "prefix", "redislock_prefix", DEFAULT_PREFIX),
     _Option("lock_min_replicas", "min_replicas", "redislock_min_replicas", 0),
+    _Option("lock_on_duplicate", "on_duplicate", "redislock_on_duplicate", "return"),
 )
 
 
@@ -233,6 +254,22 @@ def check_settings(app: Any) -> list[str]:
     return unknown
 
 
+def retry_countdown(base: float, retries: int) -> float:
+    """The countdown of an ``on_conflict="retry"`` re-queue: ``base`` doubled per
+    earlier retry, times a random factor from 0.5 to 1.5 (so duplicates spread
+    out), at most :data:`MAX_RETRY_DELAY`."""
+    grown: float = base * 2.0 ** min(retries, 32)
+    return min(MAX_RETRY_DELAY, grown * random.uniform(0.5, 1.5))
+
+
+def _sent_overrides(request: Any) -> Any:
+    """The ``lock_options`` a message was sent with (a header), if any."""
+    found = getattr(request, _OVERRIDES_HEADER, None)
+    if found is None:
+        found = (getattr(request, "headers", None) or {}).get(_OVERRIDES_HEADER)
+    return found
+
+
 def skipped_result(key: str, holder: str | None) -> dict[str, Any]:
     """The result a duplicate returns with ``on_conflict="skip"``."""
     return {"skipped": True, "lock_key": key, "holder": holder}
@@ -251,10 +288,21 @@ class LockHandle:
     the threads pool) sees its own.
     """
 
-    def __init__(self, key: str, lock: RedisLock | None) -> None:
+    def __init__(
+        self, name: str, lock: RedisLock | None, options: LockOptions | None = None
+    ) -> None:
         #: The lock name (``<task name>:<digest>``).
-        self.key = key
+        self.name = name
+        #: The lock options this execution runs with: the task's, with the call's
+        #: ``lock_options={...}`` applied.
+        self.options = options
         self._lock = lock
+
+    @property
+    def key(self) -> str:
+        """The lock name (an earlier name of :attr:`name`, kept for compatibility: a
+        *key* is a Redis key, and the lock's Redis key is ``<prefix>:{<name>}``)."""
+        return self.name
 
     @property
     def token(self) -> int | None:
@@ -275,7 +323,7 @@ class LockHandle:
         token = self.token
         if token is None:
             raise NoLockError(
-                f"lock {self.key!r} was not taken (the lock store was unreachable and "
+                f"lock {self.name!r} was not taken (the lock store was unreachable and "
                 'lock_on_redis_error="run"): there is no fencing token to write with'
             )
         return token
@@ -293,7 +341,7 @@ class LockHandle:
     def check(self) -> None:
         """Raise :class:`LockLostError` if the lock has been lost."""
         if self.lost:
-            raise LockLostError(self.key)
+            raise LockLostError(self.name)
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
@@ -318,6 +366,8 @@ def _check_option(option: _Option, value: object, source: str) -> object:
         return _check_choice(source, value, CONFLICT_MODES)
     if option.field == "on_redis_error":
         return _check_choice(source, value, REDIS_ERROR_MODES)
+    if option.field == "on_duplicate":
+        return _check_choice(source, value, DUPLICATE_MODES)
     if option.field == "prefix":
         return check_prefix(value, source)
     if option.field == "min_replicas":
@@ -368,6 +418,7 @@ def resolve_options(task_class: type[SingletonTask], app: Any) -> LockOptions:
         on_redis_error=cast(RedisErrorMode, values["on_redis_error"]),
         prefix=cast(str, values["prefix"]),
         min_replicas=cast(int, values["min_replicas"]),
+        on_duplicate=cast(DuplicateMode, values["on_duplicate"]),
         url=url,
     )
 
@@ -482,6 +533,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     #: Replicas that must confirm a new hold (Redis ``WAIT``) before the body runs;
     #: narrows what a failover can lose, see the README's Deployments section.
     lock_min_replicas: ClassVar[int | None] = _resolved("min_replicas")
+    #: ``until_*``: what sending a duplicate does: ``"return"`` the holder's
+    #: ``AsyncResult`` (nothing is sent), or ``"raise"`` :class:`DuplicateTaskError`.
+    lock_on_duplicate: ClassVar[str | None] = _resolved("on_duplicate")
 
     # Per task (set on the task instance, never on a class).
     _lock_options: LockOptions | None = None
@@ -545,6 +599,35 @@ class SingletonTask(Task):  # type: ignore[misc]
             options = self._configure(self.app)
         return options
 
+    def options_for_call(self, overrides: object) -> LockOptions:
+        """This task's options with one call's ``lock_options={...}`` applied.
+
+        Raises:
+            TypeError, ValueError: an override is not a per-call option, or its
+                value is invalid; the message names it (``lock_options['ttl']``).
+        """
+        if not overrides:
+            return self.lock_options
+        if not isinstance(overrides, Mapping):
+            raise TypeError(
+                f"{CALL_OPTIONS} must be a dict of lock options for this call, "
+                f"not {type(overrides).__name__}"
+            )
+        unknown = sorted(str(name) for name in overrides if name not in PER_CALL_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"{CALL_OPTIONS} has {', '.join(map(repr, unknown))}, which cannot be set per "
+                f"call; those that can: {', '.join(sorted(PER_CALL_OPTIONS))}"
+            )
+        values: dict[str, Any] = {
+            option.field: _check_option(
+                option, overrides[option.field], f"{CALL_OPTIONS}[{option.field!r}]"
+            )
+            for option in OPTIONS
+            if option.field in overrides
+        }
+        return dataclasses.replace(self.lock_options, **values)
+
     @property
     def lock_client(self) -> Client:
         """The (per-process, shared) client of the lock store (see :mod:`celery_redislock.store`)."""
@@ -558,7 +641,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             builder = self._key_builder = self._make_key_builder(self.name)
         return builder(args, kwargs)
 
-    def _new_lock(self, key: str, owner: str, ttl: float, heartbeat: bool) -> RedisLock:
+    def _new_lock(
+        self, key: str, owner: str, ttl: float, heartbeat: bool, opts: LockOptions
+    ) -> RedisLock:
         task_id = owner.split(":", 1)[0]
         return RedisLock(
             self.lock_client,
@@ -568,7 +653,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             lease=task_id,
             heartbeat=heartbeat,
             on_lost=self._on_lost,
-            min_replicas=self.lock_options.min_replicas if heartbeat else 0,
+            min_replicas=opts.min_replicas if heartbeat else 0,
             holder_info=self._holder_info(running=heartbeat),
             prefix=self.lock_options.prefix,
         )
@@ -625,18 +710,29 @@ class SingletonTask(Task):  # type: ignore[misc]
     ) -> AsyncResult:
         """Send the task; ``until_*`` strategies take the lock first.
 
-        A duplicate enqueued while the lock is held publishes nothing and
-        returns the holder's ``AsyncResult``.
+        A duplicate enqueued while the lock is held publishes nothing and returns
+        the holder's ``AsyncResult`` (``lock_on_duplicate="return"``) or raises
+        :class:`DuplicateTaskError` (``"raise"``).
+
+        ``lock_options={...}`` overrides lock options for this call only (see
+        :data:`PER_CALL_OPTIONS`); they travel with the message, so the
+        execution uses them too. A bad one raises here, naming it.
         """
         skip_lock = options.pop(_NO_ENQUEUE_LOCK, False)
+        overrides = options.pop(CALL_OPTIONS, None)
+        opts = self.options_for_call(overrides)
+        if overrides:
+            # The worker applies them too: they travel with the message.
+            options["headers"] = {**(options.get("headers") or {}), _OVERRIDES_HEADER: overrides}
         options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
-        opts = self.lock_options
         if opts.strategy == WHILE_EXECUTING or skip_lock:
             return super().apply_async(args, kwargs, task_id, **options)
         task_id = task_id or uuid()
         key = self.lock_name(args, kwargs)
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
-        lock = self._new_lock(key, queued_owner(task_id), opts.enqueue_ttl + delay, heartbeat=False)
+        lock = self._new_lock(
+            key, queued_owner(task_id), opts.enqueue_ttl + delay, heartbeat=False, opts=opts
+        )
         try:
             acquired = lock.acquire(blocking=False)
         except LockBackendError:
@@ -652,6 +748,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             signals.lock_conflict.send(
                 sender=self, task_id=task_id, key=key, holder=holder, action="dedup"
             )
+            if opts.on_duplicate == "raise":
+                raise DuplicateTaskError(key, holder)
             if holder:
                 return self.AsyncResult(holder)
             raise LockConflictError(key, holder)
@@ -676,7 +774,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         task_id = request.id or uuid()
         key = self.lock_name(args, kwargs)
-        opts = self.lock_options
+        opts = self.options_for_call(_sent_overrides(request))
         if opts.strategy == UNTIL_EXECUTING:
             try:
                 release_lease(self.lock_client, key, task_id, opts.prefix)
@@ -688,7 +786,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                 )
             return self.run(*args, **kwargs)
 
-        lock = self._new_lock(key, f"{task_id}:{secrets.token_hex(8)}", opts.ttl, heartbeat=True)
+        lock = self._new_lock(
+            key, f"{task_id}:{secrets.token_hex(8)}", opts.ttl, heartbeat=True, opts=opts
+        )
         asked = taken = time.monotonic()
         keep = retrying = False
         # One try from the acquire on: an exception raised asynchronously (a soft
@@ -703,13 +803,13 @@ class SingletonTask(Task):  # type: ignore[misc]
                 logger.warning(
                     "lock store unreachable; running %s[%s] unlocked", self.name, task_id
                 )
-                request.redislock = LockHandle(key, None)
+                request.redislock = LockHandle(key, None, opts)
                 return self.run(*args, **kwargs)
             if not acquired:
-                outcome = self._conflict(lock, key, request)
+                outcome = self._conflict(lock, key, request, opts)
                 if outcome is not None:
                     return outcome
-            request.redislock = LockHandle(key, lock)
+            request.redislock = LockHandle(key, lock, opts)
             taken = time.monotonic()
             signals.lock_acquired.send(
                 sender=self, task_id=task_id, key=key, token=lock.token, waited=taken - asked
@@ -771,9 +871,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                 sender=self, task_id=task_id, key=lock.name, held=held, outcome="failed"
             )
 
-    def _conflict(self, lock: RedisLock, key: str, request: Any) -> Any:
+    def _conflict(self, lock: RedisLock, key: str, request: Any, opts: LockOptions) -> Any:
         """Handle a held lock; return a result to end the task, or ``None`` once acquired."""
-        opts = self.lock_options
         mode = opts.on_conflict
         holder = lock.blocked_by
         signals.lock_conflict.send(
@@ -822,8 +921,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
             raise LockConflictError(key, holder)
         if mode == "retry":
-            countdown = min(MAX_RETRY_DELAY, opts.retry_delay * 2 ** (request.retries or 0))
-            countdown *= random.uniform(0.5, 1.5)
+            countdown = retry_countdown(opts.retry_delay, request.retries or 0)
             logger.info(
                 "%s[%s] retries in %.1f s: lock %s held by %s",
                 self.name,
