@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 # The same opt-in plugin users enable: private servers, deployments, helpers.
@@ -24,3 +26,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def _root_log_level() -> int:
+    """The root logger's level when the session's first test started."""
+    return logging.getLogger().level
+
+
+@pytest.fixture(autouse=True)
+def _root_log_level_restored(_root_log_level: int) -> None:
+    """Give each test the session's root logger level.
+
+    An in-process Celery worker sets it for itself (ERROR by default) and leaves it
+    so; a WARNING logged before a test's ``caplog.at_level`` block would then be
+    dropped, and log assertions would depend on which tests ran before.
+    """
+    logging.getLogger().setLevel(_root_log_level)

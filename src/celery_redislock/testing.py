@@ -59,6 +59,7 @@ Helpers, for testing your own duplicate handling against a real lock:
 from __future__ import annotations
 
 import gc
+import logging
 import secrets
 import time
 import warnings
@@ -250,9 +251,14 @@ def run_worker(
 
     A threads-pool worker consumes the app's default queue, executes tasks
     (locks, heartbeat, revokes and all) and answers remote-control commands;
-    it stops, after the tasks it runs have finished, when the block ends.
+    it stops, after the tasks it runs have finished, when the block ends, and
+    the root logger's level, which Celery sets for the worker, is put back.
     ``options`` go to Celery's ``start_worker`` (``hostname=``, ``queues=``…).
     """
+    # Celery sets the root logger's level for the worker (ERROR by default); what
+    # is logged after the worker stopped must not depend on it.
+    root = logging.getLogger()
+    level = root.level
     worker_cm = start_worker(
         app,
         pool=pool,
@@ -271,6 +277,7 @@ def run_worker(
             warnings.simplefilter("ignore", ResourceWarning)
             worker_cm.__exit__(None, None, None)
             gc.collect()
+        root.setLevel(level)
 
 
 def _call_lock(task: SingletonTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
