@@ -217,3 +217,35 @@ def test_prefork_worker_serves_the_metrics_of_its_children(
         close_app(mod.app)
         sys.modules.pop("tests.metrics_app", None)
         os.environ.pop("REDISLOCK_TEST_URL", None)
+
+
+def test_heartbeat_renewals_are_counted(
+    registry: CollectorRegistry, redislock_server: RedisServer
+) -> None:
+    """Every heartbeat round reports its renewals (heartbeat_round), which become
+    celery_redislock_heartbeat_total{server, result}; a lock deleted behind its back
+    counts as lost."""
+    from celery_redislock import RedisLock
+
+    server = f"{redislock_server.host}:{redislock_server.port}"
+    kept = RedisLock(redislock_server.url, "beats", ttl=0.3)
+    doomed = RedisLock(redislock_server.url, "beats-doomed", ttl=0.3)
+    assert kept.acquire()
+    assert doomed.acquire()
+    direct = redislock_server.client()
+    direct.delete(doomed.key)
+    wait_for(
+        lambda: (
+            value(registry, "celery_redislock_heartbeat_total", server=server, result="renewed")
+            >= 3
+        ),
+        what="three renewals",
+    )
+    wait_for(
+        lambda: (
+            value(registry, "celery_redislock_heartbeat_total", server=server, result="lost") >= 1
+        ),
+        what="the lost lock",
+    )
+    kept.release()
+    direct.close()

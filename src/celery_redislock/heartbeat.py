@@ -37,6 +37,7 @@ from typing import Protocol
 
 from redis.exceptions import AskError, RedisError
 
+from celery_redislock import signals
 from celery_redislock.scripts import EXTEND_SCRIPT, Call, Released, run_calls
 from celery_redislock.transport import DEFAULT_CALL_TIMEOUT, Deadline, Transport, describe_error
 
@@ -260,6 +261,10 @@ class _Lane:
             else:
                 live.append(lock)
         if not live:
+            if locks:
+                signals.heartbeat_round.send(
+                    sender=self.transport.describe(), renewed=0, failed=0, lost=len(locks)
+                )
             return
         budget = min(lock._expires_at() for lock in live) - now
         budget = min(max(budget, MIN_ROUND_TRIP), max(lock.renew_interval for lock in live))
@@ -276,6 +281,8 @@ class _Lane:
             results = [exc] * len(live)
             live[0]._redirected(exc)
         after = self.clock()
+        renewed = failed = 0
+        lost = len(locks) - len(live)
         for lock, result in zip(live, results, strict=True):
             if isinstance(result, AskError):
                 lock._redirected(result)
@@ -283,15 +290,22 @@ class _Lane:
                 # A cluster slot moved: the lane of the lock's new primary takes it.
                 self._move(lock, after)
             elif result == 1:
+                renewed += 1
                 lock._renewed(now)
                 self._reschedule(lock, now + lock.renew_interval)
             elif isinstance(result, Exception):
+                failed += 1
                 if lock._expires_at() <= after:
+                    lost += 1
                     self._lose(lock)
                 else:
                     self._reschedule(lock, after + min(RENEW_RETRY, lock.renew_interval / 4))
             else:
+                lost += 1
                 self._lose(lock)
+        signals.heartbeat_round.send(
+            sender=self.transport.describe(), renewed=renewed, failed=failed, lost=lost
+        )
 
     def _move(self, lock: Renewable, due: float) -> None:
         with self.cond:

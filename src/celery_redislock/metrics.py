@@ -23,6 +23,8 @@ Metrics (label ``task`` is the task name):
                                                        (expired or taken over first), failed
                                                        (no answer: left to its TTL)
 ``celery_redislock_lost_total``             counter    locks a running task lost (heartbeat)
+``celery_redislock_heartbeat_total``        counter    renewals by ``result``: renewed, failed
+                                                       (no answer), lost; label ``server``
 ==========================================  =========  =====================================
 
 **Prefork workers.** Tasks run in pool child processes, each with metrics of its
@@ -108,6 +110,12 @@ class LockMetrics:
             registry=registry,
         )
         self._uid = f"celery_redislock.metrics:{id(self)}"
+        self.heartbeat = Counter(
+            "celery_redislock_heartbeat",
+            "Heartbeat renewals by result: renewed, failed (no answer), lost.",
+            ["server", "result"],
+            registry=registry,
+        )
         self.connect()
 
     # Receivers (a failing one is logged by the signal's dispatcher).
@@ -126,6 +134,13 @@ class LockMetrics:
         self.releases.labels(task, str(outcome)).inc()
         self.hold.labels(task).observe(max(0.0, float(held)))
 
+    def _on_heartbeat(
+        self, sender: Any = None, renewed: int = 0, failed: int = 0, lost: int = 0, **_: Any
+    ) -> None:
+        for result, count in (("renewed", renewed), ("failed", failed), ("lost", lost)):
+            if count:
+                self.heartbeat.labels(str(sender), result).inc(count)
+
     def _on_lost(self, sender: Any = None, **_: Any) -> None:
         self.lost.labels(_task_name(sender)).inc()
 
@@ -135,6 +150,7 @@ class LockMetrics:
         signals.lock_conflict.connect(self._on_conflict, weak=False, dispatch_uid=self._uid)
         signals.lock_released.connect(self._on_released, weak=False, dispatch_uid=self._uid)
         signals.lock_lost.connect(self._on_lost, weak=False, dispatch_uid=self._uid)
+        signals.heartbeat_round.connect(self._on_heartbeat, weak=False, dispatch_uid=self._uid)
 
     def disconnect(self) -> None:
         """Stop counting; the metrics stay in the registry with their values."""
@@ -142,6 +158,7 @@ class LockMetrics:
         signals.lock_conflict.disconnect(self._on_conflict, dispatch_uid=self._uid)
         signals.lock_released.disconnect(self._on_released, dispatch_uid=self._uid)
         signals.lock_lost.disconnect(self._on_lost, dispatch_uid=self._uid)
+        signals.heartbeat_round.disconnect(self._on_heartbeat, dispatch_uid=self._uid)
 
 
 _enabled: dict[int, LockMetrics] = {}

@@ -9,7 +9,7 @@ Connect to them like Celery's own signals; the sender is the task::
         CONFLICTS.labels(sender.name, action).inc()
 
 A receiver runs inside the task's execution (or its ``apply_async``), except
-``lock_lost`` (sent from the heartbeat thread) and ``lock_released`` (sent by
+``lock_lost`` and ``heartbeat_round`` (sent from the heartbeat thread) and ``lock_released`` (sent by
 whichever thread reads the release's answer, moments after the task ended), so
 keep it fast and thread-safe; an exception it raises is logged by Celery's
 dispatcher and ignored. :mod:`celery_redislock.metrics` turns them into
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["lock_acquired", "lock_conflict", "lock_lost", "lock_released"]
+__all__ = ["heartbeat_round", "lock_acquired", "lock_conflict", "lock_lost", "lock_released"]
 
 #: The lock was taken. ``key``, ``task_id``, ``token`` (fencing token) and
 #: ``waited`` (seconds spent waiting for it, 0.0 when free at once).
@@ -39,3 +39,9 @@ lock_lost = Signal(name="lock_lost", providing_args={"task_id", "key"})
 #: ``"lost"`` (it had expired or been taken over before the release) or
 #: ``"failed"`` (no answer: retried in the background, else it expires by its TTL).
 lock_released = Signal(name="lock_released", providing_args={"task_id", "key", "held", "outcome"})
+
+#: A heartbeat round ended on one server (sender: the server, ``"host:port"``;
+#: sent from that server's heartbeat thread, for every lock it renews, whether
+#: a task's or not). ``renewed``: locks renewed; ``failed``: renewals without an
+#: answer (retried until the lock's local deadline); ``lost``: locks found lost.
+heartbeat_round = Signal(name="heartbeat_round", providing_args={"renewed", "failed", "lost"})
