@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import re
 import subprocess
 import sys
 import tempfile
@@ -69,12 +70,62 @@ def targets_table(findings: list[Finding], markdown: bool) -> list[str]:
     return lines
 
 
+#: A throughput finding: "<kind>/plain throughput, <work>, <pool> pool".
+_RATIO = re.compile(r"^(?P<kind>.+)/plain throughput, (?P<work>[^,]+), (?P<pool>\w+) pool$")
+#: A value "median (min-max)", or a bare median.
+_SPREAD = re.compile(r"^(?P<median>[\d.]+)(?: \((?P<low>[\d.]+)-(?P<high>[\d.]+)\))?")
+
+
+def draw_chart(findings: list[Finding], path: Path, caption: str) -> None:
+    """Draw the throughput ratios to a plain task (median, with min-max whiskers),
+    one group of bars per pool and kind of task, as a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, dict[str, tuple[float, float, float]]] = {}
+    for finding in findings:
+        ratio, spread = _RATIO.match(finding.what), _SPREAD.match(finding.value)
+        if ratio is None or spread is None:
+            continue
+        median = float(spread["median"])
+        low = float(spread["low"] or median)
+        high = float(spread["high"] or median)
+        column = f"{ratio['pool']}, {ratio['work']}"
+        series.setdefault(ratio["kind"], {})[column] = (median, low, high)
+    columns = sorted({column for values in series.values() for column in values})
+    if not columns:
+        print("no throughput figures to chart")
+        return
+    figure, axes = plt.subplots(figsize=(9, 4.5), dpi=100)
+    width = 0.8 / max(1, len(series))
+    for index, (kind, values) in enumerate(sorted(series.items())):
+        xs = [position + index * width for position in range(len(columns))]
+        medians = [values.get(column, (0.0, 0.0, 0.0))[0] for column in columns]
+        below = [m - values.get(c, (m, m, m))[1] for m, c in zip(medians, columns, strict=True)]
+        above = [values.get(c, (m, m, m))[2] - m for m, c in zip(medians, columns, strict=True)]
+        axes.bar(xs, medians, width, yerr=[below, above], capsize=3, label=kind)
+    axes.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    axes.set_xticks([p + width * (len(series) - 1) / 2 for p in range(len(columns))])
+    axes.set_xticklabels(columns)
+    axes.set_ylabel("throughput / plain task (median, min-max)")
+    axes.set_title(f"Task throughput relative to a plain task\n{caption}", fontsize=9)
+    axes.legend(fontsize=8, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run both scripts, print the targets table, and write the Markdown report if asked."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples (about a minute)")
     parser.add_argument("--markdown", help="also write a Markdown report to this file")
     parser.add_argument("--url", help="a Redis URL for every script (default: private servers)")
+    parser.add_argument(
+        "--chart", help="also draw the throughput ratios as a PNG chart (needs matplotlib)"
+    )
     args = parser.parse_args(argv)
     common = (["--quick"] if args.quick else []) + (["--url", args.url] if args.url else [])
 
@@ -107,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = [script for script, _, status, _ in outputs if status]
     for script in failed:
         print(f"  {script} exited with an error: its figures are incomplete")
+
+    if args.chart:
+        where = machine[0].split(":", 1)[-1].strip()
+        draw_chart(findings, Path(args.chart), f"{started:%Y-%m-%d}, {where}")
+        print(f"chart written to {args.chart}")
 
     if args.markdown:
         report = [
