@@ -127,3 +127,20 @@ def test_release_written_before_exit_lands(redislock_server: RedisServer) -> Non
     direct = redislock_server.client()
     wait_for(lambda: not held(direct, "redislock:{nowait-exit}"), what="the release to land")
     direct.close()
+
+
+def test_answer_is_read_before_a_normal_exit(redislock_server: RedisServer) -> None:
+    """A process that releases without waiting and then exits normally reads the answer
+    first (at exit at the latest): its ``then`` callback runs."""
+    child = textwrap.dedent(
+        f"""
+        from celery_redislock import RedisLock
+        lock = RedisLock({redislock_server.url!r}, "nowait-normal-exit", ttl=60)
+        assert lock.acquire()
+        lock.release(wait=False, then=lambda outcome: print("outcome:", outcome, flush=True))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child], check=True, timeout=60, capture_output=True, text=True
+    )
+    assert "outcome: released" in done.stdout
