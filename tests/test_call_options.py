@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 
 from celery_redislock import DuplicateTaskError, SingletonTask
 from celery_redislock.server import RedisServer
-from tests.support import close_app, gate, held, make_app, quiet_sockets, wait_for
+from celery_redislock.testing import run_worker
+from tests.support import close_app, gate, held, make_app, wait_for
 
 TIMEOUT = 20
 
@@ -46,11 +46,8 @@ def app(redislock_server: RedisServer) -> Iterator[Celery]:
         opts = self.lock.options
         return {"ttl": opts.ttl, "on_conflict": opts.on_conflict}
 
-    worker = start_worker(app, pool="threads", concurrency=4, perform_ping_check=False)
-    worker.__enter__()
-    yield app
-    with quiet_sockets():
-        worker.__exit__(None, None, None)
+    with run_worker(app, concurrency=4):
+        yield app
     close_app(app)
 
 

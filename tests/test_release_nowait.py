@@ -10,14 +10,14 @@ import textwrap
 
 import pytest
 import redis
-from celery.contrib.testing.worker import start_worker
 
 from celery_redislock import LockNotOwnedError, RedisLock, SingletonTask
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.server import RedisServer
+from celery_redislock.testing import run_worker
 from celery_redislock.transport import transport_for
 from tests.proxy import FaultProxy
-from tests.support import close_app, held, make_app, quiet_sockets, wait_for
+from tests.support import close_app, held, make_app, wait_for
 
 
 def test_task_waits_for_one_round_trip_only(redislock_server: RedisServer) -> None:
@@ -52,15 +52,13 @@ def test_lock_is_free_once_the_result_is_seen(redislock_server: RedisServer) -> 
         return n
 
     still_held = []
-    worker = start_worker(app, pool="threads", concurrency=2, perform_ping_check=False)
-    with worker:
+    with run_worker(app, concurrency=2):
         for n in range(50):
             assert job.delay(n).get(timeout=20) == n
             key = f"redislock:{{{job.lock_name((n,), {})}}}"
             if held(locks, key):
                 still_held.append(n)
-    with quiet_sockets():
-        close_app(app)
+    close_app(app)
     locks.close()
     assert still_held == []
 
