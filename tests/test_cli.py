@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -523,18 +524,19 @@ def test_purge_covers_tasks_with_prefixes_of_their_own(
     close_app(app)
 
 
-def readme_table(title: str) -> list[str]:
-    """The first column of the README table that follows ``title`` (a line of its own)."""
-    readme = (ROOT / "README.md").read_text()
-    after = readme.split(f"\n{title}\n", 1)[1].lstrip("\n")
-    rows = after.split("\n\n", 1)[0].splitlines()[2:]
+def operations_table(column: str) -> list[str]:
+    """The first column of the Operations page's table whose first header is ``column``."""
+    lines = (ROOT / "docs" / "operations.md").read_text().splitlines()
+    (start,) = [i for i, line in enumerate(lines) if line.startswith(f"| {column} |")]
+    rows = itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2 :])
     return [row.split("|")[1].strip().strip("`") for row in rows]
 
 
-def test_readme_documents_the_json_schema() -> None:
-    """The README's field tables for LOCK and HOLDER list exactly the schemas' fields."""
-    assert readme_table("A `LOCK`:") == list(LOCK_SCHEMA["properties"])
-    assert readme_table("A `HOLDER`:") == list(HOLDER_SCHEMA["properties"])
+def test_operations_page_documents_the_json_schema() -> None:
+    """The Operations page's field tables for LOCK and HOLDER list the schemas' fields,
+    in the schemas' order."""
+    assert operations_table("`LOCK` field") == list(LOCK_SCHEMA["properties"])
+    assert operations_table("`HOLDER` field") == list(HOLDER_SCHEMA["properties"])
     assert set(LOCK_SCHEMA["required"]) == set(LOCK_SCHEMA["properties"])
 
 

@@ -20,6 +20,10 @@ How the samples run (the conventions the pages follow):
   this module on the namespace after the block.
 * ``console`` blocks do not run, but each ``$`` command must exist: programs,
   sub-commands, options and extras are looked up in the code.
+
+The README is held to the same rules (its console lines are commands without the
+``$``), and stays the short front door: its links resolve and map the site, its test
+command is what CI runs, and its benchmark figures are those of the Benchmarks page.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ else:  # pragma: no cover - Python 3.10
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
+README = ROOT / "README.md"
+#: Everything whose samples and commands are checked: the README and the site's pages.
+SOURCES = [README, *PAGES]
 
 #: Loopback stand-ins: the text a sample shows, and the deployment that replaces it.
 STAND_INS: dict[str, str] = {
@@ -147,7 +154,7 @@ def prose(page: Path) -> str:
 
 
 def page_id(page: Path) -> str:
-    return str(page.relative_to(DOCS))
+    return str(page.relative_to(DOCS if page.is_relative_to(DOCS) else ROOT))
 
 
 # -- Running a page's samples -------------------------------------------------------
@@ -309,7 +316,7 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-RUNNABLE = [page for page in PAGES if any(b.lang == "python" for b in blocks(page))]
+RUNNABLE = [page for page in SOURCES if any(b.lang == "python" for b in blocks(page))]
 
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=page_id)
@@ -344,7 +351,7 @@ def test_samples_run(page: Path, request: pytest.FixtureRequest, tmp_path: Path)
 
 def test_every_python_sample_is_run_or_says_why_not() -> None:
     """A sample that is not run says why in its visible title."""
-    for page in PAGES:
+    for page in SOURCES:
         for block in blocks(page):
             if block.lang == "python" and block.skipped:
                 reason = block.title.lower().split("not run", 1)[1].strip(" :—-()")
@@ -354,7 +361,7 @@ def test_every_python_sample_is_run_or_says_why_not() -> None:
 def test_code_blocks_have_a_known_language() -> None:
     """Every fenced block says what it is, so none escapes the checks by accident."""
     known = {"python", "console", "text", "mermaid", "toml"}
-    for page in PAGES:
+    for page in SOURCES:
         for block in blocks(page):
             assert block.lang in known, f"{block.where}: fence language {block.lang!r}"
 
@@ -407,14 +414,17 @@ def test_typing_configuration_checks_a_project(tmp_path: Path) -> None:
 
 
 def console_commands() -> Iterator[tuple[Block, list[str]]]:
-    """Every ``$`` command of every console block, split like a shell would."""
-    for page in PAGES:
+    """Every ``$`` command of every console block (every line of the README's), split
+    like a shell would."""
+    for page in SOURCES:
         for block in blocks(page):
             if block.lang != "console":
                 continue
             for line in block.code.splitlines():
                 if line.startswith("$ "):
                     yield block, shlex.split(line[2:], comments=True)
+                elif page == README and line.strip():
+                    yield block, shlex.split(line, comments=True)
 
 
 def _options(words: list[str]) -> list[str]:
@@ -739,7 +749,7 @@ def test_every_test_named_in_the_docs_exists() -> None:
     names = _test_names()
     everywhere = set().union(*names.values())
     cited = 0
-    for page in PAGES:
+    for page in SOURCES:
         text = prose(page)  # a sample's own tests are not cited as proof
         for file, name in re.findall(r"(?:(test_\w+\.py)::)?\b(test_\w+)\b(?!\.py)", text):
             if file:
@@ -812,3 +822,55 @@ def test_dev_extra_installs_the_docs_tools() -> None:
     assert "celery_redislock[docs]" in extras["dev"]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "mkdocs build --strict" in ci
+
+
+# -- The README ----------------------------------------------------------------------
+
+
+def _readme_section(title: str) -> str:
+    return README.read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_is_the_short_front_door() -> None:
+    """The README stays short: the pitch, the quick start and a map of the site."""
+    assert len(README.read_text().splitlines()) <= 150
+
+
+def test_readme_links_resolve_and_map_the_site() -> None:
+    """Every relative link of the README reaches a file, and it links every page of the
+    site but the API reference's own (whose index it links)."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", prose(README))
+    local = {target.split("#", 1)[0] for target in targets if "://" not in target}
+    for target in local:
+        assert (ROOT / target).is_file(), f"README.md: no {target}"
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=_Loader)
+    site = {
+        f"docs/{page}"
+        for page in _nav_pages(config["nav"])
+        if not page.startswith("reference/") or page == "reference/index.md"
+    }
+    assert site - local == set()
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    """The README's test command is the one .ci/run ends with."""
+    readme = [words for block, words in console_commands() if block.page == README]
+    tests = [words for words in readme if words[0] == "pytest"]
+    ci = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert tests == [shlex.split(ci[-1])]
+
+
+_FIGURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)*")
+
+
+def test_readme_benchmark_figures_are_on_the_benchmarks_page() -> None:
+    """Every figure of the README's benchmark headline is one the Benchmarks page shows."""
+    headline = re.sub(r"\]\([^)]*\)", "]", _readme_section("Benchmarks"))
+    page = set(_FIGURE.findall((DOCS / "benchmarks.md").read_text()))
+    figures = _FIGURE.findall(headline)
+    assert len(figures) > 5
+    assert set(figures) - page == set()

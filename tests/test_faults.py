@@ -1,5 +1,5 @@
 """The engine under real faults: stalled and restarted servers, reset connections, lost
-replies, black holes, dropped lock objects (see the README's fault model)."""
+replies, black holes, dropped lock objects (see the fault table of docs/guarantees.md)."""
 
 from __future__ import annotations
 

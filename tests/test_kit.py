@@ -1,5 +1,5 @@
-"""celery_redislock.testing, the test kit for users: its helpers, and the README's
-complete example run as a pytest session of its own."""
+"""celery_redislock.testing, the test kit for users: its helpers, and the complete
+example of the Testing page (docs/testing.md) run as a pytest session of its own."""
 
 from __future__ import annotations
 
@@ -33,25 +33,20 @@ from tests.support import close_app, wait_for
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def readme_example() -> dict[str, str]:
-    """The files of the README's "Testing your own code" example: each ```python block
-    there whose first line is ``# <name>.py``."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Testing your own code", 1)[1].split("\n## ", 1)[0]
-    files = {}
-    for block in re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL):
-        first, _, rest = block.partition("\n")
-        match = re.fullmatch(r"# (\w+\.py)", first.strip())
-        if match:
-            files[match.group(1)] = rest
-    return files
+def page_example() -> dict[str, str]:
+    """The files of the Testing page's example: each ```python block of its "An
+    example" section, titled with a file name."""
+    page = (ROOT / "docs" / "testing.md").read_text()
+    section = page.split("\n## An example\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r'```python title="(\w+\.py)"\n(.*?)```', section, flags=re.DOTALL)
+    return dict(blocks)
 
 
-def test_readme_example_passes_as_a_project_of_its_own(tmp_path: Path) -> None:
-    """The README's example (task, conftest, tests) passes when run as a user's project:
-    the plugin is enabled by its conftest alone."""
-    files = readme_example()
-    assert set(files) == {"tasks.py", "conftest.py", "test_tasks.py"}
+def test_page_example_passes_as_a_project_of_its_own(tmp_path: Path) -> None:
+    """The Testing page's example (task, conftest, tests) passes when run as a user's
+    project: the plugin is enabled by its conftest alone."""
+    files = page_example()
+    assert set(files) == {"reports.py", "conftest.py", "test_reports.py"}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
@@ -66,7 +61,7 @@ def test_readme_example_passes_as_a_project_of_its_own(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "3 passed" in result.stdout
+    assert "4 passed" in result.stdout
 
 
 @pytest.fixture(scope="module")

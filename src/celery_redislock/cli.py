@@ -229,7 +229,12 @@ def _collect(
 @click.option("--task", "task", metavar="NAME", help="Only locks held for this task name.")
 @click.option("--holder", metavar="TASK_ID", help="Only the lock held by this task id.")
 @click.option("--state", type=click.Choice(HOLDER_STATES), help="Only queued or running holders.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema in the README).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON (schema: celery_redislock.admin.LIST_SCHEMA).",
+)
 @click.pass_context
 @one_line_errors
 def list_(
@@ -267,7 +272,12 @@ def list_(
     show_default=True,
     help="Seconds to wait for the workers' and the result backend's answers.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema in the README).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON (schema: celery_redislock.admin.SHOW_SCHEMA).",
+)
 @click.pass_context
 @one_line_errors
 def show(ctx: click.Context, name_or_id: str, timeout: float, as_json: bool) -> None:
@@ -530,7 +540,12 @@ def purge(
 
 
 @redislock.command()
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema in the README).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON (schema: celery_redislock.admin.STATS_SCHEMA).",
+)
 @click.pass_context
 @one_line_errors
 def stats(ctx: click.Context, as_json: bool) -> None:

@@ -473,7 +473,7 @@ def describe_error(exc: BaseException) -> str:
     ):
         return (
             f"{exc} (the Redis user lacks a permission the locks need: see the "
-            "README's ACL section)"
+            "ACL section of the documentation's Deployments page)"
         )
     if isinstance(exc, RedisTimeoutError):
         return f"timed out ({exc})"
