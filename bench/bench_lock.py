@@ -21,9 +21,9 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    acquisitions per process (max/min).
 5. Wake-ups per release: 100 waiters on one name in 4 processes; wake-up
    messages received per release and ``PUBLISH`` calls per release.
-6. Memory per held lock (10,000 held at once, ``INFO memory`` and ``MEMORY
-   USAGE``), per free remnant after release, and the heartbeat's round trips to
-   renew them all.
+6. Memory per held lock (10,000 held at once, ``INFO memory`` once the server's
+   rehashing has settled, and ``MEMORY USAGE``), per free remnant after release,
+   and the heartbeat's round trips to renew them all.
 7. With ``--profile``: ``cProfile`` of an uncontended acquire+release loop.
 
 Variants run interleaved over several rounds where timing matters, and each
@@ -596,13 +596,32 @@ def used_memory(client: redis.Redis) -> int:
     return int(client.info("memory")["used_memory"])
 
 
+def settled_memory(client: redis.Redis, timeout: float = 5.0) -> int:
+    """``used_memory`` once it stops changing (at most ``timeout`` seconds).
+
+    A keyspace that just grew past a power of two is being rehashed into a table
+    twice the size, and both tables are allocated until the server's background
+    rehash finishes (a fraction of a second later): up to 13 bytes per key for the
+    main and expiry tables, which no lock keeps.
+    """
+    deadline = time.monotonic() + timeout
+    last = used_memory(client)
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = used_memory(client)
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def hold_many(client: redis.Redis, count: int, task_like: bool, heartbeat: bool) -> list[RedisLock]:
     """``count`` held locks with distinct names, as a task or as a plain lock would hold them.
 
     ``task_like`` names them like a ``SingletonTask`` (``<task name>:<32 hex>``),
     with a task id as lease, ``<task id>:<16 hex>`` as owner and, where the engine
     stores one, a holder description like a running task's; otherwise the name is
-    short and the owner is the engine's default 32 hex digits.
+    short and the owner is the engine's default (128 random bits, 22 characters).
     """
     # What a running SingletonTask stores about itself, where the engine takes it.
     extra: dict[str, Any] = {}
@@ -650,6 +669,9 @@ def bench_memory(url: str, count: int, findings: Findings) -> None:
     )
     client = redis.Redis.from_url(url)
     stats = redis.Redis.from_url(url)
+    # Warm up: a fresh server's first keys of this many cost more than the same keys
+    # later (one-time growth, the first time a keyspace of this size is allocated).
+    drop(client, hold_many(client, count, task_like=False, heartbeat=False))
     for task_like, heartbeat in ((False, False), (True, True)):
         label = (
             "as SingletonTask holds them (task name + 32 hex, owner and lease from the task id,"
@@ -657,9 +679,9 @@ def bench_memory(url: str, count: int, findings: Findings) -> None:
             if task_like
             else "plain RedisLock (short name, default owner), heartbeat off"
         )
-        before = used_memory(stats)
+        before = settled_memory(stats)
         locks = hold_many(client, count, task_like, heartbeat)
-        held = used_memory(stats)
+        held = settled_memory(stats)
         per_lock = (held - before) / count
         sample = stats.memory_usage(locks[0].key, samples=0) or 0
         print(f"   {label}:")
@@ -716,7 +738,7 @@ def bench_memory(url: str, count: int, findings: Findings) -> None:
         for lock in locks:
             lock.release()
         took = time.perf_counter() - started
-        remnant = (used_memory(stats) - before) / count
+        remnant = (settled_memory(stats) - before) / count
         sample = stats.memory_usage(locks[0].key, samples=0) or 0
         print(
             f"     after release() of all ({took / count * 1e6:.0f} us each): the free hashes that"

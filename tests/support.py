@@ -13,6 +13,8 @@ from typing import Any
 import redis
 from celery import Celery
 
+from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD
+
 #: Events a test opens to let a held task finish, by name.
 GATES: dict[str, threading.Event] = {}
 #: What each task execution recorded, in order.
@@ -78,7 +80,14 @@ def make_app(url: str, name: str = "t") -> Celery:
 def held(client: redis.Redis, key: str) -> bool:
     """Whether the lock hash ``key`` has an owner (a free lock's hash stays a while,
     keeping its fencing counter)."""
-    return bool(client.hget(key, "owner"))
+    return bool(client.hget(key, OWNER_FIELD))
+
+
+def hold_count(client: redis.Redis, key: str) -> int:
+    """The hold count stored in the lock hash ``key``: 0 when it is free, and 1 when
+    held without a count field (a count of one is not stored)."""
+    owner, count = client.hmget(key, OWNER_FIELD, COUNT_FIELD)
+    return int(count or 1) if owner else 0
 
 
 def lock_keys(client: redis.Redis) -> list[str]:

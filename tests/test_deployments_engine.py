@@ -29,6 +29,7 @@ from celery_redislock.deployments import (
 )
 from celery_redislock.heartbeat import Heartbeat
 from celery_redislock.lock import lock_keys, release_lease
+from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import Client, transport_for
 from tests.support import wait_for
@@ -159,7 +160,7 @@ def lock_hashes(store: Store) -> list[str]:
         found += [
             k.decode()
             for k in admin.scan_iter("redislock:{*}")
-            if k.endswith(b"}") and admin.hget(k, "owner")
+            if k.endswith(b"}") and admin.hget(k, OWNER_FIELD)
         ]
     return found
 
@@ -232,9 +233,9 @@ def test_reentry_counts_holds(locks: Store) -> None:
     assert lock.acquire(blocking=False)
     assert lock.token == token
     admin = locks.admin_for(lock.key)
-    assert admin.hget(lock.key, "count") == b"2"
+    assert admin.hget(lock.key, COUNT_FIELD) == b"2"
     lock.release()
-    assert admin.hget(lock.key, "count") == b"1"
+    assert admin.hget(lock.key, COUNT_FIELD) == b"1"
     assert lock.owned()
     assert not rival.acquire(blocking=False)
     lock.release()
@@ -370,7 +371,7 @@ def test_cluster_renewal_is_one_round_trip_per_primary(
 def assert_renewed_there(admin: redis.Redis, lock: RedisLock) -> None:
     """Assert that ``lock`` is on ``admin``'s server under its owner, that the heartbeat
     renews it there (its remaining TTL grows again), and that it is not lost."""
-    assert admin.hget(lock.key, "owner") == lock.owner.encode()
+    assert admin.hget(lock.key, OWNER_FIELD) == lock.owner.encode()
     remaining = admin.pttl(lock.key)
     assert remaining > 0
     wait_for(
@@ -644,7 +645,7 @@ def test_release_refused_by_the_acl_changes_nothing(
     lock = RedisLock(user.url, "refused-release", ttl=30, heartbeat=False)
     assert lock.acquire(blocking=False)
     admin.zadd(lock.queue_key, {"someone.1": 1})
-    admin.hset(lock.key, "queued", "1")
+    admin.hset(lock.key, QUEUED_FIELD, "1")
     before = admin.hgetall(lock.key)
     with pytest.raises(LockBackendError) as excinfo:
         lock.release()

@@ -206,6 +206,7 @@ def then_task_locks(namespace: dict[str, Any]) -> None:
     from redis.exceptions import NoPermissionError
 
     from celery_redislock import SingletonTask
+    from celery_redislock.scripts import OWNER_FIELD
 
     app = namespace["app"]
     name = f"docs-check-{uuid.uuid4().hex[:8]}"
@@ -213,7 +214,7 @@ def then_task_locks(namespace: dict[str, Any]) -> None:
     @app.task(base=SingletonTask, bind=True, name=name, shared=False)
     def check(self: Any) -> tuple[int, bool]:
         key = f"{self.lock_options.prefix}:{{{self.lock.key}}}"
-        return self.lock.fence, bool(self.lock_client.hget(key, "owner"))
+        return self.lock.fence, bool(self.lock_client.hget(key, OWNER_FIELD))
 
     token, held = check.apply().get()
     assert isinstance(token, int), token

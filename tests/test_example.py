@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 
+from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
 from example_worker import inventory
 from example_worker.__main__ import build_parser
@@ -82,7 +83,7 @@ def snapshot(
     locks = sorted(
         text(k)
         for k in client.scan_iter("redislock:{example_worker.tasks.*}")
-        if client.hget(k, "owner")  # a free lock's hash stays a while, for its fence
+        if client.hget(k, OWNER_FIELD)  # a free lock's hash stays a while, for its fence
     )
     return Batch(
         returncode=done.returncode,

@@ -22,6 +22,7 @@ from celery_redislock.transport import pack, transport_for
 from celery_redislock.wakeups import hub_for
 from tests.proxy import FaultProxy
 from tests.support import held, wait_for, wait_until
+from tests.support import hold_count as stored_hold_count
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ def via_proxy(proxy: FaultProxy) -> Iterator[redis.Redis]:
 
 def hold_count(client: redis.Redis, lock: RedisLock) -> int:
     """The hold count stored in Redis (0 when the lock is free)."""
-    return int(client.hget(lock.key, "count") or 0)
+    return stored_hold_count(client, lock.key)
 
 
 # Every call is bounded.

@@ -32,6 +32,7 @@ import pytest
 import redis
 
 from celery_redislock import RedisLock
+from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
 from tests.fault_children import SOAK_HOLDS, SOAK_STATS, SOAK_STOP, fence_log, fenced_write
 from tests.proxy import FaultProxy
@@ -158,7 +159,7 @@ def test_holder_stopped_past_ttl_sees_lost_and_cannot_release(
         assert any(w["accepted"] for w in writes[:first_parent]), writes
         assert all(w["current"] for w in writes if w["accepted"]), writes
         assert released["result"] == "LockLostError", seen
-        assert client.hget(parent.key, "owner") == parent.owner.encode()
+        assert client.hget(parent.key, OWNER_FIELD) == parent.owner.encode()
         assert parent.owned()
         assert not parent.lost
     finally:

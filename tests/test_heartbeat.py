@@ -18,7 +18,7 @@ from redis.retry import Retry
 from celery_redislock import LockLostError, RedisLock
 from celery_redislock import client as client_module
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
-from celery_redislock.scripts import EXTEND
+from celery_redislock.scripts import EXTEND, OWNER_FIELD
 from celery_redislock.server import RedisServer
 from tests.support import held, wait_until
 
@@ -425,7 +425,7 @@ def test_forked_child_has_its_own_heartbeat(client: redis.Redis, redislock_url: 
         key = RedisLock(client, "forked", ttl=1).key
 
         # Seen from the parent, the child's 1 s lock lives on for 3 s.
-        assert stays_true(lambda: client.hget(key, "owner") == child_owner, 3.0)
+        assert stays_true(lambda: client.hget(key, OWNER_FIELD) == child_owner, 3.0)
 
         parent_end.send("release")
         assert parent_end.poll(30), "the child did not release"

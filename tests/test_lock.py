@@ -32,7 +32,16 @@ from celery_redislock import (
 )
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import FENCE_TTL_MS, lock_keys, name_from_key, release_lease
-from celery_redislock.scripts import REQUEST_ID_HEX
+from celery_redislock.scripts import (
+    COUNT_FIELD,
+    FENCE_FIELD,
+    FIELDS,
+    LEASE_FIELD,
+    OWNER_FIELD,
+    RELEASED_FIELD,
+    REQUEST_FIELD,
+    REQUEST_ID_HEX,
+)
 from celery_redislock.server import RedisServer, available_server_binaries
 from tests.support import lock_keys as lock_keys_held
 from tests.support import wait_until
@@ -68,7 +77,17 @@ def queued(client: redis.Redis, lock: RedisLock) -> int:
 
 def held(client: redis.Redis, lock: RedisLock) -> bool:
     """Whether the lock is held (its hash has an owner)."""
-    return bool(client.hget(lock.key, "owner"))
+    return bool(client.hget(lock.key, OWNER_FIELD))
+
+
+def stored(client: redis.Redis, lock: RedisLock) -> dict[str, bytes]:
+    """The lock hash's non-empty fields, by stored name (an emptied field counts as absent)."""
+    fields = client.hgetall(lock.key)
+    return {
+        k.decode(): v
+        for k, v in fields.items()
+        if isinstance(k, bytes) and isinstance(v, bytes) and v
+    }
 
 
 class Waiter:
@@ -137,15 +156,40 @@ def test_acquire_sets_ttl_atomically(client: redis.Redis) -> None:
     pttl = client.pttl(lock.key)
     assert 0 < pttl <= 30_000
     fields = client.hgetall(lock.key)
-    request = fields.pop(b"req")
+    request = fields.pop(REQUEST_FIELD.encode())
     assert fields == {
-        b"owner": lock.owner.encode(),
-        b"lease": b"",
-        b"count": b"1",
-        b"fence": str(lock.token).encode(),
+        OWNER_FIELD.encode(): lock.owner.encode(),
+        FENCE_FIELD.encode(): str(lock.token).encode(),
     }
     assert len(request) == REQUEST_ID_HEX  # the id of the request that took it
     lock.release()
+
+
+def test_held_plain_lock_stores_three_fields(client: redis.Redis) -> None:
+    """A held plain lock stores only its owner, fence and request id (no empty lease, no
+    count of one), also where an earlier holder left a lease, a count and a holder's
+    description: what that holder wrote is emptied, not kept."""
+    lock = RedisLock(client, "three-fields", ttl=30)
+    assert lock.acquire(blocking=False)
+    assert client.hlen(lock.key) == 3
+    assert set(stored(client, lock)) == {OWNER_FIELD, FENCE_FIELD, REQUEST_FIELD}
+    lock.release()
+
+    earlier = RedisLock(
+        client, "three-fields", ttl=30, lease="task-1", holder_info={"task": "proj.job"}
+    )
+    with earlier, earlier:
+        assert stored(client, earlier)[COUNT_FIELD] == b"2"
+        assert stored(client, earlier)[LEASE_FIELD] == b"task-1"
+    with lock:
+        # Besides the hold, only the recent releases (for retried releases) are kept.
+        assert set(stored(client, lock)) == {
+            OWNER_FIELD,
+            FENCE_FIELD,
+            REQUEST_FIELD,
+            RELEASED_FIELD,
+        }
+        assert lock.holder_lease() is None
 
 
 def _server_counters(client: redis.Redis) -> tuple[int, int]:
@@ -185,10 +229,11 @@ def test_acquire_release_is_two_round_trips(
 
 
 def test_owner_tokens_are_random_128_bits(client: redis.Redis) -> None:
-    """Default owners are 32 hex digits (128 bits from ``secrets``) and never repeat."""
+    """Default owners are 128 bits from ``secrets`` in 22 URL-safe characters, and
+    never repeat."""
     owners = {RedisLock(client, "owners", ttl=5).owner for _ in range(1000)}
     assert len(owners) == 1000
-    assert all(re.fullmatch(r"[0-9a-f]{32}", owner) for owner in owners)
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]{21}[AQgw]", owner) for owner in owners)
 
 
 def test_explicit_owner_is_kept(client: redis.Redis) -> None:
@@ -273,7 +318,7 @@ def test_reentrant_same_object(client: redis.Redis) -> None:
     assert lock.token == token
     lock.release()
     assert lock.owned()
-    assert client.hget(lock.key, "count") == b"1"
+    assert client.hget(lock.key, COUNT_FIELD) == b"1"
     lock.release()
     assert not lock.locked()
 
@@ -296,7 +341,7 @@ def test_reentrant_with_statement(client: redis.Redis) -> None:
     lock = RedisLock(client, "nested", ttl=30)
     with lock:
         with lock:
-            assert client.hget(lock.key, "count") == b"2"
+            assert client.hget(lock.key, COUNT_FIELD) == b"2"
         assert lock.owned()
     assert not lock.locked()
 
@@ -336,7 +381,7 @@ def test_lease_takeover(client: redis.Redis, cleanup: list[RedisLock]) -> None:
     assert old.lost
     assert new.owned()
     assert new.holder_lease() == "task-1"
-    assert client.hget(new.key, "fence") == str(new.token).encode()
+    assert client.hget(new.key, FENCE_FIELD) == str(new.token).encode()
 
 
 def test_other_lease_cannot_take_over(client: redis.Redis) -> None:
@@ -553,8 +598,9 @@ def test_free_lock_keeps_its_fence_for_fence_ttl(client: redis.Redis) -> None:
     assert lock.acquire()
     lock.release()
     assert 0 < client.pttl(lock.key) <= FENCE_TTL_MS
-    assert client.hget(lock.key, "owner") == b""
-    assert client.hget(lock.key, "fence") == str(lock.token).encode()
+    assert client.hget(lock.key, OWNER_FIELD) == b""
+    assert client.hget(lock.key, FENCE_FIELD) == str(lock.token).encode()
+    assert set(stored(client, lock)) == {FENCE_FIELD, RELEASED_FIELD}
     assert not lock.locked()
 
 
@@ -831,7 +877,7 @@ def test_mutual_exclusion_history(redislock_url: str, client: redis.Redis) -> No
         assert token > prev_token, "tokens did not increase in acquisition order"
     assert all(worker.exitcode == 0 for worker in workers)
     assert not client.exists(lock_keys("contended").queue)
-    assert not client.hget(lock_keys("contended").lock, "owner")
+    assert not client.hget(lock_keys("contended").lock, OWNER_FIELD)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -853,12 +899,12 @@ def test_holder_info_is_stored_with_the_hold(client: redis.Redis) -> None:
     before = described.transport.sends
     assert described.acquire()
     assert described.transport.sends - before <= 2  # one, or two on the script's first use
-    fields = client.hmget(described.key, "task", "state", "node")
-    assert fields == [b"proj.rebuild", b"running", b""]
+    fields = client.hmget(described.key, FIELDS["task"], FIELDS["state"], FIELDS["node"])
+    assert fields == [b"proj.rebuild", b"running", None]  # an empty value is not stored
     described.release()
     plain = RedisLock(client, "described", ttl=30)
     assert plain.acquire()
-    assert client.hget(plain.key, "task") == b""
+    assert client.hget(plain.key, FIELDS["task"]) == b""
     plain.release()
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from celery_redislock import LockBackendError, RedisLock
+from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
 from tests.support import held, wait_for
 
@@ -45,7 +46,7 @@ def test_acquire_confirmed_by_a_replica_is_on_the_replica(
     before = lock.transport.sends
     assert lock.acquire(blocking=False)
     assert lock.transport.sends - before == 1
-    assert replica_client.hget(lock.key, "owner") == lock.owner.encode()
+    assert replica_client.hget(lock.key, OWNER_FIELD) == lock.owner.encode()
     lock.release()
     replica_client.close()
 

@@ -19,6 +19,7 @@ from celery.worker import state as worker_state
 
 from celery_redislock import RedisLock, SingletonTask
 from celery_redislock.revoke import RevokedLockRelease, find_and_free_queued
+from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.task import queued_owner
 from tests.support import (
@@ -265,7 +266,7 @@ def test_search_is_bounded(
     """The search gives up after MAX_SCAN_CALLS SCAN calls, logging which ids it did not find."""
     keys = [f"bounded:{{t.job:{n}}}" for n in range(50)]
     for n, key in enumerate(keys):
-        locks.hset(key, mapping={"lease": f"other-{n}", "owner": "x"})
+        locks.hset(key, mapping={LEASE_FIELD: f"other-{n}", OWNER_FIELD: "x"})
     caplog.set_level(logging.WARNING, logger="celery_redislock")
     monkeypatch.setattr("celery_redislock.revoke.SCAN_COUNT", 1)
     monkeypatch.setattr("celery_redislock.revoke.MAX_SCAN_CALLS", 2)

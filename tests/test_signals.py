@@ -10,6 +10,7 @@ import redis
 from celery import Celery
 
 from celery_redislock import RedisLock, SingletonTask, signals
+from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
 from tests.support import close_app, make_app, wait_for
 
@@ -68,7 +69,7 @@ def test_released_reports_a_lost_lock(
 
     @app.task(base=SingletonTask, bind=True, shared=False)
     def job(self: Any) -> None:
-        redislock_client.hset(f"redislock:{{{self.lock.key}}}", "owner", "someone-else")
+        redislock_client.hset(f"redislock:{{{self.lock.key}}}", OWNER_FIELD, "someone-else")
 
     job.apply().get()
     wait_for(lambda: any(name == "lock_released" for name, _ in sent), what="lock_released")

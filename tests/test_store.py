@@ -14,6 +14,7 @@ from redis.cluster import RedisCluster
 from celery_redislock import SingletonTask
 from celery_redislock.client import get_client, url_shown
 from celery_redislock.deployments import ClusterDeployment, SentinelDeployment, TLSServer
+from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.store import describe_store, lock_store, store_url
 from tests.support import close_app
@@ -34,7 +35,7 @@ def job_of(app: Celery, **options: Any) -> Any:
     def job(self: Any, key: str) -> tuple[int | None, bool]:
         handle = self.lock
         assert handle is not None
-        return handle.token, bool(self.lock_client.hget(handle_key(self, key), "owner"))
+        return handle.token, bool(self.lock_client.hget(handle_key(self, key), OWNER_FIELD))
 
     return job
 

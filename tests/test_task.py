@@ -29,6 +29,7 @@ from celery_redislock import (
     is_skipped,
 )
 from celery_redislock.heartbeat import get_heartbeat
+from celery_redislock.scripts import FENCE_FIELD
 from celery_redislock.server import RedisServer, free_port
 from celery_redislock.task import OPTIONS, LockOptions
 from tests.support import (
@@ -403,7 +404,7 @@ class TestEndPaths:
 
 def runs_of_fence(client: redis.Redis, key: str) -> bool:
     """Whether the lock at ``key`` was ever taken (its hash keeps a fencing token)."""
-    return bool(client.hget(key, "fence"))
+    return bool(client.hget(key, FENCE_FIELD))
 
 
 @pytest.mark.usefixtures("worker")

@@ -1,7 +1,7 @@
 """Read and repair lock state: what ``celery redislock`` shows and does, callable from Python.
 
 Everything here reads the storage format of :mod:`celery_redislock.scripts`: one
-hash per lock name (held while its ``owner`` field is non-empty, kept free for a
+hash per lock name (held while its owner field is non-empty, kept free for a
 while after release for its fencing counter) with the holder's description
 (task, state, node, pid, since), and a sorted set of queued waiters beside it.
 
@@ -42,7 +42,14 @@ from celery_redislock.lock import (
     name_from_key,
     wake_channel_prefix,
 )
-from celery_redislock.scripts import FORCE_RELEASE_SCRIPT, HOLDER_FIELDS, Call, request_id, send
+from celery_redislock.scripts import (
+    FIELDS,
+    FORCE_RELEASE_SCRIPT,
+    HOLDER_FIELDS,
+    Call,
+    request_id,
+    send,
+)
 from celery_redislock.store import describe_store, lock_store
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
@@ -84,7 +91,8 @@ HOLDER_STATES: tuple[HolderState, ...] = ("queued", "running")
 #: Keys asked for per ``SCAN`` call (a hint to the server, not a limit).
 SCAN_COUNT = 1000
 
-#: The hash fields read for each lock, in order.
+#: The hash fields read for each lock, in order, by their readable names (stored
+#: under the one-letter names of :data:`~celery_redislock.scripts.FIELDS`).
 _FIELDS = ("owner", "lease", "count", "fence", *HOLDER_FIELDS)
 
 
@@ -338,7 +346,7 @@ def _parse(key: str, prefix: str, row: Sequence[Any], pttl: Any, waiters: Any) -
     return LockInfo(
         name=name_from_key(key, prefix),
         holder=_text(values["lease"]) or None,
-        count=_int(values["count"]) or 0,
+        count=_int(values["count"]) or 1,  # absent: one hold
         fence=_int(values["fence"]) or 0,
         ttl_ms=int(pttl) if isinstance(pttl, int) else -2,
         task=_text(values["task"]) or None,
@@ -353,7 +361,8 @@ def _parse(key: str, prefix: str, row: Sequence[Any], pttl: Any, waiters: Any) -
 
 def _read_commands(key: str) -> list[tuple[Any, ...]]:
     """The reads that describe lock ``key``: its fields, its TTL and its queue length."""
-    return [("HMGET", key, *_FIELDS), ("PTTL", key), ("ZCARD", f"{key}:waiters")]
+    fields = (FIELDS[name] for name in _FIELDS)
+    return [("HMGET", key, *fields), ("PTTL", key), ("ZCARD", f"{key}:waiters")]
 
 
 def _scan(transport: Transport, match: str, timeout: float) -> Iterator[list[str]]:

@@ -18,7 +18,7 @@ handler that runs Celery's own and then, for each revoked task id, frees the
   slot): the lock name comes from the task and its arguments;
 * an id it does not know (the message still sits in the broker): the lock is
   found by a bounded ``SCAN`` of the lock keys and a pipelined ``HMGET`` of their
-  ``lease`` and ``owner`` fields.
+  lease and owner fields.
 
 Only a lock still owned by the message — its owner is
 :func:`~celery_redislock.task.queued_owner` of the task id — is freed, by an
@@ -49,6 +49,7 @@ from celery.worker import state as worker_state
 
 from celery_redislock.errors import LockNotOwnedError
 from celery_redislock.lock import RedisLock, name_from_key, release_lease
+from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
 from celery_redislock.task import WHILE_EXECUTING, SingletonTask, queued_owner
 from celery_redislock.transport import Client
 
@@ -223,7 +224,7 @@ def find_and_free_queued(client: Client, prefix: str, task_ids: set[str]) -> Non
         if keys:
             with client.pipeline(transaction=False) as pipe:
                 for key in keys:
-                    pipe.hmget(key, "lease", "owner")
+                    pipe.hmget(key, LEASE_FIELD, OWNER_FIELD)
                 rows = pipe.execute(raise_on_error=False)
             for key, row in zip(keys, rows, strict=True):
                 if isinstance(row, Exception):

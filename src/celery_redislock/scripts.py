@@ -5,17 +5,39 @@ single step no other client can interleave with. All keys one call touches
 share the lock name's ``{hash tag}``, so one call touches a single cluster slot.
 
 A lock name has one hash, which lives as long as the lock is held and
-``FENCE_TTL`` past its last release:
+``FENCE_TTL`` past its last release. Its fields have one-letter names, so that a
+held lock costs the server little (the names below are the constants that hold
+them; ``celery redislock`` and :mod:`celery_redislock.admin` show the readable
+names on the left):
 
-``owner``     the owner token of the holder, ``""`` while the lock is free
-``lease``     the lease the holder belongs to (a Celery task id), or ``""``
-``count``     the holder's hold count (re-entrant acquires)
-``fence``     the last fencing token handed out for the name
-``req``       the id of the last request that changed the hold (acquire or release)
-``released``  the ids of the last few releases that freed the lock
-``queued``    ``"1"`` while waiters may be queued
-``reserved``  the waiters a release just woke (``reserved_until``: until when, in
-              ms): the free lock is theirs for ``RESERVE_MS``
+==================  =====  ===================================================
+readable name       field  holds
+==================  =====  ===================================================
+``owner``           ``o``  the owner token of the holder, ``""`` while the lock is free
+``lease``           ``l``  the lease the holder belongs to (a Celery task id);
+                           absent or ``""`` for none
+``count``           ``n``  the holder's hold count (re-entrant acquires); absent
+                           or ``""`` for 1
+``fence``           ``f``  the last fencing token handed out for the name
+``req``             ``r``  the id of the last request that changed the hold
+                           (acquire or release); ``""`` while free
+``released``        ``x``  the ids of the last few releases that freed the lock
+``queued``          ``q``  ``"1"`` while waiters may be queued
+``reserved``        ``w``  the waiters a release just woke: the free lock is
+                           theirs for ``RESERVE_MS``
+``reserved_until``  ``u``  until when ``reserved`` holds, in ms
+``task``            ``t``  the holder's description (:data:`HOLDER_FIELDS`): the
+``state``           ``s``  task name, ``queued``/``running``, the worker node,
+``node``            ``h``  its process id and when the hold began; written only
+``pid``             ``p``  for a holder that has one (``task`` then always, the
+``since``           ``b``  others when not empty)
+==================  =====  ===================================================
+
+A held plain lock is three fields, ``o``, ``f`` and ``r``: nothing is written
+that says only "none" or "1". Redis has no way to remove a field with the
+commands the engine is allowed (see the minimal ACL), so a field that an earlier
+holder wrote and the current one does not need is emptied instead; a release
+empties the holder's fields, so a free hash keeps little beyond its fence.
 
 Keeping the hash (rather than deleting it) on release keeps the fencing counter
 without a second key, and lets a release be one ``HSET`` and one ``PEXPIRE``. When
@@ -43,8 +65,10 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import IntEnum
+from string import Template
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from redis.exceptions import NoScriptError, RedisError
@@ -53,6 +77,77 @@ from celery_redislock.transport import ATTEMPTS, Deadline, Router, Transport, ru
 
 #: Highest TTL a script accepts, in ms (about 10 years; see ``lock.MAX_SECONDS``).
 MAX_TTL_MS = 315_360_000_000
+
+# The fields of the lock hash (the table in the module docstring).
+#: The holder's owner token; ``""`` while the lock is free.
+OWNER_FIELD = "o"
+#: The holder's lease (a Celery task id); absent or ``""`` for none.
+LEASE_FIELD = "l"
+#: The holder's hold count; absent or ``""`` for 1.
+COUNT_FIELD = "n"
+#: The last fencing token handed out for the name.
+FENCE_FIELD = "f"
+#: The id of the last request that changed the hold.
+REQUEST_FIELD = "r"
+#: The ids of the last few releases that freed the lock, newest first.
+RELEASED_FIELD = "x"
+#: ``"1"`` while waiters may be queued.
+QUEUED_FIELD = "q"
+#: The waiters a release woke, space-separated.
+RESERVED_FIELD = "w"
+#: Until when (server time, ms) the free lock is kept for ``RESERVED_FIELD``.
+RESERVED_UNTIL_FIELD = "u"
+
+#: The holder's description a lock can carry (what ``celery redislock list`` shows):
+#: the task name, ``queued``/``running``, the worker node, its process id, and
+#: when the hold began (Unix time, in seconds).
+HOLDER_FIELDS = ("task", "state", "node", "pid", "since")
+#: The field each :data:`HOLDER_FIELDS` name is stored in, in the same order.
+HOLDER_STORED = ("t", "s", "h", "p", "b")
+
+#: Readable name -> stored field, for everything the lock hash can hold.
+FIELDS: Mapping[str, str] = MappingProxyType(
+    {
+        "owner": OWNER_FIELD,
+        "lease": LEASE_FIELD,
+        "count": COUNT_FIELD,
+        "fence": FENCE_FIELD,
+        "req": REQUEST_FIELD,
+        "released": RELEASED_FIELD,
+        "queued": QUEUED_FIELD,
+        "reserved": RESERVED_FIELD,
+        "reserved_until": RESERVED_UNTIL_FIELD,
+        **dict(zip(HOLDER_FIELDS, HOLDER_STORED, strict=True)),
+    }
+)
+
+#: Request ids are this many hex digits.
+REQUEST_ID_HEX = 10
+
+#: How long, in ms, a lock freed with waiters queued is kept for the (at most two)
+#: waiters it woke: a newcomer, or the releaser coming back, queues behind them
+#: instead of taking it first. Long enough for a woken waiter to ask; short enough
+#: that a waiter that vanished in between delays the others only briefly.
+RESERVE_MS = 250
+
+#: How many recent freeing releases a lock remembers, so that a retried release
+#: is recognised even if the lock was taken and freed again in between.
+RELEASES_REMEMBERED = 8
+
+
+def _lua(text: str) -> str:
+    """``text`` with its ``$NAME`` placeholders filled: the hash's field names as
+    Lua strings (``$OWNER`` is ``'o'``), ``$HOLDER`` the holder's fields as a Lua
+    list, and the numbers the scripts share."""
+    quoted = {name.upper(): f"'{stored}'" for name, stored in FIELDS.items()}
+    holder = "{" + ", ".join(f"'{stored}'" for stored in HOLDER_STORED) + "}"
+    return Template(text).substitute(
+        quoted,
+        HOLDER=holder,
+        RESERVE_MS=RESERVE_MS,
+        RELEASE_HISTORY=RELEASES_REMEMBERED * (REQUEST_ID_HEX + 1) - 1,
+    )
+
 
 # Checks every script makes before its first write, so that an error can never
 # leave a write half done (a key without expiry, a lock freed but nobody woken):
@@ -82,47 +177,50 @@ local function denied(command, ...)
 end
 """
 
-#: Request ids are this many hex digits.
-REQUEST_ID_HEX = 10
-
-#: How long, in ms, a lock freed with waiters queued is kept for the (at most two)
-#: waiters it woke: a newcomer, or the releaser coming back, queues behind them
-#: instead of taking it first. Long enough for a woken waiter to ask; short enough
-#: that a waiter that vanished in between delays the others only briefly.
-RESERVE_MS = 250
-
-#: How many recent freeing releases a lock remembers, so that a retried release
-#: is recognised even if the lock was taken and freed again in between.
-RELEASES_REMEMBERED = 8
-
 # Shared by the scripts that free the lock: keep the hash (and its fence) as a
 # free remnant for ARGV[4] ms, remember the release (ARGV[3]), and hand the lock
-# to the first two queued waiters (wake channel prefix ARGV[2]).
-_FREE = """
-local function free(queued, released)
-    local bad = denied('hset', KEYS[1], 'owner', '') or denied('pexpire', KEYS[1], '1')
-    if queued == '1' then
+# to the first two queued waiters (wake channel prefix ARGV[2]). The holder's
+# fields are emptied, so the remnant keeps little beyond the fence.
+_FREE = _lua("""
+local function free()
+    local lock = redis.call('HMGET', KEYS[1], $RELEASED, $QUEUED, $LEASE, $COUNT, $TASK)
+    local bad = denied('hset', KEYS[1], $OWNER, '') or denied('pexpire', KEYS[1], '1')
+    if lock[2] == '1' then
         bad = bad or denied('zpopmin', KEYS[2]) or denied('publish', ARGV[2] .. '0', '')
             or denied('time')
     end
     if bad then return bad end
     -- The ids of the last few releases that freed the lock, newest first.
-    local history = string.sub(ARGV[3] .. ' ' .. (released or ''), 1, RELEASE_HISTORY)
-    local fields = {'owner', '', 'count', 0, 'released', history}
+    local history = string.sub(ARGV[3] .. ' ' .. (lock[1] or ''), 1, $RELEASE_HISTORY)
+    local fields = {$OWNER, '', $REQ, '', $RELEASED, history}
+    if lock[3] and lock[3] ~= '' then
+        fields[#fields + 1] = $LEASE
+        fields[#fields + 1] = ''
+    end
+    if lock[4] and lock[4] ~= '' then
+        fields[#fields + 1] = $COUNT
+        fields[#fields + 1] = ''
+    end
+    if lock[5] then
+        for _, name in ipairs($HOLDER) do
+            fields[#fields + 1] = name
+            fields[#fields + 1] = ''
+        end
+    end
     local next = {}
-    if queued == '1' then
+    if lock[2] == '1' then
         next = redis.call('ZPOPMIN', KEYS[2], 2)
         if #next == 0 then
-            fields[#fields + 1] = 'queued'
-            fields[#fields + 1] = '0'
+            fields[#fields + 1] = $QUEUED
+            fields[#fields + 1] = ''
         else
             -- Handed to the waiters it wakes: for RESERVE_MS, nobody else takes it.
             local woken = {}
             for i = 1, #next, 2 do woken[#woken + 1] = next[i] end
-            fields[#fields + 1] = 'reserved'
+            fields[#fields + 1] = $RESERVED
             fields[#fields + 1] = table.concat(woken, ' ')
-            fields[#fields + 1] = 'reserved_until'
-            fields[#fields + 1] = now_ms() + RESERVE_MS
+            fields[#fields + 1] = $RESERVED_UNTIL
+            fields[#fields + 1] = now_ms() + $RESERVE_MS
         end
     end
     redis.call('HSET', KEYS[1], unpack(fields))
@@ -136,12 +234,12 @@ local function free(queued, released)
     return 1
 end
 
-local function released_here(released)
+-- Whether request ARGV[3] is one of the releases that freed the lock lately.
+local function released_here()
+    local released = redis.call('HGET', KEYS[1], $RELEASED)
     return released ~= false and string.find(' ' .. released .. ' ', ' ' .. ARGV[3] .. ' ', 1, true)
 end
-""".replace("RELEASE_HISTORY", str(RELEASES_REMEMBERED * (REQUEST_ID_HEX + 1) - 1)).replace(
-    "RESERVE_MS", str(RESERVE_MS)
-)
+""")
 
 #: Take the lock, take it again (re-entrant), or take it over from an earlier
 #: execution of the same lease; a waiter that finds it held joins the queue.
@@ -151,31 +249,25 @@ end
 #: ARGV[4] request id; ARGV[5] waiter id ("" when not waiting: not queued);
 #: ARGV[6] the waiter's queue position from an earlier reply ("" the first time);
 #: ARGV[7..] optionally, the holder's description: one value per HOLDER_FIELDS
-#: name, in that order, written with the hold (and blanked by a holder without one)
+#: name, in that order, written with the hold (and emptied by a holder without one)
 #: Returns {1, fence} when newly taken (or taken over), {2, fence} when re-entered,
 #: {0, ms to wait, holder lease, queue position} when another owner holds it (or
 #: it was just freed for the waiters a release woke, and the caller is not one). A retry
 #: of a request that already landed returns what the first arrival did.
-#: The holder's description a lock can carry (what ``celery redislock list`` shows):
-#: the task name, ``queued``/``running``, the worker node, its process id, and
-#: when the hold began (Unix time, in seconds).
-HOLDER_FIELDS = ("task", "state", "node", "pid", "since")
-
-ACQUIRE = (
-    _CHECK_TTLS
-    + """
+ACQUIRE = _CHECK_TTLS + _lua("""
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
-local lock = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'count', 'fence', 'req', 'task',
-                       'reserved', 'reserved_until')
+local lock = redis.call('HMGET', KEYS[1], $OWNER, $LEASE, $COUNT, $FENCE, $REQ, $TASK,
+                       $RESERVED, $RESERVED_UNTIL)
 if lock[1] == ARGV[1] then
-    bad = denied('pexpire', KEYS[1], '1') or denied('hset', KEYS[1], 'count', '1')
+    bad = denied('pexpire', KEYS[1], '1') or denied('hset', KEYS[1], $COUNT, '1')
     if bad then return bad end
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    local count = tonumber(lock[3]) or 1
     if lock[5] == ARGV[4] then
-        return {tonumber(lock[3]) == 1 and 1 or 2, tonumber(lock[4])}
+        return {count == 1 and 1 or 2, tonumber(lock[4])}
     end
-    redis.call('HSET', KEYS[1], 'count', tonumber(lock[3]) + 1, 'req', ARGV[4])
+    redis.call('HSET', KEYS[1], $COUNT, count + 1, $REQ, ARGV[4])
     return {2, tonumber(lock[4])}
 end
 -- How long the caller can expect to wait: the holder's remaining TTL, or the
@@ -201,13 +293,13 @@ if wait_ms then
             position = now[1] .. string.format('%06d', tonumber(now[2]))
         end
         bad = denied('zadd', KEYS[2], '1', 'w') or denied('pexpire', KEYS[2], '1')
-            or denied('hset', KEYS[1], 'queued', '1')
+            or denied('hset', KEYS[1], $QUEUED, '1')
         if bad then return bad end
         redis.call('ZADD', KEYS[2], 'NX', position, ARGV[5])
         if redis.call('PTTL', KEYS[2]) < pttl + tonumber(ARGV[2]) then
             redis.call('PEXPIRE', KEYS[2], pttl + tonumber(ARGV[2]))
         end
-        redis.call('HSET', KEYS[1], 'queued', '1')
+        redis.call('HSET', KEYS[1], $QUEUED, '1')
         return {0, pttl, holder, position}
     end
     return {0, wait_ms, holder, ''}
@@ -223,21 +315,38 @@ else
     local now = redis.call('TIME')
     fence = tonumber(now[1] .. string.format('%06d', tonumber(now[2])))
 end
-bad = denied('hset', KEYS[1], 'owner', '') or denied('pexpire', KEYS[1], '1')
+bad = denied('hset', KEYS[1], $OWNER, '') or denied('pexpire', KEYS[1], '1')
 if ARGV[5] ~= '' then
     bad = bad or denied('zrem', KEYS[2], 'w')
 end
 if bad then return bad end
-local fields = {'owner', ARGV[1], 'lease', ARGV[3], 'count', 1, 'fence', fence, 'req', ARGV[4]}
+-- Only what this hold needs; what an earlier holder left (a lease, a count, a
+-- reservation for the woken) is emptied.
+local fields = {$OWNER, ARGV[1], $FENCE, fence, $REQ, ARGV[4]}
+if ARGV[3] ~= '' or (lock[2] and lock[2] ~= '') then
+    fields[#fields + 1] = $LEASE
+    fields[#fields + 1] = ARGV[3]
+end
+if lock[3] and lock[3] ~= '' then
+    fields[#fields + 1] = $COUNT
+    fields[#fields + 1] = ''
+end
 if lock[7] and lock[7] ~= '' then
-    fields[#fields + 1] = 'reserved'
+    fields[#fields + 1] = $RESERVED
+    fields[#fields + 1] = ''
+    fields[#fields + 1] = $RESERVED_UNTIL
     fields[#fields + 1] = ''
 end
 if #ARGV > 6 or lock[6] then
-    -- A holder without a description blanks the one its predecessor left.
-    for i, name in ipairs({HOLDER_FIELDS}) do
-        fields[#fields + 1] = name
-        fields[#fields + 1] = ARGV[6 + i] or ''
+    -- The task field is always written with a description, so a hash without
+    -- one has no other holder field; else a holder without a description
+    -- empties the one its predecessor left.
+    for i, name in ipairs($HOLDER) do
+        local value = ARGV[6 + i] or ''
+        if i == 1 or value ~= '' or lock[6] then
+            fields[#fields + 1] = name
+            fields[#fields + 1] = value
+        end
     end
 end
 redis.call('HSET', KEYS[1], unpack(fields))
@@ -246,8 +355,7 @@ if ARGV[5] ~= '' then
     redis.call('ZREM', KEYS[2], ARGV[5])
 end
 return {1, fence}
-""".replace("{HOLDER_FIELDS}", "{" + ", ".join(f"'{f}'" for f in HOLDER_FIELDS) + "}")
-)
+""")
 
 #: Drop one hold; free the lock and wake the next waiters when the last hold goes.
 #:
@@ -260,25 +368,25 @@ return {1, fence}
 RELEASE = (
     _CHECK_TTLS
     + _FREE
-    + """
+    + _lua("""
 local bad = check_ttl(ARGV[4])
 if bad then return bad end
-local lock = redis.call('HMGET', KEYS[1], 'owner', 'count', 'req', 'released', 'queued')
+local lock = redis.call('HMGET', KEYS[1], $OWNER, $COUNT, $REQ)
 if lock[1] ~= ARGV[1] then
-    if released_here(lock[4]) then return 1 end
+    if released_here() then return 1 end
     return 0
 end
 if lock[3] == ARGV[3] then return 2 end
 if ARGV[5] ~= '' and lock[3] ~= ARGV[5] then return 0 end
-local count = tonumber(lock[2]) - 1
+local count = (tonumber(lock[2]) or 1) - 1
 if count > 0 then
-    bad = denied('hset', KEYS[1], 'count', '1')
+    bad = denied('hset', KEYS[1], $COUNT, '1')
     if bad then return bad end
-    redis.call('HSET', KEYS[1], 'count', count, 'req', ARGV[3])
+    redis.call('HSET', KEYS[1], $COUNT, count, $REQ, ARGV[3])
     return 2
 end
-return free(lock[5], lock[4])
-"""
+return free()
+""")
 )
 
 #: Set the remaining TTL of a held lock (sending it twice does no harm).
@@ -286,20 +394,17 @@ return free(lock[5], lock[4])
 #: KEYS[1] the lock hash
 #: ARGV[1] owner token; ARGV[2] the new TTL in ms
 #: Returns 1 when extended, 0 when not owned (nothing changed).
-EXTEND = (
-    _CHECK_TTLS
-    + """
+EXTEND = _CHECK_TTLS + _lua("""
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
+if redis.call('HGET', KEYS[1], $OWNER) ~= ARGV[1] then
     return 0
 end
 bad = denied('pexpire', KEYS[1], '1')
 if bad then return bad end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
-"""
-)
+""")
 
 #: Free the lock whatever its hold count, if a given lease holds it. Used when a
 #: Celery task ends in a way its own process cannot report (revoked in the queue,
@@ -313,16 +418,16 @@ return 1
 RELEASE_LEASE = (
     _CHECK_TTLS
     + _FREE
-    + """
+    + _lua("""
 local bad = check_ttl(ARGV[4])
 if bad then return bad end
-local lock = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'released', 'queued')
+local lock = redis.call('HMGET', KEYS[1], $OWNER, $LEASE)
 if ARGV[1] == '' or not lock[1] or lock[1] == '' or lock[2] ~= ARGV[1] then
-    if released_here(lock[3]) then return 1 end
+    if released_here() then return 1 end
     return 0
 end
-return free(lock[4], lock[3])
-"""
+return free()
+""")
 )
 
 #: Free the lock whoever holds it (an operator's repair).
@@ -334,13 +439,13 @@ return free(lock[4], lock[3])
 FORCE_RELEASE = (
     _CHECK_TTLS
     + _FREE
-    + """
+    + _lua("""
 local bad = check_ttl(ARGV[4])
 if bad then return bad end
-local lock = redis.call('HMGET', KEYS[1], 'owner', 'queued', 'released')
-if not lock[1] or lock[1] == '' then return 0 end
-return free(lock[2], lock[3])
-"""
+local owner = redis.call('HGET', KEYS[1], $OWNER)
+if not owner or owner == '' then return 0 end
+return free()
+""")
 )
 
 #: Leave the waiter queue (a waiter that gave up or got the lock another way).
