@@ -808,3 +808,36 @@ def test_shared_values_keep_their_canonical_form() -> None:
         b"l37:l8:i1:1s1:al8:i1:1s1:al11:l8:i1:1s1:a"
     )
     assert digest(value) == "63bbff39b69db91787c52d508fe3018a"
+
+
+def test_plain_signatures_bind_like_inspect() -> None:
+    """Calls to a task of plain parameters are bound without ``inspect`` on the hot
+    path; every call gets the same key material (or the same error) as
+    ``Signature.bind`` + ``apply_defaults`` give."""
+
+    def body(a: int, b: int = 2, c: str = "x") -> None: ...
+
+    fast = KeyBuilder("t", inspect.signature(body))
+    general = KeyBuilder("t", inspect.signature(body))
+    general._plain = None
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((1,), {}),
+        ((1, 3), {}),
+        ((1, 3, "y"), {}),
+        ((), {"a": 1}),
+        ((1,), {"c": "z"}),
+        ((), {"c": "z", "a": 1, "b": 5}),
+        ((1, 2, "x", 4), {}),  # too many
+        ((1,), {"a": 1}),  # twice
+        ((), {"b": 1}),  # a missing
+        ((1,), {"d": 1}),  # unknown
+    ]
+    for args, kwargs in calls:
+        outcomes = []
+        for builder in (fast, general):
+            try:
+                outcomes.append(builder(args, kwargs))
+            except KeyDerivationError as exc:
+                outcomes.append(type(exc).__name__)
+        assert outcomes[0] == outcomes[1], (args, kwargs)
+    assert fast._plain is not None

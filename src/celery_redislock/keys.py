@@ -40,7 +40,7 @@ _MAX_DECIMAL_BITS = 2048
 
 
 def _frame(tag: bytes, payload: bytes) -> bytes:
-    return tag + str(len(payload)).encode() + b":" + payload
+    return b"%s%d:%s" % (tag, len(payload), payload)
 
 
 def _utf8(text: str) -> bytes:
@@ -72,6 +72,17 @@ def canonical(value: Any) -> bytes:
 def _canonical(value: Any, path: set[int]) -> bytes:
     """:func:`canonical`, with ``path`` the ids of the containers being encoded
     around ``value``: meeting one of them again means a value contains itself."""
+    # The common exact types first (this runs for every argument of every task).
+    kind = type(value)
+    if kind is str:
+        try:
+            data = value.encode("utf-8")
+        except UnicodeEncodeError:
+            data = _utf8(value)
+        return b"s%d:%s" % (len(data), data)
+    if kind is int and value.bit_length() <= _MAX_DECIMAL_BITS:
+        data = b"%d" % value
+        return b"i%d:%s" % (len(data), data)
     # bool before int: True is an int.
     if value is None:
         return b"n"
@@ -162,6 +173,13 @@ class KeyBuilder:
         self.lock_key = lock_key
         self.signature = signature
         self.lock_on = tuple(lock_on) if lock_on is not None else None
+        #: Parameter names and defaults when every parameter is a plain
+        #: positional-or-keyword one: calls are then bound without inspect.
+        self._plain: tuple[tuple[str, Any], ...] | None = None
+        if signature is not None and all(
+            p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in signature.parameters.values()
+        ):
+            self._plain = tuple((p.name, p.default) for p in signature.parameters.values())
         if self.lock_on is not None and self.signature is not None:
             unknown = [n for n in self.lock_on if n not in self.signature.parameters]
             if unknown:
@@ -180,6 +198,11 @@ class KeyBuilder:
             return self.lock_key(*args, **kwargs)
         if self.signature is None:
             return [list(args), kwargs]
+        arguments = self._bind_plain(args, kwargs)
+        if arguments is not None:
+            if self.lock_on is not None:
+                return {name: arguments[name] for name in self.lock_on}
+            return arguments
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -191,6 +214,29 @@ class KeyBuilder:
         if self.lock_on is not None:
             return {name: arguments[name] for name in self.lock_on}
         return dict(arguments)
+
+    def _bind_plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """What ``signature.bind()`` + ``apply_defaults()`` give, for a signature of
+        plain parameters; ``None`` when the call needs the general path (or is
+        invalid, so that ``bind`` says why)."""
+        plain = self._plain
+        if plain is None or len(args) > len(plain):
+            return None
+        arguments: dict[str, Any] = {}
+        used = 0
+        for index, (name, default) in enumerate(plain):
+            if index < len(args):
+                if name in kwargs:
+                    return None
+                arguments[name] = args[index]
+            elif name in kwargs:
+                arguments[name] = kwargs[name]
+                used += 1
+            elif default is not inspect.Parameter.empty:
+                arguments[name] = default
+            else:
+                return None
+        return arguments if used == len(kwargs) else None
 
     def __call__(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
         """The lock name for a call: ``<task name>:<digest of the material>``.

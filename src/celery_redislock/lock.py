@@ -10,8 +10,9 @@ Example::
 
 Keys, for a lock named ``N`` with the default prefix::
 
-    redislock:{N}           hash: owner, lease, count, fence, req, ...  (held: as long as
-                            the lock; free: kept FENCE_TTL for its fencing counter)
+    redislock:{N}           hash: owner, fence, request id, ...         (held: as long as
+                            the lock; free: kept FENCE_TTL for its fencing counter;
+                            one-letter fields, see celery_redislock.scripts)
     redislock:{N}:waiters   sorted set of queued waiters                (while someone waits)
     redislock:wake:<P>      pub/sub channel of process P, never a key   (its waiters' wake-ups)
 
@@ -58,7 +59,9 @@ from celery_redislock.scripts import (
     ACQUIRE_SCRIPT,
     EXTEND_SCRIPT,
     HOLDER_FIELDS,
+    LEASE_FIELD,
     LEAVE_SCRIPT,
+    OWNER_FIELD,
     RELEASE_LEASE_SCRIPT,
     RELEASE_SCRIPT,
     Acquired,
@@ -98,6 +101,9 @@ DEFAULT_TTL = 60.0
 #: holder for longer than this is a lock that never frees: crash recovery rests on
 #: the TTL.
 MAX_SECONDS = 315_360_000.0
+
+#: How long, in seconds, an acquire waits for replicas to confirm it (``min_replicas``).
+DEFAULT_REPLICA_TIMEOUT = 1.0
 
 #: Shortest TTL accepted, in seconds: Redis counts expiries in milliseconds.
 MIN_TTL = 0.001
@@ -303,7 +309,7 @@ class RedisLock:
         blocking_timeout: float | None = None,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         min_replicas: int = 0,
-        replica_timeout: float = 1.0,
+        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
         holder_info: Mapping[str, str] | None = None,
         prefix: str = DEFAULT_PREFIX,
         _heartbeat: Heartbeat | None = None,
@@ -332,17 +338,87 @@ class RedisLock:
             raise TypeError(f"min_replicas must be an int, not {type(min_replicas).__name__}")
         if min_replicas < 0:
             raise ValueError(f"min_replicas must be >= 0, got {min_replicas}")
+        replica_timeout = check_ttl(replica_timeout, "replica_timeout")
+        info = check_holder_info(holder_info)
+        self._setup(
+            as_client(client_or_url),
+            name,
+            owner,
+            lease,
+            heartbeat,
+            on_lost,
+            min_replicas,
+            replica_timeout,
+            info,
+            prefix,
+            _heartbeat,
+        )
+
+    @classmethod
+    def _checked_elsewhere(
+        cls,
+        client: Client,
+        name: str,
+        ttl: float,
+        *,
+        owner: str,
+        lease: str,
+        on_lost: Callable[[RedisLock], Any],
+        min_replicas: int,
+        holder_info: tuple[str, ...],
+        prefix: str,
+    ) -> RedisLock:
+        """A renewed lock built from values already checked (a task's resolved
+        options, its lock name and task id): the per-execution lock of a
+        :class:`~celery_redislock.task.SingletonTask`, built without checking
+        them once more on every run. ``holder_info`` is one value per
+        :data:`~celery_redislock.scripts.HOLDER_FIELDS` name."""
+        lock = cls.__new__(cls)
+        lock.ttl = float(ttl)
+        lock.heartbeat_interval = lock.ttl / 3
+        lock.blocking_timeout = None
+        lock.call_timeout = DEFAULT_CALL_TIMEOUT
+        lock._setup(
+            client,
+            name,
+            owner,
+            lease,
+            True,
+            on_lost,
+            min_replicas,
+            DEFAULT_REPLICA_TIMEOUT,
+            holder_info,
+            prefix,
+            None,
+        )
+        return lock
+
+    def _setup(
+        self,
+        client: Client,
+        name: str,
+        owner: str | None,
+        lease: str | None,
+        heartbeat: bool,
+        on_lost: Callable[[RedisLock], Any] | None,
+        min_replicas: int,
+        replica_timeout: float,
+        info: tuple[str, ...],
+        prefix: str,
+        beat: Heartbeat | None,
+    ) -> None:
+        """Set the state every lock starts with, from checked arguments."""
         #: Replicas that must confirm a new hold (``WAIT``) before acquire succeeds.
         self.min_replicas = min_replicas
-        self.replica_timeout = check_ttl(replica_timeout, "replica_timeout")
-        self._info = check_holder_info(holder_info)
-        self.client = as_client(client_or_url)
+        self.replica_timeout = replica_timeout
+        self._info = info
+        self.client = client
         self.name = name
         self.prefix = prefix
         self.key, self.queue_key = lock_keys(name, prefix)
         self.wake_prefix = wake_channel_prefix(prefix)
-        #: The owner token (≥128 random bits unless given).
-        self.owner = owner or secrets.token_hex(16)
+        #: The owner token (128 random bits in 22 characters unless given).
+        self.owner = owner or secrets.token_urlsafe(16)
         self.lease = lease or ""
         self.heartbeat = heartbeat
         self.on_lost = on_lost
@@ -360,8 +436,8 @@ class RedisLock:
         # Send time of a try of the current acquire whose reply never came.
         self._unconfirmed: float | None = None
         self._state = threading.Lock()
-        self._heartbeat = _heartbeat
-        self._router = Router(self.client)
+        self._heartbeat = beat
+        self._router = Router(client)
 
     def __repr__(self) -> str:
         return f"<RedisLock {self.name!r} owner={self.owner[:8]}… token={self.token}>"
@@ -524,6 +600,9 @@ class RedisLock:
         def answered(result: list[Any] | RedisError) -> None:
             reply = result if isinstance(result, RedisError) else result[0]
             outcome: ReleaseOutcome = "released"
+            if result is not reply and not isinstance(reply, NoScriptError):
+                # It ran, so the server has the script now: the next goes by digest.
+                transport.scripts.add(call.script.sha)
             if isinstance(reply, NoScriptError | RedisConnectionError | RedisTimeoutError):
                 # Not run, or not known to have run: send it again (it is
                 # recognised if it did run).
@@ -583,15 +662,15 @@ class RedisLock:
 
     def locked(self) -> bool:
         """Whether any owner holds the lock now."""
-        return bool(self._read(("HGET", self.key, "owner")))
+        return bool(self._read(("HGET", self.key, OWNER_FIELD)))
 
     def owned(self) -> bool:
         """Whether this owner holds the lock now (asks Redis)."""
-        return _text(self._read(("HGET", self.key, "owner"))) == self.owner
+        return _text(self._read(("HGET", self.key, OWNER_FIELD))) == self.owner
 
     def holder_lease(self) -> str | None:
         """The lease (task id) of whoever holds the lock now, if any."""
-        owner, lease = self._read(("HMGET", self.key, "owner", "lease"))
+        owner, lease = self._read(("HMGET", self.key, OWNER_FIELD, LEASE_FIELD))
         return (_text(lease) or None) if owner else None
 
     @property

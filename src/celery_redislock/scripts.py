@@ -182,33 +182,45 @@ end
 # to the first two queued waiters (wake channel prefix ARGV[2]). The holder's
 # fields are emptied, so the remnant keeps little beyond the fence.
 _FREE = _lua("""
-local function free()
-    local lock = redis.call('HMGET', KEYS[1], $RELEASED, $QUEUED, $LEASE, $COUNT, $TASK)
+-- The fields of the lock hash a caller names, and those free() needs, read in
+-- one HMGET and returned by field name (a missing field is false).
+local function read(...)
+    local names = {...}
+    for _, name in ipairs({$RELEASED, $QUEUED, $LEASE, $COUNT, $TASK}) do
+        names[#names + 1] = name
+    end
+    local values = redis.call('HMGET', KEYS[1], unpack(names))
+    local lock = {}
+    for i, name in ipairs(names) do lock[name] = values[i] end
+    return lock
+end
+
+local function free(lock)
     local bad = denied('hset', KEYS[1], $OWNER, '') or denied('pexpire', KEYS[1], '1')
-    if lock[2] == '1' then
+    if lock[$QUEUED] == '1' then
         bad = bad or denied('zpopmin', KEYS[2]) or denied('publish', ARGV[2] .. '0', '')
             or denied('time')
     end
     if bad then return bad end
     -- The ids of the last few releases that freed the lock, newest first.
-    local history = string.sub(ARGV[3] .. ' ' .. (lock[1] or ''), 1, $RELEASE_HISTORY)
+    local history = string.sub(ARGV[3] .. ' ' .. (lock[$RELEASED] or ''), 1, $RELEASE_HISTORY)
     local fields = {$OWNER, '', $REQ, '', $RELEASED, history}
-    if lock[3] and lock[3] ~= '' then
+    if lock[$LEASE] and lock[$LEASE] ~= '' then
         fields[#fields + 1] = $LEASE
         fields[#fields + 1] = ''
     end
-    if lock[4] and lock[4] ~= '' then
+    if lock[$COUNT] and lock[$COUNT] ~= '' then
         fields[#fields + 1] = $COUNT
         fields[#fields + 1] = ''
     end
-    if lock[5] then
+    if lock[$TASK] then
         for _, name in ipairs($HOLDER) do
             fields[#fields + 1] = name
             fields[#fields + 1] = ''
         end
     end
     local next = {}
-    if lock[2] == '1' then
+    if lock[$QUEUED] == '1' then
         next = redis.call('ZPOPMIN', KEYS[2], 2)
         if #next == 0 then
             fields[#fields + 1] = $QUEUED
@@ -235,9 +247,9 @@ local function free()
 end
 
 -- Whether request ARGV[3] is one of the releases that freed the lock lately.
-local function released_here()
-    local released = redis.call('HGET', KEYS[1], $RELEASED)
-    return released ~= false and string.find(' ' .. released .. ' ', ' ' .. ARGV[3] .. ' ', 1, true)
+local function released_here(lock)
+    local released = lock[$RELEASED]
+    return released and string.find(' ' .. released .. ' ', ' ' .. ARGV[3] .. ' ', 1, true)
 end
 """)
 
@@ -371,21 +383,21 @@ RELEASE = (
     + _lua("""
 local bad = check_ttl(ARGV[4])
 if bad then return bad end
-local lock = redis.call('HMGET', KEYS[1], $OWNER, $COUNT, $REQ)
-if lock[1] ~= ARGV[1] then
-    if released_here() then return 1 end
+local lock = read($OWNER, $REQ)
+if lock[$OWNER] ~= ARGV[1] then
+    if released_here(lock) then return 1 end
     return 0
 end
-if lock[3] == ARGV[3] then return 2 end
-if ARGV[5] ~= '' and lock[3] ~= ARGV[5] then return 0 end
-local count = (tonumber(lock[2]) or 1) - 1
+if lock[$REQ] == ARGV[3] then return 2 end
+if ARGV[5] ~= '' and lock[$REQ] ~= ARGV[5] then return 0 end
+local count = (tonumber(lock[$COUNT]) or 1) - 1
 if count > 0 then
     bad = denied('hset', KEYS[1], $COUNT, '1')
     if bad then return bad end
     redis.call('HSET', KEYS[1], $COUNT, count, $REQ, ARGV[3])
     return 2
 end
-return free()
+return free(lock)
 """)
 )
 
@@ -421,12 +433,12 @@ RELEASE_LEASE = (
     + _lua("""
 local bad = check_ttl(ARGV[4])
 if bad then return bad end
-local lock = redis.call('HMGET', KEYS[1], $OWNER, $LEASE)
-if ARGV[1] == '' or not lock[1] or lock[1] == '' or lock[2] ~= ARGV[1] then
-    if released_here() then return 1 end
+local lock = read($OWNER)
+if ARGV[1] == '' or not lock[$OWNER] or lock[$OWNER] == '' or lock[$LEASE] ~= ARGV[1] then
+    if released_here(lock) then return 1 end
     return 0
 end
-return free()
+return free(lock)
 """)
 )
 
@@ -442,9 +454,9 @@ FORCE_RELEASE = (
     + _lua("""
 local bad = check_ttl(ARGV[4])
 if bad then return bad end
-local owner = redis.call('HGET', KEYS[1], $OWNER)
-if not owner or owner == '' then return 0 end
-return free()
+local lock = read($OWNER)
+if not lock[$OWNER] or lock[$OWNER] == '' then return 0 end
+return free(lock)
 """)
 )
 

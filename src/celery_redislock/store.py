@@ -76,6 +76,22 @@ def store_url(app: Any) -> tuple[str, Mapping[str, Any]]:
     return broker, check_transport_options(options, "app.conf.broker_transport_options")
 
 
+#: The settings a lock store is resolved from. Each task execution needs the
+#: store, and reading app.conf costs microseconds a key; so the resolved client
+#: is kept, with the values those settings had in ``app.conf.changes`` (where
+#: ``app.conf.update()`` and assignments land): a change there resolves it again.
+_STORE_SETTINGS = (
+    "redislock_client",
+    "redislock_url",
+    "redislock_transport_options",
+    "broker_url",
+    "broker_transport_options",
+)
+_resolved: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], Client]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def lock_store(app: Any, url: str | None = None) -> Client:
     """The client of ``app``'s lock store (or of ``url``, a task's own ``lock_url``).
 
@@ -84,6 +100,20 @@ def lock_store(app: Any, url: str | None = None) -> Client:
     """
     if url is not None:
         return get_client(url)
+    changes = getattr(app.conf, "changes", None)
+    if not isinstance(changes, dict):
+        return _resolve(app)
+    settings = tuple(map(changes.get, _STORE_SETTINGS))
+    known = _resolved.get(app)
+    if known is not None and all(a is b for a, b in zip(known[0], settings, strict=True)):
+        return known[1]
+    client = _resolve(app)
+    _resolved[app] = (settings, client)
+    return client
+
+
+def _resolve(app: Any) -> Client:
+    """:func:`lock_store` without the cache."""
     source = app.conf.get("redislock_client")
     if source is None:
         store, options = store_url(app)
@@ -112,3 +142,7 @@ def describe_store(app: Any, url: str | None = None) -> str:
     if source is not None:
         return f"app.conf.redislock_client ({type(source).__name__})"
     return url_shown(store_url(app)[0])
+
+
+# A forked child builds its own clients (see redislock_client).
+os.register_at_fork(after_in_child=_resolved.clear)

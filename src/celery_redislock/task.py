@@ -84,12 +84,15 @@ from celery_redislock.keys import KeyBuilder, KeySource
 from celery_redislock.lock import (
     DEFAULT_PREFIX,
     DEFAULT_TTL,
+    MAX_INFO_LENGTH,
     RedisLock,
     ReleaseOutcome,
+    check_name,
     check_prefix,
     check_ttl,
     release_lease,
 )
+from celery_redislock.scripts import HOLDER_FIELDS
 from celery_redislock.store import (
     check_client_source,
     check_transport_options,
@@ -270,9 +273,10 @@ def _sent_overrides(request: Any) -> Any:
     return found
 
 
-def skipped_result(key: str, holder: str | None) -> dict[str, Any]:
-    """The result a duplicate returns with ``on_conflict="skip"``."""
-    return {"skipped": True, "lock_key": key, "holder": holder}
+def skipped_result(name: str, holder: str | None) -> dict[str, Any]:
+    """The result a duplicate returns with ``on_conflict="skip"``: the lock name as
+    ``lock_name`` (and as ``lock_key``, its older spelling) and the holder's task id."""
+    return {"skipped": True, "lock_name": name, "lock_key": name, "holder": holder}
 
 
 def is_skipped(result: object) -> bool:
@@ -488,6 +492,24 @@ def _resolved(field: str) -> Any:
     return _ResolvedOption(field)
 
 
+class _ProcessInfo:
+    """This process's host name and id, for holder descriptions (read once, and
+    again in a forked child, rather than on every task)."""
+
+    def __init__(self) -> None:
+        self.hostname = ""
+        self.pid = ""
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.hostname = socket.gethostname()
+        self.pid = str(os.getpid())
+
+
+_process = _ProcessInfo()
+os.register_at_fork(after_in_child=_process.refresh)
+
+
 class SingletonTask(Task):  # type: ignore[misc]
     """A task that runs at most once at a time per lock key.
 
@@ -660,13 +682,21 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _holder_info(self, running: bool) -> dict[str, str]:
         """Who holds the lock, stored with it for ``celery redislock list``."""
-        info = {"task": self.name[:200], "since": f"{time.time():.3f}"}
-        if running:
-            node = getattr(self.request, "hostname", None) or socket.gethostname()
-            info.update(state="running", node=str(node)[:200], pid=str(os.getpid()))
-        else:
-            info["state"] = "queued"
-        return info
+        return dict(zip(HOLDER_FIELDS, self._holder_values(running), strict=True))
+
+    def _holder_values(self, running: bool) -> tuple[str, ...]:
+        """:meth:`_holder_info`'s values, in :data:`HOLDER_FIELDS` order."""
+        since = f"{time.time():.3f}"
+        if not running:
+            return (self.name[:MAX_INFO_LENGTH], "queued", "", "", since)
+        node = getattr(self.request, "hostname", None) or _process.hostname
+        return (
+            self.name[:MAX_INFO_LENGTH],
+            "running",
+            str(node)[:MAX_INFO_LENGTH],
+            _process.pid,
+            since,
+        )
 
     def _on_lost(self, lock: RedisLock) -> None:
         logger.warning(
@@ -675,7 +705,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             self.name,
             lock.lease,
         )
-        signals.lock_lost.send(sender=self, task_id=lock.lease, key=lock.name)
+        signals.lock_lost.send(sender=self, task_id=lock.lease, name=lock.name, key=lock.name)
 
     @property
     def lock(self) -> LockHandle:
@@ -746,7 +776,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             holder = lock.blocked_by
             logger.info("%s: duplicate of %s not enqueued (lock %s)", self.name, holder, key)
             signals.lock_conflict.send(
-                sender=self, task_id=task_id, key=key, holder=holder, action="dedup"
+                sender=self, task_id=task_id, name=key, key=key, holder=holder, action="dedup"
             )
             if opts.on_duplicate == "raise":
                 raise DuplicateTaskError(key, holder)
@@ -786,8 +816,17 @@ class SingletonTask(Task):  # type: ignore[misc]
                 )
             return self.run(*args, **kwargs)
 
-        lock = self._new_lock(
-            key, f"{task_id}:{secrets.token_hex(8)}", opts.ttl, heartbeat=True, opts=opts
+        check_name(task_id, "task id")
+        lock = RedisLock._checked_elsewhere(
+            self.lock_client,
+            key,
+            opts.ttl,
+            owner=f"{task_id}:{secrets.token_hex(8)}",
+            lease=task_id,
+            on_lost=self._on_lost,
+            min_replicas=opts.min_replicas,
+            holder_info=self._holder_values(running=True),
+            prefix=opts.prefix,
         )
         asked = taken = time.monotonic()
         keep = retrying = False
@@ -812,7 +851,12 @@ class SingletonTask(Task):  # type: ignore[misc]
             request.redislock = LockHandle(key, lock, opts)
             taken = time.monotonic()
             signals.lock_acquired.send(
-                sender=self, task_id=task_id, key=key, token=lock.token, waited=taken - asked
+                sender=self,
+                task_id=task_id,
+                name=key,
+                key=key,
+                token=lock.token,
+                waited=taken - asked,
             )
             return self.run(*args, **kwargs)
         except Retry:
@@ -856,6 +900,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             signals.lock_released.send(
                 sender=self,
                 task_id=task_id,
+                name=lock.name,
                 key=lock.name,
                 held=held,
                 outcome="failed" if outcome == "retrying" else outcome,
@@ -868,7 +913,12 @@ class SingletonTask(Task):  # type: ignore[misc]
                 "could not release lock %s (it will expire by its TTL): %s", lock.name, exc
             )
             signals.lock_released.send(
-                sender=self, task_id=task_id, key=lock.name, held=held, outcome="failed"
+                sender=self,
+                task_id=task_id,
+                name=lock.name,
+                key=lock.name,
+                held=held,
+                outcome="failed",
             )
 
     def _conflict(self, lock: RedisLock, key: str, request: Any, opts: LockOptions) -> Any:
@@ -876,7 +926,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         mode = opts.on_conflict
         holder = lock.blocked_by
         signals.lock_conflict.send(
-            sender=self, task_id=request.id, key=key, holder=holder, action=mode
+            sender=self, task_id=request.id, name=key, key=key, holder=holder, action=mode
         )
         if mode == "wait":
             logger.info(

@@ -1,0 +1,112 @@
+"""The transport's own reply reader, against a real server: every reply shape the
+engine meets, replies split over many reads, error replies, and a reply cut short."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+
+from celery_redislock.transport import Deadline, transport_for
+
+
+def test_every_reply_shape(redislock_client: redis.Redis) -> None:
+    """Simple strings, integers, bulk strings, nils, nested arrays and empty ones come
+    back as redis-py gives them without decoding."""
+    transport = transport_for(redislock_client)
+    replies = transport.execute(
+        [
+            ("PING",),
+            ("INCR", "counter"),
+            ("SET", "text", "héllo\r\nworld"),
+            ("GET", "text"),
+            ("GET", "missing"),
+            ("EVAL", "return {1, {'a', {}}, 'b', false}", 0),
+            ("HMGET", "missing", "x", "y"),
+            ("SET", "empty", ""),
+            ("GET", "empty"),
+        ],
+        Deadline.after(5),
+    )
+    assert replies == [
+        b"PONG",
+        1,
+        b"OK",
+        "héllo\r\nworld".encode(),
+        None,
+        [1, [b"a", []], b"b", None],
+        [None, None],
+        b"OK",
+        b"",
+    ]
+
+
+def test_error_replies_come_back_as_exceptions_among_the_others(
+    redislock_client: redis.Redis,
+) -> None:
+    """An error reply is the matching redis-py exception, in its place; the
+    connection stays usable."""
+    transport = transport_for(redislock_client)
+    replies = transport.execute(
+        [
+            ("SET", "plain", "v"),
+            ("HGET", "plain", "f"),
+            ("EVALSHA", "0" * 40, 0),
+            ("GET", "plain"),
+        ],
+        Deadline.after(5),
+    )
+    assert replies[0] == b"OK"
+    assert isinstance(replies[1], ResponseError)
+    assert "WRONGTYPE" in str(replies[1])
+    assert isinstance(replies[2], NoScriptError)
+    assert replies[3] == b"v"
+    assert transport.execute([("PING",)], Deadline.after(5)) == [b"PONG"]
+
+
+def test_replies_larger_than_one_read(redislock_client: redis.Redis) -> None:
+    """A reply much longer than one socket read, and many replies in one write, are
+    put together across reads."""
+    transport = transport_for(redislock_client)
+    big = b"x" * 1_000_000
+    redislock_client.set("big", big)
+    redislock_client.rpush("list", *range(20_000))
+    replies = transport.execute(
+        [("GET", "big"), ("LRANGE", "list", 0, -1), *[("GET", "big")] * 3],
+        Deadline.after(10),
+    )
+    assert replies[0] == big
+    assert replies[1] == [str(i).encode() for i in range(20_000)]
+    assert replies[2:] == [big] * 3
+
+
+def test_a_reply_cut_short_is_a_connection_error() -> None:
+    """A server that closes the connection in the middle of a reply gives a
+    connection error (the request may be retried), not a hang or a wrong value."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = redis.Redis(host="127.0.0.1", port=port, protocol=2)
+    transport = transport_for(client)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while True:
+                data = conn.recv(65536)
+                if not data or b"GET" in data:
+                    break
+                # The connection's handshake (CLIENT SETINFO ...): OK to each command.
+                conn.sendall(b"+OK\r\n" * data.count(b"*"))
+            conn.sendall(b"$10\r\nhalf")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with pytest.raises(RedisConnectionError, match="closed the connection"):
+        transport.execute([("GET", "k")], Deadline.after(5))
+    thread.join(5)
+    listener.close()
+    client.close()
