@@ -84,7 +84,7 @@ def test_duplicate_raises_with_on_duplicate_raise(app: Celery, locks: redis.Redi
     with pytest.raises(DuplicateTaskError) as excinfo:
         strict.delay(name)
     assert excinfo.value.holder == first.id
-    assert excinfo.value.key == strict.lock_name((name,), {})
+    assert excinfo.value.name == strict.lock_name((name,), {})
     gate(name).set()
     assert first.get(timeout=TIMEOUT) == name
     wait_for(lambda: not held(locks, key_of(strict, name)), what="the key to be freed")

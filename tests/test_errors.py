@@ -106,3 +106,15 @@ def test_structured_attributes() -> None:
     conflict = TaskSkippedError("k", "holder")
     assert (conflict.key, conflict.holder) == ("k", "holder")
     assert LockLostError("n").name == "n"
+
+
+def test_conflict_errors_call_the_lock_name_a_name() -> None:
+    """A conflict error's lock name is ``name``; ``key`` is the same value, the older
+    spelling, and a rebuilt (pickled) error keeps both."""
+    for exc in (
+        LockConflictError("report:7", "task-id-1"),
+        DuplicateTaskError("report:7", "task-id-3"),
+        TaskSkippedError("report:7", "task-id-2"),
+    ):
+        rebuilt = pickle.loads(pickle.dumps(exc))
+        assert exc.name == exc.key == rebuilt.name == rebuilt.key == "report:7"

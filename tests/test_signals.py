@@ -42,7 +42,7 @@ def sent() -> Iterator[list[tuple[str, dict[str, Any]]]]:
 
 
 def test_acquired_and_released(app: Celery, sent: list[tuple[str, dict[str, Any]]]) -> None:
-    """A run sends lock_acquired (with its token) then lock_released, for the same key."""
+    """A run sends lock_acquired (with its token) then lock_released, for the same lock."""
 
     @app.task(base=SingletonTask, bind=True, shared=False)
     def job(self: Any) -> int:
@@ -56,7 +56,7 @@ def test_acquired_and_released(app: Celery, sent: list[tuple[str, dict[str, Any]
     acquired, released = sent[0][1], sent[1][1]
     assert acquired["token"] == result.get()
     assert acquired["task_id"] == result.id
-    assert acquired["key"] == released["key"] == job.lock_name((), {})
+    assert acquired["name"] == released["name"] == job.lock_name((), {})
     assert acquired["waited"] >= 0
     assert released["held"] >= 0
     assert released["outcome"] == "released"
@@ -69,7 +69,7 @@ def test_released_reports_a_lost_lock(
 
     @app.task(base=SingletonTask, bind=True, shared=False)
     def job(self: Any) -> None:
-        redislock_client.hset(f"redislock:{{{self.lock.key}}}", OWNER_FIELD, "someone-else")
+        redislock_client.hset(f"redislock:{{{self.lock.name}}}", OWNER_FIELD, "someone-else")
 
     job.apply().get()
     wait_for(lambda: any(name == "lock_released" for name, _ in sent), what="lock_released")
@@ -95,6 +95,7 @@ def test_conflict_names_holder_and_action(
             "lock_conflict",
             {
                 "task_id": sent[0][1]["task_id"],
+                "name": holder.name,
                 "key": holder.name,
                 "holder": "holder-id",
                 "action": "skip",
@@ -127,9 +128,30 @@ def test_lost(
 
     @app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=0.6)
     def job(self: Any) -> None:
-        redislock_client.delete(f"redislock:{{{self.lock.key}}}")
+        redislock_client.delete(f"redislock:{{{self.lock.name}}}")
         wait_for(lambda: self.lock.lost, what="the heartbeat to notice")
 
     job.apply().get()
     lost = [kw for name, kw in sent if name == "lock_lost"]
-    assert lost == [{"task_id": lost[0]["task_id"], "key": job.lock_name((), {})}]
+    name = job.lock_name((), {})
+    assert lost == [{"task_id": lost[0]["task_id"], "name": name, "key": name}]
+
+
+def test_signals_send_the_name_under_both_spellings(
+    app: Celery, redislock_client: redis.Redis, sent: list[tuple[str, dict[str, Any]]]
+) -> None:
+    """Every lock signal carries the lock name as ``name`` and as ``key`` (the older
+    spelling), so a receiver written for either keeps working."""
+
+    @app.task(base=SingletonTask, shared=False)
+    def job() -> None: ...
+
+    job.apply()
+    holder = RedisLock(redislock_client, job.lock_name((), {}), ttl=30, lease="holder-id")
+    assert holder.acquire()
+    job.apply()
+    holder.release()
+    wait_for(lambda: len(sent) == 3, what="three signals")
+    assert [name for name, _ in sent] == ["lock_acquired", "lock_released", "lock_conflict"]
+    for _signal, kwargs in sent:
+        assert kwargs["name"] == kwargs["key"] == job.lock_name((), {})

@@ -295,7 +295,8 @@ class TestConflictModes:
         token = first.get(timeout=TIMEOUT)
         assert is_skipped(outcome)
         assert outcome["holder"] == first.id
-        assert outcome["lock_key"].startswith("t.hold:")
+        assert outcome["lock_name"] == outcome["lock_key"]
+        assert outcome["lock_name"].startswith("t.hold:")
         assert isinstance(token, int)
 
     def test_raise_names_key_and_holder(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:

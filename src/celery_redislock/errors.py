@@ -7,9 +7,9 @@ one ``except LockError`` catches them all::
     ├── LockNotOwnedError        release/extend of a lock this owner does not hold
     │   └── LockLostError        a held lock expired or was taken over while in use
     ├── LockTimeoutError         a blocking acquire gave up after its timeout
-    ├── LockConflictError        a singleton task found its key held (on_conflict="raise"/"wait")
+    ├── LockConflictError        a singleton task found its lock held (on_conflict="raise"/"wait")
     │   ├── TaskSkippedError     a duplicate was skipped inside a chain or chord
-    │   └── DuplicateTaskError   an until_* task sent while its key was held (on_duplicate="raise")
+    │   └── DuplicateTaskError   an until_* task sent while its lock was held (on_duplicate="raise")
     ├── LockBackendError         Redis could not be reached or answered with an error
     ├── KeyDerivationError       the task's arguments cannot be turned into a lock key
     ├── NoLockError              a task body asked for a lock (or its token) it does not have
@@ -81,33 +81,39 @@ class LockTimeoutError(_StructuredError):
 class LockConflictError(_StructuredError):
     """A singleton task found its lock held by another task.
 
-    ``key`` is the lock name and ``holder`` the task id that holds it (``None``
-    if the holder is not a task or could not be read).
+    ``name`` is the lock name and ``holder`` the task id that holds it (``None``
+    if the holder is not a task or could not be read). ``key`` is the same as
+    ``name``, kept for code written before the lock name was called a name.
     """
 
-    def __init__(self, key: str, holder: str | None, message: str | None = None) -> None:
-        self.key = key
+    def __init__(self, name: str, holder: str | None, message: str | None = None) -> None:
+        self.name = name
         self.holder = holder
         super().__init__(
-            key,
+            name,
             holder,
-            message or f"lock {key!r} is held by task {holder!r}; this duplicate did not run",
+            message or f"lock {name!r} is held by task {holder!r}; this duplicate did not run",
         )
+
+    @property
+    def key(self) -> str:
+        """The lock name (an older spelling of :attr:`name`)."""
+        return self.name
 
 
 class DuplicateTaskError(LockConflictError):
-    """An ``until_*`` task was sent while its key was held, with ``on_duplicate="raise"``.
+    """An ``until_*`` task was sent while its lock was held, with ``on_duplicate="raise"``.
 
-    Nothing was sent. ``holder`` is the id of the task that holds the key (the one
-    already queued or running), ``key`` the lock name.
+    Nothing was sent. ``holder`` is the id of the task that holds the lock (the one
+    already queued or running), ``name`` the lock name.
     """
 
-    def __init__(self, key: str, holder: str | None, message: str | None = None) -> None:
+    def __init__(self, name: str, holder: str | None, message: str | None = None) -> None:
         super().__init__(
-            key,
+            name,
             holder,
             message
-            or f"lock {key!r} is held by task {holder!r}: this duplicate was not sent "
+            or f"lock {name!r} is held by task {holder!r}: this duplicate was not sent "
             "(AsyncResult(exc.holder) follows the one that was)",
         )
 

@@ -5,7 +5,7 @@ Connect to them like Celery's own signals; the sender is the task::
     from celery_redislock import signals
 
     @signals.lock_conflict.connect
-    def count_conflicts(sender, task_id, key, holder, action, **kwargs):
+    def count_conflicts(sender, task_id, name, holder, action, **kwargs):
         CONFLICTS.labels(sender.name, action).inc()
 
 A receiver runs inside the task's execution (or its ``apply_async``), except
@@ -14,6 +14,10 @@ whichever thread reads the release's answer, moments after the task ended), so
 keep it fast and thread-safe; an exception it raises is logged by Celery's
 dispatcher and ignored. :mod:`celery_redislock.metrics` turns them into
 Prometheus metrics.
+
+Every signal about one lock carries its lock name as ``name``, and again as
+``key`` for receivers written before it was called a name; new receivers should
+take ``name`` (and accept ``**kwargs``).
 """
 
 from __future__ import annotations
@@ -22,23 +26,29 @@ from celery.utils.dispatch import Signal
 
 __all__ = ["heartbeat_round", "lock_acquired", "lock_conflict", "lock_lost", "lock_released"]
 
-#: The lock was taken. ``key``, ``task_id``, ``token`` (fencing token) and
+#: The lock was taken. ``name``, ``task_id``, ``token`` (fencing token) and
 #: ``waited`` (seconds spent waiting for it, 0.0 when free at once).
-lock_acquired = Signal(name="lock_acquired", providing_args={"task_id", "key", "token", "waited"})
+lock_acquired = Signal(
+    name="lock_acquired", providing_args={"task_id", "name", "key", "token", "waited"}
+)
 
-#: The key was held by another task. ``action`` is what the duplicate does:
+#: The lock was held by another task. ``action`` is what the duplicate does:
 #: ``"skip"``, ``"raise"``, ``"retry"``, ``"wait"`` (sent before waiting) or
 #: ``"dedup"`` (an ``until_*`` enqueue that published nothing).
-lock_conflict = Signal(name="lock_conflict", providing_args={"task_id", "key", "holder", "action"})
+lock_conflict = Signal(
+    name="lock_conflict", providing_args={"task_id", "name", "key", "holder", "action"}
+)
 
 #: A running task's lock was lost (expired or taken over); sent from the heartbeat.
-lock_lost = Signal(name="lock_lost", providing_args={"task_id", "key"})
+lock_lost = Signal(name="lock_lost", providing_args={"task_id", "name", "key"})
 
 #: The task's body ended and its release got its answer. ``held`` is in seconds;
 #: ``outcome`` is ``"released"`` (the lock was freed, or a hold dropped),
 #: ``"lost"`` (it had expired or been taken over before the release) or
 #: ``"failed"`` (no answer: retried in the background, else it expires by its TTL).
-lock_released = Signal(name="lock_released", providing_args={"task_id", "key", "held", "outcome"})
+lock_released = Signal(
+    name="lock_released", providing_args={"task_id", "name", "key", "held", "outcome"}
+)
 
 #: A heartbeat round ended on one server (sender: the server, ``"host:port"``;
 #: sent from that server's heartbeat thread, for every lock it renews, whether
