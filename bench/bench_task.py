@@ -205,10 +205,81 @@ def purchase_singleton(event_id: str, index: int, work: float) -> tuple[float, f
     return began, time.time()
 
 
+@app.task(
+    name="bench.purchase_retry",
+    base=SingletonTask,
+    shared=False,
+    lock_on=("event_id",),
+    on_conflict="retry",
+    lock_retry_delay=0.01,
+    max_retries=None,
+)
+def purchase_retry(event_id: str, index: int, work: float) -> tuple[float, float]:
+    """A purchase under this project's lock, sent back to the queue while another holds it."""
+    began = time.time()
+    busy(work)
+    return began, time.time()
+
+
+@app.task(
+    name="bench.purchase_skip",
+    base=SingletonTask,
+    shared=False,
+    lock_on=("event_id",),
+    on_conflict="skip",
+)
+def purchase_skip(event_id: str, index: int, work: float) -> tuple[float, float]:
+    """A purchase under this project's lock, dropped while another holds it."""
+    began = time.time()
+    busy(work)
+    return began, time.time()
+
+
+@app.task(name="bench.purchase_plain", shared=False)
+def purchase_plain(event_id: str, index: int, work: float) -> tuple[float, float]:
+    """A purchase with no lock at all: critical sections overlap."""
+    began = time.time()
+    busy(work)
+    return began, time.time()
+
+
 @app.task(name="bench.purchase_redis_py", shared=False)
 def purchase_redis_py(event_id: str, index: int, work: float) -> tuple[float, float]:
     """A purchase under redis-py's ``Lock`` (it polls every 0.1 s while it waits)."""
     with lock_client().lock(f"bench.purchase:{event_id}", timeout=60, blocking_timeout=120):
+        began = time.time()
+        busy(work)
+        return began, time.time()
+
+
+purchase_once: Any = None
+if celery_once is not None:
+
+    @app.task(
+        name="bench.purchase_once",
+        base=celery_once.QueueOnce,
+        shared=False,
+        once={"graceful": True, "keys": ["event_id"]},
+    )
+    def purchase_once(event_id: str, index: int, work: float) -> tuple[float, float]:
+        """A purchase under celery-once: a duplicate is dropped when it is sent."""
+        began = time.time()
+        busy(work)
+        return began, time.time()
+
+
+purchase_csingleton: Any = None
+if celery_singleton is not None:
+
+    @app.task(
+        name="bench.purchase_celery_singleton",
+        base=celery_singleton.Singleton,
+        shared=False,
+        unique_on=["event_id"],
+    )
+    def purchase_csingleton(event_id: str, index: int, work: float) -> tuple[float, float]:
+        """A purchase under celery-singleton: a duplicate sent while one is queued or
+        running gets that one's result instead."""
         began = time.time()
         busy(work)
         return began, time.time()
@@ -338,8 +409,12 @@ def run_batch(
     signal_group(worker, signal.SIGSTOP)
     try:
         started = time.perf_counter()
-        results = ResultSet([task.apply_async(args) for task, args in calls])
+        sent = [task.apply_async(args) for task, args in calls]
         enqueue = time.perf_counter() - started
+        # Peers that drop a duplicate when it is sent return no message to wait for
+        # (celery-once: an EagerResult without an id), or the one already queued
+        # (celery-singleton): each message is waited for once.
+        results = ResultSet(list({r.id: r for r in sent if r is not None and r.id}.values()))
     finally:
         cpu_before = group_cpu(worker.pid)
         started = time.perf_counter()
@@ -602,9 +677,14 @@ def bench_contention(url: str, lock_url: str, rounds: int, findings: Findings) -
     """Section 3: 50 purchases of one event on 4 worker processes, waiting for the lock."""
     ideal = PURCHASES * CRITICAL
     kinds: list[tuple[str, Any, str]] = [
+        ("no lock", purchase_plain, ""),
         ("SingletonTask, on_conflict=wait", purchase_singleton, ""),
+        ("SingletonTask, on_conflict=retry", purchase_retry, ""),
+        ("SingletonTask, on_conflict=skip", purchase_skip, ""),
         ("python-redis-lock in task", purchase_prl, REDIS_LOCK_MISSING),
         ("redis-py Lock in task", purchase_redis_py, ""),
+        ("celery-once (cannot wait)", purchase_once, ONCE_MISSING),
+        ("celery-singleton (cannot wait)", purchase_csingleton, SINGLETON_MISSING),
     ]
     print(
         f"\n3. Contention: {PURCHASES} purchases of one event, {CRITICAL * 1e3:g} ms critical"
@@ -613,7 +693,7 @@ def bench_contention(url: str, lock_url: str, rounds: int, findings: Findings) -
     )
     stats = redis.Redis.from_url(lock_url)
     live = [kind for kind in kinds if kind[1] is not None]
-    measured: dict[str, list[tuple[float, float, float, int, CommandCount]]] = {}
+    measured: dict[str, list[tuple[float, float, float, int, CommandCount, int]]] = {}
     with worker_process(url, lock_url, "prefork", CONTENDERS) as worker:
         plain.apply_async(("warm-up", 0)).get(timeout=60)
         for _label, task, _ in live:  # every process: connections, scripts, subscriptions
@@ -624,9 +704,15 @@ def bench_contention(url: str, lock_url: str, rounds: int, findings: Findings) -
                 event = f"event-{uuid.uuid4().hex[:8]}"
                 calls = [(task, (event, i, CRITICAL)) for i in range(PURCHASES)]
                 batch = run_batch(calls, worker, stats, 180)
-                spans = sorted((float(a), float(b)) for a, b in batch.results)
+                # A purchase that ran returns its critical section; a dropped one
+                # returns something else (SingletonTask's skip marker) or nothing.
+                spans = sorted(
+                    (float(r[0]), float(r[1]))
+                    for r in batch.results
+                    if isinstance(r, list | tuple) and len(r) == 2
+                )
                 overlaps = sum(1 for p, n in itertools.pairwise(spans) if n[0] < p[1])
-                gaps = sorted(n[0] - p[1] for p, n in itertools.pairwise(spans))
+                gaps = sorted(n[0] - p[1] for p, n in itertools.pairwise(spans)) or [0.0]
                 makespan = PURCHASES / batch.rate
                 measured.setdefault(label, []).append(
                     (
@@ -635,10 +721,11 @@ def bench_contention(url: str, lock_url: str, rounds: int, findings: Findings) -
                         gaps[len(gaps) // 2],
                         overlaps,
                         batch.commands,
+                        len(spans),
                     )
                 )
     print(
-        f"   {'kind':<32} {'makespan ms':>18} {'x ideal':>16} {'first->last ms':>16}"
+        f"   {'kind':<32} {'ran':>6} {'makespan ms':>18} {'x ideal':>16} {'first->last ms':>16}"
         f" {'gap ms':>13} {'overlaps':>8}   lock commands per purchase"
     )
     for label, _task, missing in kinds:
@@ -649,19 +736,24 @@ def bench_contention(url: str, lock_url: str, rounds: int, findings: Findings) -
         span = Spread.of([row[0] * 1e3 for row in rows])
         factor = Spread.of([row[0] / ideal for row in rows])
         commands = rows[-1][4]
+        ran = min(row[5] for row in rows)
         print(
-            f"   {label:<32} {span.show(0):>18} {factor.show(2):>16}"
+            f"   {label:<32} {f'{ran}/{PURCHASES}':>6} {span.show(0):>18} {factor.show(2):>16}"
             f" {Spread.of([row[1] * 1e3 for row in rows]).show(0):>16}"
             f" {Spread.of([row[2] * 1e3 for row in rows]).show(2):>13}"
             f" {sum(row[3] for row in rows):8d}   {commands.total:.2f}"
             f" ({commands.scripts:.2f} EVALSHA; {commands.breakdown()})"
         )
+        findings.add(3, f"{label}: purchases that ran (fewest in a round)", f"{ran}/{PURCHASES}")
         findings.add(3, f"{label}: makespan / ideal", factor.show(2))
+        findings.add(3, f"{label}: overlapping critical sections", str(sum(r[3] for r in rows)))
         findings.add(3, f"{label}: lock commands per purchase", f"{commands.total:.2f}")
     print(
-        "   makespan: from the workers' resumption to the last result; first->last: first"
+        "   ran: purchases whose critical section ran (the others were dropped as duplicates);"
+        " makespan: from the workers' resumption to the last result; first->last: first"
         " critical section's start to the last one's end; gap: median time between one"
-        " purchase's end and the next one's start"
+        " purchase's end and the next one's start; overlaps: critical sections that began"
+        " before the previous one ended (a lock that excludes has none)"
     )
     stats.close()
 
