@@ -742,10 +742,12 @@ def bench_memory(url: str, count: int, findings: Findings) -> None:
         sample = stats.memory_usage(locks[0].key, samples=0) or 0
         print(
             f"     after release() of all ({took / count * 1e6:.0f} us each): the free hashes that"
-            f" keep the fence counters stay for 1 h, {remnant:,.0f} bytes per name"
+            f" keep the fence counters stay until the locks' expiry, {remnant:,.0f} bytes per name"
             f" (MEMORY USAGE of one: {sample} bytes)"
         )
-        findings.add(6, "bytes per released name (free hash kept 1 h)", f"{remnant:.0f}")
+        findings.add(
+            6, "bytes per released name (free hash, until the lock's expiry)", f"{remnant:.0f}"
+        )
         drop(client, locks)
     stats.close()
     client.close()

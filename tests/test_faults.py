@@ -381,10 +381,29 @@ def test_scripts_refuse_bad_ttls_before_writing(direct: redis.Redis, bad_ttl: st
     before = direct.hgetall(key)
     with pytest.raises(redis.ResponseError):
         direct.eval(EXTEND, 1, key, "me", bad_ttl)
-    with pytest.raises(redis.ResponseError):
-        direct.eval(RELEASE, 2, key, queue, "me", wake, "r3", bad_ttl, "")
+    if bad_ttl != "0":  # for RELEASE, "0" asks to keep the expiry the hash has
+        with pytest.raises(redis.ResponseError):
+            direct.eval(RELEASE, 2, key, queue, "me", wake, "r3", bad_ttl, "")
     assert direct.hgetall(key) == before
     assert 0 < direct.pttl(key) <= 10_000
+
+
+def test_release_keeps_the_lock_expiry_when_enough_is_left(direct: redis.Redis) -> None:
+    """A release made while plenty of the lock's TTL is left leaves the free hash's
+    expiry as it was (one command less); one made near the end keeps the hash, and
+    its fence, for FENCE_TTL. Either way the next holder's token is higher."""
+    long = RedisLock(direct, "keep", ttl=60)
+    assert long.acquire()
+    first = long.token
+    long.release()
+    assert 50_000 < direct.pttl(long.key) <= 60_000
+    short = RedisLock(direct, "keep", ttl=2)
+    assert short.acquire()
+    assert short.token is not None
+    assert first is not None
+    assert short.token > first
+    short.release()
+    assert direct.pttl(long.key) > 3_000_000
 
 
 def test_fault_handling_adds_no_round_trips(server: RedisServer) -> None:

@@ -11,7 +11,8 @@ Example::
 Keys, for a lock named ``N`` with the default prefix::
 
     redislock:{N}           hash: owner, fence, request id, ...         (held: as long as
-                            the lock; free: kept FENCE_TTL for its fencing counter;
+                            the lock; free: until the lock's expiry, or FENCE_TTL
+                            when little of it was left, for its fencing counter;
                             one-letter fields, see celery_redislock.scripts)
     redislock:{N}:waiters   sorted set of queued waiters                (while someone waits)
     redislock:wake:<P>      pub/sub channel of process P, never a key   (its waiters' wake-ups)
@@ -89,6 +90,12 @@ logger = logging.getLogger(__name__)
 #: release, in ms. After it expires the next token is seeded from the server
 #: clock (microseconds), so tokens still increase.
 FENCE_TTL_MS = 3_600_000
+
+#: A release leaves the free hash's expiry as it is (the lock's own, which the
+#: heartbeat kept pushing ahead) when more than the release's deadline plus this
+#: many seconds of it are surely left: a retry of the release still finds the
+#: hash, and the release writes one command less. Else it sets FENCE_TTL_MS.
+KEEP_EXPIRY_MARGIN = 1.0
 
 #: Default key prefix.
 DEFAULT_PREFIX = "redislock"
@@ -564,7 +571,7 @@ class RedisLock:
         call = Call(
             RELEASE_SCRIPT,
             [self.key, self.queue_key],
-            [self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, ""],
+            [self.owner, self.wake_prefix, request_id(), self._free_ttl_ms(), ""],
         )
         if not wait:
             self._release_later(call, then)
@@ -584,6 +591,13 @@ class RedisLock:
             done = result is Released.FREED or self._holds == 0
         if done:
             self._forget()
+
+    def _free_ttl_ms(self) -> int:
+        """How long the hash outlives this release (the RELEASE script's ARGV[4]):
+        0 (its expiry stays the lock's own) while enough of the hold's local
+        deadline is left, which the server's expiry is never earlier than."""
+        left = self._expiry - time.monotonic()
+        return 0 if left > self.call_timeout + KEEP_EXPIRY_MARGIN else FENCE_TTL_MS
 
     def _release_later(self, call: Call, then: Callable[[ReleaseOutcome], Any] | None) -> None:
         """``release(wait=False)``: write the release, drop the hold, read the answer later."""

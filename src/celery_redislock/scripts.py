@@ -4,8 +4,9 @@ Each script runs atomically on the server, so every read-check-write below is a
 single step no other client can interleave with. All keys one call touches
 share the lock name's ``{hash tag}``, so one call touches a single cluster slot.
 
-A lock name has one hash, which lives as long as the lock is held and
-``FENCE_TTL`` past its last release. Its fields have one-letter names, so that a
+A lock name has one hash, which lives as long as the lock is held and, once
+released, until the lock's own expiry (when a release finds enough of it left:
+then it writes no expiry at all) or ``FENCE_TTL`` past the release. Its fields have one-letter names, so that a
 held lock costs the server little (the names below are the constants that hold
 them; ``celery redislock`` and :mod:`celery_redislock.admin` show the readable
 names on the left):
@@ -40,7 +41,8 @@ holder wrote and the current one does not need is emptied instead; a release
 empties the holder's fields, so a free hash keeps little beyond its fence.
 
 Keeping the hash (rather than deleting it) on release keeps the fencing counter
-without a second key, and lets a release be one ``HSET`` and one ``PEXPIRE``. When
+without a second key, and lets a release be one ``HSET`` (and a ``PEXPIRE`` when
+little of the lock's expiry is left). When
 the hash has expired, or the server lost its data, the next token is seeded
 from the server clock in microseconds, so tokens keep increasing.
 
@@ -178,7 +180,8 @@ end
 """
 
 # Shared by the scripts that free the lock: keep the hash (and its fence) as a
-# free remnant for ARGV[4] ms, remember the release (ARGV[3]), and hand the lock
+# free remnant for ARGV[4] ms (its current expiry for "0"), remember the release
+# (ARGV[3]), and hand the lock
 # to the first two queued waiters (wake channel prefix ARGV[2]). The holder's
 # fields are emptied, so the remnant keeps little beyond the fence.
 _FREE = _lua("""
@@ -236,7 +239,9 @@ local function free(lock)
         end
     end
     redis.call('HSET', KEYS[1], unpack(fields))
-    redis.call('PEXPIRE', KEYS[1], ARGV[4])
+    if ARGV[4] ~= '0' then
+        redis.call('PEXPIRE', KEYS[1], ARGV[4])
+    end
     for i = 1, #next, 2 do
         local process = string.match(next[i], '^([^.]+)%.')
         if process then
@@ -373,15 +378,16 @@ return {1, fence}
 #:
 #: KEYS[1] the lock hash; KEYS[2] the waiter queue
 #: ARGV[1] owner token; ARGV[2] the wake channel prefix (``<prefix>:wake:``);
-#: ARGV[3] request id; ARGV[4] how long the free hash keeps the fence, in ms;
-#: ARGV[5] "" or the request id of the acquire this release undoes (then it acts
-#: only if that acquire was the last change to the hold)
+#: ARGV[3] request id; ARGV[4] how long the free hash keeps the fence, in ms, or
+#: "0" to leave its expiry (the lock's own) as it is: the caller knows enough of
+#: it is left; ARGV[5] "" or the request id of the acquire this release undoes
+#: (then it acts only if that acquire was the last change to the hold)
 #: Returns 1 when freed, 2 when a hold remains, 0 when not owned (nothing changed).
 RELEASE = (
     _CHECK_TTLS
     + _FREE
     + _lua("""
-local bad = check_ttl(ARGV[4])
+local bad = ARGV[4] ~= '0' and check_ttl(ARGV[4]) or nil
 if bad then return bad end
 local lock = read($OWNER, $REQ)
 if lock[$OWNER] ~= ARGV[1] then
