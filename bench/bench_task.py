@@ -133,6 +133,14 @@ def lock_client() -> redis.Redis:
     return _lock_clients[key]
 
 
+def critical_section(work: float) -> tuple[float, float]:
+    """A purchase's critical section: ``work`` seconds of :func:`busy`; returns when
+    it began and ended (wall clock), for the contention run's overlap check."""
+    began = time.time()
+    busy(work)
+    return began, time.time()
+
+
 def busy(work: float) -> None:
     """Stand for ``work`` seconds of real work (a sleep: it leaves the CPU to others)."""
     if work:
@@ -200,9 +208,7 @@ if celery_singleton is not None:
 )
 def purchase_singleton(event_id: str, index: int, work: float) -> tuple[float, float]:
     """A purchase under this project's lock, waiting for it when another holds it."""
-    began = time.time()
-    busy(work)
-    return began, time.time()
+    return critical_section(work)
 
 
 @app.task(
@@ -216,9 +222,7 @@ def purchase_singleton(event_id: str, index: int, work: float) -> tuple[float, f
 )
 def purchase_retry(event_id: str, index: int, work: float) -> tuple[float, float]:
     """A purchase under this project's lock, sent back to the queue while another holds it."""
-    began = time.time()
-    busy(work)
-    return began, time.time()
+    return critical_section(work)
 
 
 @app.task(
@@ -230,26 +234,20 @@ def purchase_retry(event_id: str, index: int, work: float) -> tuple[float, float
 )
 def purchase_skip(event_id: str, index: int, work: float) -> tuple[float, float]:
     """A purchase under this project's lock, dropped while another holds it."""
-    began = time.time()
-    busy(work)
-    return began, time.time()
+    return critical_section(work)
 
 
 @app.task(name="bench.purchase_plain", shared=False)
 def purchase_plain(event_id: str, index: int, work: float) -> tuple[float, float]:
     """A purchase with no lock at all: critical sections overlap."""
-    began = time.time()
-    busy(work)
-    return began, time.time()
+    return critical_section(work)
 
 
 @app.task(name="bench.purchase_redis_py", shared=False)
 def purchase_redis_py(event_id: str, index: int, work: float) -> tuple[float, float]:
     """A purchase under redis-py's ``Lock`` (it polls every 0.1 s while it waits)."""
     with lock_client().lock(f"bench.purchase:{event_id}", timeout=60, blocking_timeout=120):
-        began = time.time()
-        busy(work)
-        return began, time.time()
+        return critical_section(work)
 
 
 purchase_once: Any = None
@@ -263,9 +261,7 @@ if celery_once is not None:
     )
     def purchase_once(event_id: str, index: int, work: float) -> tuple[float, float]:
         """A purchase under celery-once: a duplicate is dropped when it is sent."""
-        began = time.time()
-        busy(work)
-        return began, time.time()
+        return critical_section(work)
 
 
 purchase_csingleton: Any = None
@@ -280,9 +276,7 @@ if celery_singleton is not None:
     def purchase_csingleton(event_id: str, index: int, work: float) -> tuple[float, float]:
         """A purchase under celery-singleton: a duplicate sent while one is queued or
         running gets that one's result instead."""
-        began = time.time()
-        busy(work)
-        return began, time.time()
+        return critical_section(work)
 
 
 purchase_prl: Any = None
@@ -293,9 +287,7 @@ if redis_lock is not None:
         """A purchase under python-redis-lock (waiters block in ``BLPOP`` on a signal list)."""
         lock = redis_lock.Lock(lock_client(), f"bench.purchase:{event_id}", expire=60)  # type: ignore[union-attr]
         with lock:
-            began = time.time()
-            busy(work)
-            return began, time.time()
+            return critical_section(work)
 
 
 @dataclass
