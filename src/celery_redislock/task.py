@@ -553,7 +553,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     #: Prefix of the lock keys in Redis.
     lock_prefix: ClassVar[str | None] = _resolved("prefix")
     #: Replicas that must confirm a new hold (Redis ``WAIT``) before the body runs;
-    #: narrows what a failover can lose, see the README's Deployments section.
+    #: narrows what a failover can lose, see the Deployments page of the documentation.
     lock_min_replicas: ClassVar[int | None] = _resolved("min_replicas")
     #: ``until_*``: what sending a duplicate does: ``"return"`` the holder's
     #: ``AsyncResult`` (nothing is sent), or ``"raise"`` :class:`DuplicateTaskError`.
