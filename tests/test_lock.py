@@ -38,9 +38,11 @@ from celery_redislock.scripts import (
     FIELDS,
     LEASE_FIELD,
     OWNER_FIELD,
+    QUEUED_FIELD,
     RELEASED_FIELD,
     REQUEST_FIELD,
     REQUEST_ID_HEX,
+    SPARE_MARK,
 )
 from celery_redislock.server import RedisServer, available_server_binaries
 from tests.support import lock_keys as lock_keys_held
@@ -519,6 +521,55 @@ def test_expiry_wakes_waiter_and_old_holder_lost_it(
     assert holder.lost
     assert waiter_lock.owned()
     assert wait_until(lambda: nobody_queued(client, waiter_lock))
+
+
+def test_release_wakes_the_first_two_and_marks_the_spare(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """A release wakes the two oldest waiters, each on its own process's channel; the
+    second's message carries the spare mark."""
+    holder = RedisLock(client, "spare-mark", ttl=60)
+    assert holder.acquire()
+    cleanup.append(holder)
+    for position, waiter_id in enumerate(("proc-a.1", "proc-b.7", "proc-c.3"), start=1):
+        client.zadd(holder.queue_key, {waiter_id: position})
+    client.hset(holder.key, QUEUED_FIELD, "1")
+    pubsub = client.pubsub()
+    pubsub.psubscribe(f"{holder.wake_prefix}*")
+    assert pubsub.get_message(timeout=5) is not None  # the subscription's confirmation
+    holder.release()
+    got = []
+    while len(got) < 2:
+        message = pubsub.get_message(timeout=5)
+        assert message is not None
+        got.append((message["channel"].decode(), message["data"].decode()))
+    pubsub.close()
+    assert got == [
+        (f"{holder.wake_prefix}proc-a", "proc-a.1"),
+        (f"{holder.wake_prefix}proc-b", f"proc-b.7{SPARE_MARK}"),
+    ]
+    assert client.zrange(holder.queue_key, 0, -1) == [b"proc-c.3"]
+
+
+def test_spare_takes_the_lock_when_the_first_woken_waiter_is_gone(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """The second waiter woken (the spare) lets the first go ahead, but takes the lock
+    after its head start when the first never comes: well before the holder's TTL."""
+    holder = RedisLock(client, "spare-gone", ttl=60)
+    assert holder.acquire()
+    # A waiter of a process that died while queued, ahead of the live one.
+    client.zadd(holder.queue_key, {"gone-process.1": 1})
+    client.hset(holder.key, QUEUED_FIELD, "1")
+    waiter_lock = RedisLock(client, "spare-gone", ttl=60)
+    cleanup.append(waiter_lock)
+    waiter = Waiter(waiter_lock, timeout=30)
+    assert wait_until(lambda: queued(client, holder) == 2)
+    holder.release()
+    assert wait_until(waiter.done, timeout=10)
+    assert waiter.error is None
+    assert waiter.result is True
+    assert waiter_lock.owned()
 
 
 def test_many_waiters_each_get_it_once(client: redis.Redis) -> None:

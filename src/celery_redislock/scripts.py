@@ -50,7 +50,10 @@ Waiters queue in a sorted set beside the hash (score: when they first queued), a
 a release that frees the lock wakes the first two of them, each through its own
 process's wake channel ``<prefix>:wake:<process>`` with the waiter's id as the
 message: a targeted handoff, not a broadcast, and one spare in case the first
-waiter has gone.
+waiter has gone. The spare's message ends in :data:`SPARE_MARK`; it gives the
+first a head start (``celery_redislock.lock.SPARE_HEAD_START``) rather than race
+it for the lock, and then asks (taking the lock if the first never came, else
+queueing again in its old place).
 
 **Retries.** A request can reach the server and run while its reply is lost
 (a reset connection, a timeout); the client then sends it again. Every request
@@ -132,6 +135,9 @@ REQUEST_ID_HEX = 10
 #: that a waiter that vanished in between delays the others only briefly.
 RESERVE_MS = 250
 
+#: What the wake-up message of the second woken waiter (the spare) ends with.
+SPARE_MARK = " spare"
+
 #: How many recent freeing releases a lock remembers, so that a retried release
 #: is recognised even if the lock was taken and freed again in between.
 RELEASES_REMEMBERED = 8
@@ -147,6 +153,7 @@ def _lua(text: str) -> str:
         quoted,
         HOLDER=holder,
         RESERVE_MS=RESERVE_MS,
+        SPARE=f"'{SPARE_MARK}'",
         RELEASE_HISTORY=RELEASES_REMEMBERED * (REQUEST_ID_HEX + 1) - 1,
     )
 
@@ -245,7 +252,8 @@ local function free(lock)
     for i = 1, #next, 2 do
         local process = string.match(next[i], '^([^.]+)%.')
         if process then
-            redis.call('PUBLISH', ARGV[2] .. process, next[i])
+            -- The second is the spare: it lets the first go ahead.
+            redis.call('PUBLISH', ARGV[2] .. process, next[i] .. (i > 1 and $SPARE or ''))
         end
     end
     return 1

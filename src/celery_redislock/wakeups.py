@@ -27,6 +27,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from celery_redislock.scripts import SPARE_MARK
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
     TRANSIENT,
@@ -53,13 +54,15 @@ def process_token() -> str:
 
 
 class Waiter:
-    """One waiting acquire: its id in the queue and the event a wake-up sets."""
+    """One waiting acquire: its id in the queue, the event a wake-up sets, and
+    whether the last wake-up named it the spare (woken second)."""
 
-    __slots__ = ("event", "id")
+    __slots__ = ("event", "id", "spare")
 
     def __init__(self, waiter_id: str) -> None:
         self.id = waiter_id
         self.event = threading.Event()
+        self.spare = False
 
 
 class WakeHub:
@@ -191,9 +194,12 @@ class WakeHub:
                 reply = conn.read_response()
                 if isinstance(reply, list) and reply[:1] == [b"message"]:
                     self.received += 1
+                    message = reply[2].decode()
+                    spare = message.endswith(SPARE_MARK)
                     with self._guard:
-                        waiter = self._waiters.get(reply[2].decode())
+                        waiter = self._waiters.get(message.removesuffix(SPARE_MARK))
                     if waiter is not None:
+                        waiter.spare = spare
                         waiter.event.set()
                 continue
             with self._guard:
