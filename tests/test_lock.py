@@ -534,11 +534,11 @@ def test_release_wakes_the_first_two_and_marks_the_spare(
     for position, waiter_id in enumerate(("proc-a.1", "proc-b.7", "proc-c.3"), start=1):
         client.zadd(holder.queue_key, {waiter_id: position})
     client.hset(holder.key, QUEUED_FIELD, "1")
-    pubsub = client.pubsub()
+    pubsub = client.pubsub()  # type: ignore[no-untyped-call]
     pubsub.psubscribe(f"{holder.wake_prefix}*")
     assert pubsub.get_message(timeout=5) is not None  # the subscription's confirmation
     holder.release()
-    got = []
+    got: list[tuple[str, str]] = []
     while len(got) < 2:
         message = pubsub.get_message(timeout=5)
         assert message is not None
