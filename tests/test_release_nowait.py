@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -38,6 +39,27 @@ def test_task_waits_for_one_round_trip_only(redislock_server: RedisServer) -> No
     assert transport.owes_replies()
     wait_for(lambda: not transport.owes_replies(), what="the release's answer to be read")
     close_app(app)
+
+
+def test_releases_go_by_digest_once_the_server_has_the_script(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """A release without waiting is sent with the script's text only until the server
+    is known to have it: after the first answer, releases go as EVALSHA."""
+    server = redislock_server_factory()
+    client = server.client()
+    lock = RedisLock(client, "by-digest", ttl=30)
+    transport = transport_for(client)
+    for _ in range(5):
+        assert lock.acquire(blocking=False)
+        lock.release(wait=False)
+        wait_for(lambda: not transport.owes_replies(), what="the release's answer")
+    stats = client.info("commandstats")
+    # The first acquire (after a NOSCRIPT by digest) and the first release carry
+    # their scripts' text, once each; the four others of each go by digest.
+    assert stats["cmdstat_eval"]["calls"] == 2
+    assert stats["cmdstat_evalsha"]["calls"] == 1 + 4 + 4
+    client.close()
 
 
 @pytest.mark.slow
