@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.contrib.testing.worker import start_worker
 
 from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD
 
@@ -126,3 +127,31 @@ def quiet_sockets() -> Iterator[None]:
         warnings.simplefilter("ignore", ResourceWarning)
         yield
         gc.collect()
+
+
+@contextmanager
+def in_process_worker(app: Celery, pool: str = "threads", concurrency: int = 1) -> Iterator[Any]:
+    """A real worker consuming ``app``'s default queue in this process, stopped at exit."""
+    worker = start_worker(
+        app, pool=pool, concurrency=concurrency, perform_ping_check=False, shutdown_timeout=60
+    )
+    started = worker.__enter__()
+    try:
+        yield started
+    finally:
+        with quiet_sockets():
+            worker.__exit__(None, None, None)
+
+
+@contextmanager
+def client_left_clean(server: Any, queues_too: bool = False) -> Iterator[redis.Redis]:
+    """A client to ``server``'s lock database; at exit, waits until no lock is held (and,
+    with ``queues_too``, no waiter queued): a test must leave nothing behind."""
+    client: redis.Redis = server.client()
+    yield client
+    wait_for(lambda: not lock_keys(client), timeout=10, what="locks to be released")
+    if queues_too:
+        wait_for(
+            lambda: not waiter_queues(client), timeout=10, what="waiters to leave their queues"
+        )
+    client.close()

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 from celery.worker import state as worker_state
 
 from celery_redislock import RedisLock, SingletonTask
@@ -23,12 +22,13 @@ from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.task import queued_owner
 from tests.support import (
+    client_left_clean,
     close_app,
     gate,
     held,
+    in_process_worker,
     lock_keys,
     make_app,
-    quiet_sockets,
     record,
     runs,
     wait_for,
@@ -83,21 +83,15 @@ def tasks(app: Celery) -> SimpleNamespace:
 @pytest.fixture(scope="module")
 def worker(app: Celery) -> Iterator[Any]:
     """A real worker (threads pool) consuming the app's default queue in this process."""
-    worker = start_worker(
-        app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=60
-    )
-    yield worker.__enter__()
-    with quiet_sockets():
-        worker.__exit__(None, None, None)
+    with in_process_worker(app, concurrency=4) as worker:
+        yield worker
 
 
 @pytest.fixture
 def locks(redislock_server: RedisServer) -> Iterator[redis.Redis]:
     """A client to the lock database; every test must leave no lock behind."""
-    client = redislock_server.client()
-    yield client
-    wait_for(lambda: not lock_keys(client), timeout=10, what="locks to be released")
-    client.close()
+    with client_left_clean(redislock_server) as client:
+        yield client
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, chain, chord, group
-from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 
 from celery_redislock import (
@@ -33,16 +32,16 @@ from celery_redislock.scripts import FENCE_FIELD
 from celery_redislock.server import RedisServer, free_port
 from celery_redislock.task import OPTIONS, LockOptions
 from tests.support import (
+    client_left_clean,
     close_app,
     gate,
     held,
+    in_process_worker,
     lock_keys,
     make_app,
-    quiet_sockets,
     record,
     runs,
     wait_for,
-    waiter_queues,
 )
 
 TIMEOUT = 20
@@ -251,23 +250,16 @@ def tasks(app: Celery) -> SimpleNamespace:
 @pytest.fixture(scope="module")
 def worker(app: Celery) -> Iterator[Any]:
     """A real worker (threads pool, 6 slots) consuming in this process."""
-    worker = start_worker(
-        app, pool="threads", concurrency=6, perform_ping_check=False, shutdown_timeout=60
-    )
-    yield worker.__enter__()
-    with quiet_sockets():
-        worker.__exit__(None, None, None)
+    with in_process_worker(app, concurrency=6) as worker:
+        yield worker
 
 
 @pytest.fixture
 def locks(redislock_server: RedisServer) -> Iterator[redis.Redis]:
     """A client to the lock database; every test must leave no lock held and no waiter
     queued behind."""
-    client = redislock_server.client()
-    yield client
-    wait_for(lambda: not lock_keys(client), timeout=10, what="locks to be released")
-    wait_for(lambda: not waiter_queues(client), timeout=10, what="waiters to leave their queues")
-    client.close()
+    with client_left_clean(redislock_server, queues_too=True) as client:
+        yield client
 
 
 def unique(prefix: str) -> str:

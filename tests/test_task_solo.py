@@ -9,11 +9,10 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 
 from celery_redislock import RedisLock, SingletonTask
 from celery_redislock.server import RedisServer
-from tests.support import close_app, lock_keys, make_app, quiet_sockets, wait_for
+from tests.support import client_left_clean, close_app, in_process_worker, make_app, wait_for
 
 TIMEOUT = 20
 
@@ -50,21 +49,16 @@ def app(redislock_server: RedisServer) -> Iterator[Celery]:
     def patient(self: Any, name: str) -> str:
         return name
 
-    worker = start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=60)
-    worker.__enter__()
-    yield app
-    with quiet_sockets():
-        worker.__exit__(None, None, None)
+    with in_process_worker(app, pool="solo"):
+        yield app
     close_app(app)
 
 
 @pytest.fixture
 def locks(redislock_server: RedisServer) -> Iterator[redis.Redis]:
     """A client to the lock database; each test must leave no lock behind."""
-    client = redislock_server.client()
-    yield client
-    wait_for(lambda: not lock_keys(client), timeout=10, what="locks to be released")
-    client.close()
+    with client_left_clean(redislock_server) as client:
+        yield client
 
 
 def test_runs_and_releases(app: Celery, locks: redis.Redis) -> None:
