@@ -69,6 +69,7 @@ from celery import signals as celery_signals
 from celery.exceptions import Reject, Retry
 from celery.result import AsyncResult
 from celery.utils import uuid
+from celery.utils.dispatch import Signal
 
 from celery_redislock import signals
 from celery_redislock.client import check_url
@@ -271,6 +272,12 @@ def _sent_overrides(request: Any) -> Any:
     if found is None:
         found = (getattr(request, "headers", None) or {}).get(_OVERRIDES_HEADER)
     return found
+
+
+def _send(signal: Signal, task: Task, name: str, **arguments: Any) -> None:
+    """Send one of :mod:`celery_redislock.signals` about lock ``name``: as ``name``, and
+    again as ``key``, its spelling for receivers written before it was called a name."""
+    signal.send(sender=task, name=name, key=name, **arguments)
 
 
 def skipped_result(name: str, holder: str | None) -> dict[str, Any]:
@@ -705,7 +712,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             self.name,
             lock.lease,
         )
-        signals.lock_lost.send(sender=self, task_id=lock.lease, name=lock.name, key=lock.name)
+        _send(signals.lock_lost, self, lock.name, task_id=lock.lease)
 
     @property
     def lock(self) -> LockHandle:
@@ -775,9 +782,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         if not acquired:
             holder = lock.blocked_by
             logger.info("%s: duplicate of %s not enqueued (lock %s)", self.name, holder, key)
-            signals.lock_conflict.send(
-                sender=self, task_id=task_id, name=key, key=key, holder=holder, action="dedup"
-            )
+            _send(signals.lock_conflict, self, key, task_id=task_id, holder=holder, action="dedup")
             if opts.on_duplicate == "raise":
                 raise DuplicateTaskError(key, holder)
             if holder:
@@ -850,11 +855,11 @@ class SingletonTask(Task):  # type: ignore[misc]
                     return outcome
             request.redislock = LockHandle(key, lock, opts)
             taken = time.monotonic()
-            signals.lock_acquired.send(
-                sender=self,
+            _send(
+                signals.lock_acquired,
+                self,
+                key,
                 task_id=task_id,
-                name=key,
-                key=key,
                 token=lock.token,
                 waited=taken - asked,
             )
@@ -881,6 +886,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         the task again finds the key free, but the task does not wait a round trip
         for it. The answer is read moments later; ``lock_released`` reports it."""
 
+        def report(outcome: str) -> None:
+            _send(
+                signals.lock_released, self, lock.name, task_id=task_id, held=held, outcome=outcome
+            )
+
         def answered(outcome: ReleaseOutcome) -> None:
             if outcome == "lost" and not taken_over_ok:
                 logger.warning(
@@ -897,14 +907,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     self.name,
                     lock.lease,
                 )
-            signals.lock_released.send(
-                sender=self,
-                task_id=task_id,
-                name=lock.name,
-                key=lock.name,
-                held=held,
-                outcome="failed" if outcome == "retrying" else outcome,
-            )
+            report("failed" if outcome == "retrying" else outcome)
 
         try:
             lock.release(wait=False, then=answered)
@@ -912,22 +915,13 @@ class SingletonTask(Task):  # type: ignore[misc]
             logger.warning(
                 "could not release lock %s (it will expire by its TTL): %s", lock.name, exc
             )
-            signals.lock_released.send(
-                sender=self,
-                task_id=task_id,
-                name=lock.name,
-                key=lock.name,
-                held=held,
-                outcome="failed",
-            )
+            report("failed")
 
     def _conflict(self, lock: RedisLock, key: str, request: Any, opts: LockOptions) -> Any:
         """Handle a held lock; return a result to end the task, or ``None`` once acquired."""
         mode = opts.on_conflict
         holder = lock.blocked_by
-        signals.lock_conflict.send(
-            sender=self, task_id=request.id, name=key, key=key, holder=holder, action=mode
-        )
+        _send(signals.lock_conflict, self, key, task_id=request.id, holder=holder, action=mode)
         if mode == "wait":
             logger.info(
                 "%s[%s] waits up to %g s: lock %s held by %s",
