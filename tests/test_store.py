@@ -59,6 +59,34 @@ def test_redislock_client_given_ready(redislock_server: RedisServer) -> None:
     client.close()
 
 
+def test_store_is_resolved_again_only_when_its_settings_change(
+    redislock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store is worked out from app.conf once, not on every task; a store setting
+    changed through app.conf is picked up at the next use."""
+    from celery_redislock import store
+
+    resolved: list[Any] = []
+    real = store._resolve
+
+    def counting(app: Any) -> Any:
+        resolved.append(app)
+        return real(app)
+
+    monkeypatch.setattr(store, "_resolve", counting)
+    app = Celery("resolve-once", set_as_current=False)
+    app.conf.update(broker_url="memory://", redislock_url=redislock_server.url)
+    first = lock_store(app)
+    assert all(lock_store(app) is first for _ in range(5))
+    assert len(resolved) == 1
+    app.conf.redislock_url = redislock_server.url.replace("/0", "/3")
+    again = lock_store(app)
+    assert isinstance(again, redis.Redis)
+    assert again.connection_pool.connection_kwargs["db"] == 3
+    assert len(resolved) == 2
+    close_app(app)
+
+
 def test_redislock_client_callable_is_called_once_per_process(
     redislock_server: RedisServer,
 ) -> None:

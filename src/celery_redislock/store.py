@@ -1,7 +1,8 @@
 """The lock store of a Celery app: which Redis the locks of its tasks live in.
 
-Looked up at each use (so configuring the app after defining its tasks works),
-in this order:
+Resolved at first use, and again whenever one of the settings below is changed
+through ``app.conf`` (assignment or ``update()``), so configuring the app after
+defining its tasks, or between uses, works; the first of these that is set wins:
 
 1. ``app.conf.redislock_client``: a ready redis-py client (``redis.Redis``, a
    Sentinel ``master_for()`` client, ``redis.cluster.RedisCluster``) or a
@@ -100,16 +101,32 @@ def lock_store(app: Any, url: str | None = None) -> Client:
     """
     if url is not None:
         return get_client(url)
-    changes = getattr(app.conf, "changes", None)
-    if not isinstance(changes, dict):
-        return _resolve(app)
-    settings = tuple(map(changes.get, _STORE_SETTINGS))
-    known = _resolved.get(app)
-    if known is not None and all(a is b for a, b in zip(known[0], settings, strict=True)):
+    known, settings = _resolved.get(app), _settings(app)
+    if known is not None and _same(known[0], settings):
         return known[1]
     client = _resolve(app)
-    _resolved[app] = (settings, client)
+    # Read after resolving, which may have loaded the app's configuration (it
+    # replaces the pending one until then).
+    _resolved[app] = (_settings(app), client)
     return client
+
+
+def _settings(app: Any) -> tuple[Any, ...]:
+    """The values of the store settings in ``app.conf.changes`` (an empty tuple while
+    the configuration is pending: it matches no reading)."""
+    changes = getattr(app.conf, "changes", None)
+    if not isinstance(changes, dict):
+        return ()
+    return tuple(map(changes.get, _STORE_SETTINGS))
+
+
+def _same(before: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
+    """Whether two readings of the store settings are the very same values."""
+    return (
+        bool(now)
+        and len(before) == len(now)
+        and all(a is b for a, b in zip(before, now, strict=True))
+    )
 
 
 def _resolve(app: Any) -> Client:
