@@ -811,15 +811,33 @@ def test_shared_values_keep_their_canonical_form() -> None:
 
 
 def test_plain_signatures_bind_like_inspect() -> None:
-    """Calls to a task of plain parameters are bound without ``inspect`` on the hot
-    path; every call gets the same key material (or the same error) as
-    ``Signature.bind`` + ``apply_defaults`` give."""
+    """Calls to a task of plain parameters are bound without ``inspect`` and their
+    material encoded in an order sorted once, on the hot path; every call gets
+    the same key (or the same error) as ``Signature.bind`` + ``apply_defaults``
+    and the general encoder give, whatever the values and with ``lock_on`` too."""
 
-    def body(a: int, b: int = 2, c: str = "x") -> None: ...
+    def body(a: Any, b: Any = 2, c: Any = "x") -> None: ...
+
+    recursive: list[Any] = []
+    recursive.append(recursive)
+    for lock_on in (None, ("c", "a"), ("b", "b")):
+        fast = KeyBuilder("t", inspect.signature(body), lock_on=lock_on)
+        general = KeyBuilder("t", inspect.signature(body), lock_on=lock_on)
+        general._plain = general._order = None
+        assert fast._order is not None
+        values: list[Any] = [1.5, -0.0, [1, {"k": None}], {3, 1}, "é", b"\x00", object(), recursive]
+        for value in values:
+            outcomes = []
+            for builder in (fast, general):
+                try:
+                    outcomes.append(builder((value,), {"c": value}))
+                except KeyDerivationError as exc:
+                    outcomes.append(str(exc))
+            assert outcomes[0] == outcomes[1], (lock_on, value)
 
     fast = KeyBuilder("t", inspect.signature(body))
     general = KeyBuilder("t", inspect.signature(body))
-    general._plain = None
+    general._plain = general._order = None
     calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
         ((1,), {}),
         ((1, 3), {}),

@@ -39,6 +39,12 @@ KeySource = str | Callable[..., Any]
 _MAX_DECIMAL_BITS = 2048
 
 
+_TOO_DEEP = (
+    "cannot derive a lock key from a value nested this deeply; "
+    "key on less with lock_on=(...) or compute the key with lock_key="
+)
+
+
 def _frame(tag: bytes, payload: bytes) -> bytes:
     return b"%s%d:%s" % (tag, len(payload), payload)
 
@@ -63,10 +69,7 @@ def canonical(value: Any) -> bytes:
     try:
         return _canonical(value, set())
     except RecursionError:
-        raise KeyDerivationError(
-            "cannot derive a lock key from a value nested this deeply; "
-            "key on less with lock_on=(...) or compute the key with lock_key="
-        ) from None
+        raise KeyDerivationError(_TOO_DEEP) from None
 
 
 def _canonical(value: Any, path: set[int]) -> bytes:
@@ -83,6 +86,9 @@ def _canonical(value: Any, path: set[int]) -> bytes:
     if kind is int and value.bit_length() <= _MAX_DECIMAL_BITS:
         data = b"%d" % value
         return b"i%d:%s" % (len(data), data)
+    if kind is float:
+        data = float.__repr__(value).encode()
+        return b"f%d:%s" % (len(data), data)
     # bool before int: True is an int.
     if value is None:
         return b"n"
@@ -147,6 +153,23 @@ def digest(material: Any) -> str:
     return hashlib.sha256(canonical(material)).hexdigest()[:32]
 
 
+def _form(entry: tuple[str, bytes]) -> bytes:
+    return entry[1]
+
+
+def _digest_arguments(arguments: Mapping[str, Any], order: Sequence[tuple[str, bytes]]) -> str:
+    """``digest({name: arguments[name] for name, _ in order})``, for ``order`` the
+    names with their canonical forms, sorted by those: the entries of a mapping
+    with distinct string keys sort as their keys' canonical forms do (no such
+    form is a prefix of another), so the sort is done once, not per call."""
+    path: set[int] = set()
+    try:
+        body = b"".join([form + _canonical(arguments[name], path) for name, form in order])
+    except RecursionError:
+        raise KeyDerivationError(_TOO_DEEP) from None
+    return hashlib.sha256(b"d%d:%s" % (len(body), body)).hexdigest()[:32]
+
+
 class KeyBuilder:
     """Derives lock names for one task.
 
@@ -188,6 +211,12 @@ class KeyBuilder:
                     f"{'is not a parameter' if len(unknown) == 1 else 'are not parameters'} "
                     f"of task {task_name!r} (parameters: {list(self.signature.parameters)})"
                 )
+        #: With ``_plain`` and no ``lock_key``: the names the key is made of, with
+        #: their canonical forms, in the order the material's entries sort in.
+        self._order: tuple[tuple[str, bytes], ...] | None = None
+        if self._plain is not None and lock_key is None:
+            names = self.lock_on if self.lock_on is not None else [n for n, _ in self._plain]
+            self._order = tuple(sorted(((n, canonical(n)) for n in set(names)), key=_form))
 
     def material(self, args: Iterable[Any], kwargs: Mapping[str, Any]) -> Any:
         """The values the key is made of, for one call."""
@@ -200,9 +229,7 @@ class KeyBuilder:
             return [list(args), kwargs]
         arguments = self._bind_plain(args, kwargs)
         if arguments is not None:
-            if self.lock_on is not None:
-                return {name: arguments[name] for name in self.lock_on}
-            return arguments
+            return self._chosen(arguments)
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -210,10 +237,13 @@ class KeyBuilder:
                 f"arguments do not match task {self.task_name!r}'s signature: {exc}"
             ) from exc
         bound.apply_defaults()
-        arguments = bound.arguments
+        return self._chosen(dict(bound.arguments))
+
+    def _chosen(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The bound arguments the key is made of (``lock_on``'s, or all)."""
         if self.lock_on is not None:
             return {name: arguments[name] for name in self.lock_on}
-        return dict(arguments)
+        return arguments
 
     def _bind_plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """What ``signature.bind()`` + ``apply_defaults()`` give, for a signature of
@@ -246,6 +276,14 @@ class KeyBuilder:
                 has no canonical form; the message names the argument (or
                 ``lock_key``) it came from.
         """
+        if self._order is not None:
+            arguments = self._bind_plain(tuple(args or ()), dict(kwargs or {}))
+            if arguments is not None:
+                try:
+                    return f"{self.task_name}:{_digest_arguments(arguments, self._order)}"
+                except KeyDerivationError as exc:
+                    material = self._chosen(arguments)
+                    raise KeyDerivationError(f"{self._culprit(material)}: {exc}") from exc
         material = self.material(args or (), kwargs or {})
         try:
             return f"{self.task_name}:{digest(material)}"

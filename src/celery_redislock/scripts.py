@@ -69,7 +69,6 @@ without an expiry.
 from __future__ import annotations
 
 import hashlib
-import secrets
 from collections.abc import Mapping, Sequence
 from enum import IntEnum
 from string import Template
@@ -78,6 +77,7 @@ from typing import Any, NamedTuple
 
 from redis.exceptions import NoScriptError, RedisError
 
+from celery_redislock.ids import random_hex
 from celery_redislock.transport import ATTEMPTS, Deadline, Router, Transport, run
 
 #: Highest TTL a script accepts, in ms (about 10 years; see ``lock.MAX_SECONDS``).
@@ -486,7 +486,7 @@ return redis.call('ZREM', KEYS[1], ARGV[1])
 
 def request_id() -> str:
     """A fresh id for one state-changing request (sent again as is on a retry)."""
-    return secrets.token_hex(REQUEST_ID_HEX // 2)
+    return random_hex(REQUEST_ID_HEX)
 
 
 class Script:

@@ -54,7 +54,6 @@ import inspect
 import logging
 import os
 import random
-import secrets
 import socket
 import time
 import warnings
@@ -81,6 +80,7 @@ from celery_redislock.errors import (
     NoLockError,
     TaskSkippedError,
 )
+from celery_redislock.ids import random_hex
 from celery_redislock.keys import KeyBuilder, KeySource
 from celery_redislock.lock import (
     DEFAULT_PREFIX,
@@ -826,7 +826,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             self.lock_client,
             key,
             opts.ttl,
-            owner=f"{task_id}:{secrets.token_hex(8)}",
+            owner=f"{task_id}:{random_hex(16)}",
             lease=task_id,
             on_lost=self._on_lost,
             min_replicas=opts.min_replicas,
