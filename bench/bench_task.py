@@ -28,7 +28,9 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    ``--work-ms``) for each kind: plain, ``SingletonTask``, celery-once's
    ``QueueOnce``, celery-singleton's ``Singleton``, and a plain task taking
    redis-py's ``Lock`` in its body. Kinds are interleaved over rounds and each
-   round's rate is divided by the same round's plain rate.
+   round's rate is divided by the same round's plain rate. Beside the rate:
+   the worker's CPU per task, the producer's time per ``apply_async``, and the
+   lock store's commands and CPU per task (``INFO cpu``, sends included).
 3. Contention: 50 purchases of one event, each a 10 ms critical section, on 4
    worker processes waiting for the lock: makespan against the ideal
    50 x 10 ms, for ``SingletonTask(on_conflict="wait")`` and plain tasks using
@@ -74,6 +76,7 @@ from common import (
     print_profile,
     reset_stats,
     rotated,
+    server_cpu,
     servers,
 )
 
@@ -381,6 +384,7 @@ class Batch:
     cpu_ms: float | None  #: worker CPU per task (all its processes)
     enqueue_us: float  #: producer time per apply_async
     commands: CommandCount  #: lock-store commands per task (producer and worker)
+    lock_server_us: float  #: the lock store's CPU per task (producer and worker), microseconds
     results: list[Any] = field(default_factory=list)
 
 
@@ -398,6 +402,7 @@ def run_batch(
     counted from before the first send to the last result.
     """
     reset_stats(lock_stats)
+    lock_cpu = server_cpu(lock_stats)
     signal_group(worker, signal.SIGSTOP)
     try:
         started = time.perf_counter()
@@ -416,6 +421,7 @@ def run_batch(
     elapsed = time.perf_counter() - started
     cpu_after = group_cpu(worker.pid)
     commands = per_operation(command_calls(lock_stats), len(calls))
+    lock_cpu = server_cpu(lock_stats) - lock_cpu
     results.forget()
     cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
     return Batch(
@@ -423,6 +429,7 @@ def run_batch(
         cpu_ms=None if cpu is None else cpu / len(calls) * 1e3,
         enqueue_us=enqueue / len(calls) * 1e6,
         commands=commands,
+        lock_server_us=lock_cpu / len(calls) * 1e6,
         results=list(values),
     )
 
@@ -599,9 +606,12 @@ def bench_throughput(
         print(f"   {what}:")
         print(
             f"   {'kind':<24} {'tasks/s':>15} {'ratio to plain':>18} {'worker CPU':>14}"
-            f" {'apply_async':>12} {'lock commands':>14}"
+            f" {'apply_async':>12} {'lock commands':>14} {'lock server CPU':>16}"
         )
-        print(f"   {'':<24} {'':>15} {'':>18} {'ms/task':>14} {'us/task':>12} {'per task':>14}")
+        print(
+            f"   {'':<24} {'':>15} {'':>18} {'ms/task':>14} {'us/task':>12} {'per task':>14}"
+            f" {'us/task':>16}"
+        )
         for kind in kinds:
             if kind.label in broken:
                 print(f"   {kind.label:<24} {broken[kind.label]}")
@@ -616,6 +626,7 @@ def bench_throughput(
                 f" {ratio.show(2):>18} {Spread.of(cpu).show(2) if cpu else 'n/a':>14}"
                 f" {Spread.of([b.enqueue_us for b in mine]).show(0):>12}"
                 f" {commands.total:14.2f}"
+                f" {Spread.of([b.lock_server_us for b in mine]).show(0):>16}"
             )
         engine = ratios.get(("SingletonTask", work))
         peers = [ratios[(label, work)].median for label in PEERS if (label, work) in ratios]

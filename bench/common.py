@@ -136,6 +136,12 @@ def command_calls(client: redis.Redis) -> dict[str, int]:
     return {name: n for name, n in calls.items() if name not in _MEASURING and n}
 
 
+def server_cpu(client: redis.Redis) -> float:
+    """CPU seconds (user + system) the server has used so far (``INFO cpu``)."""
+    info: dict[str, Any] = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
 @dataclass
 class CommandCount:
     """Server commands per operation: script calls, and everything else."""

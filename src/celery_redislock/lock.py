@@ -69,6 +69,7 @@ from celery_redislock.scripts import (
     AcquireReply,
     Call,
     Released,
+    encode_holder,
     request_id,
     send,
 )
@@ -169,11 +170,11 @@ def check_timeout(value: object, argument: str = "timeout") -> float | None:
 MAX_INFO_LENGTH = 200
 
 
-def check_holder_info(value: object, argument: str = "holder_info") -> tuple[str, ...]:
-    """The ACQUIRE arguments for a holder description: one value per
-    :data:`~celery_redislock.scripts.HOLDER_FIELDS` name, or none at all."""
+def check_holder_info(value: object, argument: str = "holder_info") -> str:
+    """The stored form of a holder description (see
+    :func:`~celery_redislock.scripts.encode_holder`; ``""`` for none)."""
     if value is None:
-        return ()
+        return ""
     if not isinstance(value, Mapping):
         raise TypeError(f"{argument} must be a mapping of str to str, not {type(value).__name__}")
     unknown = set(value) - set(HOLDER_FIELDS)
@@ -187,7 +188,7 @@ def check_holder_info(value: object, argument: str = "holder_info") -> tuple[str
             raise ValueError(
                 f"{argument}[{field!r}] must be a str of at most {MAX_INFO_LENGTH} characters"
             )
-    return tuple(str(value.get(field, "")) for field in HOLDER_FIELDS)
+    return encode_holder([str(value.get(field, "")) for field in HOLDER_FIELDS])
 
 
 def check_name(value: object, argument: str = "name") -> str:
@@ -377,14 +378,14 @@ class RedisLock:
         lease: str,
         on_lost: Callable[[RedisLock], Any],
         min_replicas: int,
-        holder_info: tuple[str, ...],
+        holder_info: str,
         prefix: str,
     ) -> RedisLock:
         """A renewed lock built from values already checked (a task's resolved
         options, its lock name and task id): the per-execution lock of a
         :class:`~celery_redislock.task.SingletonTask`, built without checking
-        them once more on every run. ``holder_info`` is one value per
-        :data:`~celery_redislock.scripts.HOLDER_FIELDS` name."""
+        them once more on every run. ``holder_info`` is a description in its
+        stored form (:func:`~celery_redislock.scripts.encode_holder`)."""
         lock = cls.__new__(cls)
         lock.ttl = float(ttl)
         lock.heartbeat_interval = lock.ttl / 3
@@ -415,7 +416,7 @@ class RedisLock:
         on_lost: Callable[[RedisLock], Any] | None,
         min_replicas: int,
         replica_timeout: float,
-        info: tuple[str, ...],
+        info: str,
         prefix: str,
         beat: Heartbeat | None,
     ) -> None:
@@ -756,7 +757,7 @@ class RedisLock:
                 request,
                 waiter.id if waiter else "",
                 (self._position or "") if waiter else "",
-                *self._info,
+                self._info,
             ],
         )
         wait = self._replica_wait(deadline)

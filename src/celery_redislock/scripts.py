@@ -27,15 +27,16 @@ readable name       field  holds
 ``reserved``        ``w``  the waiters a release just woke: the free lock is
                            theirs for ``RESERVE_MS``
 ``reserved_until``  ``u``  until when ``reserved`` holds, in ms
-``task``            ``t``  the holder's description (:data:`HOLDER_FIELDS`): the
-``state``           ``s``  task name, ``queued``/``running``, the worker node,
-``node``            ``h``  its process id and when the hold began; written only
-``pid``             ``p``  for a holder that has one (``task`` then always, the
-``since``           ``b``  others when not empty)
+``holder_info``     ``t``  the holder's description, for operators: a JSON array
+                           of its :data:`HOLDER_FIELDS` values (the task name,
+                           ``queued``/``running``, the worker node, its process
+                           id, when the hold began; trailing empty ones left
+                           out); written only for a holder that has one
 ==================  =====  ===================================================
 
 A held plain lock is three fields, ``o``, ``f`` and ``r``: nothing is written
-that says only "none" or "1". Redis has no way to remove a field with the
+that says only "none" or "1". A holder's description is one field, not one per
+value, so that writing it and emptying it again cost one field each. Redis has no way to remove a field with the
 commands the engine is allowed (see the minimal ACL), so a field that an earlier
 holder wrote and the current one does not need is emptied instead; a release
 empties the holder's fields, so a free hash keeps little beyond its fence.
@@ -69,6 +70,7 @@ without an expiry.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from enum import IntEnum
 from string import Template
@@ -107,8 +109,8 @@ RESERVED_UNTIL_FIELD = "u"
 #: the task name, ``queued``/``running``, the worker node, its process id, and
 #: when the hold began (Unix time, in seconds).
 HOLDER_FIELDS = ("task", "state", "node", "pid", "since")
-#: The field each :data:`HOLDER_FIELDS` name is stored in, in the same order.
-HOLDER_STORED = ("t", "s", "h", "p", "b")
+#: The field the description is stored in (see :func:`encode_holder`).
+HOLDER_INFO_FIELD = "t"
 
 #: Readable name -> stored field, for everything the lock hash can hold.
 FIELDS: Mapping[str, str] = MappingProxyType(
@@ -122,7 +124,7 @@ FIELDS: Mapping[str, str] = MappingProxyType(
         "queued": QUEUED_FIELD,
         "reserved": RESERVED_FIELD,
         "reserved_until": RESERVED_UNTIL_FIELD,
-        **dict(zip(HOLDER_FIELDS, HOLDER_STORED, strict=True)),
+        "holder_info": HOLDER_INFO_FIELD,
     }
 )
 
@@ -145,13 +147,10 @@ RELEASES_REMEMBERED = 8
 
 def _lua(text: str) -> str:
     """``text`` with its ``$NAME`` placeholders filled: the hash's field names as
-    Lua strings (``$OWNER`` is ``'o'``), ``$HOLDER`` the holder's fields as a Lua
-    list, and the numbers the scripts share."""
+    Lua strings (``$OWNER`` is ``'o'``), and the numbers the scripts share."""
     quoted = {name.upper(): f"'{stored}'" for name, stored in FIELDS.items()}
-    holder = "{" + ", ".join(f"'{stored}'" for stored in HOLDER_STORED) + "}"
     return Template(text).substitute(
         quoted,
-        HOLDER=holder,
         RESERVE_MS=RESERVE_MS,
         SPARE=f"'{SPARE_MARK}'",
         RELEASE_HISTORY=RELEASES_REMEMBERED * (REQUEST_ID_HEX + 1) - 1,
@@ -192,45 +191,42 @@ end
 # to the first two queued waiters (wake channel prefix ARGV[2]). The holder's
 # fields are emptied, so the remnant keeps little beyond the fence.
 _FREE = _lua("""
--- The fields of the lock hash a caller names, and those free() needs, read in
--- one HMGET and returned by field name (a missing field is false).
-local function read(...)
-    local names = {...}
-    for _, name in ipairs({$RELEASED, $QUEUED, $LEASE, $COUNT, $TASK}) do
-        names[#names + 1] = name
-    end
-    local values = redis.call('HMGET', KEYS[1], unpack(names))
-    local lock = {}
-    for i, name in ipairs(names) do lock[name] = values[i] end
-    return lock
+-- What the scripts that free the lock read of it, in one HMGET: the owner, the
+-- request id, the lease, the count, the releases remembered, the queued flag and
+-- the holder's description, in that order (a missing field is false).
+local function read()
+    return redis.call('HMGET', KEYS[1], $OWNER, $REQ, $LEASE, $COUNT, $RELEASED, $QUEUED,
+                      $HOLDER_INFO)
 end
 
 local function free(lock)
-    local bad = denied('hset', KEYS[1], $OWNER, '') or denied('pexpire', KEYS[1], '1')
-    if lock[$QUEUED] == '1' then
-        bad = bad or denied('zpopmin', KEYS[2]) or denied('publish', ARGV[2] .. '0', '')
-            or denied('time')
+    local queued = lock[6] == '1'
+    -- A lone HSET needs no check: denied, it writes nothing.
+    if queued or ARGV[4] ~= '0' then
+        local bad = denied('hset', KEYS[1], $OWNER, '') or denied('pexpire', KEYS[1], '1')
+        if queued then
+            bad = bad or denied('zpopmin', KEYS[2]) or denied('publish', ARGV[2] .. '0', '')
+                or denied('time')
+        end
+        if bad then return bad end
     end
-    if bad then return bad end
     -- The ids of the last few releases that freed the lock, newest first.
-    local history = string.sub(ARGV[3] .. ' ' .. (lock[$RELEASED] or ''), 1, $RELEASE_HISTORY)
+    local history = string.sub(ARGV[3] .. ' ' .. (lock[5] or ''), 1, $RELEASE_HISTORY)
     local fields = {$OWNER, '', $REQ, '', $RELEASED, history}
-    if lock[$LEASE] and lock[$LEASE] ~= '' then
+    if lock[3] and lock[3] ~= '' then
         fields[#fields + 1] = $LEASE
         fields[#fields + 1] = ''
     end
-    if lock[$COUNT] and lock[$COUNT] ~= '' then
+    if lock[4] and lock[4] ~= '' then
         fields[#fields + 1] = $COUNT
         fields[#fields + 1] = ''
     end
-    if lock[$TASK] then
-        for _, name in ipairs($HOLDER) do
-            fields[#fields + 1] = name
-            fields[#fields + 1] = ''
-        end
+    if lock[7] and lock[7] ~= '' then
+        fields[#fields + 1] = $HOLDER_INFO
+        fields[#fields + 1] = ''
     end
     local next = {}
-    if lock[$QUEUED] == '1' then
+    if queued then
         next = redis.call('ZPOPMIN', KEYS[2], 2)
         if #next == 0 then
             fields[#fields + 1] = $QUEUED
@@ -261,7 +257,7 @@ end
 
 -- Whether request ARGV[3] is one of the releases that freed the lock lately.
 local function released_here(lock)
-    local released = lock[$RELEASED]
+    local released = lock[5]
     return released and string.find(' ' .. released .. ' ', ' ' .. ARGV[3] .. ' ', 1, true)
 end
 """)
@@ -273,8 +269,8 @@ end
 #: ARGV[1] owner token; ARGV[2] TTL in ms; ARGV[3] lease ("" for none);
 #: ARGV[4] request id; ARGV[5] waiter id ("" when not waiting: not queued);
 #: ARGV[6] the waiter's queue position from an earlier reply ("" the first time);
-#: ARGV[7..] optionally, the holder's description: one value per HOLDER_FIELDS
-#: name, in that order, written with the hold (and emptied by a holder without one)
+#: ARGV[7] optionally, the holder's description (:func:`encode_holder`), written
+#: with the hold ("" or absent: none, and the one a predecessor left is emptied)
 #: Returns {1, fence} when newly taken (or taken over), {2, fence} when re-entered,
 #: {0, ms to wait, holder lease, queue position} when another owner holds it (or
 #: it was just freed for the waiters a release woke, and the caller is not one). A retry
@@ -282,7 +278,7 @@ end
 ACQUIRE = _CHECK_TTLS + _lua("""
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
-local lock = redis.call('HMGET', KEYS[1], $OWNER, $LEASE, $COUNT, $FENCE, $REQ, $TASK,
+local lock = redis.call('HMGET', KEYS[1], $OWNER, $LEASE, $COUNT, $FENCE, $REQ, $HOLDER_INFO,
                        $RESERVED, $RESERVED_UNTIL)
 if lock[1] == ARGV[1] then
     bad = denied('pexpire', KEYS[1], '1') or denied('hset', KEYS[1], $COUNT, '1')
@@ -340,7 +336,8 @@ else
     local now = redis.call('TIME')
     fence = tonumber(now[1] .. string.format('%06d', tonumber(now[2])))
 end
-bad = denied('hset', KEYS[1], $OWNER, '') or denied('pexpire', KEYS[1], '1')
+-- HSET writes first (denied, it writes nothing); what follows it is checked.
+bad = denied('pexpire', KEYS[1], '1')
 if ARGV[5] ~= '' then
     bad = bad or denied('zrem', KEYS[2], 'w')
 end
@@ -362,17 +359,10 @@ if lock[7] and lock[7] ~= '' then
     fields[#fields + 1] = $RESERVED_UNTIL
     fields[#fields + 1] = ''
 end
-if #ARGV > 6 or lock[6] then
-    -- The task field is always written with a description, so a hash without
-    -- one has no other holder field; else a holder without a description
-    -- empties the one its predecessor left.
-    for i, name in ipairs($HOLDER) do
-        local value = ARGV[6 + i] or ''
-        if i == 1 or value ~= '' or lock[6] then
-            fields[#fields + 1] = name
-            fields[#fields + 1] = value
-        end
-    end
+local info = ARGV[7] or ''
+if info ~= '' or (lock[6] and lock[6] ~= '') then
+    fields[#fields + 1] = $HOLDER_INFO
+    fields[#fields + 1] = info
 end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -397,14 +387,14 @@ RELEASE = (
     + _lua("""
 local bad = ARGV[4] ~= '0' and check_ttl(ARGV[4]) or nil
 if bad then return bad end
-local lock = read($OWNER, $REQ)
-if lock[$OWNER] ~= ARGV[1] then
+local lock = read()
+if lock[1] ~= ARGV[1] then
     if released_here(lock) then return 1 end
     return 0
 end
-if lock[$REQ] == ARGV[3] then return 2 end
-if ARGV[5] ~= '' and lock[$REQ] ~= ARGV[5] then return 0 end
-local count = (tonumber(lock[$COUNT]) or 1) - 1
+if lock[2] == ARGV[3] then return 2 end
+if ARGV[5] ~= '' and lock[2] ~= ARGV[5] then return 0 end
+local count = (tonumber(lock[4]) or 1) - 1
 if count > 0 then
     bad = denied('hset', KEYS[1], $COUNT, '1')
     if bad then return bad end
@@ -447,8 +437,8 @@ RELEASE_LEASE = (
     + _lua("""
 local bad = check_ttl(ARGV[4])
 if bad then return bad end
-local lock = read($OWNER)
-if ARGV[1] == '' or not lock[$OWNER] or lock[$OWNER] == '' or lock[$LEASE] ~= ARGV[1] then
+local lock = read()
+if ARGV[1] == '' or not lock[1] or lock[1] == '' or lock[3] ~= ARGV[1] then
     if released_here(lock) then return 1 end
     return 0
 end
@@ -468,8 +458,8 @@ FORCE_RELEASE = (
     + _lua("""
 local bad = check_ttl(ARGV[4])
 if bad then return bad end
-local lock = read($OWNER)
-if not lock[$OWNER] or lock[$OWNER] == '' then return 0 end
+local lock = read()
+if not lock[1] or lock[1] == '' then return 0 end
 return free(lock)
 """)
 )
@@ -482,6 +472,29 @@ return free(lock)
 LEAVE = """
 return redis.call('ZREM', KEYS[1], ARGV[1])
 """
+
+
+def encode_holder(values: Sequence[str]) -> str:
+    """The stored form of a holder's description: its :data:`HOLDER_FIELDS` values
+    as a compact JSON array, trailing empty ones left out (``""`` when all are)."""
+    values = list(values)
+    while values and not values[-1]:
+        values.pop()
+    return json.dumps(values, ensure_ascii=False, separators=(",", ":")) if values else ""
+
+
+def decode_holder(stored: bytes | str | None) -> dict[str, str]:
+    """The description :func:`encode_holder` stored, by :data:`HOLDER_FIELDS` name
+    (empty when there is none or it is unreadable)."""
+    if not stored:
+        return {}
+    try:
+        values = json.loads(stored)
+    except ValueError:
+        return {}
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        return {}
+    return {name: value for name, value in zip(HOLDER_FIELDS, values, strict=False) if value}
 
 
 def request_id() -> str:
