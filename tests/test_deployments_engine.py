@@ -681,3 +681,29 @@ def test_command_refused_inside_a_script_leaves_no_key_without_expiry(
         assert [key for key in admin.keys("*") if admin.pttl(key) == -1] == []
     finally:
         admin.close()
+
+
+def test_write_refused_before_anything_is_written_leaves_the_lock_as_it_was(
+    redislock_acl_server_factory: Callable[..., AclUser],
+) -> None:
+    """The scripts check permissions ahead only for the writes that follow their first:
+    a first write the ACL refuses (HSET) fails before anything is written. An acquire
+    leaves no key, and a release leaves the lock held by its owner, as it was."""
+    user = redislock_acl_server_factory([r for r in MINIMAL_ACL if r != "+hset"])
+    admin = user.server.client()
+    try:
+        with pytest.raises(LockBackendError) as excinfo:
+            RedisLock(user.url, "refused-hset", ttl=5, heartbeat=False).acquire(blocking=False)
+        assert "lacks a permission the locks need" in str(excinfo.value)
+        assert admin.keys("*") == []
+        held = RedisLock(admin, "refused-hset", ttl=30, heartbeat=False)
+        assert held.acquire(blocking=False)
+        before = admin.hgetall(held.key)
+        releaser = RedisLock(user.url, "refused-hset", ttl=30, owner=held.owner, heartbeat=False)
+        releaser._holds = 1  # the same owner, as another process holding it would be
+        with pytest.raises(LockBackendError):
+            releaser.release()
+        assert admin.hgetall(held.key) == before
+        held.release()
+    finally:
+        admin.close()
