@@ -36,7 +36,6 @@ from celery_redislock.scripts import (
     COUNT_FIELD,
     FENCE_FIELD,
     FIELDS,
-    HOLDER_FIELDS,
     LEASE_FIELD,
     OWNER_FIELD,
     QUEUED_FIELD,
@@ -44,8 +43,6 @@ from celery_redislock.scripts import (
     REQUEST_FIELD,
     REQUEST_ID_HEX,
     SPARE_MARK,
-    decode_holder,
-    encode_holder,
 )
 from celery_redislock.server import RedisServer, available_server_binaries
 from tests.support import lock_keys as lock_keys_held
@@ -953,39 +950,13 @@ def test_holder_info_is_stored_with_the_hold(client: redis.Redis) -> None:
     before = described.transport.sends
     assert described.acquire()
     assert described.transport.sends - before <= 2  # one, or two on the script's first use
-    # One field, a JSON array in HOLDER_FIELDS order; trailing empty values left out.
-    stored = client.hget(described.key, FIELDS["holder_info"])
-    assert stored == b'["proj.rebuild","running"]'
-    assert decode_holder(stored) == {"task": "proj.rebuild", "state": "running"}
-    described.release()
-    assert client.hget(described.key, FIELDS["holder_info"]) == b""  # emptied on release
-    assert described.acquire()
-    assert described.acquire()  # re-entered: the description is kept as it is
-    assert client.hget(described.key, FIELDS["holder_info"]) == stored
-    described.release()
+    fields = client.hmget(described.key, FIELDS["task"], FIELDS["state"], FIELDS["node"])
+    assert fields == [b"proj.rebuild", b"running", None]  # an empty value is not stored
     described.release()
     plain = RedisLock(client, "described", ttl=30)
     assert plain.acquire()
-    assert client.hget(plain.key, FIELDS["holder_info"]) in (None, b"")
+    assert client.hget(plain.key, FIELDS["task"]) == b""
     plain.release()
-
-
-@pytest.mark.parametrize(
-    "values",
-    [
-        ("proj.job", "running", "celery@host", "123", "1700000000.000"),
-        ('täsk "quoted", comma', "queued", "", "", "1.5"),
-        ("", "", "", "", ""),
-        ("only-task", "", "", "", ""),
-    ],
-)
-def test_holder_description_round_trips(values: tuple[str, ...]) -> None:
-    """The stored description gives back every non-empty value by name, whatever
-    characters the values hold; nothing at all is stored for an empty one."""
-    stored = encode_holder(values)
-    assert decode_holder(stored) == {k: v for k, v in zip(HOLDER_FIELDS, values, strict=True) if v}
-    assert (stored == "") == (not any(values))
-    assert decode_holder(b"not json") == decode_holder('{"task": 1}') == {}
 
 
 @pytest.mark.parametrize(

@@ -45,8 +45,8 @@ from celery_redislock.lock import (
 from celery_redislock.scripts import (
     FIELDS,
     FORCE_RELEASE_SCRIPT,
+    HOLDER_FIELDS,
     Call,
-    decode_holder,
     request_id,
     send,
 )
@@ -93,7 +93,7 @@ SCAN_COUNT = 1000
 
 #: The hash fields read for each lock, in order, by their readable names (stored
 #: under the one-letter names of :data:`~celery_redislock.scripts.FIELDS`).
-_FIELDS = ("owner", "lease", "count", "fence", "holder_info")
+_FIELDS = ("owner", "lease", "count", "fence", *HOLDER_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -342,19 +342,18 @@ def _parse(key: str, prefix: str, row: Sequence[Any], pttl: Any, waiters: Any) -
     if isinstance(row, Exception) or not row or not row[0]:
         return None  # not a lock hash, gone since the scan, or free
     values = dict(zip(_FIELDS, row, strict=True))
-    described = decode_holder(_text(values["holder_info"]))
-    state = described.get("state")
+    state = _text(values["state"])
     return LockInfo(
         name=name_from_key(key, prefix),
         holder=_text(values["lease"]) or None,
         count=_int(values["count"]) or 1,  # absent: one hold
         fence=_int(values["fence"]) or 0,
         ttl_ms=int(pttl) if isinstance(pttl, int) else -2,
-        task=described.get("task"),
+        task=_text(values["task"]) or None,
         state=state if state in HOLDER_STATES else None,
-        node=described.get("node"),
-        pid=_int(described.get("pid"), None),
-        since=_float(described.get("since")),
+        node=_text(values["node"]) or None,
+        pid=_int(values["pid"], None),
+        since=_float(values["since"]),
         waiters=waiters if isinstance(waiters, int) else 0,
         prefix=prefix,
     )

@@ -69,7 +69,6 @@ from celery_redislock.scripts import (
     AcquireReply,
     Call,
     Released,
-    encode_holder,
     request_id,
     send,
 )
@@ -170,11 +169,11 @@ def check_timeout(value: object, argument: str = "timeout") -> float | None:
 MAX_INFO_LENGTH = 200
 
 
-def check_holder_info(value: object, argument: str = "holder_info") -> str:
-    """The stored form of a holder description (see
-    :func:`~celery_redislock.scripts.encode_holder`; ``""`` for none)."""
+def check_holder_info(value: object, argument: str = "holder_info") -> tuple[str, ...]:
+    """The ACQUIRE arguments for a holder description: one value per
+    :data:`~celery_redislock.scripts.HOLDER_FIELDS` name, or none at all."""
     if value is None:
-        return ""
+        return ()
     if not isinstance(value, Mapping):
         raise TypeError(f"{argument} must be a mapping of str to str, not {type(value).__name__}")
     unknown = set(value) - set(HOLDER_FIELDS)
@@ -188,7 +187,7 @@ def check_holder_info(value: object, argument: str = "holder_info") -> str:
             raise ValueError(
                 f"{argument}[{field!r}] must be a str of at most {MAX_INFO_LENGTH} characters"
             )
-    return encode_holder([str(value.get(field, "")) for field in HOLDER_FIELDS])
+    return tuple(str(value.get(field, "")) for field in HOLDER_FIELDS)
 
 
 def check_name(value: object, argument: str = "name") -> str:
@@ -378,14 +377,14 @@ class RedisLock:
         lease: str,
         on_lost: Callable[[RedisLock], Any],
         min_replicas: int,
-        holder_info: str,
+        holder_info: tuple[str, ...],
         prefix: str,
     ) -> RedisLock:
         """A renewed lock built from values already checked (a task's resolved
         options, its lock name and task id): the per-execution lock of a
         :class:`~celery_redislock.task.SingletonTask`, built without checking
-        them once more on every run. ``holder_info`` is a description in its
-        stored form (:func:`~celery_redislock.scripts.encode_holder`)."""
+        them once more on every run. ``holder_info`` is one value per
+        :data:`~celery_redislock.scripts.HOLDER_FIELDS` name."""
         lock = cls.__new__(cls)
         lock.ttl = float(ttl)
         lock.heartbeat_interval = lock.ttl / 3
@@ -416,7 +415,7 @@ class RedisLock:
         on_lost: Callable[[RedisLock], Any] | None,
         min_replicas: int,
         replica_timeout: float,
-        info: str,
+        info: tuple[str, ...],
         prefix: str,
         beat: Heartbeat | None,
     ) -> None:
@@ -757,7 +756,7 @@ class RedisLock:
                 request,
                 waiter.id if waiter else "",
                 (self._position or "") if waiter else "",
-                self._info,
+                *self._info,
             ],
         )
         wait = self._replica_wait(deadline)

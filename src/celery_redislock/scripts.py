@@ -27,16 +27,15 @@ readable name       field  holds
 ``reserved``        ``w``  the waiters a release just woke: the free lock is
                            theirs for ``RESERVE_MS``
 ``reserved_until``  ``u``  until when ``reserved`` holds, in ms
-``holder_info``     ``t``  the holder's description, for operators: a JSON array
-                           of its :data:`HOLDER_FIELDS` values (the task name,
-                           ``queued``/``running``, the worker node, its process
-                           id, when the hold began; trailing empty ones left
-                           out); written only for a holder that has one
+``task``            ``t``  the holder's description (:data:`HOLDER_FIELDS`): the
+``state``           ``s``  task name, ``queued``/``running``, the worker node,
+``node``            ``h``  its process id and when the hold began; written only
+``pid``             ``p``  for a holder that has one (``task`` then always, the
+``since``           ``b``  others when not empty)
 ==================  =====  ===================================================
 
 A held plain lock is three fields, ``o``, ``f`` and ``r``: nothing is written
-that says only "none" or "1". A holder's description is one field, not one per
-value, so that writing it and emptying it again cost one field each. Redis has no way to remove a field with the
+that says only "none" or "1". Redis has no way to remove a field with the
 commands the engine is allowed (see the minimal ACL), so a field that an earlier
 holder wrote and the current one does not need is emptied instead; a release
 empties the holder's fields, so a free hash keeps little beyond its fence.
@@ -70,7 +69,6 @@ without an expiry.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from enum import IntEnum
 from string import Template
@@ -109,8 +107,8 @@ RESERVED_UNTIL_FIELD = "u"
 #: the task name, ``queued``/``running``, the worker node, its process id, and
 #: when the hold began (Unix time, in seconds).
 HOLDER_FIELDS = ("task", "state", "node", "pid", "since")
-#: The field the description is stored in (see :func:`encode_holder`).
-HOLDER_INFO_FIELD = "t"
+#: The field each :data:`HOLDER_FIELDS` name is stored in, in the same order.
+HOLDER_STORED = ("t", "s", "h", "p", "b")
 
 #: Readable name -> stored field, for everything the lock hash can hold.
 FIELDS: Mapping[str, str] = MappingProxyType(
@@ -124,7 +122,7 @@ FIELDS: Mapping[str, str] = MappingProxyType(
         "queued": QUEUED_FIELD,
         "reserved": RESERVED_FIELD,
         "reserved_until": RESERVED_UNTIL_FIELD,
-        "holder_info": HOLDER_INFO_FIELD,
+        **dict(zip(HOLDER_FIELDS, HOLDER_STORED, strict=True)),
     }
 )
 
@@ -147,10 +145,13 @@ RELEASES_REMEMBERED = 8
 
 def _lua(text: str) -> str:
     """``text`` with its ``$NAME`` placeholders filled: the hash's field names as
-    Lua strings (``$OWNER`` is ``'o'``), and the numbers the scripts share."""
+    Lua strings (``$OWNER`` is ``'o'``), ``$HOLDER`` the holder's fields as a Lua
+    list, and the numbers the scripts share."""
     quoted = {name.upper(): f"'{stored}'" for name, stored in FIELDS.items()}
+    holder = "{" + ", ".join(f"'{stored}'" for stored in HOLDER_STORED) + "}"
     return Template(text).substitute(
         quoted,
+        HOLDER=holder,
         RESERVE_MS=RESERVE_MS,
         SPARE=f"'{SPARE_MARK}'",
         RELEASE_HISTORY=RELEASES_REMEMBERED * (REQUEST_ID_HEX + 1) - 1,
@@ -193,10 +194,11 @@ end
 _FREE = _lua("""
 -- What the scripts that free the lock read of it, in one HMGET: the owner, the
 -- request id, the lease, the count, the releases remembered, the queued flag and
--- the holder's description, in that order (a missing field is false).
+-- the holder's task name (the first of its description), in that order (a missing
+-- field is false).
 local function read()
     return redis.call('HMGET', KEYS[1], $OWNER, $REQ, $LEASE, $COUNT, $RELEASED, $QUEUED,
-                      $HOLDER_INFO)
+                      $TASK)
 end
 
 local function free(lock)
@@ -222,8 +224,11 @@ local function free(lock)
         fields[#fields + 1] = ''
     end
     if lock[7] and lock[7] ~= '' then
-        fields[#fields + 1] = $HOLDER_INFO
-        fields[#fields + 1] = ''
+        -- (An empty task name means the other holder fields are empty or absent.)
+        for _, name in ipairs($HOLDER) do
+            fields[#fields + 1] = name
+            fields[#fields + 1] = ''
+        end
     end
     local next = {}
     if queued then
@@ -269,8 +274,8 @@ end
 #: ARGV[1] owner token; ARGV[2] TTL in ms; ARGV[3] lease ("" for none);
 #: ARGV[4] request id; ARGV[5] waiter id ("" when not waiting: not queued);
 #: ARGV[6] the waiter's queue position from an earlier reply ("" the first time);
-#: ARGV[7] optionally, the holder's description (:func:`encode_holder`), written
-#: with the hold ("" or absent: none, and the one a predecessor left is emptied)
+#: ARGV[7..] optionally, the holder's description: one value per HOLDER_FIELDS
+#: name, in that order, written with the hold (and emptied by a holder without one)
 #: Returns {1, fence} when newly taken (or taken over), {2, fence} when re-entered,
 #: {0, ms to wait, holder lease, queue position} when another owner holds it (or
 #: it was just freed for the waiters a release woke, and the caller is not one). A retry
@@ -278,7 +283,7 @@ end
 ACQUIRE = _CHECK_TTLS + _lua("""
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
-local lock = redis.call('HMGET', KEYS[1], $OWNER, $LEASE, $COUNT, $FENCE, $REQ, $HOLDER_INFO,
+local lock = redis.call('HMGET', KEYS[1], $OWNER, $LEASE, $COUNT, $FENCE, $REQ, $TASK,
                        $RESERVED, $RESERVED_UNTIL)
 if lock[1] == ARGV[1] then
     bad = denied('pexpire', KEYS[1], '1') or denied('hset', KEYS[1], $COUNT, '1')
@@ -359,10 +364,17 @@ if lock[7] and lock[7] ~= '' then
     fields[#fields + 1] = $RESERVED_UNTIL
     fields[#fields + 1] = ''
 end
-local info = ARGV[7] or ''
-if info ~= '' or (lock[6] and lock[6] ~= '') then
-    fields[#fields + 1] = $HOLDER_INFO
-    fields[#fields + 1] = info
+if #ARGV > 6 or lock[6] then
+    -- The task field is always written with a description, so a hash without
+    -- one has no other holder field; else a holder without a description
+    -- empties the one its predecessor left.
+    for i, name in ipairs($HOLDER) do
+        local value = ARGV[6 + i] or ''
+        if i == 1 or value ~= '' or lock[6] then
+            fields[#fields + 1] = name
+            fields[#fields + 1] = value
+        end
+    end
 end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -472,29 +484,6 @@ return free(lock)
 LEAVE = """
 return redis.call('ZREM', KEYS[1], ARGV[1])
 """
-
-
-def encode_holder(values: Sequence[str]) -> str:
-    """The stored form of a holder's description: its :data:`HOLDER_FIELDS` values
-    as a compact JSON array, trailing empty ones left out (``""`` when all are)."""
-    values = list(values)
-    while values and not values[-1]:
-        values.pop()
-    return json.dumps(values, ensure_ascii=False, separators=(",", ":")) if values else ""
-
-
-def decode_holder(stored: bytes | str | None) -> dict[str, str]:
-    """The description :func:`encode_holder` stored, by :data:`HOLDER_FIELDS` name
-    (empty when there is none or it is unreadable)."""
-    if not stored:
-        return {}
-    try:
-        values = json.loads(stored)
-    except ValueError:
-        return {}
-    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-        return {}
-    return {name: value for name, value in zip(HOLDER_FIELDS, values, strict=False) if value}
 
 
 def request_id() -> str:

@@ -51,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import json
 import logging
 import os
 import random
@@ -570,8 +569,6 @@ class SingletonTask(Task):  # type: ignore[misc]
     # Per task (set on the task instance, never on a class).
     _lock_options: LockOptions | None = None
     _key_builder: KeyBuilder | None = None
-    # The node, process id and encoded start of _running_holder()'s description.
-    _holder_head: tuple[str, str, str] | None = None
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -708,18 +705,6 @@ class SingletonTask(Task):  # type: ignore[misc]
             since,
         )
 
-    def _running_holder(self) -> str:
-        """The stored description (:func:`~celery_redislock.scripts.encode_holder`)
-        of this execution: all but its start time is encoded once per worker node
-        and process."""
-        node = str(getattr(self.request, "hostname", None) or _process.hostname)
-        head = self._holder_head
-        if head is None or head[0] != node or head[1] != _process.pid:
-            name, state, where, pid, _since = self._holder_values(running=True)
-            text = json.dumps([name, state, where, pid], ensure_ascii=False, separators=(",", ":"))
-            head = self._holder_head = (node, _process.pid, text[:-1])
-        return f'{head[2]},"{time.time():.3f}"]'
-
     def _on_lost(self, lock: RedisLock) -> None:
         logger.warning(
             "lock %s of task %s[%s] was lost while it ran; self.lock.check() will raise",
@@ -845,7 +830,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             lease=task_id,
             on_lost=self._on_lost,
             min_replicas=opts.min_replicas,
-            holder_info=self._running_holder(),
+            holder_info=self._holder_values(running=True),
             prefix=opts.prefix,
         )
         asked = taken = time.monotonic()
