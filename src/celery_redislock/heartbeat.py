@@ -388,6 +388,9 @@ class Heartbeat:
         self.rounds = 0
 
     def _lane(self, transport: Transport) -> _Lane:
+        lane = self._lanes.get(transport)
+        if lane is not None:
+            return lane
         with self._guard:
             lane = self._lanes.get(transport)
             if lane is None:
@@ -401,8 +404,7 @@ class Heartbeat:
 
     def unregister(self, lock: Renewable) -> None:
         """Stop renewing ``lock`` (no-op if it is not registered)."""
-        with self._guard:
-            lane = self._lanes.get(lock.transport)
+        lane = self._lanes.get(lock.transport)
         if lane is not None:
             lane.unregister(lock)
 

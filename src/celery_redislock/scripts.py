@@ -544,7 +544,8 @@ def run_calls(
     Raises:
         redis.RedisError: the round trip failed for good.
     """
-    replies = run(transport, [*(call.by_sha() for call in calls), *then], deadline)
+    commands = [call.by_sha() for call in calls]
+    replies = run(transport, commands + list(then) if then else commands, deadline)
     missing = [
         i for i, reply in enumerate(replies[: len(calls)]) if isinstance(reply, NoScriptError)
     ]
@@ -608,6 +609,10 @@ class Acquired(IntEnum):
     REENTERED = 2  #: this owner held it already; one more hold counted
 
 
+#: The outcomes by number (an enum lookup by value costs a Python call on every acquire).
+_ACQUIRED = tuple(sorted(Acquired, key=int))
+
+
 class AcquireReply(NamedTuple):
     """The ACQUIRE script's reply, typed."""
 
@@ -623,7 +628,7 @@ class AcquireReply(NamedTuple):
 
     @classmethod
     def parse(cls, raw: Sequence[Any]) -> AcquireReply:
-        outcome = Acquired(int(raw[0]))
+        outcome = _ACQUIRED[int(raw[0])]
         if outcome is Acquired.HELD:
             return cls(outcome, None, int(raw[1]), _text(raw[2]) or None, _text(raw[3]) or None)
         return cls(outcome, int(raw[1]), 0, None, None)

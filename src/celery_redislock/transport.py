@@ -259,11 +259,11 @@ class Transport:
 
     def _checkout(self, deadline: Deadline) -> _Link:
         with self._guard:
-            if self._pid != os.getpid():
+            if self._pid != _process_id:
                 # A forked child never talks over its parent's sockets.
-                self._idle, self._owed, self._pid = [], {}, os.getpid()
+                self._idle, self._owed, self._pid = [], {}, _process_id
             link = self._idle.pop() if self._idle else None
-        if link is not None and not self._settle(link, deadline):
+        if link is not None and self._owed and not self._settle(link, deadline):
             link = None
         if link is None:
             conn = self.connection_class(**self._kwargs)
@@ -282,7 +282,7 @@ class Transport:
             return
         with self._guard:
             # A connection that owes replies stays, whatever the count, until read.
-            if self._pid == os.getpid() and (len(self._idle) < MAX_IDLE or link in self._owed):
+            if self._pid == _process_id and (len(self._idle) < MAX_IDLE or link in self._owed):
                 self._idle.append(link)
                 return
         link.close()
@@ -462,6 +462,17 @@ def _hand_over(handler: ReplyHandler, result: list[Any] | RedisError) -> None:
         logger.exception("celery_redislock: a deferred reply's handler failed")
 
 
+# This process's id, kept here rather than asked of the kernel on every request.
+_process_id = os.getpid()
+
+
+def _forked() -> None:
+    global _process_id
+    _process_id = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
 _transports: weakref.WeakKeyDictionary[redis.Redis, Transport] = weakref.WeakKeyDictionary()
 _transports_guard = threading.Lock()
 
@@ -556,10 +567,12 @@ def run(
         except TRANSIENT as exc:
             error: RedisError = exc
         else:
-            readonly = next((r for r in replies if isinstance(r, ReadOnlyError)), None)
-            if readonly is None:
+            for reply in replies:
+                if isinstance(reply, ReadOnlyError):
+                    break
+            else:
                 return replies
-            error = readonly
+            error = reply
             transport.reset()
         pause = BACKOFF[min(attempt + 1, len(BACKOFF) - 1)]
         if attempt + 1 == attempts or deadline.remaining() <= pause:
