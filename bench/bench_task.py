@@ -30,7 +30,9 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    redis-py's ``Lock`` in its body. Kinds are interleaved over rounds and each
    round's rate is divided by the same round's plain rate. Beside the rate:
    the worker's CPU per task, the producer's time per ``apply_async``, and the
-   lock store's commands and CPU per task (``INFO cpu``, sends included).
+   lock store's commands and CPU per task (``INFO cpu``, sends included). No-op
+   tasks are also timed *end to end*: sent while the worker runs, from the first
+   send to the last result, so that what a kind costs the producer counts too.
 3. Contention: 50 purchases of one event, each a 10 ms critical section, on 4
    worker processes waiting for the lock: makespan against the ideal
    50 x 10 ms, for ``SingletonTask(on_conflict="wait")`` and plain tasks using
@@ -59,7 +61,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from celery import Celery
@@ -376,6 +378,26 @@ def group_cpu(pgid: int) -> float | None:
     return total / os.sysconf("SC_CLK_TCK") if found else None
 
 
+class Mode(NamedTuple):
+    """How section 2 measures a batch: the work each task does, and whether the
+    worker is paused while the batch is sent (its drain rate) or not (end to end)."""
+
+    work: float
+    paused: bool = True
+
+    @property
+    def column(self) -> str:
+        """Its heading in the ratio table."""
+        tasks = "no-op" if not self.work else f"{self.work * 1e3:g} ms"
+        return tasks if self.paused else f"{tasks}, end to end"
+
+    @property
+    def what(self) -> str:
+        """How the findings and the per-mode tables name it."""
+        tasks = "no-op tasks" if not self.work else f"tasks of {self.work * 1e3:g} ms"
+        return tasks if self.paused else f"{tasks}, end to end"
+
+
 @dataclass
 class Batch:
     """What one batch cost."""
@@ -393,17 +415,23 @@ def run_batch(
     worker: subprocess.Popen[bytes],
     lock_stats: redis.Redis,
     timeout: float,
+    paused: bool = True,
 ) -> Batch:
     """Send ``calls`` while the worker is paused, then time it draining them.
 
     The worker's process group is stopped (SIGSTOP) while the batch is sent, and
     the clock starts when it resumes: the rate is how fast the worker drains a
-    backlog, without the producer competing for the CPU. Lock-store commands are
-    counted from before the first send to the last result.
+    backlog, without the producer competing for the CPU. With ``paused=False``
+    the worker runs while the batch is sent and the clock starts at the first
+    send: the rate is then end to end, producer and worker sharing the machine.
+    Lock-store commands are counted from before the first send to the last result.
     """
     reset_stats(lock_stats)
     lock_cpu = server_cpu(lock_stats)
-    signal_group(worker, signal.SIGSTOP)
+    if paused:
+        signal_group(worker, signal.SIGSTOP)
+    else:
+        cpu_before, began = group_cpu(worker.pid), time.perf_counter()
     try:
         started = time.perf_counter()
         sent = [task.apply_async(args) for task, args in calls]
@@ -413,12 +441,13 @@ def run_batch(
         # (celery-singleton): each message is waited for once.
         results = ResultSet(list({r.id: r for r in sent if r is not None and r.id}.values()))
     finally:
-        cpu_before = group_cpu(worker.pid)
-        started = time.perf_counter()
-        signal_group(worker, signal.SIGCONT)
+        if paused:
+            cpu_before = group_cpu(worker.pid)
+            began = time.perf_counter()
+            signal_group(worker, signal.SIGCONT)
     # join_native polls every `interval` seconds (0.5 by default, too coarse here).
     values = results.join_native(timeout=timeout, propagate=True, interval=0.002)
-    elapsed = time.perf_counter() - started
+    elapsed = time.perf_counter() - began
     cpu_after = group_cpu(worker.pid)
     commands = per_operation(command_calls(lock_stats), len(calls))
     lock_cpu = server_cpu(lock_stats) - lock_cpu
@@ -562,16 +591,16 @@ def bench_throughput(
     concurrency: int,
     count: int,
     rounds: int,
-    works: list[float],
+    modes: list[Mode],
     findings: Findings,
-) -> dict[tuple[str, float], Spread]:
+) -> dict[tuple[str, Mode], Spread]:
     """Section 2 for one pool: every kind, interleaved over rounds; returns the ratios."""
     kinds = task_kinds()
     processes = "1 process" if pool == "solo" else f"{concurrency} processes"
     print(f"\n2. Throughput, {pool} pool ({processes}), {rounds} rounds, kinds interleaved")
     stats = redis.Redis.from_url(lock_url)
-    batches: dict[tuple[str, float], list[Batch]] = {}
-    ratios: dict[tuple[str, float], Spread] = {}
+    batches: dict[tuple[str, Mode], list[Batch]] = {}
+    ratios: dict[tuple[str, Mode], Spread] = {}
     broken: dict[str, str] = {k.label: k.missing for k in kinds if k.task is None}
     with worker_process(url, lock_url, pool, concurrency) as worker:
         plain.apply_async(("warm-up", 0)).get(timeout=60)  # the worker is up
@@ -584,24 +613,26 @@ def bench_throughput(
                 broken[kind.label] = f"fails with Celery here: {exc!r}"[:200]
         live = [kind for kind in kinds if kind.label not in broken]
         for r in range(rounds):
-            for work in works:
+            for mode in modes:
+                work = mode.work
                 n = count if not work else max(20, count // 2)
                 for kind in rotated(live, r):
                     round_id = uuid.uuid4().hex
                     calls = [(kind.task, (round_id, i, work)) for i in range(n)]
-                    batch = run_batch(calls, worker, stats, 60 + n * (0.05 + work))
-                    batches.setdefault((kind.label, work), []).append(batch)
+                    timeout = 60 + n * (0.05 + work)
+                    batch = run_batch(calls, worker, stats, timeout, mode.paused)
+                    batches.setdefault((kind.label, mode), []).append(batch)
             print(
                 f"   round {r + 1}/{rounds}: "
                 + ", ".join(
-                    f"{kind.label} {batches[(kind.label, works[0])][-1].rate:.0f}/s"
+                    f"{kind.label} {batches[(kind.label, modes[0])][-1].rate:.0f}/s"
                     for kind in live
                 ),
                 flush=True,
             )
-    for work in works:
-        what = "no-op tasks" if not work else f"tasks of {work * 1e3:g} ms"
-        base = batches[("plain task", work)]
+    for mode in modes:
+        what = mode.what
+        base = batches[("plain task", mode)]
         n = len(base)
         print(f"   {what}:")
         print(
@@ -616,9 +647,9 @@ def bench_throughput(
             if kind.label in broken:
                 print(f"   {kind.label:<24} {broken[kind.label]}")
                 continue
-            mine = batches[(kind.label, work)]
+            mine = batches[(kind.label, mode)]
             ratio = Spread.of([mine[i].rate / base[i].rate for i in range(n)])
-            ratios[(kind.label, work)] = ratio
+            ratios[(kind.label, mode)] = ratio
             cpu = [b.cpu_ms for b in mine if b.cpu_ms is not None]
             commands = mine[-1].commands
             print(
@@ -628,9 +659,16 @@ def bench_throughput(
                 f" {commands.total:14.2f}"
                 f" {Spread.of([b.lock_server_us for b in mine]).show(0):>16}"
             )
-        engine = ratios.get(("SingletonTask", work))
-        peers = [ratios[(label, work)].median for label in PEERS if (label, work) in ratios]
-        if engine is not None and peers:
+        engine = ratios.get(("SingletonTask", mode))
+        peers = [ratios[(label, mode)].median for label in PEERS if (label, mode) in ratios]
+        if engine is not None and peers and not mode.paused:
+            # Not a target: the targets are on the worker's own rate.
+            findings.add(2, f"SingletonTask/plain throughput, {what}, {pool} pool", engine.show(3))
+            print(
+                f"   SingletonTask / plain, {what}, {pool}: {engine.show(3)}"
+                f" (no target; the best peer's: {max(peers):.3f})"
+            )
+        elif engine is not None and peers:
             best = max(peers)
             print(
                 f"   SingletonTask / plain, {what}, {pool}: {engine.show(3)}: "
@@ -642,35 +680,31 @@ def bench_throughput(
                     engine.median >= best,
                 )
             )
-        if engine is not None and ("one round trip (floor)", work) in ratios:
-            gap = ratios[("one round trip (floor)", work)].median - engine.median
+        if engine is not None and ("one round trip (floor)", mode) in ratios:
+            gap = ratios[("one round trip (floor)", mode)].median - engine.median
             findings.add(2, f"SingletonTask below the one-round-trip floor, {what}, {pool} pool",
                          f"{gap:.3f}")  # fmt: skip
         for kind in kinds:
-            if kind.label not in ("plain task", "SingletonTask") and (kind.label, work) in ratios:
+            if kind.label not in ("plain task", "SingletonTask") and (kind.label, mode) in ratios:
                 findings.add(2, f"{kind.label}/plain throughput, {what}, {pool} pool",
-                             ratios[(kind.label, work)].show(2))  # fmt: skip
+                             ratios[(kind.label, mode)].show(2))  # fmt: skip
     for label, why in broken.items():
         findings.add(2, f"{label}, {pool} pool", why)
     stats.close()
     return ratios
 
 
-def print_ratio_table(
-    ratios: dict[str, dict[tuple[str, float], Spread]], works: list[float]
-) -> None:
-    """The ratio of each kind to a plain task, per pool and work: median (min-max over rounds)."""
+def print_ratio_table(ratios: dict[str, dict[tuple[str, Mode], Spread]], modes: list[Mode]) -> None:
+    """The ratio of each kind to a plain task, per pool and mode: median (min-max over rounds)."""
     print("\n2. Throughput ratio to a plain task, median (min-max over rounds), per pool:")
-    columns = [(pool, work) for pool in ratios for work in works]
-    header = "".join(
-        f" {pool + (', no-op' if not work else f', {work * 1e3:g} ms'):>22}"
-        for pool, work in columns
-    )
-    print(f"   {'kind':<24}{header}")
+    columns = [(pool, mode) for pool in ratios for mode in modes]
+    labels = [f"{pool}, {mode.column}" for pool, mode in columns]
+    width = max(22, *map(len, labels))
+    print(f"   {'kind':<24}" + "".join(f" {label:>{width}}" for label in labels))
     for kind in task_kinds():
         cells = "".join(
-            f" {ratios[pool][(kind.label, work)].show(2) if (kind.label, work) in ratios[pool] else 'n/a':>22}"
-            for pool, work in columns
+            f" {ratios[pool][(kind.label, mode)].show(2) if (kind.label, mode) in ratios[pool] else 'n/a':>{width}}"
+            for pool, mode in columns
         )
         print(f"   {kind.label:<24}{cells}")
 
@@ -788,6 +822,8 @@ def main(argv: list[str] | None = None) -> int:
     works = [float(w) / 1e3 for w in options.work_ms.split(",")]
     if 0.0 not in works:
         works.insert(0, 0.0)
+    # The worker's drain rate for each work, and no-op tasks end to end.
+    modes = [Mode(work) for work in works] + [Mode(0.0, paused=False)]
     pools = options.pools.split(",")
     sections = {int(s) for s in options.only.split(",")} if options.only else {1, 2, 3}
     findings = Findings()
@@ -803,11 +839,11 @@ def main(argv: list[str] | None = None) -> int:
         if 2 in sections:
             ratios = {
                 pool: bench_throughput(
-                    url, lock_url, pool, 1 if pool == "solo" else 2, count, rounds, works, findings
+                    url, lock_url, pool, 1 if pool == "solo" else 2, count, rounds, modes, findings
                 )
                 for pool in pools
             }
-            print_ratio_table(ratios, works)
+            print_ratio_table(ratios, modes)
         if 3 in sections:
             bench_contention(url, lock_url, 1 if options.quick else 3, findings)
     print(f"\nbench_task: {time.monotonic() - started:.0f} s")
