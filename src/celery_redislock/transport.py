@@ -385,6 +385,20 @@ class _Link:
         self.unread += data
 
 
+def parse_replies(data: bytes) -> tuple[list[Any], bytes]:
+    """The complete RESP2 replies at the start of ``data`` (error replies as
+    exception instances), and the bytes left after them: the start of a reply
+    still to come, if any. For readers of their own, such as a subscription."""
+    replies, at = [], 0
+    while at < len(data):
+        try:
+            reply, at = _parse(data, at)
+        except _Incomplete:
+            break
+        replies.append(reply)
+    return replies, data[at:]
+
+
 def _parse(data: bytes, at: int) -> tuple[Any, int]:
     """One RESP2 reply from ``data[at:]``, and where it ends.
 

@@ -25,7 +25,9 @@ import threading
 import time
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_redislock.scripts import SPARE_MARK
 from celery_redislock.transport import (
@@ -34,6 +36,7 @@ from celery_redislock.transport import (
     Deadline,
     Transport,
     describe_error,
+    parse_replies,
 )
 
 logger = logging.getLogger(__name__)
@@ -143,10 +146,10 @@ class WakeHub:
                     return
             conn: Any = None
             try:
-                conn = self._subscribe()
+                conn, rest = self._subscribe()
                 pause = 0.05
                 self._set_state(True)
-                self._listen(conn)
+                self._listen(conn, rest)
                 return
             except Exception as exc:  # the thread must not die with waiters relying on it
                 self._set_state(False, exc if isinstance(exc, RedisError) else None)
@@ -170,45 +173,78 @@ class WakeHub:
             time.sleep(pause)
             pause = min(1.0, pause * 2)
 
-    def _subscribe(self) -> Any:
+    def _subscribe(self) -> tuple[Any, bytes]:
+        """A connection subscribed to the channel, and what was read after the
+        confirmation. Replies are read here rather than by redis-py, whose reader
+        would hold on to what it read ahead: only the handshake goes through it."""
         deadline = Deadline.after(DEFAULT_CALL_TIMEOUT)
         conn = self.transport.connection(deadline)
         try:
             self.transport.bound(conn, deadline.remaining())
             conn.send_command("SUBSCRIBE", self.channel, check_health=False)
+            unread = b""
             while True:
                 self.transport.bound(conn, deadline.remaining())
-                reply = conn.read_response()
-                if isinstance(reply, list) and reply[:1] == [b"subscribe"]:
-                    return conn
+                replies, unread = parse_replies(unread + _receive(conn))
+                for reply in replies:
+                    if isinstance(reply, Exception):
+                        raise reply
+                    if isinstance(reply, list) and reply[:1] == [b"subscribe"]:
+                        # Wake-ups can only follow the confirmation: none is in ``replies``.
+                        return conn, unread
         except BaseException:
             conn.disconnect()
             raise
 
-    def _listen(self, conn: Any) -> None:
+    def _listen(self, conn: Any, unread: bytes) -> None:
         """Deliver wake-ups until the connection breaks (raises), or until nobody has
         waited for :data:`IDLE_EXIT` seconds (then the thread ends)."""
         idle_since = time.monotonic()
+        self.transport.bound(conn, _POLL)
         while True:
-            if conn.can_read(timeout=_POLL):
-                reply = conn.read_response()
-                if isinstance(reply, list) and reply[:1] == [b"message"]:
-                    self.received += 1
-                    message = reply[2].decode()
-                    spare = message.endswith(SPARE_MARK)
-                    with self._guard:
-                        waiter = self._waiters.get(message.removesuffix(SPARE_MARK))
-                    if waiter is not None:
-                        waiter.spare = spare
-                        waiter.event.set()
+            try:
+                data = _receive(conn)
+            except RedisTimeoutError:
+                with self._guard:
+                    if self._waiters:
+                        idle_since = time.monotonic()
+                    elif time.monotonic() - idle_since >= IDLE_EXIT:
+                        self._subscribed = False
+                        self._thread = None
+                        return
                 continue
-            with self._guard:
-                if self._waiters:
-                    idle_since = time.monotonic()
-                elif time.monotonic() - idle_since >= IDLE_EXIT:
-                    self._subscribed = False
-                    self._thread = None
-                    return
+            replies, unread = parse_replies(unread + data)
+            for reply in replies:
+                if isinstance(reply, list) and reply[:1] == [b"message"]:
+                    self._deliver(reply[2].decode())
+
+    def _deliver(self, message: str) -> None:
+        """Wake the waiter a message names (as the spare if it says so)."""
+        self.received += 1
+        spare = message.endswith(SPARE_MARK)
+        with self._guard:
+            waiter = self._waiters.get(message.removesuffix(SPARE_MARK))
+        if waiter is not None:
+            waiter.spare = spare
+            waiter.event.set()
+
+
+def _receive(conn: Any) -> bytes:
+    """What the connection's socket has, waiting at most its timeout for it.
+
+    Raises:
+        redis.TimeoutError: nothing came in time.
+        redis.ConnectionError: the connection broke or was closed.
+    """
+    try:
+        data: bytes = conn._sock.recv(65536)
+    except TimeoutError:
+        raise RedisTimeoutError("no wake-up within the poll interval") from None
+    except (OSError, AttributeError) as exc:
+        raise RedisConnectionError(f"wake-up subscription broke: {exc}") from None
+    if not data:
+        raise RedisConnectionError("the server closed the wake-up subscription")
+    return data
 
 
 _hubs: dict[tuple[Transport, str], WakeHub] = {}
