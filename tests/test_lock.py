@@ -29,6 +29,7 @@ from celery_redislock import (
     LockNotOwnedError,
     LockTimeoutError,
     RedisLock,
+    wakeups,
 )
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import FENCE_TTL_MS, lock_keys, name_from_key, release_lease
@@ -570,6 +571,54 @@ def test_spare_takes_the_lock_when_the_first_woken_waiter_is_gone(
     assert waiter.error is None
     assert waiter.result is True
     assert waiter_lock.owned()
+
+
+def test_lone_waiter_reads_its_wake_up_itself(
+    client: redis.Redis, cleanup: list[RedisLock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The only waiter of a process reads the wake-up subscription in its own thread:
+    the wake-up that names it is delivered there, with no hand-off from another."""
+    delivered_in: list[threading.Thread] = []
+    deliver = wakeups.WakeHub._deliver
+
+    def recording(hub: wakeups.WakeHub, message: str) -> None:
+        delivered_in.append(threading.current_thread())
+        deliver(hub, message)
+
+    monkeypatch.setattr(wakeups.WakeHub, "_deliver", recording)
+    holder = RedisLock(client, "lone-reader", ttl=60)
+    assert holder.acquire()
+    waiter_lock = RedisLock(client, "lone-reader", ttl=60)
+    cleanup.append(waiter_lock)
+    waiter = Waiter(waiter_lock, timeout=30)
+    assert wait_until(lambda: queued(client, holder) == 1)
+    holder.release()
+    assert wait_until(waiter.done, timeout=10)
+    assert waiter.result is True
+    assert delivered_in == [waiter.thread]
+
+
+def test_waiter_takes_over_the_reading_from_one_that_gave_up(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """Two waiters of one process: the one reading the subscription gives up (its
+    timeout), the other takes over the reading and is still woken by the release,
+    well before the holder's TTL."""
+    holder = RedisLock(client, "reader-leaves", ttl=60)
+    assert holder.acquire()
+    quitter = Waiter(RedisLock(client, "reader-leaves", ttl=60), timeout=2)
+    assert wait_until(lambda: queued(client, holder) == 1)
+    stayer_lock = RedisLock(client, "reader-leaves", ttl=60)
+    cleanup.append(stayer_lock)
+    stayer = Waiter(stayer_lock, timeout=30)
+    assert wait_until(lambda: queued(client, holder) == 2)
+    assert wait_until(quitter.done, timeout=10)
+    assert quitter.result is False
+    assert wait_until(lambda: queued(client, holder) == 1)
+    holder.release()
+    assert wait_until(stayer.done, timeout=10)
+    assert stayer.error is None
+    assert stayer.result is True
 
 
 def test_many_waiters_each_get_it_once(client: redis.Redis) -> None:

@@ -856,8 +856,7 @@ class RedisLock:
                 try:
                     if not hub.wait_ready(self._call_deadline(ends)):
                         raise RedisTimeoutError("the wake-up subscription is not in place")
-                    waiter.event.clear()
-                    waiter.spare = False
+                    hub.rearm(waiter)
                     if self._try_acquire(self._call_deadline(ends), request, waiter):
                         acquired = True
                         return True
@@ -870,7 +869,7 @@ class RedisLock:
                         # Sleeping to the deadline: the try after it is the last.
                         last_try = remaining <= wait
                         wait = min(wait, remaining)
-                    if waiter.event.wait(wait):
+                    if hub.wait(waiter, wait):
                         last_try = False
                         if waiter.spare:
                             # Woken second: the first woken waiter goes ahead, unless

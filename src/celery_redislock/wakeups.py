@@ -4,15 +4,21 @@ A waiter queues itself in the lock's waiter queue (inside the acquire that finds
 the lock held) with an id ``<process>.<n>``; a release that frees the lock pops
 the first two ids and publishes each on its process's wake channel,
 ``<prefix>:wake:<process>``. Each process keeps one subscription to its own wake
-channel per server and key prefix — a :class:`WakeHub` with a thread of its
-own — shared by all its waiters, and sets the event of the waiter named in the
-message. So a release wakes at most two waiters, wherever they are, instead of
+channel per server and key prefix — a :class:`WakeHub` — shared by all its
+waiters. So a release wakes at most two waiters, wherever they are, instead of
 every waiter of every process.
+
+The hub's thread subscribes (and subscribes again after a break); the waiters
+read the subscription themselves, one at a time: the one reading wakes the
+waiters its messages name, and when it is woken (or gives up) it hands the
+reading to another. A lone waiter, the usual case in a worker process, so wakes
+up in its own thread, without a hand-off from a reader thread to it.
 
 The subscription must be in place before a waiter queues itself, or a wake-up
 sent in between would be lost: :meth:`WakeHub.wait_ready` blocks until it is.
-When the subscription breaks, the hub wakes every waiter (each then re-checks
-the lock and waits for the hub to be subscribed again) and reconnects.
+When a reader finds the subscription broken, the hub wakes every waiter (each
+then re-checks the lock and waits for the hub to be subscribed again) and
+subscribes again.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ logger = logging.getLogger(__name__)
 #: Seconds a hub keeps its subscription with no waiter before it lets it go.
 IDLE_EXIT = 30.0
 
-#: How often the hub's thread looks up from reading, in seconds.
+#: How often a reader looks up from reading, and the hub's thread checks on the
+#: subscription, in seconds.
 _POLL = 0.5
 
 _process = secrets.token_hex(8)
@@ -57,15 +64,19 @@ def process_token() -> str:
 
 
 class Waiter:
-    """One waiting acquire: its id in the queue, the event a wake-up sets, and
-    whether the last wake-up named it the spare (woken second)."""
+    """One waiting acquire: its id in the queue, whether a wake-up named it since
+    its last try (and named it the spare, woken second), and the event that
+    rings when it is woken or may take over the reading."""
 
-    __slots__ = ("event", "id", "spare")
+    __slots__ = ("event", "following", "id", "spare", "woken")
 
     def __init__(self, waiter_id: str) -> None:
         self.id = waiter_id
         self.event = threading.Event()
         self.spare = False
+        self.woken = False
+        # Whether it is in wait() and not reading: a reader that leaves hands it the reading.
+        self.following = False
 
 
 class WakeHub:
@@ -85,6 +96,11 @@ class WakeHub:
         self._subscribed = False
         self._failure: RedisError | None = None
         self._thread: threading.Thread | None = None
+        # The subscribed connection (None while there is none), the bytes read
+        # from it past the last whole reply, and the lock of the thread reading it.
+        self._conn: Any = None
+        self._unread = b""
+        self._reading = threading.Lock()
         #: Wake-up messages received, for tests and benchmarks.
         self.received = 0
 
@@ -123,6 +139,102 @@ class WakeHub:
                 self._guard.wait(remaining)
             return True
 
+    @staticmethod
+    def rearm(waiter: Waiter) -> None:
+        """Forget what woke ``waiter`` before: call it before each try of the lock."""
+        waiter.woken = waiter.spare = False
+        waiter.event.clear()
+
+    def wait(self, waiter: Waiter, timeout: float) -> bool:
+        """Block until a wake-up names ``waiter`` since :meth:`rearm` (True), or
+        ``timeout`` seconds pass (False).
+
+        The calling thread reads the subscription itself while no other thread
+        does; otherwise it waits to be woken by the one that does, or to be
+        handed the reading when that one leaves.
+        """
+        ends = time.monotonic() + timeout
+        while not waiter.woken:
+            remaining = ends - time.monotonic()
+            if remaining <= 0:
+                return False
+            # Marked before trying: a reader that leaves after this try failed sees it.
+            waiter.following = True
+            if self._reading.acquire(blocking=False):
+                waiter.following = False
+                try:
+                    self._read_until(waiter, ends)
+                finally:
+                    self._reading.release()
+                    self._hand_over(waiter)
+            else:
+                # Looking up now and then all the same, whatever race it may miss.
+                waiter.event.wait(min(remaining, _POLL))
+                waiter.following = False
+                waiter.event.clear()
+        return True
+
+    def _read_until(self, waiter: Waiter, ends: float) -> None:
+        """With the reading: deliver wake-ups until one names ``waiter``, ``ends``
+        passes, or the subscription turns out broken (then every waiter is woken)."""
+        with self._guard:
+            conn = self._conn
+            if conn is None:
+                # Being subscribed again: the waiters were woken when it broke.
+                self._guard.wait(min(_POLL, max(0.0, ends - time.monotonic())))
+                return
+        while not waiter.woken:
+            remaining = ends - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                self.transport.bound(conn, min(remaining, _POLL))
+                data = _receive(conn)
+            except RedisTimeoutError:
+                continue
+            except RedisError as exc:
+                self._broke(conn, exc)
+                return
+            replies, self._unread = parse_replies(self._unread + data)
+            for reply in replies:
+                if isinstance(reply, list) and reply[:1] == [b"message"]:
+                    self._deliver(reply[2].decode())
+
+    def _hand_over(self, leaving: Waiter) -> None:
+        """Ring one waiter that follows (waits without reading) and is not woken yet,
+        so that it takes over the reading; one that does not wait at the moment
+        takes it when it next waits."""
+        with self._guard:
+            for waiter in self._waiters.values():
+                if waiter is not leaving and waiter.following and not waiter.woken:
+                    waiter.event.set()
+                    return
+
+    def _deliver(self, message: str) -> None:
+        """Wake the waiter a message names (as the spare if it says so)."""
+        self.received += 1
+        spare = message.endswith(SPARE_MARK)
+        with self._guard:
+            waiter = self._waiters.get(message.removesuffix(SPARE_MARK))
+        if waiter is not None:
+            waiter.spare = spare
+            waiter.woken = True
+            waiter.event.set()
+
+    def _broke(self, conn: Any, error: RedisError) -> None:
+        """A reader found ``conn`` broken: have the hub's thread subscribe again,
+        and wake every waiter (a wake-up sent meanwhile is lost, so each re-checks
+        the lock once the hub is subscribed again)."""
+        with self._guard:
+            if self._conn is conn:
+                self._conn, self._unread, self._subscribed = None, b"", False
+                self._failure = error
+                self._guard.notify_all()
+            waiters = list(self._waiters.values())
+        for waiter in waiters:
+            waiter.woken = True
+            waiter.event.set()
+
     def _set_state(self, subscribed: bool, failure: RedisError | None = None) -> None:
         with self._guard:
             self._subscribed = subscribed
@@ -133,6 +245,7 @@ class WakeHub:
         with self._guard:
             waiters = list(self._waiters.values())
         for waiter in waiters:
+            waiter.woken = True
             waiter.event.set()
 
     def _run(self) -> None:
@@ -148,9 +261,11 @@ class WakeHub:
             try:
                 conn, rest = self._subscribe()
                 pause = 0.05
+                with self._guard:
+                    self._conn, self._unread = conn, rest
                 self._set_state(True)
-                self._listen(conn, rest)
-                return
+                if self._watch(conn):
+                    return
             except Exception as exc:  # the thread must not die with waiters relying on it
                 self._set_state(False, exc if isinstance(exc, RedisError) else None)
                 with self._guard:
@@ -163,15 +278,36 @@ class WakeHub:
                 )
             finally:
                 with self._guard:
+                    if self._conn is conn:
+                        self._conn = None
                     if self._thread is me and self._subscribed:
                         self._subscribed = False
                 if conn is not None:
-                    conn.disconnect()
+                    # Under the reading lock: a waiter never reads a closed connection.
+                    with self._reading:
+                        conn.disconnect()
             # A wake-up published while the subscription was down is lost: every
             # waiter re-checks the lock once the hub is subscribed again.
             self._wake_all()
             time.sleep(pause)
             pause = min(1.0, pause * 2)
+
+    def _watch(self, conn: Any) -> bool:
+        """Keep ``conn`` as the subscription until a reader finds it broken (raises)
+        or nobody has waited for :data:`IDLE_EXIT` seconds (returns True: the
+        thread ends)."""
+        idle_since = time.monotonic()
+        with self._guard:
+            while True:
+                if self._conn is not conn:
+                    raise self._failure or RedisConnectionError("wake-up subscription broke")
+                if self._waiters:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since >= IDLE_EXIT:
+                    self._subscribed = False
+                    self._thread = None
+                    return True
+                self._guard.wait(_POLL)
 
     def _subscribe(self) -> tuple[Any, bytes]:
         """A connection subscribed to the channel, and what was read after the
@@ -195,38 +331,6 @@ class WakeHub:
         except BaseException:
             conn.disconnect()
             raise
-
-    def _listen(self, conn: Any, unread: bytes) -> None:
-        """Deliver wake-ups until the connection breaks (raises), or until nobody has
-        waited for :data:`IDLE_EXIT` seconds (then the thread ends)."""
-        idle_since = time.monotonic()
-        self.transport.bound(conn, _POLL)
-        while True:
-            try:
-                data = _receive(conn)
-            except RedisTimeoutError:
-                with self._guard:
-                    if self._waiters:
-                        idle_since = time.monotonic()
-                    elif time.monotonic() - idle_since >= IDLE_EXIT:
-                        self._subscribed = False
-                        self._thread = None
-                        return
-                continue
-            replies, unread = parse_replies(unread + data)
-            for reply in replies:
-                if isinstance(reply, list) and reply[:1] == [b"message"]:
-                    self._deliver(reply[2].decode())
-
-    def _deliver(self, message: str) -> None:
-        """Wake the waiter a message names (as the spare if it says so)."""
-        self.received += 1
-        spare = message.endswith(SPARE_MARK)
-        with self._guard:
-            waiter = self._waiters.get(message.removesuffix(SPARE_MARK))
-        if waiter is not None:
-            waiter.spare = spare
-            waiter.event.set()
 
 
 def _receive(conn: Any) -> bytes:
