@@ -230,10 +230,7 @@ class WakeHub:
                 self._conn, self._unread, self._subscribed = None, b"", False
                 self._failure = error
                 self._guard.notify_all()
-            waiters = list(self._waiters.values())
-        for waiter in waiters:
-            waiter.woken = True
-            waiter.event.set()
+        self._wake_all()
 
     def _set_state(self, subscribed: bool, failure: RedisError | None = None) -> None:
         with self._guard:
@@ -242,6 +239,7 @@ class WakeHub:
             self._guard.notify_all()
 
     def _wake_all(self) -> None:
+        """Wake every waiter: each re-checks the lock (a wake-up may have been lost)."""
         with self._guard:
             waiters = list(self._waiters.values())
         for waiter in waiters:
