@@ -11,7 +11,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-from celery_redislock.transport import Deadline, transport_for
+from celery_redislock.transport import Deadline, parse_replies, transport_for
 
 
 def test_every_reply_shape(redislock_client: redis.Redis) -> None:
@@ -110,3 +110,17 @@ def test_a_reply_cut_short_is_a_connection_error() -> None:
     thread.join(5)
     listener.close()
     client.close()
+
+
+def test_parse_replies_keeps_the_start_of_an_unfinished_reply() -> None:
+    """A reader of its own gets the whole replies at the start of what it read, and
+    the bytes of the one still coming, to read more onto; an error reply comes back
+    as an exception among them."""
+    message = b"*3\r\n$7\r\nmessage\r\n$2\r\nch\r\n$3\r\np.1\r\n"
+    replies, rest = parse_replies(b":1\r\n-ERR no\r\n" + message + message[:9])
+    assert replies[0] == 1
+    assert isinstance(replies[1], ResponseError)
+    assert replies[2] == [b"message", b"ch", b"p.1"]
+    assert len(replies) == 3
+    assert rest == message[:9]
+    assert parse_replies(rest + message[9:]) == ([[b"message", b"ch", b"p.1"]], b"")
