@@ -39,7 +39,16 @@ def log(kind: str, **fields: Any) -> None:
     store.rpush(f"log:{kind}", json.dumps(fields))
 
 
-@app.task(base=SingletonTask, bind=True, on_conflict="wait", lock_wait=120, lock_on=("key",))
+# shared=False on every task: a test process that imports this module (again, as
+# test_workers does) must not hand these tasks to every Celery app it creates later.
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    shared=False,
+    on_conflict="wait",
+    lock_wait=120,
+    lock_on=("key",),
+)
 def critical(self: Any, key: str, n: int) -> int:
     """A critical section: non-atomic read-modify-write of a counter."""
     started = time.time()
@@ -51,7 +60,13 @@ def critical(self: Any, key: str, n: int) -> int:
 
 
 @app.task(
-    base=SingletonTask, bind=True, lock_ttl=2, on_conflict="wait", lock_wait=60, lock_on=("name",)
+    base=SingletonTask,
+    bind=True,
+    shared=False,
+    lock_ttl=2,
+    on_conflict="wait",
+    lock_wait=60,
+    lock_on=("name",),
 )
 def sleeper(self: Any, name: str, seconds: float) -> str:
     """Sleep while holding the lock (to be killed, timed out or shut down)."""
@@ -61,7 +76,7 @@ def sleeper(self: Any, name: str, seconds: float) -> str:
     return name
 
 
-@app.task(base=SingletonTask, bind=True, lock_ttl=30, acks_late=True)
+@app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=30, acks_late=True)
 def late(self: Any, name: str, seconds: float) -> str:
     """An acks_late task: its first run sleeps (to be killed), a redelivery finishes."""
     run = store.incr(f"late-runs:{name}")
@@ -72,7 +87,7 @@ def late(self: Any, name: str, seconds: float) -> str:
     return name
 
 
-@app.task(base=SingletonTask, bind=True, soft_time_limit=0.5, lock_ttl=30)
+@app.task(base=SingletonTask, bind=True, shared=False, soft_time_limit=0.5, lock_ttl=30)
 def overrun(self: Any, name: str) -> str:
     """Runs past its soft time limit."""
     log("overrun", name=name)
@@ -80,14 +95,14 @@ def overrun(self: Any, name: str) -> str:
     return name
 
 
-@app.task(base=SingletonTask, bind=True, lock_strategy="until_executed")
+@app.task(base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed")
 def queued_once(self: Any, name: str) -> str:
     """An until_executed task: its key is held from the send until it has run."""
     log("queued_once", name=name, id=self.request.id)
     return str(self.request.id)
 
 
-@app.task(bind=True, acks_late=True)
+@app.task(bind=True, shared=False, acks_late=True)
 def occupy(self: Any, name: str) -> str:
     """Holds a worker slot until ``release:<name>`` is set (at most 60 s).
 
