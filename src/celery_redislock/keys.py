@@ -153,10 +153,6 @@ def digest(material: Any) -> str:
     return hashlib.sha256(canonical(material)).hexdigest()[:32]
 
 
-def _form(entry: tuple[str, bytes]) -> bytes:
-    return entry[1]
-
-
 def _digest_arguments(arguments: Mapping[str, Any], order: Sequence[tuple[str, bytes]]) -> str:
     """``digest({name: arguments[name] for name, _ in order})``, for ``order`` the
     names with their canonical forms, sorted by those: the entries of a mapping
@@ -216,7 +212,8 @@ class KeyBuilder:
         self._order: tuple[tuple[str, bytes], ...] | None = None
         if self._plain is not None and lock_key is None:
             names = self.lock_on if self.lock_on is not None else [n for n, _ in self._plain]
-            self._order = tuple(sorted(((n, canonical(n)) for n in set(names)), key=_form))
+            forms = {name: canonical(name) for name in names}
+            self._order = tuple(sorted(forms.items(), key=lambda entry: entry[1]))
 
     def material(self, args: Iterable[Any], kwargs: Mapping[str, Any]) -> Any:
         """The values the key is made of, for one call."""

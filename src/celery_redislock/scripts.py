@@ -161,7 +161,8 @@ def _lua(text: str) -> str:
 # Checks every script makes before its first write, so that an error can never
 # leave a write half done (a key without expiry, a lock freed but nobody woken):
 # the TTLs it was given, and — on servers with ACLs (Redis >= 7) — that the user
-# may run each command it is about to run on those keys and channels.
+# may run each write that follows the first on those keys and channels (a first
+# write the ACL refuses writes nothing, so it needs no check ahead).
 _CHECK_TTLS = f"""
 local function check_ttl(value)
     local ms = tonumber(value)
