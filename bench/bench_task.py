@@ -184,6 +184,30 @@ def floor(round_id: str, index: int, work: float = 0.0) -> None:
     busy(work)
 
 
+_written: dict[int, Any] = {}
+_owing: set[int] = set()
+
+
+@app.task(name="bench.floor_written", shared=False)
+def floor_written(round_id: str, index: int, work: float = 0.0) -> None:
+    """The floor of a lock released as its task ends without waiting for the answer:
+    one synchronous round trip (a ``SET NX PX``) and one written request (a ``DEL``)
+    whose answer is read after the next request is written; no owner check, no
+    heartbeat."""
+    pid = os.getpid()
+    connection = _written.get(pid)
+    if connection is None:
+        connection = _written[pid] = lock_client().connection_pool.get_connection()
+    key = f"bench.floor_written:{round_id}:{index}"
+    connection.send_command("SET", key, 1, "NX", "PX", 60_000)
+    if pid in _owing:
+        connection.read_response()
+    connection.read_response()
+    busy(work)
+    connection.send_command("DEL", key)
+    _owing.add(pid)
+
+
 once: Any = None
 if celery_once is not None:
 
@@ -314,6 +338,7 @@ def task_kinds() -> list[Kind]:
         Kind("celery-singleton", csingleton, "lock from send to end", SINGLETON_MISSING),
         Kind("redis-py Lock in task", redis_py, "lock in the body"),
         Kind("one round trip (floor)", floor, "one SET NX in the body"),
+        Kind("one round trip + one written", floor_written, "SET NX, then DEL unanswered"),
     ]
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import socket
 import threading
+from typing import Any
 
 import pytest
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-from celery_redislock.transport import Deadline, parse_replies, transport_for
+from celery_redislock.transport import Deadline, parse_replies, run, transport_for
+from tests.support import wait_until
 
 
 def test_every_reply_shape(redislock_client: redis.Redis) -> None:
@@ -124,3 +126,43 @@ def test_parse_replies_keeps_the_start_of_an_unfinished_reply() -> None:
     assert len(replies) == 3
     assert rest == message[:9]
     assert parse_replies(rest + message[9:]) == ([[b"message", b"ch", b"p.1"]], b"")
+
+
+def test_owed_replies_are_read_after_the_next_request_is_written(
+    redislock_client: redis.Redis,
+) -> None:
+    """A round trip on a connection that owes replies writes its own request first
+    and reads the owed ones while the server works on it; each reply still goes to
+    its own reader."""
+    transport = transport_for(redislock_client)
+    transport.execute([("PING",)], Deadline.after(5))  # one idle connection
+    events: list[Any] = []
+    transport.send_deferred([("INCR", "n")], Deadline.after(5), lambda r: events.append(r))
+    (link,) = transport._idle
+    write = link.conn.send_packed_command
+
+    def recorded(*args: Any, **kwargs: Any) -> None:
+        events.append("written")
+        write(*args, **kwargs)
+
+    link.conn.send_packed_command = recorded
+    assert transport.execute([("INCR", "n")], Deadline.after(5)) == [2]
+    assert events == ["written", [1]]
+    assert not transport.owes_replies()
+
+
+def test_a_connection_closed_while_owing_replies_still_gives_them_and_retries(
+    redislock_client: redis.Redis,
+) -> None:
+    """The server closes an idle connection after answering a request written
+    without waiting: the next round trip on it still hands that answer to its
+    reader, finds the connection closed, and goes again on a new one."""
+    transport = transport_for(redislock_client)
+    answers: list[Any] = []
+    transport.send_deferred([("SET", "k", "v")], Deadline.after(5), answers.append)
+    assert wait_until(lambda: redislock_client.get("k") == b"v")
+    assert redislock_client.client_kill_filter(_type="normal", skipme=True) >= 1
+    sends = transport.sends
+    assert run(transport, [("GET", "k")], Deadline.after(5)) == [b"v"]
+    assert answers == [[b"OK"]]
+    assert transport.sends == sends + 2

@@ -162,12 +162,16 @@ class Transport:
         Raises:
             redis.ConnectionError, redis.TimeoutError: the round trip did not complete.
         """
-        link = self._checkout(deadline)
+        link = self._checkout(deadline, settle=False)
         healthy = False
         try:
             self._bound(link.conn, deadline)
             link.conn.send_packed_command([pack(commands)], check_health=False)
             self.sends += 1
+            # Replies owed on the link come first; read after the write, they cost
+            # nothing while the server works on it.
+            if self._owed and not self._settle(link, deadline):
+                raise RedisConnectionError(f"connection to {self.describe()} broke")
             replies = link.read(len(commands), deadline, self)
             healthy = True
             return replies
@@ -179,8 +183,9 @@ class Transport:
     ) -> None:
         """Write ``commands`` now and read their replies later.
 
-        The replies are read by the next request on the same connection (before
-        it is sent), by :meth:`drain`, or by :meth:`flush`, and handed to
+        The replies are read by the next request on the same connection (a
+        round trip reads them just after writing its own request, another deferred
+        write before it writes), by :meth:`drain`, or by :meth:`flush`, and handed to
         ``handler``. When this returns, the request is in the kernel's send buffer:
         the server will run it even if this process dies before reading the reply.
 
@@ -257,13 +262,15 @@ class Transport:
         conn.socket_timeout = remaining
         conn.connect()
 
-    def _checkout(self, deadline: Deadline) -> _Link:
+    def _checkout(self, deadline: Deadline, settle: bool = True) -> _Link:
+        """An idle connection (or a new one); with ``settle``, the replies it owes
+        are read first (and a connection found broken is replaced)."""
         with self._guard:
             if self._pid != _process_id:
                 # A forked child never talks over its parent's sockets.
                 self._idle, self._owed, self._pid = [], {}, _process_id
             link = self._idle.pop() if self._idle else None
-        if link is not None and self._owed and not self._settle(link, deadline):
+        if link is not None and settle and self._owed and not self._settle(link, deadline):
             link = None
         if link is None:
             conn = self.connection_class(**self._kwargs)
