@@ -29,8 +29,9 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    ``QueueOnce``, celery-singleton's ``Singleton``, a plain task taking
    redis-py's ``Lock`` in its body, and two floors: a plain task making one
    round trip (``SET NX``), and one that also writes a ``DEL`` whose answer it
-   reads later (what a lock released without waiting needs at least). Kinds are interleaved over rounds and each
-   round's rate is divided by the same round's plain rate. Beside the rate:
+   reads later (what a lock released without waiting needs at least). Kinds
+   are interleaved over rounds and each round's rate is divided by the same
+   round's plain rate. Beside the rate:
    the worker's CPU per task, the producer's time per ``apply_async``, and the
    lock store's commands and CPU per task (``INFO cpu``, sends included). No-op
    tasks are also timed *end to end*: sent while the worker runs, from the first

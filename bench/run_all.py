@@ -2,7 +2,7 @@
 
 Usage::
 
-    python bench/run_all.py [--quick] [--markdown FILE] [--url URL]
+    python bench/run_all.py [--quick] [--rounds R] [--markdown FILE] [--chart FILE] [--url URL]
 
 Runs ``bench_lock.py --profile`` (the engine: goals 1, 4, 5, 6, 7) and then
 ``bench_task.py`` (Celery workers: goals 1, 2, 3), each in a process of its own
@@ -11,7 +11,10 @@ shown as it comes; at the end every figure that has a target is listed with
 ``MET`` or ``NOT MET``. With ``--markdown FILE`` the same goes into a Markdown
 report: machine, versions, date, the targets table and both scripts' output.
 
-A default run takes about 2-3 minutes on a 2-core machine, ``--quick`` about one.
+``--rounds R`` is passed to ``bench_task.py`` (rounds of its throughput section:
+more of them narrow the spread on a noisy machine).
+
+A default run takes about 3 minutes on a 2-core machine, ``--quick`` about one.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer samples (about a minute)")
     parser.add_argument("--markdown", help="also write a Markdown report to this file")
     parser.add_argument("--url", help="a Redis URL for every script (default: private servers)")
+    parser.add_argument("--rounds", type=int, help="rounds of bench_task.py's throughput section")
     parser.add_argument(
         "--chart", help="also draw the throughput ratios as a PNG chart (needs matplotlib)"
     )
@@ -136,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
         for script, extra in SCRIPTS:
             path = Path(scratch) / f"{script}.json"
-            output, status, seconds = run_script(script, [*extra, *common], path)
+            own = (
+                ["--rounds", str(args.rounds)] if args.rounds and script == "bench_task.py" else []
+            )
+            output, status, seconds = run_script(script, [*extra, *common, *own], path)
             outputs.append((script, output, status, seconds))
             findings.extend(load_findings(path))
             print(flush=True)
