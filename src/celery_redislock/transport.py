@@ -170,8 +170,9 @@ class Transport:
             self.sends += 1
             # Replies owed on the link come first; read after the write, they cost
             # nothing while the server works on it.
-            if self._owed and not self._settle(link, deadline):
-                raise RedisConnectionError(f"connection to {self.describe()} broke")
+            broken = self._settle(link, deadline) if self._owed else None
+            if broken is not None:
+                raise broken
             replies = link.read(len(commands), deadline, self)
             healthy = True
             return replies
@@ -216,7 +217,7 @@ class Transport:
             owing = [link for link in self._idle if link in self._owed]
             self._idle = [link for link in self._idle if link not in self._owed]
         for link in owing:
-            self._checkin(link, self._settle(link, deadline))
+            self._checkin(link, self._settle(link, deadline) is None)
 
     def reset(self) -> None:
         """Close every idle connection (after a failover, the next call reconnects)."""
@@ -270,7 +271,7 @@ class Transport:
                 # A forked child never talks over its parent's sockets.
                 self._idle, self._owed, self._pid = [], {}, _process_id
             link = self._idle.pop() if self._idle else None
-        if link is not None and settle and self._owed and not self._settle(link, deadline):
+        if link is not None and settle and self._owed and self._settle(link, deadline) is not None:
             link = None
         if link is None:
             conn = self.connection_class(**self._kwargs)
@@ -294,13 +295,13 @@ class Transport:
                 return
         link.close()
 
-    def _settle(self, link: _Link, deadline: Deadline) -> bool:
-        """Read the replies owed on ``link`` and hand them over; False if it broke
-        (it is then closed)."""
+    def _settle(self, link: _Link, deadline: Deadline) -> RedisError | None:
+        """Read the replies owed on ``link`` and hand them over; the error that broke
+        it, if it broke (it is then closed)."""
         with self._guard:
             owed = self._owed.pop(link, None)
         if not owed:
-            return True
+            return None
         broken: RedisError | None = None
         for count, handler in owed:
             result: list[Any] | RedisError
@@ -312,7 +313,7 @@ class Transport:
             else:
                 result = broken
             _hand_over(handler, result)
-        return broken is None
+        return broken
 
     def _fail_owed(self, link: _Link, error: RedisError) -> None:
         with self._guard:
