@@ -96,6 +96,28 @@ def test_release_on_stalled_server_stops_renewal_and_lands_later(
     wait_for(lambda: not held(direct, lock.key), what="the background release")
 
 
+def test_owed_answer_from_a_stalled_server_is_a_timeout(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """A request on a connection that still owes a release's answer, to a server that
+    stalled, fails as a timeout (not as a broken connection); the release is told
+    the same, retried in the background, and lands once the server is back."""
+    client = redis.Redis(host=server.host, port=server.port)
+    lock = RedisLock(client, "owed-stalled", ttl=30, call_timeout=0.5)
+    other = RedisLock(client, "owed-stalled-2", ttl=30, call_timeout=0.5)
+    assert lock.acquire(blocking=False)
+    outcomes: list[str] = []
+    with server.paused():
+        lock.release(wait=False, then=outcomes.append)
+        with pytest.raises(LockBackendError) as excinfo:
+            other.acquire(blocking=False)
+        assert "timed out" in str(excinfo.value)
+    assert wait_until(lambda: bool(outcomes))
+    assert outcomes == ["retrying"]
+    wait_for(lambda: not held(direct, lock.key), what="the background release")
+    client.close()
+
+
 def test_release_that_never_lands_leaves_the_lock_to_its_ttl(
     proxy: FaultProxy, direct: redis.Redis
 ) -> None:
