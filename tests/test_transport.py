@@ -1,5 +1,6 @@
-"""The transport's own reply reader, against a real server: every reply shape the
-engine meets, replies split over many reads, error replies, and a reply cut short."""
+"""The transport against a real server: its own reply reader (every reply shape the
+engine meets, replies split over many reads, error replies, a reply cut short), and
+the replies a connection still owes when its next request goes."""
 
 from __future__ import annotations
 
