@@ -251,6 +251,11 @@ def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> LockKeys:
     """
     check_prefix(prefix)
     check_name(name)
+    return _keys(name, prefix)
+
+
+def _keys(name: str, prefix: str) -> LockKeys:
+    """:func:`lock_keys` of a name and prefix already checked."""
     if name.startswith(("}", "\\")):
         name = "\\" + name
     base = f"{prefix}:{{{name}}}"
@@ -427,7 +432,7 @@ class RedisLock:
         self.client = client
         self.name = name
         self.prefix = prefix
-        self.key, self.queue_key = lock_keys(name, prefix)
+        self.key, self.queue_key = _keys(name, prefix)
         self.wake_prefix = wake_channel_prefix(prefix)
         #: The owner token (128 random bits in 22 characters unless given).
         self.owner = owner or secrets.token_urlsafe(16)

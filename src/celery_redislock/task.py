@@ -691,12 +691,13 @@ class SingletonTask(Task):  # type: ignore[misc]
         """Who holds the lock, stored with it for ``celery redislock list``."""
         return dict(zip(HOLDER_FIELDS, self._holder_values(running), strict=True))
 
-    def _holder_values(self, running: bool) -> tuple[str, ...]:
-        """:meth:`_holder_info`'s values, in :data:`HOLDER_FIELDS` order."""
+    def _holder_values(self, running: bool, request: Any = None) -> tuple[str, ...]:
+        """:meth:`_holder_info`'s values, in :data:`HOLDER_FIELDS` order (``request``:
+        the current one, if the caller has it at hand)."""
         since = f"{time.time():.3f}"
         if not running:
             return (self.name[:MAX_INFO_LENGTH], "queued", "", "", since)
-        node = getattr(self.request, "hostname", None) or _process.hostname
+        node = getattr(request or self.request, "hostname", None) or _process.hostname
         return (
             self.name[:MAX_INFO_LENGTH],
             "running",
@@ -830,7 +831,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             lease=task_id,
             on_lost=self._on_lost,
             min_replicas=opts.min_replicas,
-            holder_info=self._holder_values(running=True),
+            holder_info=self._holder_values(running=True, request=request),
             prefix=opts.prefix,
         )
         asked = taken = time.monotonic()
