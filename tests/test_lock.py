@@ -528,7 +528,8 @@ def test_release_wakes_the_first_two_and_marks_the_spare(
     client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:
     """A release wakes the two oldest waiters, each on its own process's channel; the
-    second's message carries the spare mark."""
+    second's message carries the spare mark, and the spare keeps its place at the
+    front of the queue (it leaves it only by taking the lock)."""
     holder = RedisLock(client, "spare-mark", ttl=60)
     assert holder.acquire()
     cleanup.append(holder)
@@ -549,7 +550,23 @@ def test_release_wakes_the_first_two_and_marks_the_spare(
         (f"{holder.wake_prefix}proc-a", "proc-a.1"),
         (f"{holder.wake_prefix}proc-b", f"proc-b.7{SPARE_MARK}"),
     ]
-    assert client.zrange(holder.queue_key, 0, -1) == [b"proc-c.3"]
+    assert client.zrange(holder.queue_key, 0, -1) == [b"proc-b.7", b"proc-c.3"]
+
+
+def test_queue_emptied_and_refilled_by_a_release_keeps_its_expiry(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """With exactly two waiters queued, a release takes both out and puts the spare
+    back: the queue it leaves expires when the one it found would have."""
+    holder = RedisLock(client, "spare-expiry", ttl=60)
+    assert holder.acquire()
+    cleanup.append(holder)
+    client.zadd(holder.queue_key, {"proc-a.1": 1, "proc-b.2": 2})
+    client.pexpire(holder.queue_key, 90_000)
+    client.hset(holder.key, QUEUED_FIELD, "1")
+    holder.release()
+    assert client.zrange(holder.queue_key, 0, -1) == [b"proc-b.2"]
+    assert 0 < client.pttl(holder.queue_key) <= 90_000
 
 
 def test_spare_takes_the_lock_when_the_first_woken_waiter_is_gone(

@@ -209,7 +209,8 @@ local function free(lock)
         local bad = denied('hset', KEYS[1], $OWNER, '') or denied('pexpire', KEYS[1], '1')
         if queued then
             bad = bad or denied('zpopmin', KEYS[2]) or denied('publish', ARGV[2] .. '0', '')
-                or denied('time')
+                or denied('time') or denied('zadd', KEYS[2], '1', 'w')
+                or denied('pexpire', KEYS[2], '1')
         end
         if bad then return bad end
     end
@@ -233,7 +234,17 @@ local function free(lock)
     end
     local next = {}
     if queued then
+        local left = redis.call('PTTL', KEYS[2])
         next = redis.call('ZPOPMIN', KEYS[2], 2)
+        if #next > 2 then
+            -- The second (the spare) keeps its place: it leaves the queue only by
+            -- taking the lock, so while it lets the first go ahead the next
+            -- release still finds it at the front.
+            redis.call('ZADD', KEYS[2], next[4], next[3])
+            if left > 0 then
+                redis.call('PEXPIRE', KEYS[2], left)
+            end
+        end
         if #next == 0 then
             fields[#fields + 1] = $QUEUED
             fields[#fields + 1] = ''
