@@ -879,10 +879,13 @@ class RedisLock:
                         if waiter.spare:
                             # Woken second: the first woken waiter goes ahead, unless
                             # it is gone (then this one takes the lock after the pause).
+                            # Still queued at the front, it may be woken again meanwhile
+                            # by the next release: then it asks at once.
                             pause_for = SPARE_HEAD_START
                             if ends is not None:
                                 pause_for = min(pause_for, max(0.0, ends - time.monotonic()))
-                            time.sleep(pause_for)
+                            hub.rearm(waiter)
+                            hub.wait(waiter, pause_for)
                     continue
                 except RedisError as exc:
                     error = LockBackendError(
