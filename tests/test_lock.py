@@ -12,7 +12,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -31,6 +31,7 @@ from celery_redislock import (
     RedisLock,
     wakeups,
 )
+from celery_redislock import lock as lock_module
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import FENCE_TTL_MS, lock_keys, name_from_key, release_lease
 from celery_redislock.scripts import (
@@ -587,6 +588,33 @@ def test_spare_takes_the_lock_when_the_first_woken_waiter_is_gone(
     assert wait_until(waiter.done, timeout=10)
     assert waiter.error is None
     assert waiter.result is True
+    assert waiter_lock.owned()
+
+
+def test_spare_woken_again_during_its_head_start_asks_at_once(
+    client: redis.Redis, cleanup: list[RedisLock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spare stays at the front of the queue while it gives the first woken waiter
+    its head start; a wake-up that names it meanwhile (the next release's, here sent
+    by hand) ends the head start, and it takes the lock kept for it."""
+    monkeypatch.setattr(lock_module, "SPARE_HEAD_START", 120.0)
+    holder = RedisLock(client, "spare-again", ttl=60)
+    assert holder.acquire()
+    waiter_lock = RedisLock(client, "spare-again", ttl=60)
+    cleanup.append(waiter_lock)
+    waiter = Waiter(waiter_lock, timeout=300)
+    assert wait_until(lambda: queued(client, holder) == 1)
+    (waiter_id,) = cast(list[bytes], client.zrange(holder.queue_key, 0, -1))
+    # A waiter of a process that died while queued, ahead of the live one.
+    client.zadd(holder.queue_key, {"gone-process.1": 1})
+    hub = wakeups.hub_for(waiter_lock.transport, waiter_lock.prefix)
+    holder.release()  # wakes the gone one first, the live one as the spare
+    assert client.zrange(holder.queue_key, 0, -1) == [waiter_id]
+    assert wait_until(lambda: hub.received == 1)  # the spare's wake-up, read
+    assert not waiter.done()
+    client.publish(holder.wake_prefix + wakeups.process_token(), waiter_id)
+    assert wait_until(waiter.done, timeout=30)
+    assert (waiter.error, waiter.result) == (None, True)
     assert waiter_lock.owned()
 
 
