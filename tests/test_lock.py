@@ -114,6 +114,15 @@ class Waiter:
         return not self.thread.is_alive()
 
 
+def wait_behind(
+    holder: RedisLock, cleanup: list[RedisLock], ttl: float = 60, timeout: float = 30
+) -> tuple[RedisLock, Waiter]:
+    """Another owner of ``holder``'s lock, waiting for it in a thread (cleaned up after)."""
+    waiter_lock = RedisLock(holder.client, holder.name, ttl=ttl)
+    cleanup.append(waiter_lock)
+    return waiter_lock, Waiter(waiter_lock, timeout=timeout)
+
+
 @pytest.fixture(
     scope="module",
     params=available_server_binaries(),
@@ -479,9 +488,7 @@ def test_release_wakes_waiter(client: redis.Redis, cleanup: list[RedisLock]) -> 
     """A waiter blocked on a long-TTL lock gets it as soon as the holder releases it."""
     holder = RedisLock(client, "wake", ttl=60)
     assert holder.acquire()
-    waiter_lock = RedisLock(client, "wake", ttl=60)
-    cleanup.append(waiter_lock)
-    waiter = Waiter(waiter_lock, timeout=30)
+    waiter_lock, waiter = wait_behind(holder, cleanup)
     # The waiter is queued before the release happens.
     assert wait_until(lambda: queued(client, holder) == 1)
     assert not waiter.done()
@@ -506,9 +513,7 @@ def test_expiry_wakes_waiter_and_old_holder_lost_it(
     and the old holder's release raises LockNotOwnedError (LockLostError)."""
     holder = RedisLock(client, "expiry", ttl=1, heartbeat=False)
     assert holder.acquire()
-    waiter_lock = RedisLock(client, "expiry", ttl=30)
-    cleanup.append(waiter_lock)
-    waiter = Waiter(waiter_lock, timeout=30)
+    waiter_lock, waiter = wait_behind(holder, cleanup, ttl=30)
 
     assert wait_until(waiter.done, timeout=15)
     assert waiter.error is None
@@ -580,9 +585,7 @@ def test_spare_takes_the_lock_when_the_first_woken_waiter_is_gone(
     # A waiter of a process that died while queued, ahead of the live one.
     client.zadd(holder.queue_key, {"gone-process.1": 1})
     client.hset(holder.key, QUEUED_FIELD, "1")
-    waiter_lock = RedisLock(client, "spare-gone", ttl=60)
-    cleanup.append(waiter_lock)
-    waiter = Waiter(waiter_lock, timeout=30)
+    waiter_lock, waiter = wait_behind(holder, cleanup)
     assert wait_until(lambda: queued(client, holder) == 2)
     holder.release()
     assert wait_until(waiter.done, timeout=10)
@@ -600,9 +603,7 @@ def test_spare_woken_again_during_its_head_start_asks_at_once(
     monkeypatch.setattr(lock_module, "SPARE_HEAD_START", 120.0)
     holder = RedisLock(client, "spare-again", ttl=60)
     assert holder.acquire()
-    waiter_lock = RedisLock(client, "spare-again", ttl=60)
-    cleanup.append(waiter_lock)
-    waiter = Waiter(waiter_lock, timeout=300)
+    waiter_lock, waiter = wait_behind(holder, cleanup, timeout=300)
     assert wait_until(lambda: queued(client, holder) == 1)
     (waiter_id,) = cast(list[bytes], client.zrange(holder.queue_key, 0, -1))
     # A waiter of a process that died while queued, ahead of the live one.
@@ -633,9 +634,7 @@ def test_lone_waiter_reads_its_wake_up_itself(
     monkeypatch.setattr(wakeups.WakeHub, "_deliver", recording)
     holder = RedisLock(client, "lone-reader", ttl=60)
     assert holder.acquire()
-    waiter_lock = RedisLock(client, "lone-reader", ttl=60)
-    cleanup.append(waiter_lock)
-    waiter = Waiter(waiter_lock, timeout=30)
+    _, waiter = wait_behind(holder, cleanup)
     assert wait_until(lambda: queued(client, holder) == 1)
     holder.release()
     assert wait_until(waiter.done, timeout=10)

@@ -52,8 +52,9 @@ process's wake channel ``<prefix>:wake:<process>`` with the waiter's id as the
 message: a targeted handoff, not a broadcast, and one spare in case the first
 waiter has gone. The spare's message ends in :data:`SPARE_MARK`; it gives the
 first a head start (``celery_redislock.lock.SPARE_HEAD_START``) rather than race
-it for the lock, and then asks (taking the lock if the first never came, else
-queueing again in its old place).
+it for the lock, and then asks (taking the lock if the first never came). The
+release takes only the first out of the queue: the spare keeps its place at the
+front, so the next release wakes it first (it then asks at once).
 
 **Retries.** A request can reach the server and run while its reply is lost
 (a reset connection, a timeout); the client then sends it again. Every request

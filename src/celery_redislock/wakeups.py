@@ -1,9 +1,9 @@
 """Wake-ups for waiting lock holders: one subscriber per process and server.
 
 A waiter queues itself in the lock's waiter queue (inside the acquire that finds
-the lock held) with an id ``<process>.<n>``; a release that frees the lock pops
-the first two ids and publishes each on its process's wake channel,
-``<prefix>:wake:<process>``. Each process keeps one subscription to its own wake
+the lock held) with an id ``<process>.<n>``; a release that frees the lock takes
+the first two ids (the second, a spare, stays queued) and publishes each on its
+process's wake channel, ``<prefix>:wake:<process>``. Each process keeps one subscription to its own wake
 channel per server and key prefix — a :class:`WakeHub` — shared by all its
 waiters. So a release wakes at most two waiters, wherever they are, instead of
 every waiter of every process.
