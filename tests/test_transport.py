@@ -167,3 +167,48 @@ def test_a_connection_closed_while_owing_replies_still_gives_them_and_retries(
     assert run(transport, [("GET", "k")], Deadline.after(5)) == [b"v"]
     assert answers == [[b"OK"]]
     assert transport.sends == sends + 2
+
+
+class _CountedSocket:
+    """A socket whose ``settimeout`` calls are counted (each one is a system call)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.timeouts: list[float] = []
+
+    def settimeout(self, value: float) -> None:
+        self.timeouts.append(value)
+        self._sock.settimeout(value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def test_socket_timeout_is_set_again_only_when_the_deadline_differs(
+    redislock_client: redis.Redis,
+) -> None:
+    """Round trips whose deadlines are as long (every request without one of its
+    own) keep the socket timeout the first set: setting it is a system call. A
+    shorter deadline sets it again, and so does the longer one after it."""
+    transport = transport_for(redislock_client)
+    transport.execute([("PING",)], Deadline.after(5))
+    (link,) = transport._idle
+    counted = link.conn._sock = _CountedSocket(link.conn._sock)
+    for _ in range(5):
+        assert transport.execute([("PING",)], Deadline.after(5)) == [b"PONG"]
+    assert len(counted.timeouts) <= 1
+    assert transport.execute([("PING",)], Deadline.after(0.5)) == [b"PONG"]
+    assert counted.timeouts[-1] <= 0.5
+    assert transport.execute([("PING",)], Deadline.after(5)) == [b"PONG"]
+    assert counted.timeouts[-1] > 4
+
+
+def test_a_kept_socket_timeout_still_bounds_a_stalled_read(
+    redislock_client: redis.Redis,
+) -> None:
+    """A timeout kept from an earlier round trip still bounds the next one: a
+    request the server never answers (a blocking pop) fails as a timeout."""
+    transport = transport_for(redislock_client)
+    transport.execute([("PING",)], Deadline.after(0.3))
+    with pytest.raises(redis.TimeoutError):
+        transport.execute([("BLPOP", "never-filled", 0)], Deadline.after(0.3))

@@ -114,7 +114,10 @@ class _Lane:
         self.heartbeat = heartbeat
         self.transport = transport
         self.clock = heartbeat._clock
-        self.cond = threading.Condition()
+        # Taken as itself (not through ``cond``, a Python-level wrapper) where a
+        # lock is registered or released: that is on every task's path.
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
         self.entries: dict[int, _Entry] = {}
         self.pending: list[_Pending] = []
         # When to read the replies owed on idle connections (None: nothing owed).
@@ -129,14 +132,14 @@ class _Lane:
     def register(self, lock: Renewable, due: float | None = None) -> None:
         ident, name = id(lock), lock.name
         ref = weakref.ref(lock, lambda _ref: self.collected.append((ident, name)))
-        with self.cond:
+        with self.lock:
             if due is None:
                 due = self.clock() + lock.renew_interval
             self.entries[ident] = _Entry(ref, name, due)
             self._wake(due)
 
     def unregister(self, lock: Renewable) -> None:
-        with self.cond:
+        with self.lock:
             entry = self.entries.get(id(lock))
             if entry is not None and entry.ref() is lock:
                 del self.entries[id(lock)]
@@ -147,7 +150,7 @@ class _Lane:
             self._wake(self.clock())
 
     def drain_later(self) -> None:
-        with self.cond:
+        with self.lock:
             if self.drain_at is None:
                 self.drain_at = self.clock() + DRAIN_DELAY
                 self._wake(self.drain_at)

@@ -77,10 +77,10 @@ from celery_redislock.transport import (
     TRANSIENT,
     Client,
     Deadline,
-    Router,
     Transport,
     backend_errors,
     describe_error,
+    router_for,
 )
 from celery_redislock.wakeups import Waiter, hub_for
 
@@ -454,7 +454,7 @@ class RedisLock:
         self._unconfirmed: float | None = None
         self._state = threading.Lock()
         self._heartbeat = beat
-        self._router = Router(client)
+        self._router = router_for(client)
 
     def __repr__(self) -> str:
         return f"<RedisLock {self.name!r} owner={self.owner[:8]}… token={self.token}>"
@@ -464,7 +464,7 @@ class RedisLock:
     def transport(self) -> Transport:
         """The connections this lock's requests travel on (on a cluster, those of
         the primary that owns the lock's slot now)."""
-        return self._router.transport(self.key)
+        return self._router.single or self._router.transport(self.key)
 
     @property
     def ttl_ms(self) -> int:
@@ -988,4 +988,4 @@ def release_lease(
         [lease, wake_channel_prefix(prefix), request_id(), FENCE_TTL_MS],
     )
     with backend_errors(f"release lock {name!r}"):
-        return bool(send(Router(client), key, call, Deadline.after(timeout)))
+        return bool(send(router_for(client), key, call, Deadline.after(timeout)))

@@ -17,6 +17,7 @@ defining its tasks, or between uses, works; the first of these that is set wins:
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import weakref
@@ -122,11 +123,7 @@ def _settings(app: Any) -> tuple[Any, ...]:
 
 def _same(before: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
     """Whether two readings of the store settings are the very same values."""
-    return (
-        bool(now)
-        and len(before) == len(now)
-        and all(a is b for a, b in zip(before, now, strict=True))
-    )
+    return bool(now) and len(before) == len(now) and all(map(operator.is_, before, now))
 
 
 def _resolve(app: Any) -> Client:

@@ -276,8 +276,10 @@ def _sent_overrides(request: Any) -> Any:
 
 def _send(signal: Signal, task: Task, name: str, **arguments: Any) -> None:
     """Send one of :mod:`celery_redislock.signals` about lock ``name``: as ``name``, and
-    again as ``key``, its spelling for receivers written before it was called a name."""
-    signal.send(sender=task, name=name, key=name, **arguments)
+    again as ``key``, its spelling for receivers written before it was called a name.
+    Free when nobody listens: this runs on every execution."""
+    if signal.receivers:
+        signal.send(sender=task, name=name, key=name, **arguments)
 
 
 def skipped_result(name: str, holder: str | None) -> dict[str, Any]:

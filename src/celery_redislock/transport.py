@@ -109,6 +109,10 @@ class Deadline:
         return f"<Deadline in {self.remaining():.3f} s>"
 
 
+#: How far, as a fraction of the time left, a connection's socket timeout may be
+#: from a round trip's deadline and still be kept (see :meth:`_Link.bound`).
+TIMEOUT_SLACK = 1 / 64
+
 #: Connection settings a transport always sets itself: its own timeouts per
 #: call, no retries inside redis-py (they would resend requests behind our
 #: back), RESP2 replies as bytes.
@@ -165,7 +169,7 @@ class Transport:
         link = self._checkout(deadline, settle=False)
         healthy = False
         try:
-            self._bound(link.conn, deadline)
+            link.bound(deadline, self)
             link.conn.send_packed_command([pack(commands)], check_health=False)
             self.sends += 1
             # Replies owed on the link come first; read after the write, they cost
@@ -196,7 +200,7 @@ class Transport:
         """
         link = self._checkout(deadline)
         try:
-            self._bound(link.conn, deadline)
+            link.bound(deadline, self)
             link.conn.send_packed_command([pack(commands)], check_health=False)
         except BaseException:
             link.close()
@@ -246,13 +250,6 @@ class Transport:
         if sock is None:
             raise RedisConnectionError("connection closed")
         sock.settimeout(max(0.001, seconds))
-
-    def _bound(self, conn: Any, deadline: Deadline) -> None:
-        remaining = deadline.remaining()
-        if remaining <= 0:
-            conn.disconnect()
-            raise RedisTimeoutError(f"no reply from {self.describe()} within the deadline")
-        self.bound(conn, remaining)
 
     def _connect(self, conn: Any, deadline: Deadline) -> None:
         remaining = deadline.remaining()
@@ -335,14 +332,36 @@ class _Link:
     engine's commands have, several times cheaper than the general one.
     """
 
-    __slots__ = ("conn", "unread")
+    __slots__ = ("conn", "timeout", "unread")
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.unread = b""
+        # The socket's timeout as last set here (-1: not yet).
+        self.timeout = -1.0
+
+    def bound(self, deadline: Deadline, transport: Transport) -> None:
+        """Let the next socket operation block until ``deadline`` at most.
+
+        Setting a socket's timeout costs a system call, so one set within
+        :data:`TIMEOUT_SLACK` of the time left is kept: round trips with
+        deadlines of the same length (every request without one of its own)
+        set it once.
+        """
+        remaining = deadline.at - time.monotonic()
+        if remaining <= 0:
+            self.close()
+            raise RedisTimeoutError(f"no reply from {transport.describe()} within the deadline")
+        sock = self.conn._sock
+        if sock is None:
+            raise RedisConnectionError("connection closed")
+        if abs(self.timeout - remaining) > remaining * TIMEOUT_SLACK:
+            sock.settimeout(max(0.001, remaining))
+            self.timeout = remaining
 
     def close(self) -> None:
         self.unread = b""
+        self.timeout = -1.0
         self.conn.disconnect()
 
     def read(self, count: int, deadline: Deadline, transport: Transport) -> list[Any]:
@@ -374,7 +393,7 @@ class _Link:
 
     def _receive(self, deadline: Deadline, transport: Transport) -> None:
         try:
-            transport._bound(self.conn, deadline)
+            self.bound(deadline, transport)
             data = self.conn._sock.recv(65536)
         except RedisError:
             self.close()
@@ -523,10 +542,20 @@ class Router:
     """
 
     def __init__(self, client: Client) -> None:
-        self.client = client
+        # Weak: a router is cached per client (see router_for), and must not
+        # keep it alive; whoever uses the router holds the client.
+        self._client = weakref.ref(client)
         self.cluster = isinstance(client, RedisCluster)
         #: The one transport of a single server (looked up once: this is hot).
         self.single = None if isinstance(client, RedisCluster) else transport_for(client)
+
+    @property
+    def client(self) -> Client:
+        """The client this router routes for."""
+        client = self._client()
+        if client is None:  # pragma: no cover - its users hold it
+            raise RuntimeError("the client of this router was garbage-collected")
+        return client
 
     def transport(self, key: str) -> Transport:
         """The transport for ``key``'s slot."""
@@ -568,6 +597,18 @@ class Router:
                 return False
             return True
         return False
+
+
+_routers: weakref.WeakKeyDictionary[Any, Router] = weakref.WeakKeyDictionary()
+
+
+def router_for(client: Client) -> Router:
+    """The router of ``client`` (one per client object and process: every lock
+    of a client shares it)."""
+    router = _routers.get(client)
+    if router is None:
+        router = _routers[client] = Router(client)
+    return router
 
 
 def run(
@@ -646,6 +687,7 @@ atexit.register(flush)
 def _forget_after_fork() -> None:
     global _transports_guard
     _transports.clear()
+    _routers.clear()
     _transports_guard = threading.Lock()
 
 
