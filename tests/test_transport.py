@@ -197,6 +197,7 @@ def test_socket_timeout_is_set_again_only_when_the_deadline_differs(
     for _ in range(5):
         assert transport.execute([("PING",)], Deadline.after(5)) == [b"PONG"]
     assert len(counted.timeouts) <= 1
+    assert 0 < link.timeout <= 5
     assert transport.execute([("PING",)], Deadline.after(0.5)) == [b"PONG"]
     assert counted.timeouts[-1] <= 0.5
     assert transport.execute([("PING",)], Deadline.after(5)) == [b"PONG"]

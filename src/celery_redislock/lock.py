@@ -535,7 +535,8 @@ class RedisLock:
             LockBackendError: Redis could not be reached (after retries within the
                 deadline) or answered with an error.
         """
-        timeout = check_timeout(timeout)
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         started = time.monotonic()
         ends = None if timeout is None or not blocking else started + timeout
         # Every try of this call sends the same request id: a try that landed

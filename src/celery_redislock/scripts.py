@@ -598,7 +598,7 @@ def send(
             an error reply).
     """
     for attempt in range(ATTEMPTS):
-        transport = router.transport(key)
+        transport = router.single or router.transport(key)
         try:
             if isinstance(call, Call):
                 replies = run_calls(transport, [call], deadline, then)

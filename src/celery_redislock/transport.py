@@ -109,8 +109,9 @@ class Deadline:
         return f"<Deadline in {self.remaining():.3f} s>"
 
 
-#: How far, as a fraction of the time left, a connection's socket timeout may be
-#: from a round trip's deadline and still be kept (see :meth:`_Link.bound`).
+#: How much shorter than the time left to a round trip's deadline, as a fraction
+#: of it, a connection's socket timeout may be and still be kept (see
+#: :meth:`_Link.bound`).
 TIMEOUT_SLACK = 1 / 64
 
 #: Connection settings a transport always sets itself: its own timeouts per
@@ -343,10 +344,11 @@ class _Link:
     def bound(self, deadline: Deadline, transport: Transport) -> None:
         """Let the next socket operation block until ``deadline`` at most.
 
-        Setting a socket's timeout costs a system call, so one set within
-        :data:`TIMEOUT_SLACK` of the time left is kept: round trips with
-        deadlines of the same length (every request without one of its own)
-        set it once.
+        Setting a socket's timeout costs a system call, so it is set a little
+        short of the time left, and kept while it is no more than the time left
+        and short of it by at most :data:`TIMEOUT_SLACK` of it: round trips with
+        deadlines of the same length (every request without one of its own) set
+        it once. An operation may so give up a little early, never late.
         """
         remaining = deadline.at - time.monotonic()
         if remaining <= 0:
@@ -355,9 +357,9 @@ class _Link:
         sock = self.conn._sock
         if sock is None:
             raise RedisConnectionError("connection closed")
-        if abs(self.timeout - remaining) > remaining * TIMEOUT_SLACK:
-            sock.settimeout(max(0.001, remaining))
-            self.timeout = remaining
+        if not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining:
+            self.timeout = max(0.001, remaining * (1 - TIMEOUT_SLACK / 2))
+            sock.settimeout(self.timeout)
 
     def close(self) -> None:
         self.unread = b""
