@@ -54,6 +54,8 @@ import argparse
 import cProfile
 import itertools
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,6 +63,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -831,6 +834,87 @@ def bench_contention(url: str, lock_url: str, rounds: int, findings: Findings) -
     stats.close()
 
 
+# 4. Client instructions per task.
+#: How many eager tasks the two counted runs of a kind make: the difference of
+#: their counts, over the difference of these, is one task's (start-up, imports
+#: and the warm-up cancel out).
+INSTRUCTION_RUNS = (50, 350)
+
+
+def run_counted(kind_index: int, count: int) -> None:
+    """The counted process of section 4: ``count`` eager tasks of one kind, after a
+    warm-up, against the servers the environment names."""
+    app.conf.task_always_eager = True
+    task = task_kinds()[kind_index].task
+    # Arguments of this process's own: the two counted runs of a kind run at
+    # once, and must not find each other's locks.
+    round_id = uuid.uuid4().hex
+    for i in range(count + 20):
+        task.apply_async((round_id, i, 0.0)).get()
+
+
+def count_instructions(kind_index: int, count: int, url: str, lock_url: str) -> int:
+    """Instructions a whole :func:`run_counted` process runs, counted by valgrind."""
+    command = [
+        "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+        sys.executable, str(Path(__file__).resolve()),
+        "--count-kind", str(kind_index), "--tasks", str(count),
+    ]  # fmt: skip
+    environment = {**os.environ, URL_ENV: url, LOCK_URL_ENV: lock_url, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    counted = re.search(r"Collected : (\d+)", done.stderr)
+    if done.returncode or counted is None:
+        raise RuntimeError(f"valgrind run failed ({done.returncode}): {done.stderr[-500:]}")
+    return int(counted.group(1))
+
+
+def bench_instructions(url: str, lock_url: str, findings: Findings) -> None:
+    """Section 4: the client's instructions per eager task of each kind (valgrind)."""
+    low, high = INSTRUCTION_RUNS
+    print(
+        "\n4. Client instructions per task: each kind run eagerly (producer and task in one"
+        f" process) under valgrind --tool=callgrind, {low} and {high} tasks; the difference"
+        " per task. A count, not a timing: the same from run to run, whatever else the"
+        " machine does"
+    )
+    if shutil.which("valgrind") is None:
+        print("   skipped: valgrind is not installed (Debian's valgrind package)")
+        return
+    print(f"   {'kind':<30} {'instructions':>12} {'above plain':>12}")
+    counts: dict[str, float] = {}
+    for index, kind in enumerate(task_kinds()):
+        if kind.task is None:
+            print(f"   {kind.label:<30} left out: {kind.missing}")
+            continue
+        with ThreadPoolExecutor(2) as both:
+            runs = [both.submit(count_instructions, index, n, url, lock_url) for n in (low, high)]
+            few, many = (run.result() for run in runs)
+        counts[kind.label] = per_task = (many - few) / (high - low)
+        above = per_task - counts.get("plain task", per_task)
+        print(f"   {kind.label:<30} {per_task / 1e3:11,.0f}k {above / 1e3:+11,.0f}k")
+    plain_count = counts.get("plain task")
+    mine = counts.get("SingletonTask")
+    if plain_count is None or mine is None:
+        return
+    print(
+        f"   SingletonTask: {(mine - plain_count) / 1e3:,.0f}k instructions per task above a"
+        " plain task"
+        + findings.add(
+            7,
+            "SingletonTask: client instructions per eager task above a plain task",
+            f"{(mine - plain_count) / 1e3:,.0f}k",
+        )
+    )
+    for label in (*PEERS, *FLOORS):
+        if label in counts:
+            extra = counts[label] - plain_count
+            print(f"   {label}: {extra / 1e3:,.0f}k above a plain task")
+            findings.add(
+                7, f"{label}: client instructions per eager task above a plain task",
+                f"{extra / 1e3:,.0f}k",
+            )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the selected sections and print their figures."""
     parser = argparse.ArgumentParser(
@@ -850,7 +934,11 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", action="store_true", help="section 1: also profile SingletonTask executions"
     )
     parser.add_argument("--json", help="write the findings against the targets to this file")
+    parser.add_argument("--count-kind", type=int, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
+    if options.count_kind is not None:
+        run_counted(options.count_kind, options.tasks or 0)
+        return 0
     count = options.tasks or (100 if options.quick else 200)
     rounds = options.rounds or (3 if options.quick else 5)
     if count < 1 or rounds < 1:
@@ -861,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
     # The worker's drain rate for each work, and no-op tasks end to end.
     modes = [Mode(work) for work in works] + [Mode(0.0, paused=False)]
     pools = options.pools.split(",")
-    sections = {int(s) for s in options.only.split(",")} if options.only else {1, 2, 3}
+    sections = {int(s) for s in options.only.split(",")} if options.only else {1, 2, 3, 4}
     findings = Findings()
     started = time.monotonic()
     with servers(options.url, 2) as (url, lock_url):
@@ -888,6 +976,8 @@ def main(argv: list[str] | None = None) -> int:
                 with redis.Redis.from_url(lock_url) as lock_server:
                     lock_server.flushdb()
             bench_contention(url, lock_url, 1 if options.quick else 3, findings)
+        if 4 in sections and not options.quick:
+            bench_instructions(url, lock_url, findings)
     print(f"\nbench_task: {time.monotonic() - started:.0f} s")
     findings.save(options.json)
     return 0

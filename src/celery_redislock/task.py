@@ -826,7 +826,7 @@ class SingletonTask(Task):  # type: ignore[misc]
 
         check_name(task_id, "task id")
         lock = RedisLock._checked_elsewhere(
-            self.lock_client,
+            lock_store(self.app, opts.url),
             key,
             opts.ttl,
             owner=f"{task_id}:{random_hex(16)}",
@@ -876,10 +876,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             keep = opts.strategy == UNTIL_EXECUTED and bool(exc.requeue)
             raise
         finally:
-            if lock.holding and keep:
-                lock.detach()
-            elif lock.holding:
-                self._release(lock, task_id, time.monotonic() - taken, taken_over_ok=retrying)
+            if lock.holding:
+                if keep:
+                    lock.detach()
+                else:
+                    self._release(lock, task_id, time.monotonic() - taken, taken_over_ok=retrying)
 
     def _release(
         self, lock: RedisLock, task_id: str, held: float, taken_over_ok: bool = False

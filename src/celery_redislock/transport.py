@@ -379,17 +379,21 @@ class _Link:
         # (a heartbeat round's) cost linear time, not a copy of the rest per reply.
         data, at = self.unread, 0
         while len(replies) < count:
-            try:
-                reply, at = _parse(data, at)
-            except _Incomplete:
-                self.unread = data[at:]
-                self._receive(deadline, transport)
-                data, at = self.unread, 0
-                continue
-            if isinstance(reply, RedisError) and not isinstance(reply, ResponseError):
-                self.close()
-                raise reply
-            replies.append(reply)
+            # Nothing read yet is the usual start: receive without a parse first.
+            if at < len(data):
+                try:
+                    reply, at = _parse(data, at)
+                except _Incomplete:
+                    pass
+                else:
+                    if isinstance(reply, RedisError) and not isinstance(reply, ResponseError):
+                        self.close()
+                        raise reply
+                    replies.append(reply)
+                    continue
+            self.unread = data[at:]
+            self._receive(deadline, transport)
+            data, at = self.unread, 0
         self.unread = data[at:]
         return replies
 
