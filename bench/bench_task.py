@@ -4,7 +4,7 @@
 
 Usage::
 
-    python bench/bench_task.py [--quick] [--url URL] [--only 1,2,3] [--tasks N] [--rounds R]
+    python bench/bench_task.py [--quick] [--url URL] [--only 1,2,3,4] [--tasks N] [--rounds R]
                                [--work-ms 0,5] [--pools solo,prefork] [--profile] [--json FILE]
 
 Two private servers are started on free 127.0.0.1 ports (see
@@ -40,6 +40,10 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    worker processes waiting for the lock: makespan against the ideal
    50 x 10 ms, for ``SingletonTask(on_conflict="wait")`` and plain tasks using
    python-redis-lock or redis-py's ``Lock``; lock commands per purchase.
+4. Client instructions per task (not with ``--quick``; needs ``valgrind``):
+   each kind run eagerly, as in section 1, in processes of its own under
+   ``valgrind --tool=callgrind``, with 50 and then 350 tasks; the difference of
+   the instruction counts per task. A count, the same from run to run.
 
 celery-once and celery-singleton take their lock when the task is *sent*
 (``apply_async``) and free it when it ends, so part of their cost is paid by

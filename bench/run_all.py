@@ -14,7 +14,8 @@ report: machine, versions, date, the targets table and both scripts' output.
 ``--rounds R`` is passed to ``bench_task.py`` (rounds of its throughput section:
 more of them narrow the spread on a noisy machine).
 
-A default run takes about 3 minutes on a 2-core machine, ``--quick`` about one.
+A default run takes about 5 minutes on a 2-core machine (two of them counting
+instructions under valgrind, when it is installed), ``--quick`` about one.
 """
 
 from __future__ import annotations
