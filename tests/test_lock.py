@@ -773,6 +773,17 @@ def test_many_names_leave_only_expiring_free_hashes(client: redis.Redis) -> None
     assert all(c.startswith("redislock:wake:") for c in channels)
 
 
+def test_locks_of_one_client_share_its_router(redislock_server: RedisServer) -> None:
+    """Every lock of a client finds its server through the same router, built once
+    (its checks of the client's kind cost more than the rest of a lock's setup)."""
+    client = redislock_server.client()
+    first, second = RedisLock(client, "shared-a", ttl=5), RedisLock(client, "shared-b", ttl=5)
+    assert first._router is second._router
+    assert first._router.client is client
+    other = RedisLock(redislock_server.client(), "shared-a", ttl=5)
+    assert other._router is not first._router
+
+
 def test_client_is_not_kept_alive(redislock_server: RedisServer) -> None:
     """Once the last lock using a client is gone, nothing in the package keeps the client
     (and its connections) alive."""

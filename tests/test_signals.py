@@ -12,6 +12,7 @@ from celery import Celery
 from celery_redislock import RedisLock, SingletonTask, signals
 from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
+from celery_redislock.transport import flush
 from tests.support import close_app, make_app, wait_for
 
 
@@ -155,3 +156,23 @@ def test_signals_send_the_name_under_both_spellings(
     assert [name for name, _ in sent] == ["lock_acquired", "lock_released", "lock_conflict"]
     for _signal, kwargs in sent:
         assert kwargs["name"] == kwargs["key"] == job.lock_name((), {})
+
+
+def test_signals_nobody_listens_to_are_not_sent(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no receiver connected, a run does not even call a signal's ``send``
+    (which builds its arguments and walks its receivers on every task)."""
+    called: list[str] = []
+    for name in signals.__all__:
+        signal = getattr(signals, name)
+        assert not signal.receivers, f"{name} has receivers left by another test"
+        monkeypatch.setattr(signal, "send", lambda *a, _name=name, **k: called.append(_name))
+
+    @app.task(base=SingletonTask, shared=False)
+    def job() -> int:
+        return 1
+
+    assert job.apply().get() == 1
+    flush()
+    assert called == []
