@@ -164,9 +164,10 @@ def test_signals_nobody_listens_to_are_not_sent(
     """With no receiver connected, a run does not even call a signal's ``send``
     (which builds its arguments and walks its receivers on every task)."""
     called: list[str] = []
-    for name in signals.__all__:
+    for name in ("lock_acquired", "lock_conflict", "lock_released", "lock_lost"):
         signal = getattr(signals, name)
-        assert not signal.receivers, f"{name} has receivers left by another test"
+        # Nobody listens here, whatever other tests left connected.
+        monkeypatch.setattr(signal, "receivers", [])
         monkeypatch.setattr(signal, "send", lambda *a, _name=name, **k: called.append(_name))
 
     @app.task(base=SingletonTask, shared=False)
