@@ -846,8 +846,8 @@ INSTRUCTION_RUNS = (50, 350)
 
 
 def run_counted(kind_index: int, count: int) -> None:
-    """The counted process of section 4: ``count`` eager tasks of one kind, after a
-    warm-up, against the servers the environment names."""
+    """The counted process of section 4: ``count`` eager tasks of one kind, and 20
+    more that warm it up, against the servers the environment names."""
     app.conf.task_always_eager = True
     task = task_kinds()[kind_index].task
     # Arguments of this process's own: the two counted runs of a kind run at
