@@ -82,15 +82,15 @@ class Renewable(Protocol):
     def _redirected(self, exc: BaseException) -> bool: ...
 
 
-class _Entry:
-    """A registered lock: a weak reference and when it is next due."""
+class _Entry(weakref.ref["Renewable"]):
+    """A registered lock: a weak reference to it that also holds its ``id()`` and
+    name (to log, should the lock be garbage-collected while registered) and when
+    it is next due. One object per registration, made without a Python-level call."""
 
-    __slots__ = ("due", "name", "ref")
-
-    def __init__(self, ref: weakref.ref[Renewable], name: str, due: float) -> None:
-        self.ref = ref
-        self.name = name
-        self.due = due
+    __slots__ = ("due", "ident", "name")
+    due: float
+    ident: int
+    name: str
 
 
 class _Pending:
@@ -125,23 +125,23 @@ class _Lane:
         self.thread: threading.Thread | None = None
         # When the sleeping thread wakes by itself (-inf while it is awake).
         self.wake_at = -math.inf
-        # Names of registered locks that were garbage-collected, to log.
-        self.collected: deque[tuple[int, str]] = deque()
+        # Entries whose lock was garbage-collected while registered, to log.
+        self.collected: deque[_Entry] = deque()
+        self._collect = self.collected.append
 
     # Called from any thread.
     def register(self, lock: Renewable, due: float | None = None) -> None:
-        ident, name = id(lock), lock.name
-        ref = weakref.ref(lock, lambda _ref: self.collected.append((ident, name)))
+        entry = _Entry(lock, self._collect)
+        entry.ident, entry.name = id(lock), lock.name
         with self.lock:
-            if due is None:
-                due = self.clock() + lock.renew_interval
-            self.entries[ident] = _Entry(ref, name, due)
-            self._wake(due)
+            entry.due = self.clock() + lock.renew_interval if due is None else due
+            self.entries[entry.ident] = entry
+            self._wake(entry.due)
 
     def unregister(self, lock: Renewable) -> None:
         with self.lock:
             entry = self.entries.get(id(lock))
-            if entry is not None and entry.ref() is lock:
+            if entry is not None and entry() is lock:
                 del self.entries[id(lock)]
 
     def add_pending(self, call: Call, until: float, what: str, quiet: bool) -> None:
@@ -157,7 +157,7 @@ class _Lane:
 
     def locks(self) -> list[Renewable]:
         with self.cond:
-            return [lock for e in self.entries.values() if (lock := e.ref()) is not None]
+            return [lock for e in self.entries.values() if (lock := e()) is not None]
 
     def stop(self) -> threading.Thread | None:
         with self.cond:
@@ -230,7 +230,7 @@ class _Lane:
         # nearly the same moment share one round trip.
         locks = []
         for entry in self.entries.values():
-            lock = entry.ref()
+            lock = entry()
             if lock is not None and entry.due - lock.renew_interval / 2 <= now:
                 locks.append(lock)
         pending = [p for p in self.pending if p.next_try <= now]
@@ -241,14 +241,13 @@ class _Lane:
 
     def _drop_collected(self) -> None:
         while self.collected:
-            ident, name = self.collected.popleft()
-            entry = self.entries.get(ident)
-            if entry is not None and entry.ref() is None:
-                del self.entries[ident]
+            entry = self.collected.popleft()
+            if self.entries.get(entry.ident) is entry:
+                del self.entries[entry.ident]
                 logger.warning(
                     "celery_redislock: lock %s was dropped without release(); it is no "
                     "longer renewed and expires by its TTL",
-                    name,
+                    entry.name,
                 )
 
     # Renewal.
@@ -313,7 +312,7 @@ class _Lane:
     def _move(self, lock: Renewable, due: float) -> None:
         with self.cond:
             entry = self.entries.get(id(lock))
-            if entry is None or entry.ref() is not lock:
+            if entry is None or entry() is not lock:
                 return
             del self.entries[id(lock)]
         self.heartbeat._lane(lock.transport).register(lock, due)
@@ -321,13 +320,13 @@ class _Lane:
     def _reschedule(self, lock: Renewable, due: float) -> None:
         with self.cond:
             entry = self.entries.get(id(lock))
-            if entry is not None and entry.ref() is lock:
+            if entry is not None and entry() is lock:
                 entry.due = due
 
     def _lose(self, lock: Renewable) -> None:
         with self.cond:
             entry = self.entries.get(id(lock))
-            registered = entry is not None and entry.ref() is lock
+            registered = entry is not None and entry() is lock
             if registered:
                 del self.entries[id(lock)]
         if registered:
