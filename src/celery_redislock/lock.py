@@ -618,8 +618,10 @@ class RedisLock:
             self._holds -= 1
             last = self._holds == 0
             until = self._expiry
-        if last:
-            self._forget()
+        beat = self._beat()
+        if last and self.heartbeat:
+            # The count is 0 already: renewal stops now, whatever the send does.
+            beat.unregister(self)
         transport = self.transport
 
         def answered(result: list[Any] | RedisError) -> None:
@@ -662,7 +664,7 @@ class RedisLock:
             with self._state:
                 self._holds += 1
             self._release_failed(call, exc)
-        self._beat().drain_later(transport)
+        beat.drain_later(transport)
 
     def extend(self, ttl: float | None = None) -> None:
         """Reset the remaining TTL to ``ttl`` seconds (default: the lock's TTL).
