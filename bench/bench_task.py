@@ -43,7 +43,8 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
 4. Client instructions per task (not with ``--quick``; needs ``valgrind``):
    each kind run eagerly, as in section 1, in processes of its own under
    ``valgrind --tool=callgrind``, with 50 and then 350 tasks; the difference of
-   the instruction counts per task. A count, the same from run to run.
+   the instruction counts per task. A count: it moves by a few percent at most
+   from run to run.
 
 celery-once and celery-singleton take their lock when the task is *sent*
 (``apply_async``) and free it when it ends, so part of their cost is paid by
@@ -878,8 +879,8 @@ def bench_instructions(url: str, lock_url: str, findings: Findings) -> None:
     print(
         "\n4. Client instructions per task: each kind run eagerly (producer and task in one"
         f" process) under valgrind --tool=callgrind, {low} and {high} tasks; the difference"
-        " per task. A count, not a timing: the same from run to run, whatever else the"
-        " machine does"
+        " per task. A count, not a timing: it moves by a few percent at most from run to"
+        " run, whatever else the machine does"
     )
     if shutil.which("valgrind") is None:
         print("   skipped: valgrind is not installed (Debian's valgrind package)")
