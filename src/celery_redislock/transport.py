@@ -551,8 +551,8 @@ class Router:
         # Weak: a router is cached per client (see router_for), and must not
         # keep it alive; whoever uses the router holds the client.
         self._client = weakref.ref(client)
-        self.cluster = isinstance(client, RedisCluster)
-        #: The one transport of a single server (looked up once: this is hot).
+        #: The one transport of a single server, ``None`` for a cluster (looked up
+        #: once: this is hot, and a check of the client's kind is slow).
         self.single = None if isinstance(client, RedisCluster) else transport_for(client)
 
     @property
@@ -574,11 +574,11 @@ class Router:
 
     def transports(self) -> list[Transport]:
         """Every primary's transport (one for a single server)."""
-        client = self.client
-        if isinstance(client, RedisCluster):
-            primaries = client.get_primaries()  # type: ignore[no-untyped-call]
-            return [transport_for(client.get_redis_connection(n)) for n in primaries]
-        return [transport_for(client)]
+        if self.single is not None:
+            return [self.single]
+        client = cast(RedisCluster, self.client)
+        primaries = client.get_primaries()  # type: ignore[no-untyped-call]
+        return [transport_for(client.get_redis_connection(n)) for n in primaries]
 
     def redirected(self, exc: BaseException) -> bool:
         """Learn from ``exc`` where keys live now; return whether a new try may help.
@@ -587,9 +587,9 @@ class Router:
         updates the slot map; a connection error or timeout (a primary died, a
         failover may be under way) refreshes it from the cluster.
         """
-        client = self.client
-        if not isinstance(client, RedisCluster):
+        if self.single is not None:
             return False
+        client = cast(RedisCluster, self.client)
         if isinstance(exc, MovedError):
             client.nodes_manager.move_slot(exc)
             return True
