@@ -27,7 +27,7 @@ from celery_redislock.deployments import (
     TLSServer,
     create_acl_user,
 )
-from celery_redislock.heartbeat import Heartbeat
+from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.lock import lock_keys, release_lease
 from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD
 from celery_redislock.server import RedisServer
@@ -442,6 +442,9 @@ def test_cluster_locks_keep_working_after_a_primary_fails(
         admin.close()
         for lock in (held, fresh, other):
             lock.release()
+        # The one that moved lanes with its slot is off the heartbeat too.
+        renewed = get_heartbeat().held()
+        assert not [lock for lock in (held, fresh, other) if lock in renewed]
     finally:
         client.close()
 

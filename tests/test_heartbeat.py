@@ -47,15 +47,31 @@ class LostCalls:
         self.locks.append(lock)
 
 
+class _CountingSocket:
+    """A connected socket whose writes are counted in ``sends[0]``."""
+
+    def __init__(self, sock: Any, sends: list[int]) -> None:
+        self._sock = sock
+        self._sends = sends
+
+    def sendall(self, data: bytes) -> None:
+        self._sends[0] += 1
+        self._sock.sendall(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
 def counting_client(server: RedisServer) -> tuple[redis.Redis, list[int]]:
-    """A client whose connections count the writes they make (one per round trip;
-    a pipeline writes all its commands at once)."""
+    """A client whose connections count the writes they make once connected (one
+    per round trip; a pipeline writes all its commands at once)."""
     sends = [0]
 
     class CountingConnection(redis.Connection):
-        def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-            sends[0] += 1
-            super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
+        def connect(self) -> None:
+            super().connect()  # type: ignore[no-untyped-call]
+            if not isinstance(self._sock, _CountingSocket):
+                self._sock = _CountingSocket(self._sock, sends)  # type: ignore[assignment]
 
     pool = redis.ConnectionPool(
         host=server.host, port=server.port, connection_class=CountingConnection
@@ -458,3 +474,49 @@ def test_flushed_script_is_sent_by_text_once_per_round(client: redis.Redis) -> N
     assert not any(lock.lost for lock in locks)
     for lock in locks:
         lock.release()
+
+
+def _detach_inherited(lock: RedisLock, conn: Connection) -> None:
+    lock.detach()
+    conn.send("detached")
+    conn.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork()")
+@pytest.mark.filterwarnings(FORK_WARNING)
+def test_lock_inherited_by_a_forked_child_leaves_the_parents_lane_alone(
+    client: redis.Redis,
+) -> None:
+    """A lock registered before a fork and dropped in the child does not touch the
+    lane it was registered on: that lane (its thread, its lock, here held by another
+    thread at the moment of the fork) is the parent's. The parent keeps renewing it."""
+    lock = RedisLock(client, "inherited", ttl=30)
+    assert lock.acquire()
+    lane = get_heartbeat()._lanes[lock.transport]
+    holding, done = threading.Event(), threading.Event()
+
+    def hold_lane() -> None:
+        with lane.lock:
+            holding.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold_lane)
+    holder.start()
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    process = ctx.Process(target=_detach_inherited, args=(lock, child_end))
+    try:
+        assert holding.wait(10)
+        process.start()
+        child_end.close()
+        assert parent_end.poll(30), "the child hung on the parent's lane"
+        assert parent_end.recv() == "detached"
+        process.join(30)
+        assert process.exitcode == 0
+    finally:
+        done.set()
+        holder.join(10)
+        if process.is_alive():
+            process.kill()
+    assert lock in get_heartbeat().held()
+    lock.release()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -140,13 +141,8 @@ def test_owed_replies_are_read_after_the_next_request_is_written(
     events: list[Any] = []
     transport.send_deferred([("INCR", "n")], Deadline.after(5), lambda r: events.append(r))
     (link,) = transport._idle
-    write = link.conn.send_packed_command
-
-    def recorded(*args: Any, **kwargs: Any) -> None:
-        events.append("written")
-        write(*args, **kwargs)
-
-    link.conn.send_packed_command = recorded
+    sock = link.conn._sock = _CountedSocket(link.conn._sock)
+    sock.on_write = lambda: events.append("written")
     assert transport.execute([("INCR", "n")], Deadline.after(5)) == [2]
     assert events == ["written", [1]]
     assert not transport.owes_replies()
@@ -170,15 +166,21 @@ def test_a_connection_closed_while_owing_replies_still_gives_them_and_retries(
 
 
 class _CountedSocket:
-    """A socket whose ``settimeout`` calls are counted (each one is a system call)."""
+    """A socket whose ``settimeout`` calls are counted (each one is a system call),
+    and that calls ``on_write`` before each write."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self.timeouts: list[float] = []
+        self.on_write: Callable[[], object] = lambda: None
 
     def settimeout(self, value: float) -> None:
         self.timeouts.append(value)
         self._sock.settimeout(value)
+
+    def sendall(self, data: bytes) -> None:
+        self.on_write()
+        self._sock.sendall(data)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)

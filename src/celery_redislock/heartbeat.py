@@ -128,6 +128,7 @@ class _Lane:
         # Entries whose lock was garbage-collected while registered, to log.
         self.collected: deque[_Entry] = deque()
         self._collect = self.collected.append
+        self.pid = _pid
 
     # Called from any thread.
     def register(self, lock: Renewable, due: float | None = None) -> None:
@@ -136,13 +137,21 @@ class _Lane:
         with self.lock:
             entry.due = self.clock() + lock.renew_interval if due is None else due
             self.entries[entry.ident] = entry
-            self._wake(entry.due)
+            # _wake()'s own test, first: usually nothing is to be done.
+            if self.thread is None or entry.due < self.wake_at:
+                self._wake(entry.due)
 
-    def unregister(self, lock: Renewable) -> None:
+    def unregister(self, lock: Renewable) -> bool:
+        """Stop renewing ``lock``; return whether it was registered here (``False``
+        in a forked child, whose lanes are its own)."""
+        if self.pid != _pid:
+            return False
         with self.lock:
             entry = self.entries.get(id(lock))
             if entry is not None and entry() is lock:
                 del self.entries[id(lock)]
+                return True
+        return False
 
     def add_pending(self, call: Call, until: float, what: str, quiet: bool) -> None:
         with self.cond:
@@ -150,6 +159,8 @@ class _Lane:
             self._wake(self.clock())
 
     def drain_later(self) -> None:
+        if self.pid != _pid:
+            return
         with self.lock:
             if self.drain_at is None:
                 self.drain_at = self.clock() + DRAIN_DELAY
@@ -399,10 +410,14 @@ class Heartbeat:
                 lane = self._lanes[transport] = _Lane(self, transport)
             return lane
 
-    def register(self, lock: Renewable) -> None:
-        """Start renewing ``lock`` every ``lock.renew_interval`` seconds."""
+    def register(self, lock: Renewable) -> _Lane:
+        """Start renewing ``lock`` every ``lock.renew_interval`` seconds; return its
+        lane, where the lock can unregister itself directly (see :meth:`_Lane.unregister`)."""
         self._stopping = False
-        self._lane(lock.transport).register(lock)
+        transport = lock.transport
+        lane = self._lanes.get(transport) or self._lane(transport)
+        lane.register(lock)
+        return lane
 
     def unregister(self, lock: Renewable) -> None:
         """Stop renewing ``lock`` (no-op if it is not registered)."""
@@ -451,6 +466,10 @@ class Heartbeat:
 
 
 _heartbeat: Heartbeat | None = None
+# This process's id: a lane of the parent's, reached in a forked child through a
+# lock that was registered before the fork, is left alone (its thread and its
+# lock state are the parent's).
+_pid = os.getpid()
 _heartbeat_guard = threading.Lock()
 
 
@@ -465,9 +484,10 @@ def get_heartbeat() -> Heartbeat:
 
 
 def _reset_after_fork() -> None:
-    global _heartbeat, _heartbeat_guard
+    global _heartbeat, _heartbeat_guard, _pid
     _heartbeat = None
     _heartbeat_guard = threading.Lock()
+    _pid = os.getpid()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

@@ -55,7 +55,8 @@ from celery_redislock.errors import (
     LockNotOwnedError,
     LockTimeoutError,
 )
-from celery_redislock.heartbeat import Heartbeat, get_heartbeat
+from celery_redislock.heartbeat import Heartbeat, _Lane, get_heartbeat
+from celery_redislock.ids import random_hex
 from celery_redislock.scripts import (
     ACQUIRE_SCRIPT,
     EXTEND_SCRIPT,
@@ -65,6 +66,7 @@ from celery_redislock.scripts import (
     OWNER_FIELD,
     RELEASE_LEASE_SCRIPT,
     RELEASE_SCRIPT,
+    REQUEST_ID_HEX,
     Acquired,
     AcquireReply,
     Call,
@@ -251,15 +253,15 @@ def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> LockKeys:
     """
     check_prefix(prefix)
     check_name(name)
-    return _keys(name, prefix)
+    return LockKeys(*_keys(name, prefix))
 
 
-def _keys(name: str, prefix: str) -> LockKeys:
+def _keys(name: str, prefix: str) -> tuple[str, str]:
     """:func:`lock_keys` of a name and prefix already checked."""
     if name.startswith(("}", "\\")):
         name = "\\" + name
     base = f"{prefix}:{{{name}}}"
-    return LockKeys(base, f"{base}:waiters")
+    return base, f"{base}:waiters"
 
 
 def name_from_key(key: str, prefix: str = DEFAULT_PREFIX) -> str:
@@ -454,6 +456,8 @@ class RedisLock:
         self._unconfirmed: float | None = None
         self._state = threading.Lock()
         self._heartbeat = beat
+        # The heartbeat lane renewing the current hold, if any.
+        self._lane: _Lane | None = None
         self._router = router_for(client)
 
     def __repr__(self) -> str:
@@ -541,11 +545,14 @@ class RedisLock:
         ends = None if timeout is None or not blocking else started + timeout
         # Every try of this call sends the same request id: a try that landed
         # although its reply was lost is recognised by the next one.
-        request = request_id()
+        request = random_hex(REQUEST_ID_HEX)
         self._unconfirmed = None
         acquired = False
         try:
-            acquired = self._try_acquire(self._call_deadline(ends), request)
+            deadline = (
+                Deadline(started + self.call_timeout) if ends is None else self._call_deadline(ends)
+            )
+            acquired = self._try_acquire(deadline, request)
             if not acquired and blocking and timeout != 0:
                 acquired = self._wait(ends, request)
             return acquired
@@ -581,8 +588,8 @@ class RedisLock:
         """
         call = Call(
             RELEASE_SCRIPT,
-            [self.key, self.queue_key],
-            [self.owner, self.wake_prefix, request_id(), self._free_ttl_ms(), ""],
+            (self.key, self.queue_key),
+            (self.owner, self.wake_prefix, random_hex(REQUEST_ID_HEX), self._free_ttl_ms(), ""),
         )
         if not wait:
             self._release_later(call, then)
@@ -618,11 +625,12 @@ class RedisLock:
             self._holds -= 1
             last = self._holds == 0
             until = self._expiry
-        beat = self._beat()
-        if last and self.heartbeat:
+        lane = self._lane
+        if last:
             # The count is 0 already: renewal stops now, whatever the send does.
-            beat.unregister(self)
-        transport = self.transport
+            self._stop_renewal()
+        router = self._router
+        transport = router.single or router.transport(self.key)
 
         def answered(result: list[Any] | RedisError) -> None:
             reply = result if isinstance(result, RedisError) else result[0]
@@ -659,12 +667,17 @@ class RedisLock:
         # request that meets NOSCRIPT would only be sent again.
         command = call.by_sha() if call.script.sha in transport.scripts else call.by_text()
         try:
-            transport.send_deferred([command], self._call_deadline(None), answered)
+            transport.send_deferred(
+                [command], Deadline(time.monotonic() + self.call_timeout), answered
+            )
         except RedisError as exc:
             with self._state:
                 self._holds += 1
             self._release_failed(call, exc)
-        beat.drain_later(transport)
+        if lane is not None and lane.transport is transport:
+            lane.drain_later()
+        else:
+            self._beat().drain_later(transport)
 
     def extend(self, ttl: float | None = None) -> None:
         """Reset the remaining TTL to ``ttl`` seconds (default: the lock's TTL).
@@ -756,21 +769,21 @@ class RedisLock:
         """
         call = Call(
             ACQUIRE_SCRIPT,
-            [self.key, self.queue_key],
-            [
+            (self.key, self.queue_key),
+            (
                 self.owner,
-                self.ttl_ms,
+                max(1, int(self.ttl * 1000)),
                 self.lease,
                 request,
                 waiter.id if waiter else "",
                 (self._position or "") if waiter else "",
                 *self._info,
-            ],
+            ),
         )
-        wait = self._replica_wait(deadline)
+        wait = self._replica_wait(deadline) if self.min_replicas else ()
         sent = time.monotonic()
         try:
-            raw = self._run(call, deadline, wait)
+            raw = send(self._router, self.key, call, deadline, wait)
             reply = AcquireReply.parse(raw[0] if wait else raw)
         except RedisError as exc:
             if isinstance(exc, _AMBIGUOUS) and self._unconfirmed is None:
@@ -797,13 +810,11 @@ class RedisLock:
         # A new hold (TAKEN) is registered even if this object still counted
         # holds from a lock it lost: losing it took it off the heartbeat.
         if self.heartbeat and (first or reply.outcome is Acquired.TAKEN):
-            self._beat().register(self)
+            self._lane = (self._heartbeat or get_heartbeat()).register(self)
         return True
 
     def _replica_wait(self, deadline: Deadline) -> list[tuple[Any, ...]]:
         """The ``WAIT`` that follows an acquire when replicas must confirm it."""
-        if not self.min_replicas:
-            return []
         seconds = min(self.replica_timeout, deadline.remaining() - MIN_CALL / 2)
         return [("WAIT", self.min_replicas, max(1, int(seconds * 1000)))]
 
@@ -957,9 +968,16 @@ class RedisLock:
         with self._state:
             was_held = self._holds > 0
             self._holds = 0
-        if self.heartbeat:
-            self._beat().unregister(self)
+        self._stop_renewal()
         return was_held
+
+    def _stop_renewal(self) -> None:
+        """Take the lock off the heartbeat (no-op if it is not on it)."""
+        lane, self._lane = self._lane, None
+        # Its lane first; the heartbeat finds it if the lock moved lanes (a cluster
+        # slot that moved to another primary) since it was registered.
+        if self.heartbeat and (lane is None or not lane.unregister(self)):
+            self._beat().unregister(self)
 
 
 def _text(value: bytes | str | None) -> str | None:

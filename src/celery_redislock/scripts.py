@@ -601,7 +601,17 @@ def send(
         transport = router.single or router.transport(key)
         try:
             if isinstance(call, Call):
-                replies = run_calls(transport, [call], deadline, then)
+                # run_calls() for one call, inline: this is every acquire's path.
+                script = call.script
+                replies = run(
+                    transport,
+                    [("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args), *then],
+                    deadline,
+                )
+                if isinstance(replies[0], NoScriptError):
+                    replies = run(transport, [call.by_text(), *then], deadline)
+                if not isinstance(replies[0], NoScriptError):
+                    transport.scripts.add(script.sha)
             else:
                 replies = run(transport, [call, *then], deadline)
             if isinstance(replies[0], Exception):

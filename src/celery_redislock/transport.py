@@ -170,8 +170,7 @@ class Transport:
         link = self._checkout(deadline, settle=False)
         healthy = False
         try:
-            link.bound(deadline, self)
-            link.conn.send_packed_command([pack(commands)], check_health=False)
+            link.write(pack(commands), deadline, self)
             self.sends += 1
             # Replies owed on the link come first; read after the write, they cost
             # nothing while the server works on it.
@@ -201,8 +200,7 @@ class Transport:
         """
         link = self._checkout(deadline)
         try:
-            link.bound(deadline, self)
-            link.conn.send_packed_command([pack(commands)], check_health=False)
+            link.write(pack(commands), deadline, self)
         except BaseException:
             link.close()
             raise
@@ -327,10 +325,10 @@ class _Incomplete(Exception):
 class _Link:
     """One connection of a transport, with the bytes read from it but not yet parsed.
 
-    The connection (a redis-py one: it connects, authenticates, selects the
-    database, speaks TLS) is only written to through redis-py; replies are read
-    from its socket here, with a small RESP2 parser for the few reply shapes the
-    engine's commands have, several times cheaper than the general one.
+    The connection is a redis-py one: it connects, authenticates, selects the
+    database and speaks TLS. Once connected, requests are written to its socket
+    and replies read from it here, with a small RESP2 parser for the few reply
+    shapes the engine's commands have, several times cheaper than the general one.
     """
 
     __slots__ = ("conn", "timeout", "unread")
@@ -360,6 +358,28 @@ class _Link:
         if not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining:
             self.timeout = max(0.001, remaining * (1 - TIMEOUT_SLACK / 2))
             sock.settimeout(self.timeout)
+
+    def write(self, data: bytes, deadline: Deadline, transport: Transport) -> None:
+        """Write ``data`` (whole requests) by ``deadline``.
+
+        Raises:
+            redis.ConnectionError, redis.TimeoutError: not all of it was written
+                (the connection is then closed).
+        """
+        # bound()'s test of the timeout kept, inline: this runs on every request.
+        remaining = deadline.at - time.monotonic()
+        if not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining:
+            self.bound(deadline, transport)
+        try:
+            self.conn._sock.sendall(data)
+        except TimeoutError:
+            self.close()
+            raise RedisTimeoutError(f"timed out writing to {transport.describe()}") from None
+        except (OSError, AttributeError) as exc:
+            self.close()
+            raise RedisConnectionError(
+                f"error while writing to {transport.describe()}: {exc}"
+            ) from None
 
     def close(self) -> None:
         self.unread = b""
@@ -399,7 +419,9 @@ class _Link:
 
     def _receive(self, deadline: Deadline, transport: Transport) -> None:
         try:
-            self.bound(deadline, transport)
+            remaining = deadline.at - time.monotonic()
+            if not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining:
+                self.bound(deadline, transport)
             data = self.conn._sock.recv(65536)
         except RedisError:
             self.close()
@@ -458,10 +480,19 @@ def _parse(data: bytes, at: int) -> tuple[Any, int]:
         size = int(line)
         if size < 0:
             return None, at
-        items = []
+        items: list[Any] = []
         for _item in range(size):
-            item, at = _parse(data, at)
-            items.append(item)
+            if at < len(data) and data[at] == 0x3A:
+                # An integer item, parsed here: most arrays the scripts return
+                # are of integers, and a call per item would double their cost.
+                end = data.find(b"\r\n", at)
+                if end < 0:
+                    raise _Incomplete
+                items.append(int(data[at + 1 : end]))
+                at = end + 2
+            else:
+                item, at = _parse(data, at)
+                items.append(item)
         return items, at
     if kind == 0x2B:  # '+' simple string
         return line, at
