@@ -14,7 +14,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-from celery_redislock.transport import Deadline, parse_replies, run, transport_for
+from celery_redislock.transport import Deadline, pack, parse_replies, run, transport_for
 from tests.support import wait_until
 
 
@@ -215,3 +215,27 @@ def test_a_kept_socket_timeout_still_bounds_a_stalled_read(
     transport.execute([("PING",)], Deadline.after(0.3))
     with pytest.raises(redis.TimeoutError):
         transport.execute([("BLPOP", "never-filled", 0)], Deadline.after(0.3))
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("SET", "key", "value", "PX", 60_000),
+        ("SET", "ключ", "värde", "PX", -1),
+        ("SET", b"\x00\xff", "v", 0),
+        ("EVALSHA", "a" * 40, 2, "k1", "k2", "", "x" * 300),
+    ],
+)
+def test_pack_encodes_as_redis_py_does(command: tuple[Any, ...]) -> None:
+    """Every argument kind the engine sends (ASCII and other text, bytes, integers)
+    is encoded as redis-py's own encoder encodes it."""
+    expected = b"".join(redis.Connection().pack_command(*command))  # type: ignore[no-untyped-call]
+    assert pack([command]) == expected
+    assert pack([command, command]) == expected * 2
+
+
+@pytest.mark.parametrize("value", [True, 1.5, None, object()])
+def test_pack_refuses_what_the_engine_never_sends(value: object) -> None:
+    """A bool, float, None or other object is a bug, not something to guess at."""
+    with pytest.raises(TypeError, match="cannot send"):
+        pack([("SET", "k", value)])

@@ -103,7 +103,13 @@ def lock_store(app: Any, url: str | None = None) -> Client:
     if url is not None:
         return get_client(url)
     known, settings = _resolved.get(app), _settings(app)
-    if known is not None and _same(known[0], settings):
+    # The very same values as when it was resolved (compared by identity).
+    if (
+        known is not None
+        and settings
+        and len(known[0]) == len(settings)
+        and all(map(operator.is_, known[0], settings))
+    ):
         return known[1]
     client = _resolve(app)
     # Read after resolving, which may have loaded the app's configuration (it
@@ -119,11 +125,6 @@ def _settings(app: Any) -> tuple[Any, ...]:
     if not isinstance(changes, dict):
         return ()
     return tuple(map(changes.get, _STORE_SETTINGS))
-
-
-def _same(before: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
-    """Whether two readings of the store settings are the very same values."""
-    return bool(now) and len(before) == len(now) and all(map(operator.is_, before, now))
 
 
 def _resolve(app: Any) -> Client:

@@ -812,7 +812,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         task_id = request.id or uuid()
         key = self.lock_name(args, kwargs)
-        opts = self.options_for_call(_sent_overrides(request))
+        overrides = _sent_overrides(request)
+        opts = self.options_for_call(overrides) if overrides else self.lock_options
         if opts.strategy == UNTIL_EXECUTING:
             try:
                 release_lease(self.lock_client, key, task_id, opts.prefix)
@@ -858,14 +859,15 @@ class SingletonTask(Task):  # type: ignore[misc]
                     return outcome
             request.redislock = LockHandle(key, lock, opts)
             taken = time.monotonic()
-            _send(
-                signals.lock_acquired,
-                self,
-                key,
-                task_id=task_id,
-                token=lock.token,
-                waited=taken - asked,
-            )
+            if signals.lock_acquired.receivers:
+                _send(
+                    signals.lock_acquired,
+                    self,
+                    key,
+                    task_id=task_id,
+                    token=lock.token,
+                    waited=taken - asked,
+                )
             return self.run(*args, **kwargs)
         except Retry:
             # The queued retry (same task id) may already have taken the lock over.
@@ -876,7 +878,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             keep = opts.strategy == UNTIL_EXECUTED and bool(exc.requeue)
             raise
         finally:
-            if lock.holding:
+            if lock._holds:
                 if keep:
                     lock.detach()
                 else:
@@ -911,7 +913,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                     self.name,
                     lock.lease,
                 )
-            report("failed" if outcome == "retrying" else outcome)
+            if signals.lock_released.receivers:
+                report("failed" if outcome == "retrying" else outcome)
 
         try:
             lock.release(wait=False, then=answered)

@@ -507,8 +507,26 @@ def pack(commands: Sequence[Sequence[Any]]) -> bytes:
 
     The engine's arguments are only ``str``, ``bytes`` and ``int``; encoding them
     here is several times cheaper than the general-purpose encoder of redis-py,
-    and this runs on every request.
+    and this runs on every request. The usual request, all ASCII text and
+    integers, is built as text and encoded once.
     """
+    text: list[str] = []
+    for command in commands:
+        text.append(f"*{len(command)}\r\n")
+        for arg in command:
+            kind = type(arg)
+            if kind is str and arg.isascii():
+                text.append(f"${len(arg)}\r\n{arg}\r\n")
+            elif kind is int:
+                digits = int.__repr__(arg)
+                text.append(f"${len(digits)}\r\n{digits}\r\n")
+            else:
+                return _pack_any(commands)
+    return "".join(text).encode()
+
+
+def _pack_any(commands: Sequence[Sequence[Any]]) -> bytes:
+    """:func:`pack` for arguments of any type it accepts."""
     parts = []
     for command in commands:
         parts.append(b"*%d\r\n" % len(command))
