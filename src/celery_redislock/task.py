@@ -878,7 +878,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             keep = opts.strategy == UNTIL_EXECUTED and bool(exc.requeue)
             raise
         finally:
-            if lock._holds:
+            if lock.holding:
                 if keep:
                     lock.detach()
                 else:
