@@ -170,7 +170,7 @@ class Transport:
         link = self._checkout(deadline, settle=False)
         healthy = False
         try:
-            link.write(pack(commands), deadline, self)
+            link.io("sendall", pack(commands), deadline, self)
             self.sends += 1
             # Replies owed on the link come first; read after the write, they cost
             # nothing while the server works on it.
@@ -200,7 +200,7 @@ class Transport:
         """
         link = self._checkout(deadline)
         try:
-            link.write(pack(commands), deadline, self)
+            link.io("sendall", pack(commands), deadline, self)
         except BaseException:
             link.close()
             raise
@@ -318,6 +318,10 @@ class Transport:
             _hand_over(handler, error)
 
 
+#: What each socket operation of :meth:`_Link.io` does, for its error messages.
+_DOING = {"sendall": "writing to", "recv": "reading from"}
+
+
 class _Incomplete(Exception):
     """The bytes read so far end inside a reply."""
 
@@ -359,26 +363,30 @@ class _Link:
             self.timeout = max(0.001, remaining * (1 - TIMEOUT_SLACK / 2))
             sock.settimeout(self.timeout)
 
-    def write(self, data: bytes, deadline: Deadline, transport: Transport) -> None:
-        """Write ``data`` (whole requests) by ``deadline``.
+    def io(self, method: str, argument: Any, deadline: Deadline, transport: Transport) -> Any:
+        """Call the socket's ``method`` with ``argument``, by ``deadline``:
+        ``"sendall"`` with whole requests, or ``"recv"`` with the most bytes to take.
 
         Raises:
-            redis.ConnectionError, redis.TimeoutError: not all of it was written
-                (the connection is then closed).
+            redis.ConnectionError, redis.TimeoutError: it failed or ran out of
+                time (the connection is then closed).
         """
-        # bound()'s test of the timeout kept, inline: this runs on every request.
-        remaining = deadline.at - time.monotonic()
-        if not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining:
-            self.bound(deadline, transport)
         try:
-            self.conn._sock.sendall(data)
+            # bound()'s test of the timeout kept, inline: this runs on every request.
+            remaining = deadline.at - time.monotonic()
+            if not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining:
+                self.bound(deadline, transport)
+            return getattr(self.conn._sock, method)(argument)
+        except RedisError:
+            self.close()
+            raise
         except TimeoutError:
             self.close()
-            raise RedisTimeoutError(f"timed out writing to {transport.describe()}") from None
+            raise RedisTimeoutError(f"timed out {_DOING[method]} {transport.describe()}") from None
         except (OSError, AttributeError) as exc:
             self.close()
             raise RedisConnectionError(
-                f"error while writing to {transport.describe()}: {exc}"
+                f"error while {_DOING[method]} {transport.describe()}: {exc}"
             ) from None
 
     def close(self) -> None:
@@ -411,33 +419,13 @@ class _Link:
                         raise reply
                     replies.append(reply)
                     continue
-            self.unread = data[at:]
-            self._receive(deadline, transport)
-            data, at = self.unread, 0
+            received = self.io("recv", 65536, deadline, transport)
+            if not received:
+                self.close()
+                raise RedisConnectionError(f"{transport.describe()} closed the connection")
+            data, at = data[at:] + received, 0
         self.unread = data[at:]
         return replies
-
-    def _receive(self, deadline: Deadline, transport: Transport) -> None:
-        try:
-            remaining = deadline.at - time.monotonic()
-            if not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining:
-                self.bound(deadline, transport)
-            data = self.conn._sock.recv(65536)
-        except RedisError:
-            self.close()
-            raise
-        except TimeoutError:
-            self.close()
-            raise RedisTimeoutError(f"no reply from {transport.describe()} in time") from None
-        except (OSError, AttributeError) as exc:
-            self.close()
-            raise RedisConnectionError(
-                f"error while reading from {transport.describe()}: {exc}"
-            ) from None
-        if not data:
-            self.close()
-            raise RedisConnectionError(f"{transport.describe()} closed the connection")
-        self.unread += data
 
 
 def parse_replies(data: bytes) -> tuple[list[Any], bytes]:
