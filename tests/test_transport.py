@@ -13,6 +13,7 @@ import pytest
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_redislock.transport import Deadline, pack, parse_replies, run, transport_for
 from tests.support import wait_until
@@ -114,6 +115,38 @@ def test_a_reply_cut_short_is_a_connection_error() -> None:
     thread.join(5)
     listener.close()
     client.close()
+
+
+def test_a_write_the_server_does_not_take_is_bounded_by_the_deadline() -> None:
+    """A request the server stops reading (a stalled server, full buffers) gives
+    up by its deadline with a timeout, and its connection is closed, not reused."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = redis.Redis(host="127.0.0.1", port=port, protocol=2)
+    transport = transport_for(client)
+    done = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while True:
+                data = conn.recv(65536)
+                if not data or b"stalled" in data:
+                    break
+                conn.sendall(b"+OK\r\n" * data.count(b"*"))
+            done.wait(30)  # reads nothing more
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(RedisTimeoutError, match="timed out writing to"):
+            transport.execute([("SET", "stalled", "x" * 64_000_000)], Deadline.after(0.5))
+        assert transport._idle == []
+    finally:
+        done.set()
+        thread.join(5)
+        listener.close()
+        client.close()
 
 
 def test_parse_replies_keeps_the_start_of_an_unfinished_reply() -> None:
