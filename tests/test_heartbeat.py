@@ -520,3 +520,40 @@ def test_lock_inherited_by_a_forked_child_leaves_the_parents_lane_alone(
             process.kill()
     assert lock in get_heartbeat().held()
     lock.release()
+
+
+def _release_inherited(lock: RedisLock, conn: Connection) -> None:
+    outcomes: list[str] = []
+    lock.release(wait=False, then=outcomes.append)
+    deadline = time.monotonic() + 20
+    while not outcomes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    conn.send(outcomes)
+    conn.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork()")
+@pytest.mark.filterwarnings(FORK_WARNING)
+def test_release_without_waiting_in_a_forked_child_still_reads_its_answer(
+    client: redis.Redis,
+) -> None:
+    """A lock taken before a fork and released without waiting in the child: the
+    child's own heartbeat reads the answer (the parent's lane is not the child's),
+    so the outcome is still reported."""
+    lock = RedisLock(client, "inherited-release", ttl=30)
+    assert lock.acquire()
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    process = ctx.Process(target=_release_inherited, args=(lock, child_end))
+    try:
+        process.start()
+        child_end.close()
+        assert parent_end.poll(30), "the child did not report"
+        assert parent_end.recv() == ["released"]
+        process.join(30)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
+    assert not held(client, lock.key)
+    lock.detach()

@@ -158,13 +158,16 @@ class _Lane:
             self.pending.append(_Pending(call, until, what, self.clock(), quiet))
             self._wake(self.clock())
 
-    def drain_later(self) -> None:
+    def drain_later(self) -> bool:
+        """Have the owed replies read soon; ``False`` (nothing done) in a forked
+        child, whose lanes are its own."""
         if self.pid != _pid:
-            return
+            return False
         with self.lock:
             if self.drain_at is None:
                 self.drain_at = self.clock() + DRAIN_DELAY
                 self._wake(self.drain_at)
+        return True
 
     def locks(self) -> list[Renewable]:
         with self.cond:

@@ -674,9 +674,7 @@ class RedisLock:
             with self._state:
                 self._holds += 1
             self._release_failed(call, exc)
-        if lane is not None and lane.transport is transport:
-            lane.drain_later()
-        else:
+        if lane is None or lane.transport is not transport or not lane.drain_later():
             self._beat().drain_later(transport)
 
     def extend(self, ttl: float | None = None) -> None:
