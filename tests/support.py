@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import threading
 import time
 import warnings
@@ -155,3 +156,25 @@ def client_left_clean(server: Any, queues_too: bool = False) -> Iterator[redis.R
             lambda: not waiter_queues(client), timeout=10, what="waiters to leave their queues"
         )
     client.close()
+
+
+def in_forked_child(target: Callable[..., None], *args: Any) -> Any:
+    """Run ``target(*args, conn)`` in a forked child; return what it sends on ``conn``.
+
+    A child that sends nothing within 30 s (it hung) or exits with an error fails
+    the test; one still running afterwards is killed.
+    """
+    ctx = multiprocessing.get_context("fork")
+    receiver, sender = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=target, args=(*args, sender))
+    try:
+        process.start()
+        sender.close()
+        assert receiver.poll(30), "the child did not report (it hung?)"
+        report = receiver.recv()
+        process.join(30)
+        assert process.exitcode == 0
+        return report
+    finally:
+        if process.is_alive():
+            process.kill()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import threading
 from multiprocessing.connection import Connection
@@ -13,6 +12,7 @@ import redis
 
 from celery_redislock import client as client_module
 from celery_redislock.client import as_client, get_client
+from tests.support import in_forked_child
 
 #: Forking a process that runs threads warns on Python >= 3.12; the tests below
 #: fork on purpose, to check what a prefork child sees.
@@ -99,15 +99,7 @@ def test_cache_is_emptied_in_a_forked_child(redislock_url: str) -> None:
     """A forked child starts with no cached clients and opens its own connection."""
     parent = get_client(redislock_url)
     assert parent.ping()
-    ctx = multiprocessing.get_context("fork")
-    receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_child_report, args=(redislock_url, id(parent), sender))
-    process.start()
-    sender.close()
-    assert receiver.poll(30), "the child did not report"
-    report = receiver.recv()
-    process.join(30)
-    assert process.exitcode == 0
+    report = in_forked_child(_child_report, redislock_url, id(parent))
     assert report == {"inherited": 0, "fresh_is_parent": False, "ping": True}
     # The parent's cache is untouched.
     assert get_client(redislock_url) is parent

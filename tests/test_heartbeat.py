@@ -20,7 +20,7 @@ from celery_redislock import client as client_module
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.scripts import EXTEND, OWNER_FIELD
 from celery_redislock.server import RedisServer
-from tests.support import held, wait_until
+from tests.support import held, in_forked_child, wait_until
 
 #: Forking a process that runs threads warns on Python >= 3.12; the fork test
 #: below does it on purpose, as Celery's prefork pool does.
@@ -502,22 +502,12 @@ def test_lock_inherited_by_a_forked_child_leaves_the_parents_lane_alone(
 
     holder = threading.Thread(target=hold_lane)
     holder.start()
-    ctx = multiprocessing.get_context("fork")
-    parent_end, child_end = ctx.Pipe()
-    process = ctx.Process(target=_detach_inherited, args=(lock, child_end))
     try:
         assert holding.wait(10)
-        process.start()
-        child_end.close()
-        assert parent_end.poll(30), "the child hung on the parent's lane"
-        assert parent_end.recv() == "detached"
-        process.join(30)
-        assert process.exitcode == 0
+        assert in_forked_child(_detach_inherited, lock) == "detached"
     finally:
         done.set()
         holder.join(10)
-        if process.is_alive():
-            process.kill()
     assert lock in get_heartbeat().held()
     lock.release()
 
@@ -542,18 +532,6 @@ def test_release_without_waiting_in_a_forked_child_still_reads_its_answer(
     so the outcome is still reported."""
     lock = RedisLock(client, "inherited-release", ttl=30)
     assert lock.acquire()
-    ctx = multiprocessing.get_context("fork")
-    parent_end, child_end = ctx.Pipe()
-    process = ctx.Process(target=_release_inherited, args=(lock, child_end))
-    try:
-        process.start()
-        child_end.close()
-        assert parent_end.poll(30), "the child did not report"
-        assert parent_end.recv() == ["released"]
-        process.join(30)
-        assert process.exitcode == 0
-    finally:
-        if process.is_alive():
-            process.kill()
+    assert in_forked_child(_release_inherited, lock) == ["released"]
     assert not held(client, lock.key)
     lock.detach()

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -15,7 +16,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_redislock.transport import Deadline, pack, parse_replies, run, transport_for
+from celery_redislock.transport import (
+    Deadline,
+    Transport,
+    pack,
+    parse_replies,
+    run,
+    transport_for,
+)
 from tests.support import wait_until
 
 
@@ -89,64 +97,56 @@ def test_replies_larger_than_one_read(redislock_client: redis.Redis) -> None:
     assert replies[2:] == [big] * 3
 
 
-def test_a_reply_cut_short_is_a_connection_error() -> None:
-    """A server that closes the connection in the middle of a reply gives a
-    connection error (the request may be retried), not a hang or a wrong value."""
+@contextmanager
+def fake_server(marker: bytes, then: Callable[[socket.socket], object]) -> Iterator[Transport]:
+    """A transport to a fake server on a free port: it answers the connection's
+    handshake (``CLIENT SETINFO ...``) with OK to each command until a read holds
+    ``marker``, then calls ``then`` with the connection and closes it."""
     listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    client = redis.Redis(host="127.0.0.1", port=port, protocol=2)
-    transport = transport_for(client)
+    client = redis.Redis(host="127.0.0.1", port=listener.getsockname()[1], protocol=2)
 
     def serve() -> None:
         conn, _ = listener.accept()
         with conn:
             while True:
                 data = conn.recv(65536)
-                if not data or b"GET" in data:
+                if not data or marker in data:
                     break
-                # The connection's handshake (CLIENT SETINFO ...): OK to each command.
                 conn.sendall(b"+OK\r\n" * data.count(b"*"))
-            conn.sendall(b"$10\r\nhalf")
+            then(conn)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    with pytest.raises(RedisConnectionError, match="closed the connection"):
+    try:
+        yield transport_for(client)
+    finally:
+        thread.join(5)
+        listener.close()
+        client.close()
+
+
+def test_a_reply_cut_short_is_a_connection_error() -> None:
+    """A server that closes the connection in the middle of a reply gives a
+    connection error (the request may be retried), not a hang or a wrong value."""
+    with (
+        fake_server(b"GET", lambda conn: conn.sendall(b"$10\r\nhalf")) as transport,
+        pytest.raises(RedisConnectionError, match="closed the connection"),
+    ):
         transport.execute([("GET", "k")], Deadline.after(5))
-    thread.join(5)
-    listener.close()
-    client.close()
 
 
 def test_a_write_the_server_does_not_take_is_bounded_by_the_deadline() -> None:
     """A request the server stops reading (a stalled server, full buffers) gives
     up by its deadline with a timeout, and its connection is closed, not reused."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    client = redis.Redis(host="127.0.0.1", port=port, protocol=2)
-    transport = transport_for(client)
     done = threading.Event()
-
-    def serve() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            while True:
-                data = conn.recv(65536)
-                if not data or b"stalled" in data:
-                    break
-                conn.sendall(b"+OK\r\n" * data.count(b"*"))
-            done.wait(30)  # reads nothing more
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        with pytest.raises(RedisTimeoutError, match="timed out writing to"):
-            transport.execute([("SET", "stalled", "x" * 64_000_000)], Deadline.after(0.5))
-        assert transport._idle == []
-    finally:
-        done.set()
-        thread.join(5)
-        listener.close()
-        client.close()
+    # The server reads nothing more until the test is over.
+    with fake_server(b"stalled", lambda conn: done.wait(30)) as transport:
+        try:
+            with pytest.raises(RedisTimeoutError, match="timed out writing to"):
+                transport.execute([("SET", "stalled", "x" * 64_000_000)], Deadline.after(0.5))
+            assert transport._idle == []
+        finally:
+            done.set()
 
 
 def test_parse_replies_keeps_the_start_of_an_unfinished_reply() -> None:
