@@ -621,7 +621,7 @@ def hold_many(client: redis.Redis, count: int, task_like: bool, heartbeat: bool)
     ``task_like`` names them like a ``SingletonTask`` (``<task name>:<32 hex>``),
     with a task id as lease, ``<task id>:<16 hex>`` as owner and, where the engine
     stores one, a holder description like a running task's; otherwise the name is
-    short and the owner is the engine's default (128 random bits, 22 characters).
+    short and the owner is the engine's default (72 random bits, 12 characters).
     """
     # What a running SingletonTask stores about itself, where the engine takes it.
     extra: dict[str, Any] = {}

@@ -34,6 +34,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from celery_redislock.ids import request_id
 from celery_redislock.lock import (
     DEFAULT_PREFIX,
     FENCE_TTL_MS,
@@ -47,7 +48,6 @@ from celery_redislock.scripts import (
     FORCE_RELEASE_SCRIPT,
     HOLDER_FIELDS,
     Call,
-    request_id,
     send,
 )
 from celery_redislock.store import describe_store, lock_store

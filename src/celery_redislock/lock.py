@@ -37,7 +37,6 @@ or not the heartbeat has run since.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -56,7 +55,7 @@ from celery_redislock.errors import (
     LockTimeoutError,
 )
 from celery_redislock.heartbeat import Heartbeat, _Lane, get_heartbeat
-from celery_redislock.ids import random_hex
+from celery_redislock.ids import owner_token, request_id
 from celery_redislock.scripts import (
     ACQUIRE_SCRIPT,
     EXTEND_SCRIPT,
@@ -66,12 +65,10 @@ from celery_redislock.scripts import (
     OWNER_FIELD,
     RELEASE_LEASE_SCRIPT,
     RELEASE_SCRIPT,
-    REQUEST_ID_HEX,
     Acquired,
     AcquireReply,
     Call,
     Released,
-    request_id,
     send,
 )
 from celery_redislock.transport import (
@@ -281,7 +278,7 @@ class RedisLock:
         name: the lock's name; every holder of the same name excludes the others.
         ttl: seconds the lock lives without renewal. Mandatory and > 0; a crashed
             holder's lock frees itself after at most this long.
-        owner: the owner token. Default: 128 random bits. Two ``RedisLock``
+        owner: the owner token. Default: 72 random bits in 12 characters. Two ``RedisLock``
             objects with the same owner are the same holder (re-entrant).
         lease: an optional lease id (a Celery task id). A new owner of the same
             lease takes the lock over instead of waiting, with a new fencing
@@ -436,8 +433,8 @@ class RedisLock:
         self.prefix = prefix
         self.key, self.queue_key = _keys(name, prefix)
         self.wake_prefix = wake_channel_prefix(prefix)
-        #: The owner token (128 random bits in 22 characters unless given).
-        self.owner = owner or secrets.token_urlsafe(16)
+        #: The owner token (:func:`~celery_redislock.ids.owner_token` unless given).
+        self.owner = owner or owner_token()
         self.lease = lease or ""
         self.heartbeat = heartbeat
         self.on_lost = on_lost
@@ -545,7 +542,7 @@ class RedisLock:
         ends = None if timeout is None or not blocking else started + timeout
         # Every try of this call sends the same request id: a try that landed
         # although its reply was lost is recognised by the next one.
-        request = random_hex(REQUEST_ID_HEX)
+        request = request_id()
         self._unconfirmed = None
         acquired = False
         try:
@@ -589,7 +586,7 @@ class RedisLock:
         call = Call(
             RELEASE_SCRIPT,
             (self.key, self.queue_key),
-            (self.owner, self.wake_prefix, random_hex(REQUEST_ID_HEX), self._free_ttl_ms(), ""),
+            (self.owner, self.wake_prefix, request_id(), self._free_ttl_ms(), ""),
         )
         if not wait:
             self._release_later(call, then)

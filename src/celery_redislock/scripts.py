@@ -78,7 +78,7 @@ from typing import Any, NamedTuple
 
 from redis.exceptions import NoScriptError, RedisError
 
-from celery_redislock.ids import random_hex
+from celery_redislock.ids import REQUEST_ID_DIGITS
 from celery_redislock.transport import ATTEMPTS, Deadline, Router, Transport, run
 
 #: Highest TTL a script accepts, in ms (about 10 years; see ``lock.MAX_SECONDS``).
@@ -127,9 +127,6 @@ FIELDS: Mapping[str, str] = MappingProxyType(
     }
 )
 
-#: Request ids are this many hex digits.
-REQUEST_ID_HEX = 10
-
 #: How long, in ms, a lock freed with waiters queued is kept for the (at most two)
 #: waiters it woke: a newcomer, or the releaser coming back, queues behind them
 #: instead of taking it first. Long enough for a woken waiter to ask; short enough
@@ -155,7 +152,7 @@ def _lua(text: str) -> str:
         HOLDER=holder,
         RESERVE_MS=RESERVE_MS,
         SPARE=f"'{SPARE_MARK}'",
-        RELEASE_HISTORY=RELEASES_REMEMBERED * (REQUEST_ID_HEX + 1) - 1,
+        RELEASE_HISTORY=RELEASES_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
     )
 
 
@@ -497,11 +494,6 @@ return free(lock)
 LEAVE = """
 return redis.call('ZREM', KEYS[1], ARGV[1])
 """
-
-
-def request_id() -> str:
-    """A fresh id for one state-changing request (sent again as is on a retry)."""
-    return random_hex(REQUEST_ID_HEX)
 
 
 class Script:
