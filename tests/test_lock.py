@@ -205,6 +205,27 @@ def test_held_plain_lock_stores_three_fields(client: redis.Redis) -> None:
         assert lock.holder_lease() is None
 
 
+def test_held_plain_lock_hash_is_smaller_than_with_wider_ids(client: redis.Redis) -> None:
+    """The owner token (12 characters) and the request id (a number the server keeps
+    as an integer) keep a held lock's hash in a smaller allocation than the same
+    fields with a 22-character owner token and a 10-hex-digit request id."""
+    lock = RedisLock(client, "small-hash", ttl=30)
+    assert lock.acquire(blocking=False)
+    fields = stored(client, lock)
+    wider = {
+        OWNER_FIELD: "o" * 22,
+        FENCE_FIELD: fields[FENCE_FIELD],
+        REQUEST_FIELD: "a" * REQUEST_ID_DIGITS,
+    }
+    other = lock.key[:-2] + "X}"  # a key name of the same length
+    client.hset(other, mapping=wider)
+    try:
+        assert client.memory_usage(lock.key, samples=0) < client.memory_usage(other, samples=0)
+    finally:
+        client.delete(other)
+        lock.release()
+
+
 def _server_counters(client: redis.Redis) -> tuple[int, int]:
     """(socket reads the server processed, EVALSHA calls) so far; the INFO calls
     that read them cost one read each."""
