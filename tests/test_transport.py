@@ -257,6 +257,9 @@ def test_a_kept_socket_timeout_still_bounds_a_stalled_read(
         ("SET", "ключ", "värde", "PX", -1),
         ("SET", b"\x00\xff", "v", 0),
         ("EVALSHA", "a" * 40, 2, "k1", "k2", "", "x" * 300),
+        ("SET", "k", "x" * 1023),
+        ("SET", "k", "x" * 5000),
+        ("RPUSH", "k", *range(70)),
     ],
 )
 def test_pack_encodes_as_redis_py_does(command: tuple[Any, ...]) -> None:

@@ -490,27 +490,40 @@ def _parse(data: bytes, at: int) -> tuple[Any, int]:
     raise RedisConnectionError(f"protocol error: unexpected reply {data[start:end]!r}")
 
 
+#: The RESP header of every argument and array length :func:`pack` uses ready-made
+#: (``"$12"``, ``"*5"``): one lookup instead of formatting a number each time.
+_LENGTHS = tuple(f"${n}" for n in range(1024))
+_ARRAYS = tuple(f"*{n}" for n in range(64))
+
+
 def pack(commands: Sequence[Sequence[Any]]) -> bytes:
     """The RESP encoding of ``commands``, for one write.
 
     The engine's arguments are only ``str``, ``bytes`` and ``int``; encoding them
     here is several times cheaper than the general-purpose encoder of redis-py,
-    and this runs on every request. The usual request, all ASCII text and
-    integers, is built as text and encoded once.
+    and this runs on every request. The usual request (ASCII text and integers,
+    fewer than 64 arguments of fewer than 1,024 characters each) is built as
+    text, its headers and arguments joined by ``CRLF``, and encoded once;
+    anything else takes the general encoder.
     """
-    text: list[str] = []
-    for command in commands:
-        text.append(f"*{len(command)}\r\n")
-        for arg in command:
-            kind = type(arg)
-            if kind is str and arg.isascii():
-                text.append(f"${len(arg)}\r\n{arg}\r\n")
-            elif kind is int:
-                digits = int.__repr__(arg)
-                text.append(f"${len(digits)}\r\n{digits}\r\n")
-            else:
-                return _pack_any(commands)
-    return "".join(text).encode()
+    parts: list[str] = []
+    append = parts.append
+    try:
+        for command in commands:
+            append(_ARRAYS[len(command)])
+            for arg in command:
+                kind = type(arg)
+                if kind is not str:
+                    if kind is not int:
+                        return _pack_any(commands)
+                    arg = int.__repr__(arg)
+                append(_LENGTHS[len(arg)])
+                append(arg)
+    except IndexError:  # a longer argument, or more of them, than the tables hold
+        return _pack_any(commands)
+    append("")
+    text = "\r\n".join(parts)
+    return text.encode() if text.isascii() else _pack_any(commands)
 
 
 def _pack_any(commands: Sequence[Sequence[Any]]) -> bytes:
