@@ -626,8 +626,7 @@ class RedisLock:
         if last:
             # The count is 0 already: renewal stops now, whatever the send does.
             self._stop_renewal()
-        router = self._router
-        transport = router.single or router.transport(self.key)
+        transport = self.transport
 
         def answered(result: list[Any] | RedisError) -> None:
             reply = result if isinstance(result, RedisError) else result[0]

@@ -594,16 +594,11 @@ def send(
         try:
             if isinstance(call, Call):
                 # run_calls() for one call, inline: this is every acquire's path.
-                script = call.script
-                replies = run(
-                    transport,
-                    [("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args), *then],
-                    deadline,
-                )
+                replies = run(transport, [call.by_sha(), *then], deadline)
                 if isinstance(replies[0], NoScriptError):
                     replies = run(transport, [call.by_text(), *then], deadline)
                 if not isinstance(replies[0], NoScriptError):
-                    transport.scripts.add(script.sha)
+                    transport.scripts.add(call.script.sha)
             else:
                 replies = run(transport, [call, *then], deadline)
             if isinstance(replies[0], Exception):

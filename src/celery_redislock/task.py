@@ -812,8 +812,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         task_id = request.id or uuid()
         key = self.lock_name(args, kwargs)
-        overrides = _sent_overrides(request)
-        opts = self.options_for_call(overrides) if overrides else self.lock_options
+        opts = self.options_for_call(_sent_overrides(request))
         if opts.strategy == UNTIL_EXECUTING:
             try:
                 release_lease(self.lock_client, key, task_id, opts.prefix)
