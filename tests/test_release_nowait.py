@@ -62,6 +62,53 @@ def test_releases_go_by_digest_once_the_server_has_the_script(
     client.close()
 
 
+def test_steady_releases_are_read_by_the_next_requests(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """Releases that keep coming (a worker's, lock after lock) are read by the next
+    request on the connection: the heartbeat thread reads none of them itself and
+    is not woken for them, and it stops looking once they stop coming."""
+    client = redislock_server_factory().client()
+    transport = transport_for(client)
+    outcomes: list[str] = []
+    first = RedisLock(client, "steady:first", ttl=30)
+    assert first.acquire(blocking=False)
+    first.release(wait=False, then=outcomes.append)
+    lane = get_heartbeat()._lanes[transport]
+    notified, drained = lane.notified, lane.drained
+    for index in range(300):
+        lock = RedisLock(client, f"steady:{index}", ttl=30)
+        assert lock.acquire(blocking=False)
+        lock.release(wait=False, then=outcomes.append)
+    wait_for(lambda: len(outcomes) == 301, what="every release's answer")
+    assert set(outcomes) == {"released"}
+    # A stall of a whole DRAIN_DELAY on a busy machine may cost one early wake-up
+    # or one read each; one per request would be hundreds.
+    assert lane.notified - notified <= 3
+    assert lane.drained - drained <= 3
+    wait_for(lambda: lane.drain_at is None, what="the thread to stop looking")
+    client.close()
+
+
+def test_a_lone_release_is_read_by_the_heartbeat(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """A release with no request after it is read by the heartbeat thread, and its
+    outcome handed over."""
+    client = redislock_server_factory().client()
+    transport = transport_for(client)
+    lock = RedisLock(client, "lone", ttl=30)
+    outcomes: list[str] = []
+    assert lock.acquire(blocking=False)
+    lane = get_heartbeat()._lanes[transport]
+    drained = lane.drained
+    lock.release(wait=False, then=outcomes.append)
+    wait_for(lambda: outcomes == ["released"], what="the release's answer")
+    assert not transport.owes_replies()
+    assert lane.drained == drained + 1
+    client.close()
+
+
 @pytest.mark.slow
 def test_lock_is_free_once_the_result_is_seen(redislock_server: RedisServer) -> None:
     """With a real worker, a client that sees a task's result finds its key free at once,

@@ -52,8 +52,9 @@ MIN_ROUND_TRIP = 0.05
 #: Pause between retries of a failed renewal, at most (seconds).
 RENEW_RETRY = 0.5
 
-#: How long a reply owed on an idle connection may wait for the connection's next
-#: request before the lane reads it itself, in seconds.
+#: How long a reply owed on an idle connection waits for the connection's next
+#: request before the lane reads it itself, in seconds: at least this long, at
+#: most twice (see :meth:`_Lane.drain_later`).
 DRAIN_DELAY = 0.05
 
 
@@ -120,8 +121,16 @@ class _Lane:
         self.cond = threading.Condition(self.lock)
         self.entries: dict[int, _Entry] = {}
         self.pending: list[_Pending] = []
-        # When to read the replies owed on idle connections (None: nothing owed).
+        # When to look for replies owed on idle connections (None: nothing owed),
+        # which requests' replies to read then (those up to this value of the
+        # transport's ``sends``), and whether a reply was deferred since the last look.
         self.drain_at: float | None = None
+        self.drain_mark = 0
+        self.deferred = False
+        #: Times a caller woke the sleeping thread early, and connections whose owed
+        #: replies the thread read itself (for tests and benchmarks).
+        self.notified = 0
+        self.drained = 0
         self.thread: threading.Thread | None = None
         # When the sleeping thread wakes by itself (-inf while it is awake).
         self.wake_at = -math.inf
@@ -160,12 +169,23 @@ class _Lane:
 
     def drain_later(self) -> bool:
         """Have the owed replies read soon; ``False`` (nothing done) in a forked
-        child, whose lanes are its own."""
+        child, whose lanes are its own.
+
+        The first call starts a cadence: the thread looks every
+        :data:`DRAIN_DELAY` and reads only the replies owed since before its last
+        look, which no request came to read in a whole period. While replies are
+        deferred again and again (a worker releasing lock after lock), the next
+        request reads each one, the thread reads none, and nobody wakes it: it
+        stops looking after a period with nothing deferred and nothing owed.
+        """
         if self.pid != _pid:
             return False
         with self.lock:
+            self.deferred = True
             if self.drain_at is None:
                 self.drain_at = self.clock() + DRAIN_DELAY
+                # The first look reads what is owed now.
+                self.drain_mark = self.transport.sends
                 self._wake(self.drain_at)
         return True
 
@@ -188,6 +208,7 @@ class _Lane:
         elif at < self.wake_at:
             # Only when earlier than planned: with one TTL for all locks that is
             # never, and taking a lock costs no thread switch.
+            self.notified += 1
             self.cond.notify()
 
     # The lane's thread.
@@ -204,18 +225,20 @@ class _Lane:
                     self.heartbeat.rounds += 1
                 if pending:
                     self._send_pending(pending)
-                if drain:
-                    self.transport.drain(Deadline.after(DEFAULT_CALL_TIMEOUT))
-                    if self.transport.owes_replies():
-                        self.drain_later()
+                if drain is not None:
+                    self.drained += self.transport.drain(
+                        Deadline.after(DEFAULT_CALL_TIMEOUT), written_by=drain
+                    )
             except Exception:  # pragma: no cover - the thread must not die
                 logger.exception("celery_redislock heartbeat round failed")
             # No strong reference may outlive the round: a lock dropped by its
             # user must be collectable while the thread sleeps.
             del batch, locks, pending, drain
 
-    def _next_batch(self) -> tuple[list[Renewable], list[_Pending], bool] | None:
-        """With ``cond`` held: sleep until work is due; ``None`` when the thread should end."""
+    def _next_batch(self) -> tuple[list[Renewable], list[_Pending], int | None] | None:
+        """With ``cond`` held: sleep until work is due; ``None`` when the thread
+        should end. The batch is the locks to renew, the requests to retry, and
+        (or ``None``) the last request whose owed reply to read."""
         idle_since = self.clock()
         while True:
             self._drop_collected()
@@ -248,9 +271,12 @@ class _Lane:
             if lock is not None and entry.due - lock.renew_interval / 2 <= now:
                 locks.append(lock)
         pending = [p for p in self.pending if p.next_try <= now]
-        drain = self.drain_at is not None and self.drain_at <= now
-        if drain:
-            self.drain_at = None
+        drain = None
+        if self.drain_at is not None and self.drain_at <= now:
+            drain, self.drain_mark = self.drain_mark, self.transport.sends
+            keep_looking = self.deferred or self.transport.owes_replies()
+            self.drain_at = now + DRAIN_DELAY if keep_looking else None
+            self.deferred = False
         return locks, pending, drain
 
     def _drop_collected(self) -> None:

@@ -571,8 +571,9 @@ class RedisLock:
                 the release is written to the server and the call returns: the
                 hold is dropped locally at once (renewal stops), and the answer is
                 read later — by the next request on that connection, or by the
-                heartbeat thread within :data:`~celery_redislock.heartbeat.DRAIN_DELAY`,
-                or at exit. A lock found already lost is then logged, and a failed
+                heartbeat thread once it has waited
+                :data:`~celery_redislock.heartbeat.DRAIN_DELAY` to twice that
+                with no request coming, or at exit. A lock found already lost is then logged, and a failed
                 release retried in the background.
             then: with ``wait=False``, called with the outcome once the answer is
                 read (from whichever thread reads it); it then also decides what to

@@ -143,8 +143,9 @@ class Transport:
         kwargs.update(_OVERRIDES, retry=Retry(NoBackoff(), 0))
         self._kwargs = kwargs
         self._idle: list[Any] = []
-        # Replies still owed on a connection, oldest first: (how many, handler).
-        self._owed: dict[Any, list[tuple[int, ReplyHandler]]] = {}
+        # Replies still owed on a connection, oldest first: (how many, handler,
+        # the request's number in ``sends``).
+        self._owed: dict[Any, list[tuple[int, ReplyHandler, int]]] = {}
         self._guard = threading.Lock()
         self._pid = os.getpid()
         #: Requests written to the server (round trips started), for tests and benchmarks.
@@ -206,7 +207,7 @@ class Transport:
             raise
         self.sends += 1
         with self._guard:
-            self._owed.setdefault(link, []).append((len(commands), handler))
+            self._owed.setdefault(link, []).append((len(commands), handler, self.sends))
         self._checkin(link, True)
 
     def owes_replies(self) -> bool:
@@ -214,13 +215,25 @@ class Transport:
         with self._guard:
             return bool(self._owed)
 
-    def drain(self, deadline: Deadline) -> None:
-        """Read the replies owed on idle connections and hand them to their handlers."""
+    def drain(self, deadline: Deadline, written_by: int | None = None) -> int:
+        """Read the replies owed on idle connections and hand them to their
+        handlers; return how many connections were read.
+
+        With ``written_by`` (a value :attr:`sends` had), only connections owing
+        a reply to a request written by then are read: a later one is left for
+        the connection's next request, which reads it for free.
+        """
         with self._guard:
-            owing = [link for link in self._idle if link in self._owed]
-            self._idle = [link for link in self._idle if link not in self._owed]
+            owing = [
+                link
+                for link in self._idle
+                if (owed := self._owed.get(link))
+                and (written_by is None or owed[0][2] <= written_by)
+            ]
+            self._idle = [link for link in self._idle if link not in owing]
         for link in owing:
             self._checkin(link, self._settle(link, deadline) is None)
+        return len(owing)
 
     def reset(self) -> None:
         """Close every idle connection (after a failover, the next call reconnects)."""
@@ -299,7 +312,7 @@ class Transport:
         if not owed:
             return None
         broken: RedisError | None = None
-        for count, handler in owed:
+        for count, handler, _sent in owed:
             result: list[Any] | RedisError
             if broken is None:
                 try:
@@ -314,7 +327,7 @@ class Transport:
     def _fail_owed(self, link: _Link, error: RedisError) -> None:
         with self._guard:
             owed = self._owed.pop(link, None)
-        for _count, handler in owed or ():
+        for _count, handler, _sent in owed or ():
             _hand_over(handler, error)
 
 
