@@ -127,8 +127,9 @@ class _Lane:
         self.drain_at: float | None = None
         self.drain_mark = 0
         self.deferred = False
-        #: Times a caller woke the sleeping thread early, and connections whose owed
-        #: replies the thread read itself (for tests and benchmarks).
+        #: Times the thread woke up, times a caller woke it early, and connections
+        #: whose owed replies it read itself (for tests and benchmarks).
+        self.wakeups = 0
         self.notified = 0
         self.drained = 0
         self.thread: threading.Thread | None = None
@@ -263,6 +264,7 @@ class _Lane:
             self.wake_at = now + wait
             self.cond.wait(wait)
             self.wake_at = -math.inf
+            self.wakeups += 1
         # Renew everything due within half an interval, so locks taken at
         # nearly the same moment share one round trip.
         locks = []
