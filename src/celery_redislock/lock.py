@@ -573,8 +573,8 @@ class RedisLock:
                 read later — by the next request on that connection, or by the
                 heartbeat thread once it has waited
                 :data:`~celery_redislock.heartbeat.DRAIN_DELAY` to twice that
-                with no request coming, or at exit. A lock found already lost is then logged, and a failed
-                release retried in the background.
+                with no request coming, or at exit. A lock found already lost
+                is then logged, and a failed release retried in the background.
             then: with ``wait=False``, called with the outcome once the answer is
                 read (from whichever thread reads it); it then also decides what to
                 log about a lock found lost.
