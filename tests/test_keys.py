@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kombu.utils import json as kombu_json
 
 from celery_redislock import KeyDerivationError, SingletonTask
-from celery_redislock.keys import KeyBuilder, canonical, digest
+from celery_redislock.keys import KeyBuilder, _text_digest, canonical, digest
 
 # No deadline: the suite shares two cores with Redis servers and workers.
 KEYS_SETTINGS = settings(
@@ -859,3 +859,37 @@ def test_plain_signatures_bind_like_inspect() -> None:
                 outcomes.append(type(exc).__name__)
         assert outcomes[0] == outcomes[1], (args, kwargs)
     assert fast._plain is not None
+
+
+def test_positional_calls_of_text_and_numbers_key_like_the_general_path() -> None:
+    """A call passing every parameter positionally, of exact ``str`` (ASCII),
+    ``int`` and ``float`` values (the usual Celery message), is encoded as text
+    in one go; it gets the same key as the general encoder for every value, and
+    the values it does not take (other types, subclasses, non-ASCII text, huge
+    ints) go the general way."""
+
+    class Number(enum.IntEnum):
+        ONE = 1
+
+    class Real(float):
+        pass
+
+    def body(a: Any, b: Any, c: Any = 0) -> None: ...
+
+    values: list[Any] = [
+        "", "plain ascii", "é", "\ud83d", "x" * 2000,
+        0, -7, 2**64, 2**2048, -(2**2049), True, Number.ONE,
+        0.0, -0.0, 1e300, float("nan"), float("inf"), Real(2.5),
+        None, b"x", [1, "a"], {"k": 1.5},
+    ]  # fmt: skip
+    for lock_on in (None, ("c", "a")):
+        fast = KeyBuilder("t", inspect.signature(body), lock_on=lock_on)
+        general = KeyBuilder("t", inspect.signature(body), lock_on=lock_on)
+        general._plain = general._order = None
+        for index, value in enumerate(values):
+            args = (value, values[-index - 1], value)
+            assert fast(args, {}) == general(args, {}), (lock_on, args)
+            assert fast(args, None) == general(list(args), {}), (lock_on, args)
+        usual = ("report-42", 7, 0.5)
+        assert _text_digest(usual, fast._positions) is not None
+        assert fast(usual, {}) == general(usual, {})

@@ -166,6 +166,35 @@ def _digest_arguments(arguments: Mapping[str, Any], order: Sequence[tuple[str, b
     return hashlib.sha256(b"d%d:%s" % (len(body), body)).hexdigest()[:32]
 
 
+def _text_digest(values: Sequence[Any], order: Sequence[tuple[int, str]]) -> str | None:
+    """What :func:`_digest_arguments` gives for the arguments at the positions of
+    ``order`` (with their names' canonical forms, as text), when each of them is
+    ASCII text, an ``int`` or a ``float`` (exactly those types): the canonical form
+    is then ASCII, so it is built as text and encoded once. ``None`` for any other
+    value, which takes the general path."""
+    parts = []
+    for position, form in order:
+        value = values[position]
+        kind = type(value)
+        if kind is str:
+            if not value.isascii():
+                return None
+            parts.append(f"{form}s{len(value)}:{value}")
+            continue
+        if kind is int:
+            if value.bit_length() > _MAX_DECIMAL_BITS:
+                return None
+            text = int.__repr__(value)
+            parts.append(f"{form}i{len(text)}:{text}")
+            continue
+        if kind is not float:
+            return None
+        text = float.__repr__(value)
+        parts.append(f"{form}f{len(text)}:{text}")
+    body = "".join(parts)
+    return hashlib.sha256(f"d{len(body)}:{body}".encode()).hexdigest()[:32]
+
+
 class KeyBuilder:
     """Derives lock names for one task.
 
@@ -210,10 +239,17 @@ class KeyBuilder:
         #: With ``_plain`` and no ``lock_key``: the names the key is made of, with
         #: their canonical forms, in the order the material's entries sort in.
         self._order: tuple[tuple[str, bytes], ...] | None = None
+        self._positions: tuple[tuple[int, str], ...] = ()
+        #: How many parameters a call passing them all positionally has.
+        self._arity = len(self._plain) if self._plain is not None else -1
         if self._plain is not None and lock_key is None:
             names = self.lock_on if self.lock_on is not None else [n for n, _ in self._plain]
             forms = {name: canonical(name) for name in names}
             self._order = tuple(sorted(forms.items(), key=lambda entry: entry[1]))
+            #: The same, by position in a call that passes every parameter
+            #: positionally (the usual Celery message), with the forms as text.
+            positions = {name: index for index, (name, _) in enumerate(self._plain)}
+            self._positions = tuple((positions[name], form.decode()) for name, form in self._order)
 
     def material(self, args: Iterable[Any], kwargs: Mapping[str, Any]) -> Any:
         """The values the key is made of, for one call."""
@@ -274,6 +310,10 @@ class KeyBuilder:
                 ``lock_key``) it came from.
         """
         if self._order is not None:
+            if not kwargs and type(args) is tuple and len(args) == self._arity:
+                found = _text_digest(args, self._positions)
+                if found is not None:
+                    return f"{self.task_name}:{found}"
             arguments = self._bind_plain(tuple(args or ()), dict(kwargs or {}))
             if arguments is not None:
                 try:
