@@ -4,7 +4,7 @@
 
 Usage::
 
-    python bench/bench_task.py [--quick] [--url URL] [--only 1,2,3,4] [--tasks N] [--rounds R]
+    python bench/bench_task.py [--quick] [--url URL] [--only 1,2,3,4,5] [--tasks N] [--rounds R]
                                [--work-ms 0,5] [--pools solo,prefork] [--profile] [--json FILE]
 
 Two private servers are started on free 127.0.0.1 ports (see
@@ -45,6 +45,15 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    ``valgrind --tool=callgrind``, with 50 and then 350 tasks; the difference of
    the instruction counts per task. A count: it moves by a few percent at most
    from run to run.
+5. Interleaved: one solo worker drains batches in which the kinds of section 2
+   take turns task by task (no-op tasks; which kind comes first rotates from
+   round to round). The worker notes when each task begins (``task_prerun``),
+   so the time from one task's start to the next one's is what that task cost
+   on the worker's clock, its kind known. A slow moment of the machine hits
+   every kind alike, so the ratios hold to a point or two from run to run, where
+   section 2's move by ten. With the kinds mixed no kind runs with the caches
+   warm from the task before, as in a worker serving many tasks, so the ratios
+   are lower than section 2's.
 
 celery-once and celery-singleton take their lock when the task is *sent*
 (``apply_async``) and free it when it ends, so part of their cost is paid by
@@ -62,6 +71,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,7 +85,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import redis
-from celery import Celery
+from celery import Celery, signals
 from celery.result import ResultSet
 from common import (
     CommandCount,
@@ -242,6 +252,28 @@ if celery_singleton is not None:
     def csingleton(round_id: str, index: int, work: float = 0.0) -> None:
         """celery-singleton: locked by ``apply_async``, unlocked on success or failure."""
         busy(work)
+
+
+# Section 5's clock, in the worker: when each task began, and its name.
+_began: list[tuple[float, str]] = []
+
+
+def _note_start(sender: Any = None, **_: Any) -> None:
+    _began.append((time.perf_counter(), sender.name))
+
+
+@app.task(name="bench.starts", shared=False)
+def starts(action: str) -> list[tuple[float, str]]:
+    """``"start"``: note from now on when each task begins; ``"stop"``: stop, and
+    return the notes (this task's own start last)."""
+    if action == "start":
+        _began.clear()
+        signals.task_prerun.connect(_note_start, weak=False)
+        return []
+    signals.task_prerun.disconnect(_note_start)
+    found = list(_began)
+    _began.clear()
+    return found
 
 
 # The purchases of section 3; each returns when its critical section began and ended.
@@ -753,6 +785,67 @@ def print_ratio_table(ratios: dict[str, dict[tuple[str, Mode], Spread]], modes: 
         print(f"   {kind.label:<24}{cells}")
 
 
+# 5. Interleaved.
+def bench_interleaved(url: str, lock_url: str, count: int, rounds: int, findings: Findings) -> None:
+    """Section 5: the kinds taking turns within each batch, timed by the worker."""
+    kinds = [kind for kind in task_kinds() if kind.task is not None]
+    print(
+        f"\n5. Interleaved: {len(kinds)} kinds taking turns in batches of {count} no-op "
+        f"tasks, solo pool, {rounds} rounds (after one to warm up)"
+    )
+    stats = redis.Redis.from_url(lock_url)
+    labels = {kind.task.name: kind.label for kind in kinds}
+    # Per kind: the median time per task in each round, and its ratio to plain's.
+    took: dict[str, list[float]] = {kind.label: [] for kind in kinds}
+    ratios: dict[str, list[float]] = {kind.label: [] for kind in kinds}
+    with worker_process(url, lock_url, "solo", 1) as worker:
+        plain.apply_async(("warm-up", 0)).get(timeout=60)
+        for r in range(rounds + 1):
+            starts.apply_async(("start",)).get(timeout=30)
+            order = rotated(kinds, r)
+            round_id = uuid.uuid4().hex
+            calls = [(order[i % len(order)].task, (round_id, i, 0.0)) for i in range(count)]
+            run_batch(calls, worker, stats, 60 + count * 0.05)
+            began = starts.apply_async(("stop",)).get(timeout=30)
+            if r == 0:
+                continue
+            spans: dict[str, list[float]] = {}
+            for (start, name), (following, _) in itertools.pairwise(began):
+                if name in labels:
+                    spans.setdefault(labels[name], []).append(following - start)
+            base = statistics.median(spans["plain task"])
+            for label, times in spans.items():
+                took[label].append(statistics.median(times) * 1e6)
+                ratios[label].append(base / statistics.median(times))
+    stats.close()
+    plain_us = statistics.median(took["plain task"])
+    print(f"   {'kind':<30} {'us per task':>22} {'above plain':>12} {'ratio to plain':>18}")
+    for kind in kinds:
+        mine = Spread.of(took[kind.label])
+        print(
+            f"   {kind.label:<30} {mine.show(0):>22} {mine.median - plain_us:12.0f}"
+            f" {Spread.of(ratios[kind.label]).show(3):>18}"
+        )
+    engine = Spread.of(ratios["SingletonTask"])
+    peers = [statistics.median(ratios[label]) for label in PEERS if label in ratios]
+    if peers:
+        best = max(peers)
+        print(
+            f"   SingletonTask / plain, interleaved no-op tasks, solo: {engine.show(3)}: "
+            + findings.add(
+                2,
+                "SingletonTask/plain throughput, interleaved no-op tasks, solo pool",
+                engine.show(3),
+                f">= every peer's ({best:.3f})",
+                engine.median >= best,
+            )
+        )
+    for kind in kinds:
+        if kind.label not in ("plain task", "SingletonTask"):
+            findings.add(2, f"{kind.label}/plain throughput, interleaved no-op tasks, solo pool",
+                         Spread.of(ratios[kind.label]).show(3))  # fmt: skip
+
+
 # 3. Contention.
 def bench_contention(url: str, lock_url: str, rounds: int, findings: Findings) -> None:
     """Section 3: 50 purchases of one event on 4 worker processes, waiting for the lock."""
@@ -927,7 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--url", help="Redis URL to use (default: start private servers)")
     parser.add_argument("--quick", action="store_true", help="a short run (about 25 s)")
-    parser.add_argument("--only", help="comma-separated sections to run, e.g. 2,3")
+    parser.add_argument("--only", help="comma-separated sections to run, e.g. 2,5")
     parser.add_argument("--tasks", type=int, help="no-op tasks per batch (default 200)")
     parser.add_argument("--rounds", type=int, help="rounds of section 2 (default 5)")
     parser.add_argument(
@@ -954,7 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
     # The worker's drain rate for each work, and no-op tasks end to end.
     modes = [Mode(work) for work in works] + [Mode(0.0, paused=False)]
     pools = options.pools.split(",")
-    sections = {int(s) for s in options.only.split(",")} if options.only else {1, 2, 3, 4}
+    sections = {int(s) for s in options.only.split(",")} if options.only else {1, 2, 3, 4, 5}
     findings = Findings()
     started = time.monotonic()
     with servers(options.url, 2) as (url, lock_url):
@@ -983,6 +1076,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_contention(url, lock_url, 1 if options.quick else 3, findings)
         if 4 in sections and not options.quick:
             bench_instructions(url, lock_url, findings)
+        if 5 in sections:
+            bench_interleaved(url, lock_url, count * 6, rounds, findings)
     print(f"\nbench_task: {time.monotonic() - started:.0f} s")
     findings.save(options.json)
     return 0
