@@ -893,3 +893,13 @@ def test_positional_calls_of_text_and_numbers_key_like_the_general_path() -> Non
         usual = ("report-42", 7, 0.5)
         assert _text_digest(usual, fast._positions) is not None
         assert fast(usual, {}) == general(usual, {})
+
+    # A parameter named in other than ASCII has a form of more bytes than
+    # characters: such a task takes the general path.
+    def accented(café: Any, b: Any) -> None: ...
+
+    fast = KeyBuilder("t", inspect.signature(accented))
+    general = KeyBuilder("t", inspect.signature(accented))
+    general._plain = general._order = None
+    assert fast._arity == -1
+    assert fast(("x", 1), {}) == general(("x", 1), {})

@@ -239,17 +239,20 @@ class KeyBuilder:
         #: With ``_plain`` and no ``lock_key``: the names the key is made of, with
         #: their canonical forms, in the order the material's entries sort in.
         self._order: tuple[tuple[str, bytes], ...] | None = None
+        #: With ``_order``, when the names' forms are ASCII: the same by position
+        #: in a call passing every parameter positionally (the usual Celery
+        #: message), with the forms as text; and how many parameters that is
+        #: (-1: no such path).
         self._positions: tuple[tuple[int, str], ...] = ()
-        #: How many parameters a call passing them all positionally has.
-        self._arity = len(self._plain) if self._plain is not None else -1
+        self._arity = -1
         if self._plain is not None and lock_key is None:
             names = self.lock_on if self.lock_on is not None else [n for n, _ in self._plain]
             forms = {name: canonical(name) for name in names}
             self._order = tuple(sorted(forms.items(), key=lambda entry: entry[1]))
-            #: The same, by position in a call that passes every parameter
-            #: positionally (the usual Celery message), with the forms as text.
-            positions = {name: index for index, (name, _) in enumerate(self._plain)}
-            self._positions = tuple((positions[name], form.decode()) for name, form in self._order)
+            if all(form.isascii() for _, form in self._order):
+                positions = {name: index for index, (name, _) in enumerate(self._plain)}
+                self._positions = tuple((positions[n], form.decode()) for n, form in self._order)
+                self._arity = len(self._plain)
 
     def material(self, args: Iterable[Any], kwargs: Mapping[str, Any]) -> Any:
         """The values the key is made of, for one call."""
