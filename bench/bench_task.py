@@ -659,6 +659,23 @@ def profile_singleton(count: int) -> None:
 
 
 # 2. Throughput ratio to a plain task.
+def warm_up(
+    kinds: list[Kind], worker: subprocess.Popen[bytes], stats: redis.Redis
+) -> dict[str, str]:
+    """Run a few tasks of each kind on a started worker (its connections, scripts
+    and imports); return the kinds that cannot run, with why."""
+    broken = {kind.label: kind.missing for kind in kinds if kind.task is None}
+    plain.apply_async(("warm-up", 0)).get(timeout=60)  # the worker is up
+    for kind in kinds:
+        if kind.label in broken:
+            continue
+        try:
+            run_batch([(kind.task, ("warm-up", i, 0.0)) for i in range(20)], worker, stats, 60)
+        except Exception as exc:
+            broken[kind.label] = f"fails with Celery here: {exc!r}"[:200]
+    return broken
+
+
 def bench_throughput(
     url: str,
     lock_url: str,
@@ -676,16 +693,8 @@ def bench_throughput(
     stats = redis.Redis.from_url(lock_url)
     batches: dict[tuple[str, Mode], list[Batch]] = {}
     ratios: dict[tuple[str, Mode], Spread] = {}
-    broken: dict[str, str] = {k.label: k.missing for k in kinds if k.task is None}
     with worker_process(url, lock_url, pool, concurrency) as worker:
-        plain.apply_async(("warm-up", 0)).get(timeout=60)  # the worker is up
-        for kind in kinds:  # connections, scripts, imports; and does it work at all?
-            if kind.label in broken:
-                continue
-            try:
-                run_batch([(kind.task, ("warm-up", i, 0.0)) for i in range(20)], worker, stats, 60)
-            except Exception as exc:
-                broken[kind.label] = f"fails with Celery here: {exc!r}"[:200]
+        broken = warm_up(kinds, worker, stats)
         live = [kind for kind in kinds if kind.label not in broken]
         for r in range(rounds):
             for mode in modes:
@@ -788,18 +797,18 @@ def print_ratio_table(ratios: dict[str, dict[tuple[str, Mode], Spread]], modes: 
 # 5. Interleaved.
 def bench_interleaved(url: str, lock_url: str, count: int, rounds: int, findings: Findings) -> None:
     """Section 5: the kinds taking turns within each batch, timed by the worker."""
-    kinds = [kind for kind in task_kinds() if kind.task is not None]
     print(
-        f"\n5. Interleaved: {len(kinds)} kinds taking turns in batches of {count} no-op "
-        f"tasks, solo pool, {rounds} rounds (after one to warm up)"
+        f"\n5. Interleaved: the kinds taking turns in batches of {count} no-op tasks, "
+        f"solo pool, {rounds} rounds (after one to warm up)"
     )
     stats = redis.Redis.from_url(lock_url)
-    labels = {kind.task.name: kind.label for kind in kinds}
-    # Per kind: the median time per task in each round, and its ratio to plain's.
-    took: dict[str, list[float]] = {kind.label: [] for kind in kinds}
-    ratios: dict[str, list[float]] = {kind.label: [] for kind in kinds}
     with worker_process(url, lock_url, "solo", 1) as worker:
-        plain.apply_async(("warm-up", 0)).get(timeout=60)
+        broken = warm_up(task_kinds(), worker, stats)
+        kinds = [kind for kind in task_kinds() if kind.label not in broken]
+        labels = {kind.task.name: kind.label for kind in kinds}
+        # Per kind: the median time per task in each round, and its ratio to plain's.
+        took: dict[str, list[float]] = {kind.label: [] for kind in kinds}
+        ratios: dict[str, list[float]] = {kind.label: [] for kind in kinds}
         for r in range(rounds + 1):
             starts.apply_async(("start",)).get(timeout=30)
             order = rotated(kinds, r)
@@ -826,6 +835,9 @@ def bench_interleaved(url: str, lock_url: str, count: int, rounds: int, findings
             f"   {kind.label:<30} {mine.show(0):>22} {mine.median - plain_us:12.0f}"
             f" {Spread.of(ratios[kind.label]).show(3):>18}"
         )
+    for label, why in broken.items():
+        print(f"   {label:<30} {why}")
+        findings.add(2, f"{label}, interleaved", why)
     engine = Spread.of(ratios["SingletonTask"])
     peers = [statistics.median(ratios[label]) for label in PEERS if label in ratios]
     if peers:
