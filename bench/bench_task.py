@@ -844,7 +844,7 @@ def bench_interleaved(url: str, lock_url: str, count: int, rounds: int, findings
             f"   SingletonTask / plain, interleaved no-op tasks, solo: {engine.show(3)}: "
             + findings.add(
                 2,
-                "SingletonTask/plain throughput, interleaved no-op tasks, solo pool",
+                "SingletonTask/plain throughput, interleaved, solo pool",
                 engine.show(3),
                 f">= every peer's ({best:.3f})",
                 engine.median >= best,
@@ -852,7 +852,7 @@ def bench_interleaved(url: str, lock_url: str, count: int, rounds: int, findings
         )
     for kind in kinds:
         if kind.label not in ("plain task", "SingletonTask"):
-            findings.add(2, f"{kind.label}/plain throughput, interleaved no-op tasks, solo pool",
+            findings.add(2, f"{kind.label}/plain throughput, interleaved, solo pool",
                          Spread.of(ratios[kind.label]).show(3))  # fmt: skip
 
 
