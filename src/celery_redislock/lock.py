@@ -311,6 +311,24 @@ class RedisLock:
         TypeError, ValueError: an argument is invalid; the message names it.
     """
 
+    # The state every lock starts with, as class attributes: a lock stores its
+    # own only once it changes (one is built for every task execution).
+    #: The fencing token of the current hold; strictly increasing per name.
+    token: int | None = None
+    #: The lease (task id) that held the lock when an acquire last failed;
+    #: ``None`` if it had none. Saves a round trip to ask who is in the way.
+    blocked_by: str | None = None
+    _lost = False
+    _holds = 0
+    _expiry = 0.0
+    _pttl = 0
+    # A waiter's place in the lock's queue, kept across its tries.
+    _position: str | None = None
+    # Send time of a try of the current acquire whose reply never came.
+    _unconfirmed: float | None = None
+    # The heartbeat lane renewing the current hold, if any.
+    _lane: _Lane | None = None
+
     def __init__(
         self,
         client_or_url: Client | str,
@@ -438,23 +456,8 @@ class RedisLock:
         self.lease = lease or ""
         self.heartbeat = heartbeat
         self.on_lost = on_lost
-        #: The fencing token of the current hold; strictly increasing per name.
-        self.token: int | None = None
-        #: The lease (task id) that held the lock when an acquire last failed;
-        #: ``None`` if it had none. Saves a round trip to ask who is in the way.
-        self.blocked_by: str | None = None
-        self._lost = False
-        self._holds = 0
-        self._expiry = 0.0
-        self._pttl = 0
-        # A waiter's place in the lock's queue, kept across its tries.
-        self._position: str | None = None
-        # Send time of a try of the current acquire whose reply never came.
-        self._unconfirmed: float | None = None
         self._state = threading.Lock()
         self._heartbeat = beat
-        # The heartbeat lane renewing the current hold, if any.
-        self._lane: _Lane | None = None
         self._router = router_for(client)
 
     def __repr__(self) -> str:
@@ -631,11 +634,17 @@ class RedisLock:
 
         def answered(result: list[Any] | RedisError) -> None:
             reply = result if isinstance(result, RedisError) else result[0]
+            if type(reply) is int and reply != Released.NOT_OWNED:
+                # Freed, or a hold dropped: the usual answer.
+                transport.scripts.add(call.script.sha)
+                if then is not None:
+                    then("released")
+                return
             outcome: ReleaseOutcome = "released"
             if result is not reply and not isinstance(reply, NoScriptError):
                 # It ran, so the server has the script now: the next goes by digest.
                 transport.scripts.add(call.script.sha)
-            if isinstance(reply, NoScriptError | RedisConnectionError | RedisTimeoutError):
+            if isinstance(reply, _NOT_RUN):
                 # Not run, or not known to have run: send it again (it is
                 # recognised if it did run).
                 self._beat().retry_in_background(
@@ -973,6 +982,10 @@ class RedisLock:
         # slot that moved to another primary) since it was registered.
         if self.heartbeat and (lane is None or not lane.unregister(self)):
             self._beat().unregister(self)
+
+
+#: Errors after which a request may not have run, and is sent again.
+_NOT_RUN = (NoScriptError, RedisConnectionError, RedisTimeoutError)
 
 
 def _text(value: bytes | str | None) -> str | None:

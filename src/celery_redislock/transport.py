@@ -205,10 +205,14 @@ class Transport:
         except BaseException:
             link.close()
             raise
-        self.sends += 1
         with self._guard:
+            self.sends += 1
             self._owed.setdefault(link, []).append((len(commands), handler, self.sends))
-        self._checkin(link, True)
+            # _checkin() for a connection that owes replies: it stays, whatever the count.
+            if self._pid == _process_id:
+                self._idle.append(link)
+                return
+        link.close()
 
     def owes_replies(self) -> bool:
         """Whether replies of deferred requests are still unread."""
