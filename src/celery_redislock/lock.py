@@ -634,12 +634,6 @@ class RedisLock:
 
         def answered(result: list[Any] | RedisError) -> None:
             reply = result if isinstance(result, RedisError) else result[0]
-            if type(reply) is int and reply != Released.NOT_OWNED:
-                # Freed, or a hold dropped: the usual answer.
-                transport.scripts.add(call.script.sha)
-                if then is not None:
-                    then("released")
-                return
             outcome: ReleaseOutcome = "released"
             if result is not reply and not isinstance(reply, NoScriptError):
                 # It ran, so the server has the script now: the next goes by digest.

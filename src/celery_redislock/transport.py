@@ -208,11 +208,7 @@ class Transport:
         with self._guard:
             self.sends += 1
             self._owed.setdefault(link, []).append((len(commands), handler, self.sends))
-            # _checkin() for a connection that owes replies: it stays, whatever the count.
-            if self._pid == _process_id:
-                self._idle.append(link)
-                return
-        link.close()
+        self._checkin(link, True)
 
     def owes_replies(self) -> bool:
         """Whether replies of deferred requests are still unread."""
