@@ -90,6 +90,7 @@ from common import (
     Findings,
     Spread,
     command_calls,
+    command_stats,
     counting_writes,
     describe_machine,
     import_peer,
@@ -807,6 +808,8 @@ def bench_interleaved(url: str, lock_url: str, count: int, rounds: int, findings
         # Per kind: the median time per task in each round, and its ratio to plain's.
         took: dict[str, list[float]] = {kind.label: [] for kind in kinds}
         ratios: dict[str, list[float]] = {kind.label: [] for kind in kinds}
+        # The lock store's time in the timed rounds: {command: [calls, microseconds]}.
+        served: dict[str, list[float]] = {}
         for r in range(rounds + 1):
             starts.apply_async(("start",)).get(timeout=30)
             order = rotated(kinds, r)
@@ -816,6 +819,10 @@ def bench_interleaved(url: str, lock_url: str, count: int, rounds: int, findings
             began = starts.apply_async(("stop",)).get(timeout=30)
             if r == 0:
                 continue
+            for command, (ran, usec) in command_stats(stats).items():
+                total = served.setdefault(command, [0, 0.0])
+                total[0] += ran
+                total[1] += usec
             spans: dict[str, list[float]] = {}
             for (start, name), (following, _) in itertools.pairwise(began):
                 if name in labels:
@@ -836,6 +843,7 @@ def bench_interleaved(url: str, lock_url: str, count: int, rounds: int, findings
     for label, why in broken.items():
         print(f"   {label:<30} {why}")
         findings.add(2, f"{label}, interleaved", why)
+    print_served(served, findings)
     engine = Spread.of(ratios["SingletonTask"])
     peers = [statistics.median(ratios[label]) for label in PEERS if label in ratios]
     if peers:
@@ -854,6 +862,26 @@ def bench_interleaved(url: str, lock_url: str, count: int, rounds: int, findings
         if kind.label not in ("plain task", "SingletonTask"):
             findings.add(2, f"{kind.label}/plain throughput, interleaved, solo pool",
                          Spread.of(ratios[kind.label]).show(3))  # fmt: skip
+
+
+#: The lock store's commands section 5 reports the time of, and who sends them.
+SERVED = {
+    "evalsha": "SingletonTask's acquire and release, redis-py Lock's release",
+    "set": "the floors', celery-once's, celery-singleton's and redis-py Lock's acquire",
+    "del": "floor written's, celery-once's and celery-singleton's release",
+}
+
+
+def print_served(served: dict[str, list[float]], findings: Findings) -> None:
+    """Section 5's lock-store figures: the server's time per command (``INFO
+    commandstats``), on a server whose caches the rest of the machine keeps cold."""
+    print("   lock store, time per command over these rounds (INFO commandstats):")
+    for command, who in SERVED.items():
+        if command in served:
+            calls, usec = served[command]
+            print(f"   {command.upper():>8} {usec / calls:6.1f} us  ({int(calls)} calls; {who})")
+            findings.add(2, f"lock store us per {command.upper()}, interleaved",
+                         f"{usec / calls:.1f}")  # fmt: skip
 
 
 # 3. Contention.
@@ -961,7 +989,7 @@ def run_counted(kind_index: int, count: int) -> None:
         task.apply_async((round_id, i, 0.0)).get()
 
 
-def count_instructions(kind_index: int, count: int, url: str, lock_url: str) -> int:
+def timesinstructions(kind_index: int, count: int, url: str, lock_url: str) -> int:
     """Instructions a whole :func:`run_counted` process runs, counted by valgrind."""
     command = [
         "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
@@ -995,7 +1023,7 @@ def bench_instructions(url: str, lock_url: str, findings: Findings) -> None:
             print(f"   {kind.label:<30} left out: {kind.missing}")
             continue
         with ThreadPoolExecutor(2) as both:
-            runs = [both.submit(count_instructions, index, n, url, lock_url) for n in (low, high)]
+            runs = [both.submit(timesinstructions, index, n, url, lock_url) for n in (low, high)]
             few, many = (run.result() for run in runs)
         counts[kind.label] = per_task = (many - few) / (high - low)
         above = per_task - counts.get("plain task", per_task)
@@ -1044,8 +1072,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the findings against the targets to this file")
     parser.add_argument("--count-kind", type=int, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
-    if options.count_kind is not None:
-        run_counted(options.count_kind, options.tasks or 0)
+    if options.timeskind is not None:
+        run_counted(options.timeskind, options.tasks or 0)
         return 0
     count = options.tasks or (100 if options.quick else 200)
     rounds = options.rounds or (3 if options.quick else 5)

@@ -125,15 +125,25 @@ _MEASURING = frozenset({"info", "config|resetstat", "config"})
 SCRIPT_CALLS = frozenset({"evalsha", "eval", "evalsha_ro", "eval_ro", "fcall"})
 
 
-def command_calls(client: redis.Redis) -> dict[str, int]:
-    """``INFO commandstats`` as ``{command: calls}``, measuring commands left out.
+def command_stats(client: redis.Redis) -> dict[str, tuple[int, float]]:
+    """``INFO commandstats`` as ``{command: (calls, microseconds spent)}``,
+    measuring commands left out.
 
     Redis counts the commands a Lua script runs as well as the ``EVALSHA``
-    that ran it, so this shows what one request really costs the server.
+    that ran it (whose time includes theirs), so this shows what one request
+    really costs the server.
     """
     stats: dict[str, Any] = client.info("commandstats")
-    calls = {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
-    return {name: n for name, n in calls.items() if name not in _MEASURING and n}
+    return {
+        name.removeprefix("cmdstat_"): (int(value["calls"]), float(value["usec"]))
+        for name, value in stats.items()
+        if name.removeprefix("cmdstat_") not in _MEASURING and int(value["calls"])
+    }
+
+
+def command_calls(client: redis.Redis) -> dict[str, int]:
+    """:func:`command_stats`'s calls alone: ``{command: calls}``."""
+    return {name: calls for name, (calls, _) in command_stats(client).items()}
 
 
 def server_cpu(client: redis.Redis) -> float:
