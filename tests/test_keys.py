@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import decimal
 import enum
+import hashlib
+import importlib.util
 import inspect
 import pickle
 import re
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 from kombu.utils import json as kombu_json
 
 from celery_redislock import KeyDerivationError, SingletonTask
-from celery_redislock.keys import KeyBuilder, _text_digest, canonical, digest
+from celery_redislock.keys import KeyBuilder, _sha256, _sha256_from, _text_digest, canonical, digest
 
 # No deadline: the suite shares two cores with Redis servers and workers.
 KEYS_SETTINGS = settings(
@@ -903,3 +905,20 @@ def test_positional_calls_of_text_and_numbers_key_like_the_general_path() -> Non
     general._plain = general._order = None
     assert fast._arity == -1
     assert fast(("x", 1), {}) == general(("x", 1), {})
+
+
+@given(st.binary(max_size=300))
+def test_lock_names_hash_with_sha256_whatever_implements_it(data: bytes) -> None:
+    """Lock names are hashed by CPython's own SHA-256 where it has one, which gives
+    hashlib's (OpenSSL's) digest, so names do not depend on which one a process
+    uses."""
+    assert _sha256(data).hexdigest() == hashlib.sha256(data).hexdigest()
+
+
+def test_cpythons_own_sha256_is_preferred_and_hashlibs_is_the_fallback() -> None:
+    """The first module with a ``sha256`` is used; none (a build that leaves hashing
+    to OpenSSL) falls back to hashlib's."""
+    if any(importlib.util.find_spec(name) for name in ("_sha2", "_sha256")):
+        assert _sha256 is not hashlib.sha256
+    assert _sha256_from(("no_such_module_here", "math")) is hashlib.sha256
+    assert _sha256_from(("hashlib",)) is hashlib.sha256
