@@ -989,7 +989,7 @@ def run_counted(kind_index: int, count: int) -> None:
         task.apply_async((round_id, i, 0.0)).get()
 
 
-def timesinstructions(kind_index: int, count: int, url: str, lock_url: str) -> int:
+def count_instructions(kind_index: int, count: int, url: str, lock_url: str) -> int:
     """Instructions a whole :func:`run_counted` process runs, counted by valgrind."""
     command = [
         "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
@@ -1023,7 +1023,7 @@ def bench_instructions(url: str, lock_url: str, findings: Findings) -> None:
             print(f"   {kind.label:<30} left out: {kind.missing}")
             continue
         with ThreadPoolExecutor(2) as both:
-            runs = [both.submit(timesinstructions, index, n, url, lock_url) for n in (low, high)]
+            runs = [both.submit(count_instructions, index, n, url, lock_url) for n in (low, high)]
             few, many = (run.result() for run in runs)
         counts[kind.label] = per_task = (many - few) / (high - low)
         above = per_task - counts.get("plain task", per_task)
@@ -1072,8 +1072,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the findings against the targets to this file")
     parser.add_argument("--count-kind", type=int, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
-    if options.timeskind is not None:
-        run_counted(options.timeskind, options.tasks or 0)
+    if options.count_kind is not None:
+        run_counted(options.count_kind, options.tasks or 0)
         return 0
     count = options.tasks or (100 if options.quick else 200)
     rounds = options.rounds or (3 if options.quick else 5)

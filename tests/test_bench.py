@@ -1,0 +1,36 @@
+"""The benchmark script runs: a short run of its eager and interleaved sections.
+
+Figures are not checked (tests never judge speed); what is checked is that the
+script starts its own servers and workers, finishes, and reports what its
+documentation says each section reports.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_task_runs_and_reports_the_lock_stores_time_per_command(tmp_path: Path) -> None:
+    """Sections 1 and 5 of ``bench/bench_task.py`` on a few tasks: it exits 0, and
+    section 5 reports the ratio to plain and the lock store's time per
+    ``EVALSHA`` (the scripts) and ``SET`` (the peers' and floors' acquire)."""
+    findings = tmp_path / "findings.json"
+    options = ["--only", "1,5", "--quick", "--tasks", "20", "--rounds", "1"]
+    run = subprocess.run(
+        [sys.executable, "bench/bench_task.py", *options, "--json", str(findings)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "lock store, time per command over these rounds" in run.stdout
+    reported = {item["what"]: item["value"] for item in json.loads(findings.read_text())}
+    assert "SingletonTask/plain throughput, interleaved, solo pool" in reported
+    for command in ("EVALSHA", "SET"):
+        assert float(reported[f"lock store us per {command}, interleaved"]) > 0
