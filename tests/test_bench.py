@@ -1,8 +1,8 @@
-"""The benchmark script runs: a short run of its eager and interleaved sections.
+"""The benchmark scripts run: short runs of a few of their sections.
 
-Figures are not checked (tests never judge speed); what is checked is that the
-script starts its own servers and workers, finishes, and reports what its
-documentation says each section reports.
+Figures are not checked (tests never judge speed); what is checked is that a
+script starts its own servers (and workers), finishes, and reports what its
+documentation says the section reports.
 """
 
 from __future__ import annotations
@@ -34,3 +34,20 @@ def test_bench_task_runs_and_reports_the_lock_stores_time_per_command(tmp_path: 
     assert "SingletonTask/plain throughput, interleaved, solo pool" in reported
     for command in ("EVALSHA", "SET"):
         assert float(reported[f"lock store us per {command}, interleaved"]) > 0
+
+
+def test_bench_lock_runs_and_counts_commands_and_round_trips(tmp_path: Path) -> None:
+    """Section 1 of ``bench/bench_lock.py``, short: it exits 0 and reports the
+    commands and round trips of an uncontended acquire + release."""
+    findings = tmp_path / "findings.json"
+    run = subprocess.run(
+        [sys.executable, "bench/bench_lock.py", "--quick", "--only", "1", "--json", str(findings)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    reported = " ".join(item["what"] for item in json.loads(findings.read_text()))
+    assert "round trips" in reported
+    assert "commands" in reported
