@@ -161,7 +161,7 @@ def _lua(text: str) -> str:
 # the TTLs it was given, and — on servers with ACLs (Redis >= 7) — that the user
 # may run each command that follows the first write on those keys and channels
 # (a first write the ACL refuses writes nothing, nor does a read it refuses before
-# the first write, so neither needs a check ahead: each check costs the server
+# the first write, so neither needs a check ahead: a check can cost the server
 # more than the command it guards).
 _CHECK_TTLS = f"""
 local function check_ttl(value)
