@@ -4,6 +4,7 @@ the replies a connection still owes when its next request goes."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -147,6 +148,65 @@ def test_a_write_the_server_does_not_take_is_bounded_by_the_deadline() -> None:
             assert transport._idle == []
         finally:
             done.set()
+
+
+class _SystemCalls:
+    """Counts ``os.write``/``os.read`` calls on one file descriptor (they still run)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fd: int) -> None:
+        self.writes: list[int] = []
+        self.reads = 0
+        write, read = os.write, os.read
+
+        def counted_write(target: int, data: Any) -> int:
+            if target == fd:
+                self.writes.append(len(data))
+            return write(target, data)
+
+        def counted_read(target: int, size: int) -> bytes:
+            if target == fd:
+                self.reads += 1
+            return read(target, size)
+
+        monkeypatch.setattr(os, "write", counted_write)
+        monkeypatch.setattr(os, "read", counted_read)
+
+
+def test_a_request_goes_as_one_write_and_owed_replies_as_one_read(
+    redislock_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a plain connection a request is written with one ``write(2)`` (not the
+    socket's ``sendall``, which CPython precedes with a ``poll``), and replies owed
+    for a while are taken with one ``read(2)``; a round trip's own reply, not in
+    yet, is waited for by the socket, bounded by its timeout."""
+    transport = transport_for(redislock_client)
+    transport.execute([("PING",)], Deadline.after(5))
+    (link,) = transport._idle
+    calls = _SystemCalls(monkeypatch, link.conn._sock.fileno())
+    request = pack([("INCR", "written-once")])
+    answers: list[Any] = []
+    transport.send_deferred([("INCR", "written-once")], Deadline.after(5), answers.append)
+    assert calls.writes == [len(request)]
+    assert wait_until(lambda: redislock_client.get("written-once") == b"1")
+    assert transport.drain(Deadline.after(5)) == 1
+    assert answers == [[1]]
+    assert calls.reads == 1
+    assert transport.execute([("INCR", "written-once")], Deadline.after(5)) == [2]
+    assert calls.writes == [len(request)] * 2
+    assert calls.reads == 1
+
+
+def test_owed_replies_not_in_yet_are_waited_for(redislock_client: redis.Redis) -> None:
+    """Replies read as owed but not yet sent by the server (a slow command) are
+    waited for, within the deadline, and come back whole."""
+    transport = transport_for(redislock_client)
+    answers: list[Any] = []
+    transport.send_deferred([("BLPOP", "filled-later", 5)], Deadline.after(10), answers.append)
+    pusher = threading.Timer(0.3, lambda: redislock_client.rpush("filled-later", "x"))
+    pusher.start()
+    assert transport.drain(Deadline.after(10)) == 1
+    pusher.join()
+    assert answers == [[[b"filled-later", b"x"]]]
 
 
 def test_parse_replies_keeps_the_start_of_an_unfinished_reply() -> None:

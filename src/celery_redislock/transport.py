@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -316,7 +317,7 @@ class Transport:
             result: list[Any] | RedisError
             if broken is None:
                 try:
-                    result = link.read(count, deadline, self)
+                    result = link.read(count, deadline, self, ready=True)
                 except RedisError as exc:
                     broken = result = exc
             else:
@@ -376,9 +377,24 @@ class _Link:
             self.timeout = max(0.001, remaining * (1 - TIMEOUT_SLACK / 2))
             sock.settimeout(self.timeout)
 
-    def io(self, method: str, argument: Any, deadline: Deadline, transport: Transport) -> Any:
+    def io(
+        self,
+        method: str,
+        argument: Any,
+        deadline: Deadline,
+        transport: Transport,
+        ready: bool = False,
+    ) -> Any:
         """Call the socket's ``method`` with ``argument``, by ``deadline``:
         ``"sendall"`` with whole requests, or ``"recv"`` with the most bytes to take.
+
+        CPython polls a socket that has a timeout before each send and receive, a
+        system call that is wasted when the kernel can take the bytes, or has them,
+        at once. So on a plain socket (not TLS, not wrapped) a write is first tried
+        as one ``write(2)``, and a receive that is ``ready`` (for the replies of a
+        request written a while ago) as one ``read(2)``. The socket always has a
+        timeout, so neither blocks: what they do not finish is left to the
+        socket's method, bounded by its timeout.
 
         Raises:
             redis.ConnectionError, redis.TimeoutError: it failed or ran out of
@@ -389,7 +405,22 @@ class _Link:
             remaining = deadline.at - time.monotonic()
             if not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining:
                 self.bound(deadline, transport)
-            return getattr(self.conn._sock, method)(argument)
+            sock = self.conn._sock
+            if type(sock) is socket.socket:
+                if method == "sendall":
+                    try:
+                        written = os.write(sock.fileno(), argument)
+                    except BlockingIOError:
+                        written = 0
+                    if written == len(argument):
+                        return None
+                    argument = memoryview(argument)[written:]
+                elif ready:
+                    try:
+                        return os.read(sock.fileno(), argument)
+                    except BlockingIOError:
+                        pass
+            return getattr(sock, method)(argument)
         except RedisError:
             self.close()
             raise
@@ -407,8 +438,12 @@ class _Link:
         self.timeout = -1.0
         self.conn.disconnect()
 
-    def read(self, count: int, deadline: Deadline, transport: Transport) -> list[Any]:
+    def read(
+        self, count: int, deadline: Deadline, transport: Transport, ready: bool = False
+    ) -> list[Any]:
         """Read ``count`` replies; error replies come back as exceptions among them.
+        ``ready``: they were asked for a while ago, so they are likely in already
+        (see :meth:`io`).
 
         Raises:
             redis.ConnectionError, redis.TimeoutError: the replies did not all
@@ -432,7 +467,8 @@ class _Link:
                         raise reply
                     replies.append(reply)
                     continue
-            received = self.io("recv", 65536, deadline, transport)
+            received = self.io("recv", 65536, deadline, transport, ready)
+            ready = False
             if not received:
                 self.close()
                 raise RedisConnectionError(f"{transport.describe()} closed the connection")
