@@ -17,6 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from celery_redislock import transport as transport_module
 from celery_redislock.transport import (
     Deadline,
     Transport,
@@ -172,6 +173,7 @@ class _SystemCalls:
         monkeypatch.setattr(os, "read", counted_read)
 
 
+@pytest.mark.skipif(os.name != "posix", reason="a socket is a file descriptor on POSIX only")
 def test_a_request_goes_as_one_write_and_owed_replies_as_one_read(
     redislock_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -194,6 +196,24 @@ def test_a_request_goes_as_one_write_and_owed_replies_as_one_read(
     assert transport.execute([("INCR", "written-once")], Deadline.after(5)) == [2]
     assert calls.writes == [len(request)] * 2
     assert calls.reads == 1
+
+
+def test_without_plain_sockets_every_call_goes_through_the_socket(
+    redislock_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a socket is not a file descriptor (Windows), requests and replies go
+    through the socket's own methods, and round trips and owed replies work the same."""
+    monkeypatch.setattr(transport_module, "_PLAIN_SOCKET", None)
+    transport = transport_for(redislock_client)
+    transport.execute([("PING",)], Deadline.after(5))
+    (link,) = transport._idle
+    calls = _SystemCalls(monkeypatch, link.conn._sock.fileno())
+    answers: list[Any] = []
+    transport.send_deferred([("INCR", "through-the-socket")], Deadline.after(5), answers.append)
+    assert transport.execute([("INCR", "through-the-socket")], Deadline.after(5)) == [2]
+    assert answers == [[1]]
+    assert calls.writes == []
+    assert calls.reads == 0
 
 
 def test_owed_replies_not_in_yet_are_waited_for(redislock_client: redis.Redis) -> None:

@@ -76,6 +76,12 @@ TRANSIENT: tuple[type[RedisError], ...] = (
 #: Idle connections a transport keeps for reuse; more are opened when needed.
 MAX_IDLE = 8
 
+#: The socket type whose descriptor :meth:`_Link.io` may write to and read from
+#: directly: a plain one, where a socket is a file descriptor (POSIX); ``None``
+#: elsewhere (on Windows a socket is not one), where every call goes through the
+#: socket's own methods.
+_PLAIN_SOCKET: type[socket.socket] | None = socket.socket if os.name == "posix" else None
+
 #: What to do with the replies of requests sent with :meth:`Transport.send_deferred`:
 #: called once with the replies (error replies as exceptions among them), or with
 #: the error that kept them from being read. It runs in whichever thread reads
@@ -390,7 +396,7 @@ class _Link:
 
         CPython polls a socket that has a timeout before each send and receive, a
         system call that is wasted when the kernel can take the bytes, or has them,
-        at once. So on a plain socket (not TLS, not wrapped) a write is first tried
+        at once. So on a plain POSIX socket (not TLS, not wrapped) a write is first tried
         as one ``write(2)``, and a receive that is ``ready`` (for the replies of a
         request written a while ago) as one ``read(2)``. The socket always has a
         timeout, so neither blocks: what they do not finish is left to the
@@ -406,7 +412,7 @@ class _Link:
             if not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining:
                 self.bound(deadline, transport)
             sock = self.conn._sock
-            if type(sock) is socket.socket:
+            if type(sock) is _PLAIN_SOCKET:
                 if method == "sendall":
                     try:
                         written = os.write(sock.fileno(), argument)
