@@ -396,10 +396,10 @@ class _Link:
 
         CPython polls a socket that has a timeout before each send and receive, a
         system call that is wasted when the kernel can take the bytes, or has them,
-        at once. So on a plain POSIX socket (not TLS, not wrapped) a write is first tried
-        as one ``write(2)``, and a receive that is ``ready`` (for the replies of a
-        request written a while ago) as one ``read(2)``. The socket always has a
-        timeout, so neither blocks: what they do not finish is left to the
+        at once. So on a plain POSIX socket (not TLS, not wrapped) a write is first
+        tried as one ``write(2)``, and a receive that is ``ready`` (for the replies
+        of a request written a while ago) as one ``read(2)``. The socket always has
+        a timeout, so neither blocks: what they do not finish is left to the
         socket's method, bounded by its timeout.
 
         Raises:
