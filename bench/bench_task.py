@@ -47,9 +47,10 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    from run to run.
 5. Interleaved: one solo worker drains batches in which the kinds of section 2
    take turns task by task (no-op tasks; which kind comes first rotates from
-   round to round). The worker notes when each task begins (``task_prerun``),
-   so the time from one task's start to the next one's is what that task cost
-   on the worker's clock, its kind known. A slow moment of the machine hits
+   round to round). The worker notes when it receives each task
+   (``task_received``, before it accepts the task: ``SingletonTask`` writes its
+   acquire as the task is accepted), so the time from one task's receipt to the
+   next one's is what that task cost on the worker's clock, its kind known. A slow moment of the machine hits
    every kind alike: over ten runs, SingletonTask's ratio moved by 2.3 points
    and celery-singleton's, the most, by 5, where section 2's move by ten. Then
    the lock store's time per command over the counted rounds (``INFO
@@ -255,23 +256,23 @@ if celery_singleton is not None:
         busy(work)
 
 
-# Section 5's clock, in the worker: when each task began, and its name.
+# Section 5's clock, in the worker: when each task was received, and its name.
 _began: list[tuple[float, str]] = []
 
 
-def _note_start(sender: Any = None, **_: Any) -> None:
-    _began.append((time.perf_counter(), sender.name))
+def _note_start(sender: Any = None, request: Any = None, **_: Any) -> None:
+    _began.append((time.perf_counter(), request.name))
 
 
 @app.task(name="bench.starts", shared=False)
 def starts(action: str) -> list[tuple[float, str]]:
-    """``"start"``: note from now on when each task begins; ``"stop"``: stop, and
-    return the notes (this task's own start last)."""
+    """``"start"``: note from now on when each task is received; ``"stop"``: stop,
+    and return the notes (this task's own receipt last)."""
     if action == "start":
         _began.clear()
-        signals.task_prerun.connect(_note_start, weak=False)
+        signals.task_received.connect(_note_start, weak=False)
         return []
-    signals.task_prerun.disconnect(_note_start)
+    signals.task_received.disconnect(_note_start)
     found = list(_began)
     _began.clear()
     return found

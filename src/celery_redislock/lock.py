@@ -50,6 +50,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from celery_redislock.client import as_client
 from celery_redislock.errors import (
     LockBackendError,
+    LockError,
     LockLostError,
     LockNotOwnedError,
     LockTimeoutError,
@@ -760,12 +761,9 @@ class RedisLock:
         """:func:`~celery_redislock.scripts.send` for this lock's key."""
         return send(self._router, self.key, call, deadline, then)
 
-    def _try_acquire(self, deadline: Deadline, request: str, waiter: Waiter | None = None) -> bool:
-        """One acquire round trip; record the hold, or who holds the lock instead.
-
-        A ``waiter`` that finds the lock held is queued (keeping its place).
-        """
-        call = Call(
+    def _acquire_call(self, request: str, waiter: Waiter | None = None) -> Call:
+        """The ACQUIRE script call of one try (a ``waiter`` is queued if the lock is held)."""
+        return Call(
             ACQUIRE_SCRIPT,
             (self.key, self.queue_key),
             (
@@ -778,6 +776,13 @@ class RedisLock:
                 *self._info,
             ),
         )
+
+    def _try_acquire(self, deadline: Deadline, request: str, waiter: Waiter | None = None) -> bool:
+        """One acquire round trip; record the hold, or who holds the lock instead.
+
+        A ``waiter`` that finds the lock held is queued (keeping its place).
+        """
+        call = self._acquire_call(request, waiter)
         wait = self._replica_wait(deadline) if self.min_replicas else ()
         sent = time.monotonic()
         try:
@@ -792,13 +797,18 @@ class RedisLock:
         # Any reply settles an earlier try of the same request: it either
         # shows the hold it made or proves it made none.
         self._unconfirmed = None
+        if wait and reply.outcome is Acquired.TAKEN:
+            self._check_replicas(raw[1], request)
+        return self._record(reply, sent)
+
+    def _record(self, reply: AcquireReply, sent: float) -> bool:
+        """Keep what an acquire sent at ``sent`` found: the hold it made (registered
+        with the heartbeat), or who holds the lock instead; return whether it holds."""
         if reply.outcome is Acquired.HELD:
             self.blocked_by = reply.holder
             self._pttl = reply.pttl
             self._position = reply.position or self._position
             return False
-        if wait and reply.outcome is Acquired.TAKEN:
-            self._check_replicas(raw[1], request)
         with self._state:
             first = self._holds == 0
             self._holds = 1 if reply.outcome is Acquired.TAKEN else self._holds + 1
@@ -810,6 +820,61 @@ class RedisLock:
         if self.heartbeat and (first or reply.outcome is Acquired.TAKEN):
             self._lane = (self._heartbeat or get_heartbeat()).register(self)
         return True
+
+    def _send_acquire(self) -> SentAcquire | None:
+        """Write a non-blocking acquire now and read its reply later, with
+        :meth:`_acquire_sent`: the round trip then overlaps what the caller does
+        in between.
+
+        ``None`` when it cannot go ahead of its caller: replicas must confirm it
+        (``min_replicas``), the store is a cluster (a redirection needs the reply),
+        or it could not be written (then nothing ran: the caller acquires as usual).
+        """
+        transport = self._router.single
+        if transport is None or self.min_replicas:
+            return None
+        ahead = SentAcquire(self, transport, request_id())
+        call = self._acquire_call(ahead.request)
+        # By text until this server is known to have the script: a request that
+        # meets NOSCRIPT would only have to go again.
+        command = call.by_sha() if ACQUIRE_SCRIPT.sha in transport.scripts else call.by_text()
+        try:
+            transport.send_deferred(
+                [command], Deadline(ahead.sent + self.call_timeout), ahead.answered
+            )
+        except RedisError:
+            return None
+        ahead.written_by = transport.sends
+        return ahead
+
+    def _acquire_sent(self, ahead: SentAcquire) -> bool:
+        """``acquire(blocking=False)`` whose first try is ``ahead``, written earlier.
+
+        Its reply is read now (if no other request on the connection read it
+        first). A try that failed is sent again with the same request id, which
+        the script recognises if the first one ran.
+
+        Raises:
+            LockBackendError: as :meth:`acquire`.
+        """
+        self._unconfirmed = None
+        acquired = False
+        try:
+            deadline = Deadline(time.monotonic() + self.call_timeout)
+            reply = ahead.reply(deadline)
+            if isinstance(reply, list):
+                ahead.transport.scripts.add(ACQUIRE_SCRIPT.sha)
+                acquired = self._record(AcquireReply.parse(reply), ahead.sent)
+                return acquired
+            if isinstance(reply, _AMBIGUOUS):
+                self._unconfirmed = ahead.sent
+            # Not run (NOSCRIPT: the server lost its scripts), not known to
+            # have run, or an error the usual round trip reports or follows.
+            acquired = self._try_acquire(deadline, ahead.request)
+            return acquired
+        finally:
+            if not acquired and self._unconfirmed is not None:
+                self._undo(ahead.request, self._unconfirmed)
 
     def _replica_wait(self, deadline: Deadline) -> list[tuple[Any, ...]]:
         """The ``WAIT`` that follows an acquire when replicas must confirm it."""
@@ -980,6 +1045,68 @@ class RedisLock:
 
 #: Errors after which a request may not have run, and is sent again.
 _NOT_RUN = (NoScriptError, RedisConnectionError, RedisTimeoutError)
+
+
+class SentAcquire:
+    """A non-blocking acquire written ahead of the moment its caller needs the
+    answer (:meth:`RedisLock._send_acquire`); :meth:`RedisLock._acquire_sent`
+    reads the reply and keeps what it says.
+
+    Whoever writes one must claim it exactly once: either by finishing it, or
+    by :meth:`abandon`, which gives back a hold it made.
+    """
+
+    __slots__ = ("_in", "_reply", "claimed", "lock", "request", "sent", "transport", "written_by")
+
+    def __init__(self, lock: RedisLock, transport: Transport, request: str) -> None:
+        self.lock = lock
+        self.transport = transport
+        self.request = request
+        self.sent = time.monotonic()
+        #: ``transport.sends`` once it was written (it or a later request).
+        self.written_by = 0
+        self.claimed = False
+        self._reply: Any = None
+        # Held until the reply (or the error that lost it) is handed over.
+        self._in = threading.Lock()
+        self._in.acquire()
+
+    def answered(self, result: list[Any] | RedisError) -> None:
+        """The transport's handler of the reply, called by whichever request reads it."""
+        self._reply = result if isinstance(result, RedisError) else result[0]
+        self._in.release()
+
+    def claim(self) -> bool:
+        """Whether this caller is the first to claim it (it then must finish it)."""
+        first, self.claimed = not self.claimed, True
+        return first
+
+    def reply(self, deadline: Deadline) -> Any:
+        """The script's reply (an exception instance if it failed), read by ``deadline``."""
+        if not self._in.acquire(blocking=False):
+            # Read by this thread unless another holds the connection and reads it.
+            self.transport.drain(deadline, written_by=self.written_by)
+            if not self._in.acquire(timeout=max(0.0, deadline.remaining())):
+                return RedisTimeoutError(
+                    f"no reply from {self.transport.describe()} within the deadline"
+                )
+        return self._reply
+
+    def abandon(self) -> None:
+        """Give back the hold it made, if it made one, when nobody will use it
+        (the task it was sent for never started). Unless already claimed."""
+        if not self.claim():
+            return
+        try:
+            if self.lock._acquire_sent(self):
+                self.lock.release(wait=False)
+        except LockError as exc:
+            logger.warning(
+                "celery_redislock: could not give back lock %s taken for a task that "
+                "never started (it expires by its TTL): %s",
+                self.lock.name,
+                exc,
+            )
 
 
 def _text(value: bytes | str | None) -> str | None:

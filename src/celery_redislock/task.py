@@ -88,6 +88,7 @@ from celery_redislock.lock import (
     MAX_INFO_LENGTH,
     RedisLock,
     ReleaseOutcome,
+    SentAcquire,
     check_name,
     check_prefix,
     check_ttl,
@@ -135,6 +136,9 @@ PER_CALL_OPTIONS = frozenset(
 
 #: Message header carrying a call's overrides to the worker.
 _OVERRIDES_HEADER = "redislock_options"
+#: The request field that carries an acquire written as the worker accepted the
+#: task (see :mod:`celery_redislock.early`) to the task's start.
+AHEAD_FIELD = "redislock_ahead"
 
 #: ``apply_async`` option that re-queues without taking the enqueue-time lock.
 _NO_ENQUEUE_LOCK = "redislock_no_enqueue_lock"
@@ -568,6 +572,12 @@ class SingletonTask(Task):  # type: ignore[misc]
     #: ``AsyncResult`` (nothing is sent), or ``"raise"`` :class:`DuplicateTaskError`.
     lock_on_duplicate: ClassVar[str | None] = _resolved("on_duplicate")
 
+    #: The worker's request class for these tasks: it writes the acquire as the
+    #: worker accepts the task, on pools that run it in the accepting thread
+    #: (:mod:`celery_redislock.early`). A request class of your own should
+    #: derive from it.
+    Request = "celery_redislock.early:Request"
+
     # Per task (set on the task instance, never on a class).
     _lock_options: LockOptions | None = None
     _key_builder: KeyBuilder | None = None
@@ -809,23 +819,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         return self._run_locked(request, args, kwargs)
 
-    def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        task_id = request.id or uuid()
-        key = self.lock_name(args, kwargs)
-        opts = self.options_for_call(_sent_overrides(request))
-        if opts.strategy == UNTIL_EXECUTING:
-            try:
-                release_lease(self.lock_client, key, task_id, opts.prefix)
-            except LockBackendError:
-                if opts.on_redis_error != "run":
-                    raise
-                logger.warning(
-                    "lock store unreachable; %s[%s] could not free %s", self.name, task_id, key
-                )
-            return self.run(*args, **kwargs)
-
-        check_name(task_id, "task id")
-        lock = RedisLock._checked_elsewhere(
+    def _execution_lock(self, key: str, task_id: str, opts: LockOptions, request: Any) -> RedisLock:
+        """The lock of one execution (``request``: its context, or its worker request)."""
+        return RedisLock._checked_elsewhere(
             lock_store(self.app, opts.url),
             key,
             opts.ttl,
@@ -836,14 +832,67 @@ class SingletonTask(Task):  # type: ignore[misc]
             holder_info=self._holder_values(running=True, request=request),
             prefix=opts.prefix,
         )
-        asked = taken = time.monotonic()
+
+    def _acquire_ahead(self, message: Any) -> None:
+        """Write the acquire of an execution the worker has just accepted, to be
+        read as it starts (see :mod:`celery_redislock.early`); ``message`` is its
+        worker request."""
+        if type(self).__call__ is not SingletonTask.__call__:
+            # A __call__ of a subclass may not start the locked execution.
+            return
+        try:
+            opts = self.options_for_call(message.request_dict.get(_OVERRIDES_HEADER))
+            if opts.strategy == UNTIL_EXECUTING:
+                return
+            task_id = check_name(message.id, "task id")
+            key = self.lock_name(message.args, message.kwargs)
+            lock = self._execution_lock(key, task_id, opts, message)
+        except Exception:
+            # Raised again as the task starts, and reported then.
+            return
+        ahead = lock._send_acquire()
+        if ahead is not None:
+            message.request_dict[AHEAD_FIELD] = (ahead, opts)
+
+    def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ahead: SentAcquire | None = None
+        written = request.__dict__.pop(AHEAD_FIELD, None)
+        if written is not None and request.headers:
+            # Celery counts a request field it does not know as a custom header,
+            # which a retry would send on.
+            request.headers.pop(AHEAD_FIELD, None)
+        if written is not None and written[0].claim():
+            ahead, opts = written
+            lock = ahead.lock
+            key, task_id, asked = lock.name, lock.lease, ahead.sent
+        else:
+            task_id = request.id or uuid()
+            key = self.lock_name(args, kwargs)
+            opts = self.options_for_call(_sent_overrides(request))
+            if opts.strategy == UNTIL_EXECUTING:
+                try:
+                    release_lease(self.lock_client, key, task_id, opts.prefix)
+                except LockBackendError:
+                    if opts.on_redis_error != "run":
+                        raise
+                    logger.warning(
+                        "lock store unreachable; %s[%s] could not free %s", self.name, task_id, key
+                    )
+                return self.run(*args, **kwargs)
+            check_name(task_id, "task id")
+            lock = self._execution_lock(key, task_id, opts, request)
+            asked = time.monotonic()
+        taken = asked
         keep = retrying = False
         # One try from the acquire on: an exception raised asynchronously (a soft
         # time limit) just after the lock was taken must not leave it held, and
         # renewed by this process's heartbeat, with nobody to release it.
         try:
             try:
-                acquired = lock.acquire(blocking=False)
+                if ahead is not None:
+                    acquired = lock._acquire_sent(ahead)
+                else:
+                    acquired = lock.acquire(blocking=False)
             except LockBackendError:
                 if opts.on_redis_error != "run":
                     raise

@@ -196,26 +196,33 @@ class Transport:
     ) -> None:
         """Write ``commands`` now and read their replies later.
 
-        The replies are read by the next request on the same connection (a
-        round trip reads them just after writing its own request, another deferred
-        write before it writes), by :meth:`drain`, or by :meth:`flush`, and handed to
-        ``handler``. When this returns, the request is in the kernel's send buffer:
+        The replies are read by the next request on the same connection (just
+        after it writes its own), by :meth:`drain`, or by :meth:`flush`, and handed
+        to ``handler``; if the connection breaks first, ``handler`` gets the error. When this returns, the request is in the kernel's send buffer:
         the server will run it even if this process dies before reading the reply.
 
         Raises:
             redis.ConnectionError, redis.TimeoutError: the request could not be
                 written (nothing was sent, or not all of it).
         """
-        link = self._checkout(deadline)
+        link = self._checkout(deadline, settle=False)
         try:
             link.io("sendall", pack(commands), deadline, self)
         except BaseException:
+            self._fail_owed(link, RedisConnectionError("connection lost before its reply was read"))
             link.close()
             raise
+        # Replies owed on the link from before come first in the stream; read now,
+        # while the server works on this request, they cost nothing.
+        broken = self._settle(link, deadline) if self._owed else None
         with self._guard:
             self.sends += 1
-            self._owed.setdefault(link, []).append((len(commands), handler, self.sends))
-        self._checkin(link, True)
+            if broken is None:
+                self._owed.setdefault(link, []).append((len(commands), handler, self.sends))
+        if broken is not None:
+            # Written, but the connection broke: whether it ran is unknown.
+            _hand_over(handler, broken)
+        self._checkin(link, broken is None)
 
     def owes_replies(self) -> bool:
         """Whether replies of deferred requests are still unread."""

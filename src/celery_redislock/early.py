@@ -1,0 +1,58 @@
+"""Taking a task's lock as the worker accepts the task, ahead of its start.
+
+Between accepting a task (acknowledging its message, sending ``task-started``)
+and calling it, a worker spends some tens of microseconds of its own. On the
+pools that run a task in the thread that accepted it (solo, threads, gevent,
+eventlet), a :class:`~celery_redislock.task.SingletonTask` writes its acquire at
+the start of that time and reads the reply as the task starts, so the round trip
+overlaps Celery's work instead of coming after it. Nothing else changes: the
+task still knows it holds the lock before its body runs, and still renews,
+releases and reports it as before.
+
+The prefork pool accepts a task in the parent process and runs it in a child;
+there (and with a ``Request`` class that does not derive from this one) the
+task acquires as it starts.
+
+An acquire written ahead for a task that then never starts (its trace failed
+before the task was called) is given back as the worker records the failure,
+rather than left to its TTL.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from celery.worker.request import Request as _CeleryRequest
+
+from celery_redislock.task import AHEAD_FIELD, SingletonTask
+
+__all__ = ["Request"]
+
+
+class Request(_CeleryRequest):  # type: ignore[misc]
+    """The worker request of a :class:`~celery_redislock.task.SingletonTask` (its
+    ``Request``): writes the task's acquire as the worker accepts it."""
+
+    def on_accepted(self, pid: int, time_accepted: float) -> None:
+        task = self.task
+        # The pool reports the process the task runs in: this one, in this thread.
+        if pid == os.getpid() and isinstance(task, SingletonTask):
+            task._acquire_ahead(self)
+        try:
+            super().on_accepted(pid, time_accepted)
+        except BaseException:
+            self._give_back()
+            raise
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> None:
+        self._give_back()
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _give_back(self) -> None:
+        """Give back the hold of an acquire written ahead that the task never read."""
+        written = self.request_dict.pop(AHEAD_FIELD, None)
+        if written is not None:
+            written[0].abandon()

@@ -1,0 +1,264 @@
+"""The acquire written as the worker accepts a task (celery_redislock.early): the
+engine's two halves, and SingletonTask on the pools that run a task in the
+accepting thread."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery import signals as celery_signals
+from celery.contrib.testing.mocks import TaskMessage
+from celery.worker.state import task_ready
+
+from celery_redislock import RedisLock, SingletonTask
+from celery_redislock.early import Request
+from celery_redislock.lock import lock_keys
+from celery_redislock.scripts import LEASE_FIELD
+from celery_redislock.server import RedisServer
+from celery_redislock.task import AHEAD_FIELD
+from celery_redislock.transport import transport_for
+from tests.proxy import FaultProxy
+from tests.support import (
+    client_left_clean,
+    close_app,
+    held,
+    hold_count,
+    in_process_worker,
+    make_app,
+    wait_until,
+)
+
+TIMEOUT = 20
+
+
+@pytest.fixture
+def locks(redislock_server: RedisServer) -> Iterator[redis.Redis]:
+    """A client to the lock database; each test must leave no lock behind."""
+    with client_left_clean(redislock_server) as client:
+        yield client
+
+
+def sends(lock: RedisLock) -> int:
+    """Requests written so far on the transport of ``lock``."""
+    return lock.transport.sends
+
+
+class TestEngine:
+    """RedisLock._send_acquire writes the acquire; _acquire_sent reads and keeps its reply."""
+
+    def test_written_ahead_and_read_later_is_one_round_trip(self, locks: redis.Redis) -> None:
+        """The hold is made on the server before its reply is read, and reading it
+        writes nothing more."""
+        lock = RedisLock(locks, uuid.uuid4().hex, ttl=30)
+        ahead = lock._send_acquire()
+        assert ahead is not None
+        written = sends(lock)
+        assert wait_until(lambda: held(locks, lock.key))
+        assert lock._acquire_sent(ahead)
+        assert sends(lock) == written
+        assert lock.token is not None
+        assert lock.owned()
+        lock.release()
+
+    def test_reply_read_by_another_request_is_kept(self, locks: redis.Redis) -> None:
+        """Another request on the connection reads the reply first and hands it over."""
+        lock = RedisLock(locks, uuid.uuid4().hex, ttl=30)
+        other = RedisLock(locks, uuid.uuid4().hex, ttl=30)
+        assert lock.transport is other.transport
+        ahead = lock._send_acquire()
+        assert ahead is not None
+        assert other.acquire(blocking=False)
+        written = sends(lock)
+        assert lock._acquire_sent(ahead)
+        assert sends(lock) == written
+        lock.release()
+        other.release()
+
+    def test_held_by_another_reports_the_holder(self, locks: redis.Redis) -> None:
+        name = uuid.uuid4().hex
+        holder = RedisLock(locks, name, ttl=30, lease="task-1")
+        assert holder.acquire(blocking=False)
+        lock = RedisLock(locks, name, ttl=30)
+        ahead = lock._send_acquire()
+        assert ahead is not None
+        assert not lock._acquire_sent(ahead)
+        assert lock.blocked_by == "task-1"
+        holder.release()
+
+    def test_a_server_that_lost_its_scripts_runs_it_again(
+        self, locks: redis.Redis, redislock_server: RedisServer
+    ) -> None:
+        """A NOSCRIPT reply (the server flushed its scripts) means it did not run:
+        the acquire goes again, by text."""
+        warm = RedisLock(locks, uuid.uuid4().hex, ttl=30)
+        assert warm.acquire(blocking=False)
+        warm.release()
+        redislock_server.client().script_flush()
+        lock = RedisLock(locks, uuid.uuid4().hex, ttl=30)
+        ahead = lock._send_acquire()
+        assert ahead is not None
+        assert lock._acquire_sent(ahead)
+        assert hold_count(locks, lock.key) == 1
+        lock.release()
+
+    def test_a_lost_reply_is_asked_again_and_counts_once(
+        self, redislock_server_factory: Callable[..., RedisServer]
+    ) -> None:
+        """The acquire ran but its reply was lost with the connection: asked again
+        with the same request id, it is recognised, so the hold counts once."""
+        server = redislock_server_factory()
+        direct = server.client()
+        with FaultProxy(server.host, server.port) as proxy:
+            lock = RedisLock(proxy.url, uuid.uuid4().hex, ttl=30)
+            assert lock.acquire(blocking=False)  # opens the connection
+            lock.release()
+            proxy.drop_replies(1)
+            ahead = lock._send_acquire()
+            assert ahead is not None
+            assert lock._acquire_sent(ahead)
+            assert lock.token is not None
+            assert hold_count(direct, lock.key) == 1
+            lock.release()
+            assert not held(direct, lock.key)
+        direct.close()
+
+    def test_abandoned_gives_the_hold_back(self, locks: redis.Redis) -> None:
+        """An acquire written for a task that never started is given back, not left to its TTL."""
+        lock = RedisLock(locks, uuid.uuid4().hex, ttl=60)
+        ahead = lock._send_acquire()
+        assert ahead is not None
+        ahead.abandon()
+        assert not lock.owned()
+        assert wait_until(lambda: not held(locks, lock.key))
+        # Claimed once: finishing it afterwards is no longer possible.
+        assert not ahead.claim()
+
+    def test_not_written_ahead_when_replicas_must_confirm(self, locks: redis.Redis) -> None:
+        lock = RedisLock(locks, uuid.uuid4().hex, ttl=30, min_replicas=1)
+        assert lock._send_acquire() is None
+
+
+# -- SingletonTask on a worker ---------------------------------------------------
+
+
+class _Wrapped(SingletonTask):
+    """A task class with a __call__ of its own."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **kwargs)
+
+
+class _FailingStart(SingletonTask):
+    """A task class whose start fails before the task is called."""
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        raise RuntimeError("start failed")
+
+
+@pytest.fixture(scope="module", params=["solo", "threads"])
+def app(request: pytest.FixtureRequest, redislock_server: RedisServer) -> Iterator[Celery]:
+    """An app whose tasks run on an in-process worker of the pool given."""
+    app = make_app(redislock_server.url, f"early-{request.param}")
+
+    @app.task(base=SingletonTask, shared=False, name="early.plain")
+    def plain(name: str) -> str:
+        return name
+
+    @app.task(base=_Wrapped, shared=False, name="early.wrapped")
+    def wrapped(name: str) -> str:
+        return name
+
+    @app.task(base=_FailingStart, shared=False, name="early.failing", lock_ttl=60)
+    def failing(name: str) -> str:
+        return name
+
+    with in_process_worker(app, pool=request.param):
+        yield app
+    close_app(app)
+
+
+@pytest.fixture
+def at_start(app: Celery, locks: redis.Redis) -> Iterator[dict[str, Any]]:
+    """What each task saw as it started (``task_prerun``, just before it is called):
+    whether an acquire was written ahead for it, and whether its lock was held by then."""
+    seen: dict[str, Any] = {}
+
+    def started(sender: Any = None, task_id: str = "", **_: Any) -> None:
+        ahead = getattr(sender.request, AHEAD_FIELD, None) is not None
+        seen["ahead"] = ahead
+        if ahead:
+            key = lock_keys(sender.lock_name(sender.request.args, sender.request.kwargs)).lock
+            seen["held"] = wait_until(
+                lambda: locks.hget(key, LEASE_FIELD) == task_id.encode(), timeout=5
+            )
+
+    celery_signals.task_prerun.connect(started, weak=False)
+    yield seen
+    celery_signals.task_prerun.disconnect(started)
+
+
+def test_lock_is_taken_before_the_task_is_called(app: Celery, at_start: dict[str, Any]) -> None:
+    assert app.tasks["early.plain"].delay("a").get(timeout=TIMEOUT) == "a"
+    assert at_start == {"ahead": True, "held": True}
+
+
+def test_a_call_of_its_own_acquires_as_the_task_starts(
+    app: Celery, at_start: dict[str, Any]
+) -> None:
+    """A subclass's __call__ might never start the locked execution: nothing is
+    written ahead for it."""
+    assert app.tasks["early.wrapped"].delay("b").get(timeout=TIMEOUT) == "b"
+    assert at_start == {"ahead": False}
+
+
+def test_a_task_that_never_starts_gives_its_lock_back(app: Celery, locks: redis.Redis) -> None:
+    """Its start failed before it was called: the hold written ahead is given back
+    as the failure is recorded (the lock's TTL is a minute; ``locks`` waits 10 s)."""
+    with pytest.raises(RuntimeError, match="start failed"):
+        app.tasks["early.failing"].delay("c").get(timeout=TIMEOUT)
+
+
+def test_a_duplicate_found_ahead_is_still_a_conflict(app: Celery, locks: redis.Redis) -> None:
+    name = uuid.uuid4().hex
+    task = app.tasks["early.plain"]
+    holder = RedisLock(locks, task.lock_name((name,), {}), ttl=30)
+    assert holder.acquire(blocking=False)
+    result = task.delay(name).get(timeout=TIMEOUT)
+    assert result["skipped"] is True
+    holder.release()
+
+
+def test_prefork_parent_writes_nothing(app: Celery, locks: redis.Redis) -> None:
+    """The prefork pool reports the child that runs the task: the accepting parent
+    writes no acquire (the child acquires as the task starts)."""
+    task = app.tasks["early.plain"]
+    message = TaskMessage(task.name, args=("d",))
+    request = Request(message, app=app, task=task)
+    written = transport_for(task.lock_client).sends
+    request.on_accepted(os.getpid() + 1, time.monotonic())
+    task_ready(request)
+    assert AHEAD_FIELD not in request.request_dict
+    assert transport_for(task.lock_client).sends == written
+
+
+def test_accepted_here_writes_it_and_a_failure_gives_it_back(
+    app: Celery, locks: redis.Redis
+) -> None:
+    task = app.tasks["early.plain"]
+    name = uuid.uuid4().hex
+    request = Request(TaskMessage(task.name, args=(name,)), app=app, task=task)
+    request.on_accepted(os.getpid(), time.monotonic())
+    task_ready(request)
+    assert AHEAD_FIELD in request.request_dict
+    key = lock_keys(task.lock_name((name,), {})).lock
+    assert wait_until(lambda: held(locks, key))
+    request._give_back()
+    assert AHEAD_FIELD not in request.request_dict
+    assert wait_until(lambda: not held(locks, key))
