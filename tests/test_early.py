@@ -175,6 +175,15 @@ def app(request: pytest.FixtureRequest, redislock_server: RedisServer) -> Iterat
     def wrapped(name: str) -> str:
         return name
 
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        name="early.own_request",
+        Request="celery.worker.request:Request",
+    )
+    def own_request(name: str) -> str:
+        return name
+
     @app.task(base=_FailingStart, shared=False, name="early.failing", lock_ttl=60)
     def failing(name: str) -> str:
         return name
@@ -215,6 +224,14 @@ def test_a_call_of_its_own_acquires_as_the_task_starts(
     """A subclass's __call__ might never start the locked execution: nothing is
     written ahead for it."""
     assert app.tasks["early.wrapped"].delay("b").get(timeout=TIMEOUT) == "b"
+    assert at_start == {"ahead": False}
+
+
+def test_a_request_class_of_its_own_acquires_as_the_task_starts(
+    app: Celery, at_start: dict[str, Any]
+) -> None:
+    """Only a request class derived from celery_redislock.early.Request writes ahead."""
+    assert app.tasks["early.own_request"].delay("e").get(timeout=TIMEOUT) == "e"
     assert at_start == {"ahead": False}
 
 

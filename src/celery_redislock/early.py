@@ -2,12 +2,13 @@
 
 Between accepting a task (acknowledging its message, sending ``task-started``)
 and calling it, a worker spends some tens of microseconds of its own. On the
-pools that run a task in the thread that accepted it (solo, threads, gevent,
-eventlet), a :class:`~celery_redislock.task.SingletonTask` writes its acquire at
-the start of that time and reads the reply as the task starts, so the round trip
-overlaps Celery's work instead of coming after it. Nothing else changes: the
-task still knows it holds the lock before its body runs, and still renews,
-releases and reports it as before.
+pools that run a task in the thread that accepted it (solo and threads: the
+pool reports this process as the one the task runs in), a
+:class:`~celery_redislock.task.SingletonTask` writes its acquire at the start of
+that time and reads the reply as the task starts, so the round trip overlaps
+Celery's work instead of coming after it. Nothing else changes: the task still
+knows it holds the lock before its body runs, and still renews, releases and
+reports it as before.
 
 The prefork pool accepts a task in the parent process and runs it in a child;
 there (and with a ``Request`` class that does not derive from this one) the

@@ -205,24 +205,18 @@ class Transport:
             redis.ConnectionError, redis.TimeoutError: the request could not be
                 written (nothing was sent, or not all of it).
         """
+        # Replies owed on the link from before stay owed: they come first in the
+        # stream, and the read that takes this request's reply takes them too.
         link = self._checkout(deadline, settle=False)
         try:
             link.io("sendall", pack(commands), deadline, self)
         except BaseException:
-            self._fail_owed(link, RedisConnectionError("connection lost before its reply was read"))
-            link.close()
+            self._checkin(link, False)
             raise
-        # Replies owed on the link from before come first in the stream; read now,
-        # while the server works on this request, they cost nothing.
-        broken = self._settle(link, deadline) if self._owed else None
         with self._guard:
             self.sends += 1
-            if broken is None:
-                self._owed.setdefault(link, []).append((len(commands), handler, self.sends))
-        if broken is not None:
-            # Written, but the connection broke: whether it ran is unknown.
-            _hand_over(handler, broken)
-        self._checkin(link, broken is None)
+            self._owed.setdefault(link, []).append((len(commands), handler, self.sends))
+        self._checkin(link, True)
 
     def owes_replies(self) -> bool:
         """Whether replies of deferred requests are still unread."""
