@@ -17,7 +17,7 @@ from celery import signals as celery_signals
 from celery.contrib.testing.mocks import TaskMessage
 from celery.worker.state import task_ready
 
-from celery_redislock import RedisLock, SingletonTask
+from celery_redislock import LockBackendError, RedisLock, SingletonTask
 from celery_redislock.early import Request
 from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import LEASE_FIELD
@@ -128,6 +128,23 @@ class TestEngine:
             lock.release()
             assert not held(direct, lock.key)
         direct.close()
+
+    def test_a_stalled_server_costs_one_call_timeout(
+        self, redislock_server_factory: Callable[..., RedisServer]
+    ) -> None:
+        """The acquire's tries share one ``call_timeout`` from its write: when the
+        answer never came in time, it is not written again with a fresh one."""
+        server = redislock_server_factory()
+        lock = RedisLock(server.url, uuid.uuid4().hex, ttl=30, call_timeout=0.5)
+        assert lock.acquire(blocking=False)  # opens the connection
+        lock.release()
+        with server.paused():
+            ahead = lock._send_acquire()
+            assert ahead is not None
+            written = sends(lock)
+            with pytest.raises(LockBackendError, match=r"timed out|no time left"):
+                lock._acquire_sent(ahead)
+            assert sends(lock) == written
 
     def test_abandoned_gives_the_hold_back(self, locks: redis.Redis) -> None:
         """An acquire written for a task that never started is given back, not left to its TTL."""

@@ -827,8 +827,10 @@ class RedisLock:
         in between.
 
         ``None`` when it cannot go ahead of its caller: replicas must confirm it
-        (``min_replicas``), the store is a cluster (a redirection needs the reply),
-        or it could not be written (then nothing ran: the caller acquires as usual).
+        (``min_replicas``), or the store is a cluster (a redirection needs the
+        reply). A write that fails is not raised here: it is the answer
+        :meth:`_acquire_sent` reads. The whole acquire, tries included, has one
+        ``call_timeout`` from the moment it was written.
         """
         transport = self._router.single
         if transport is None or self.min_replicas:
@@ -842,8 +844,10 @@ class RedisLock:
             transport.send_deferred(
                 [command], Deadline(ahead.sent + self.call_timeout), ahead.answered
             )
-        except RedisError:
-            return None
+        except RedisError as exc:
+            # Not written, or not whole: it did not run.
+            ahead.answered(exc)
+            return ahead
         ahead.written_by = transport.sends
         return ahead
 
@@ -860,13 +864,13 @@ class RedisLock:
         self._unconfirmed = None
         acquired = False
         try:
-            deadline = Deadline(time.monotonic() + self.call_timeout)
+            deadline = Deadline(ahead.sent + self.call_timeout)
             reply = ahead.reply(deadline)
             if isinstance(reply, list):
                 ahead.transport.scripts.add(ACQUIRE_SCRIPT.sha)
                 acquired = self._record(AcquireReply.parse(reply), ahead.sent)
                 return acquired
-            if isinstance(reply, _AMBIGUOUS):
+            if isinstance(reply, _AMBIGUOUS) and ahead.written_by:
                 self._unconfirmed = ahead.sent
             # Not run (NOSCRIPT: the server lost its scripts), not known to
             # have run, or an error the usual round trip reports or follows.
@@ -1063,7 +1067,8 @@ class SentAcquire:
         self.transport = transport
         self.request = request
         self.sent = time.monotonic()
-        #: ``transport.sends`` once it was written (it or a later request).
+        #: ``transport.sends`` once it was written (it or a later request); 0 if
+        #: it could not be.
         self.written_by = 0
         self.claimed = False
         self._reply: Any = None
