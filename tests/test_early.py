@@ -5,6 +5,7 @@ accepting thread."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ from celery_redislock.early import Request
 from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import LEASE_FIELD
 from celery_redislock.server import RedisServer
-from celery_redislock.task import AHEAD_FIELD
+from celery_redislock.task import _written_ahead
 from celery_redislock.transport import transport_for
 from tests.proxy import FaultProxy
 from tests.support import (
@@ -217,7 +218,8 @@ def at_start(app: Celery, locks: redis.Redis) -> Iterator[dict[str, Any]]:
     seen: dict[str, Any] = {}
 
     def started(sender: Any = None, task_id: str = "", **_: Any) -> None:
-        ahead = getattr(sender.request, AHEAD_FIELD, None) is not None
+        written = _written_ahead.get(threading.get_ident())
+        ahead = written is not None and written.task_id == task_id
         seen["ahead"] = ahead
         if ahead:
             key = lock_keys(sender.lock_name(sender.request.args, sender.request.kwargs)).lock
@@ -278,7 +280,7 @@ def test_prefork_parent_writes_nothing(app: Celery, locks: redis.Redis) -> None:
     written = transport_for(task.lock_client).sends
     request.on_accepted(os.getpid() + 1, time.monotonic())
     task_ready(request)
-    assert AHEAD_FIELD not in request.request_dict
+    assert threading.get_ident() not in _written_ahead
     assert transport_for(task.lock_client).sends == written
 
 
@@ -290,9 +292,28 @@ def test_accepted_here_writes_it_and_a_failure_gives_it_back(
     request = Request(TaskMessage(task.name, args=(name,)), app=app, task=task)
     request.on_accepted(os.getpid(), time.monotonic())
     task_ready(request)
-    assert AHEAD_FIELD in request.request_dict
+    assert _written_ahead[threading.get_ident()].task_id == request.id
     key = lock_keys(task.lock_name((name,), {})).lock
     assert wait_until(lambda: held(locks, key))
     request._give_back()
-    assert AHEAD_FIELD not in request.request_dict
+    assert threading.get_ident() not in _written_ahead
     assert wait_until(lambda: not held(locks, key))
+
+
+def test_an_acquire_its_task_never_read_is_given_back_at_the_next(
+    app: Celery, locks: redis.Redis
+) -> None:
+    """A thread runs one task at a time: an acquire still unread when the thread
+    accepts its next task belongs to a task that never started, and is given back."""
+    task = app.tasks["early.plain"]
+    names = [uuid.uuid4().hex, uuid.uuid4().hex]
+    requests = [Request(TaskMessage(task.name, args=(n,)), app=app, task=task) for n in names]
+    keys = [lock_keys(task.lock_name((n,), {})).lock for n in names]
+    for request in requests:
+        request.on_accepted(os.getpid(), time.monotonic())
+        task_ready(request)
+    assert wait_until(lambda: not held(locks, keys[0]))
+    assert wait_until(lambda: held(locks, keys[1]))
+    assert _written_ahead[threading.get_ident()].task_id == requests[1].id
+    requests[1]._give_back()
+    assert wait_until(lambda: not held(locks, keys[1]))

@@ -14,21 +14,25 @@ The prefork pool accepts a task in the parent process and runs it in a child;
 there (and with a ``Request`` class that does not derive from this one) the
 task acquires as it starts.
 
-An acquire written ahead for a task that then never starts (its trace failed
-before the task was called) is given back as the worker records the failure,
-rather than left to its TTL.
+The acquire is kept for the task by the thread that runs it (a thread runs one
+task at a time). One written for a task that then never starts (its trace failed
+before the task was called) is given back as the worker records the failure, or
+at the latest when the thread accepts its next task, rather than left to its TTL.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from celery.worker.request import Request as _CeleryRequest
 
-from celery_redislock.task import AHEAD_FIELD, SingletonTask
+from celery_redislock.task import SingletonTask, take_written_ahead
 
 __all__ = ["Request"]
+
+logger = logging.getLogger(__name__)
 
 
 class Request(_CeleryRequest):  # type: ignore[misc]
@@ -39,7 +43,11 @@ class Request(_CeleryRequest):  # type: ignore[misc]
         task = self.task
         # The pool reports the process the task runs in: this one, in this thread.
         if pid == os.getpid() and isinstance(task, SingletonTask):
-            task._acquire_ahead(self)
+            try:
+                task._acquire_ahead(self)
+            except Exception:
+                # Never in the way of the task: it then asks as it starts.
+                logger.exception("celery_redislock: writing the acquire of %s failed", self.id)
         try:
             super().on_accepted(pid, time_accepted)
         except BaseException:
@@ -54,6 +62,6 @@ class Request(_CeleryRequest):  # type: ignore[misc]
 
     def _give_back(self) -> None:
         """Give back the hold of an acquire written ahead that the task never read."""
-        written = self.request_dict.pop(AHEAD_FIELD, None)
+        written = take_written_ahead(self.id)
         if written is not None:
-            written[0].abandon()
+            written.sent.abandon()

@@ -55,6 +55,7 @@ import logging
 import os
 import random
 import socket
+import threading
 import time
 import warnings
 import weakref
@@ -136,9 +137,6 @@ PER_CALL_OPTIONS = frozenset(
 
 #: Message header carrying a call's overrides to the worker.
 _OVERRIDES_HEADER = "redislock_options"
-#: The request field that carries an acquire written as the worker accepted the
-#: task (see :mod:`celery_redislock.early`) to the task's start.
-AHEAD_FIELD = "redislock_ahead"
 
 #: ``apply_async`` option that re-queues without taking the enqueue-time lock.
 _NO_ENQUEUE_LOCK = "redislock_no_enqueue_lock"
@@ -284,6 +282,29 @@ def _send(signal: Signal, task: Task, name: str, **arguments: Any) -> None:
     Free when nobody listens: this runs on every execution."""
     if signal.receivers:
         signal.send(sender=task, name=name, key=name, **arguments)
+
+
+class _Ahead(NamedTuple):
+    """An acquire written as the worker accepted a task (:mod:`celery_redislock.early`)."""
+
+    task_id: str
+    sent: SentAcquire
+    opts: LockOptions
+
+
+#: The acquires written as the worker accepted a task, by the thread that runs the
+#: task (one task at a time per thread): the task reads its own as it starts.
+_written_ahead: dict[int, _Ahead] = {}
+
+
+def take_written_ahead(task_id: str) -> _Ahead | None:
+    """This thread's acquire written ahead, if it is task ``task_id``'s; one written
+    for another task, which never started here, is given back."""
+    found = _written_ahead.pop(threading.get_ident(), None)
+    if found is not None and found.task_id != task_id:
+        found.sent.abandon()
+        return None
+    return found
 
 
 def skipped_result(name: str, holder: str | None) -> dict[str, Any]:
@@ -837,6 +858,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         """Write the acquire of an execution the worker has just accepted, to be
         read as it starts (see :mod:`celery_redislock.early`); ``message`` is its
         worker request."""
+        stale = _written_ahead.pop(threading.get_ident(), None)
+        if stale is not None:
+            # Its task never started, nor failed where the worker could see it.
+            stale.sent.abandon()
         if type(self).__call__ is not SingletonTask.__call__:
             # A __call__ of a subclass may not start the locked execution.
             return
@@ -852,17 +877,13 @@ class SingletonTask(Task):  # type: ignore[misc]
             return
         ahead = lock._send_acquire()
         if ahead is not None:
-            message.request_dict[AHEAD_FIELD] = (ahead, opts)
+            _written_ahead[threading.get_ident()] = _Ahead(task_id, ahead, opts)
 
     def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ahead: SentAcquire | None = None
-        written = request.__dict__.pop(AHEAD_FIELD, None)
-        if written is not None and request.headers:
-            # Celery counts a request field it does not know as a custom header,
-            # which a retry would send on.
-            request.headers.pop(AHEAD_FIELD, None)
-        if written is not None and written[0].claim():
-            ahead, opts = written
+        written = take_written_ahead(request.id) if _written_ahead else None
+        if written is not None and written.sent.claim():
+            ahead, opts = written.sent, written.opts
             lock = ahead.lock
             key, task_id, asked = lock.name, lock.lease, ahead.sent
         else:
