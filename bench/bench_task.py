@@ -76,6 +76,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -214,8 +215,8 @@ def floor(round_id: str, index: int, work: float = 0.0) -> None:
     busy(work)
 
 
-_written: dict[int, Any] = {}
-_owing: set[int] = set()
+_written: dict[tuple[int, int], Any] = {}
+_owing: set[tuple[int, int]] = set()
 
 
 @app.task(name="bench.floor_written", shared=False)
@@ -224,18 +225,20 @@ def floor_written(round_id: str, index: int, work: float = 0.0) -> None:
     one synchronous round trip (a ``SET NX PX``) and one written request (a ``DEL``)
     whose answer is read after the next request is written; no owner check, no
     heartbeat."""
-    pid = os.getpid()
-    connection = _written.get(pid)
+    # A connection of each process's and thread's own (workers fork; the threads
+    # pool runs tasks side by side).
+    me = (os.getpid(), threading.get_ident())
+    connection = _written.get(me)
     if connection is None:
-        connection = _written[pid] = lock_client().connection_pool.get_connection()
+        connection = _written[me] = lock_client().connection_pool.get_connection()
     key = f"bench.floor_written:{round_id}:{index}"
     connection.send_command("SET", key, 1, "NX", "PX", 60_000)
-    if pid in _owing:
+    if me in _owing:
         connection.read_response()
     connection.read_response()
     busy(work)
     connection.send_command("DEL", key)
-    _owing.add(pid)
+    _owing.add(me)
 
 
 once: Any = None
