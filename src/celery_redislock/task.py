@@ -298,13 +298,13 @@ _written_ahead: dict[int, _Ahead] = {}
 
 
 def take_written_ahead(task_id: str) -> _Ahead | None:
-    """This thread's acquire written ahead, if it is task ``task_id``'s; one written
-    for another task, which never started here, is given back."""
-    found = _written_ahead.pop(threading.get_ident(), None)
-    if found is not None and found.task_id != task_id:
-        found.sent.abandon()
+    """This thread's acquire written ahead, if it is task ``task_id``'s (then it is
+    this caller's to finish or give back)."""
+    me = threading.get_ident()
+    found = _written_ahead.get(me)
+    if found is None or found.task_id != task_id:
         return None
-    return found
+    return _written_ahead.pop(me, None)
 
 
 def skipped_result(name: str, holder: str | None) -> dict[str, Any]:
@@ -881,7 +881,11 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ahead: SentAcquire | None = None
-        written = take_written_ahead(request.id) if _written_ahead else None
+        written = _written_ahead.pop(threading.get_ident(), None) if _written_ahead else None
+        if written is not None and written.task_id != request.id:
+            # Written for a task that never started: this thread runs another.
+            written.sent.abandon()
+            written = None
         if written is not None and written.sent.claim():
             ahead, opts = written.sent, written.opts
             lock = ahead.lock
