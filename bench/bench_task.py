@@ -50,11 +50,12 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    round to round). The worker notes when it receives each task
    (``task_received``, before it accepts the task: ``SingletonTask`` writes its
    acquire as the task is accepted), so the time from one task's receipt to the
-   next one's is what that task cost on the worker's clock, its kind known. A slow moment of the machine hits
-   every kind alike: over ten runs, SingletonTask's ratio moved by 2.3 points
-   and celery-singleton's, the most, by 5, where section 2's move by ten. Then
-   the lock store's time per command over the counted rounds (``INFO
-   commandstats``): the scripts' ``EVALSHA`` beside the peers' ``SET`` and ``DEL``.
+   next one's is what that task cost on the worker's clock, its kind known. A
+   slow moment of the machine hits every kind alike: over ten runs,
+   SingletonTask's ratio moved by 2.3 points and celery-singleton's, the most,
+   by 5, where section 2's move by ten. Then the lock store's time per command
+   over the counted rounds (``INFO commandstats``): the scripts' ``EVALSHA``
+   beside the peers' ``SET`` and ``DEL``.
 
 celery-once and celery-singleton take their lock when the task is *sent*
 (``apply_async``) and free it when it ends, so part of their cost is paid by
