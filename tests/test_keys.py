@@ -864,9 +864,9 @@ def test_plain_signatures_bind_like_inspect() -> None:
 
 
 def test_positional_calls_of_text_and_numbers_key_like_the_general_path() -> None:
-    """A call passing every parameter positionally, of exact ``str`` (ASCII),
-    ``int`` and ``float`` values (the usual Celery message), is encoded as text
-    in one go; it gets the same key as the general encoder for every value, and
+    """A call passing every parameter positionally (a tuple, or a list as a worker
+    decodes it from JSON), of exact ``str`` (ASCII), ``int`` and ``float`` values
+    (the usual Celery message), is encoded as text in one go; it gets the same key as the general encoder for every value, and
     the values it does not take (other types, subclasses, non-ASCII text, huge
     ints) go the general way."""
 
@@ -892,9 +892,10 @@ def test_positional_calls_of_text_and_numbers_key_like_the_general_path() -> Non
             args = (value, values[-index - 1], value)
             assert fast(args, {}) == general(args, {}), (lock_on, args)
             assert fast(args, None) == general(list(args), {}), (lock_on, args)
+            assert fast(list(args), None) == general(args, {}), (lock_on, args)
         usual = ("report-42", 7, 0.5)
         assert _text_digest(usual, fast._positions) is not None
-        assert fast(usual, {}) == general(usual, {})
+        assert fast(usual, {}) == general(usual, {}) == fast(list(usual), {})
 
     # A parameter named in other than ASCII has a form of more bytes than
     # characters: such a task takes the general path.

@@ -343,7 +343,8 @@ class KeyBuilder:
                 ``lock_key``) it came from.
         """
         if self._order is not None:
-            if not kwargs and type(args) is tuple and len(args) == self._arity:
+            # A message's arguments are a tuple, or a list once decoded from JSON.
+            if not kwargs and isinstance(args, tuple | list) and len(args) == self._arity:
                 found = _text_digest(args, self._positions)
                 if found is not None:
                     return f"{self.task_name}:{found}"

@@ -77,6 +77,7 @@ from celery_redislock.transport import (
     TRANSIENT,
     Client,
     Deadline,
+    Router,
     Transport,
     backend_errors,
     describe_error,
@@ -330,6 +331,32 @@ class RedisLock:
     # The heartbeat lane renewing the current hold, if any.
     _lane: _Lane | None = None
 
+    # The state set by _fill() (every lock has all of it).
+    #: The lock's name, and the Redis keys of its hash and of its waiter queue.
+    name: str
+    key: str
+    queue_key: str
+    #: The owner token (:func:`~celery_redislock.ids.owner_token` unless given).
+    owner: str
+    #: The lease (a Celery task id), ``""`` for none.
+    lease: str
+    ttl: float
+    heartbeat_interval: float
+    blocking_timeout: float | None
+    call_timeout: float
+    #: Replicas that must confirm a new hold (``WAIT``) before acquire succeeds.
+    min_replicas: int
+    replica_timeout: float
+    client: Client
+    prefix: str
+    wake_prefix: str
+    heartbeat: bool
+    on_lost: Callable[[RedisLock], Any] | None
+    _info: tuple[str, ...]
+    _state: threading.Lock
+    _heartbeat: Heartbeat | None
+    _router: Router
+
     def __init__(
         self,
         client_or_url: Client | str,
@@ -353,12 +380,10 @@ class RedisLock:
         check_prefix(prefix)
         if on_lost is not None and not callable(on_lost):
             raise TypeError(f"on_lost must be callable or None, not {type(on_lost).__name__}")
-        self.ttl = check_ttl(ttl)
-        if heartbeat_interval is None:
-            self.heartbeat_interval = self.ttl / 3
-        else:
-            self.heartbeat_interval = check_ttl(heartbeat_interval, "heartbeat_interval")
-            if self.heartbeat_interval >= self.ttl:
+        ttl = check_ttl(ttl)
+        if heartbeat_interval is not None:
+            interval = check_ttl(heartbeat_interval, "heartbeat_interval")
+            if interval >= ttl:
                 raise ValueError(
                     f"heartbeat_interval ({heartbeat_interval}) must be shorter than ttl ({ttl}), "
                     "or the lock expires between renewals"
@@ -367,99 +392,87 @@ class RedisLock:
             check_name(owner, "owner")
         if lease is not None and lease != "":
             check_name(lease, "lease")
-        self.blocking_timeout = check_timeout(blocking_timeout, "blocking_timeout")
-        self.call_timeout = check_ttl(call_timeout, "call_timeout")
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int):
             raise TypeError(f"min_replicas must be an int, not {type(min_replicas).__name__}")
         if min_replicas < 0:
             raise ValueError(f"min_replicas must be >= 0, got {min_replicas}")
-        replica_timeout = check_ttl(replica_timeout, "replica_timeout")
-        info = check_holder_info(holder_info)
-        self._setup(
+        shared = self._shared(
             as_client(client_or_url),
-            name,
-            owner,
-            lease,
-            heartbeat,
-            on_lost,
-            min_replicas,
-            replica_timeout,
-            info,
-            prefix,
-            _heartbeat,
+            ttl,
+            on_lost=on_lost,
+            min_replicas=min_replicas,
+            prefix=prefix,
+            heartbeat=heartbeat,
+            heartbeat_interval=None if heartbeat_interval is None else interval,
+            blocking_timeout=check_timeout(blocking_timeout, "blocking_timeout"),
+            call_timeout=check_ttl(call_timeout, "call_timeout"),
+            replica_timeout=check_ttl(replica_timeout, "replica_timeout"),
+            beat=_heartbeat,
+        )
+        self._fill(
+            shared, name, owner or owner_token(), lease or "", check_holder_info(holder_info)
         )
 
-    @classmethod
-    def _checked_elsewhere(
-        cls,
+    @staticmethod
+    def _shared(
         client: Client,
-        name: str,
         ttl: float,
         *,
-        owner: str,
-        lease: str,
-        on_lost: Callable[[RedisLock], Any],
-        min_replicas: int,
-        holder_info: tuple[str, ...],
-        prefix: str,
-    ) -> RedisLock:
-        """A renewed lock built from values already checked (a task's resolved
-        options, its lock name and task id): the per-execution lock of a
-        :class:`~celery_redislock.task.SingletonTask`, built without checking
-        them once more on every run. ``holder_info`` is one value per
-        :data:`~celery_redislock.scripts.HOLDER_FIELDS` name."""
-        lock = cls.__new__(cls)
-        lock.ttl = float(ttl)
-        lock.heartbeat_interval = lock.ttl / 3
-        lock.blocking_timeout = None
-        lock.call_timeout = DEFAULT_CALL_TIMEOUT
-        lock._setup(
-            client,
-            name,
-            owner,
-            lease,
-            True,
-            on_lost,
-            min_replicas,
-            DEFAULT_REPLICA_TIMEOUT,
-            holder_info,
-            prefix,
-            None,
-        )
-        return lock
-
-    def _setup(
-        self,
-        client: Client,
-        name: str,
-        owner: str | None,
-        lease: str | None,
-        heartbeat: bool,
         on_lost: Callable[[RedisLock], Any] | None,
         min_replicas: int,
-        replica_timeout: float,
-        info: tuple[str, ...],
         prefix: str,
-        beat: Heartbeat | None,
+        heartbeat: bool = True,
+        heartbeat_interval: float | None = None,
+        blocking_timeout: float | None = None,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
+        beat: Heartbeat | None = None,
+    ) -> dict[str, Any]:
+        """The state of a lock that does not depend on its name or holder, from
+        checked values. Locks of one kind (the executions of one task) share it:
+        it is built once, and copied into each by :meth:`_fill`."""
+        ttl = float(ttl)
+        return {
+            "ttl": ttl,
+            "heartbeat_interval": ttl / 3 if heartbeat_interval is None else heartbeat_interval,
+            "blocking_timeout": blocking_timeout,
+            "call_timeout": call_timeout,
+            "min_replicas": min_replicas,
+            "replica_timeout": replica_timeout,
+            "client": client,
+            "prefix": prefix,
+            "wake_prefix": wake_channel_prefix(prefix),
+            "heartbeat": heartbeat,
+            "on_lost": on_lost,
+            "_heartbeat": beat,
+            "_router": router_for(client),
+        }
+
+    @classmethod
+    def _from_shared(
+        cls, shared: Mapping[str, Any], name: str, owner: str, lease: str, info: tuple[str, ...]
+    ) -> RedisLock:
+        """A lock of :meth:`_shared` state, built from values already checked: the
+        per-execution lock of a :class:`~celery_redislock.task.SingletonTask`,
+        built without checking them once more on every run."""
+        lock = cls.__new__(cls)
+        lock._fill(shared, name, owner, lease, info)
+        return lock
+
+    def _fill(
+        self, shared: Mapping[str, Any], name: str, owner: str, lease: str, info: tuple[str, ...]
     ) -> None:
-        """Set the state every lock starts with, from checked arguments."""
-        #: Replicas that must confirm a new hold (``WAIT``) before acquire succeeds.
-        self.min_replicas = min_replicas
-        self.replica_timeout = replica_timeout
-        self._info = info
-        self.client = client
-        self.name = name
-        self.prefix = prefix
-        self.key, self.queue_key = _keys(name, prefix)
-        self.wake_prefix = wake_channel_prefix(prefix)
-        #: The owner token (:func:`~celery_redislock.ids.owner_token` unless given).
-        self.owner = owner or owner_token()
-        self.lease = lease or ""
-        self.heartbeat = heartbeat
-        self.on_lost = on_lost
-        self._state = threading.Lock()
-        self._heartbeat = beat
-        self._router = router_for(client)
+        """Set the state every lock starts with: ``shared`` (see :meth:`_shared`), its
+        name, owner token, lease (``""`` for none) and holder description (one value
+        per :data:`~celery_redislock.scripts.HOLDER_FIELDS` name, or none)."""
+        state = self.__dict__
+        state.update(shared)
+        state["name"] = name
+        state["key"], state["queue_key"] = _keys(name, shared["prefix"])
+        state["owner"] = owner
+        state["lease"] = lease
+        state["_info"] = info
+        state["_state"] = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<RedisLock {self.name!r} owner={self.owner[:8]}… token={self.token}>"

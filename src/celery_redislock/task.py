@@ -602,6 +602,11 @@ class SingletonTask(Task):  # type: ignore[misc]
     # Per task (set on the task instance, never on a class).
     _lock_options: LockOptions | None = None
     _key_builder: KeyBuilder | None = None
+    # The lock store, options and shared lock state of the last execution.
+    _lock_kind: tuple[Client, LockOptions, Mapping[str, Any]] | None = None
+    # The worker node and process id of the last execution, and its holder
+    # description without the time it began.
+    _running_as: tuple[Any, str, tuple[str, ...]] | None = None
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -731,13 +736,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         if not running:
             return (self.name[:MAX_INFO_LENGTH], "queued", "", "", since)
         node = getattr(request or self.request, "hostname", None) or _process.hostname
-        return (
-            self.name[:MAX_INFO_LENGTH],
-            "running",
-            str(node)[:MAX_INFO_LENGTH],
-            _process.pid,
-            since,
-        )
+        kept = self._running_as
+        if kept is None or kept[0] != node or kept[1] is not _process.pid:
+            # The same for every execution in this worker process.
+            described = (self.name[:MAX_INFO_LENGTH], "running", str(node)[:MAX_INFO_LENGTH])
+            kept = self._running_as = (node, _process.pid, (*described, _process.pid))
+        return (*kept[2], since)
 
     def _on_lost(self, lock: RedisLock) -> None:
         logger.warning(
@@ -842,16 +846,25 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _execution_lock(self, key: str, task_id: str, opts: LockOptions, request: Any) -> RedisLock:
         """The lock of one execution (``request``: its context, or its worker request)."""
-        return RedisLock._checked_elsewhere(
-            lock_store(self.app, opts.url),
+        client = lock_store(self.app, opts.url)
+        kept = self._lock_kind
+        if kept is None or kept[0] is not client or kept[1] is not opts:
+            # What every execution with these options shares (one per task and
+            # process, unless a call overrides options).
+            shared = RedisLock._shared(
+                client,
+                opts.ttl,
+                on_lost=self._on_lost,
+                min_replicas=opts.min_replicas,
+                prefix=opts.prefix,
+            )
+            kept = self._lock_kind = (client, opts, shared)
+        return RedisLock._from_shared(
+            kept[2],
             key,
-            opts.ttl,
-            owner=f"{task_id}:{random_hex(16)}",
-            lease=task_id,
-            on_lost=self._on_lost,
-            min_replicas=opts.min_replicas,
-            holder_info=self._holder_values(running=True, request=request),
-            prefix=opts.prefix,
+            f"{task_id}:{random_hex(16)}",
+            task_id,
+            self._holder_values(running=True, request=request),
         )
 
     def _acquire_ahead(self, message: Any) -> None:
