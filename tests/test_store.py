@@ -3,7 +3,9 @@ broker as a fallback, and SingletonTask end to end on Cluster, Sentinel and TLS.
 
 from __future__ import annotations
 
+import os
 import uuid
+from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
@@ -17,7 +19,8 @@ from celery_redislock.deployments import ClusterDeployment, SentinelDeployment, 
 from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.store import describe_store, lock_store, store_url
-from tests.support import close_app
+from celery_redislock.transport import router_for
+from tests.support import close_app, in_forked_child
 
 
 def make(name: str, **conf: Any) -> Celery:
@@ -55,6 +58,45 @@ def test_redislock_client_given_ready(redislock_server: RedisServer) -> None:
     assert isinstance(token, int)
     assert held
     assert describe_store(app) == "app.conf.redislock_client (Redis)"
+    close_app(app)
+    client.close()
+
+
+def _child_locks(job: Any, conn: Connection) -> None:
+    """In a forked child: build an execution's lock and run one; report what they used."""
+    lock = job._execution_lock("k", "child-task", job.lock_options, None)
+    held = job.apply(("b",)).get()[1]
+    conn.send(
+        {
+            "own_router": lock._router is router_for(job.lock_client),
+            "pid": lock._info[3],
+            "held": held,
+        }
+    )
+    conn.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork()")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_locks_on_its_own_connections(redislock_server: RedisServer) -> None:
+    """A task's executions share the lock state that does not change between them,
+    kept per process: a forked child (a prefork worker's) that inherited a client
+    object from ``redislock_client`` builds its locks on connections of its own and
+    describes itself with its own process id."""
+    client = redislock_server.client()
+    app = make("forked", redislock_client=client)
+    job = job_of(app)
+    parent = job._execution_lock("k", "parent-task", job.lock_options, None)
+    assert parent._router is router_for(client)
+    assert job.apply(("a",)).get()[1]
+    report = in_forked_child(_child_locks, job)
+    assert report["own_router"]
+    assert report["held"]
+    assert report["pid"] != str(os.getpid())
+    # The parent's own state is untouched.
+    again = job._execution_lock("k", "parent-task-2", job.lock_options, None)
+    assert again._router is parent._router
+    assert again._info[3] == str(os.getpid())
     close_app(app)
     client.close()
 

@@ -602,8 +602,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     # Per task (set on the task instance, never on a class).
     _lock_options: LockOptions | None = None
     _key_builder: KeyBuilder | None = None
-    # The lock store, options and shared lock state of the last execution.
-    _lock_kind: tuple[Client, LockOptions, Mapping[str, Any]] | None = None
+    # The lock store, options, process id and shared lock state of the last execution.
+    _lock_kind: tuple[Client, LockOptions, str, Mapping[str, Any]] | None = None
     # The worker node and process id of the last execution, and its holder
     # description without the time it began.
     _running_as: tuple[Any, str, tuple[str, ...]] | None = None
@@ -848,9 +848,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         """The lock of one execution (``request``: its context, or its worker request)."""
         client = lock_store(self.app, opts.url)
         kept = self._lock_kind
-        if kept is None or kept[0] is not client or kept[1] is not opts:
+        if kept is None or kept[0] is not client or kept[1] is not opts or kept[2] != _process.pid:
             # What every execution with these options shares (one per task and
-            # process, unless a call overrides options).
+            # process, unless a call overrides options): a forked child has
+            # connections of its own, even to a client object it inherited.
             shared = RedisLock._shared(
                 client,
                 opts.ttl,
@@ -858,9 +859,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                 min_replicas=opts.min_replicas,
                 prefix=opts.prefix,
             )
-            kept = self._lock_kind = (client, opts, shared)
+            kept = self._lock_kind = (client, opts, _process.pid, shared)
         return RedisLock._from_shared(
-            kept[2],
+            kept[3],
             key,
             f"{task_id}:{random_hex(16)}",
             task_id,
