@@ -866,9 +866,9 @@ def test_plain_signatures_bind_like_inspect() -> None:
 def test_positional_calls_of_text_and_numbers_key_like_the_general_path() -> None:
     """A call passing every parameter positionally (a tuple, or a list as a worker
     decodes it from JSON), of exact ``str`` (ASCII), ``int`` and ``float`` values
-    (the usual Celery message), is encoded as text in one go; it gets the same key as the general encoder for every value, and
-    the values it does not take (other types, subclasses, non-ASCII text, huge
-    ints) go the general way."""
+    (the usual Celery message), is encoded as text in one go; it gets the same key
+    as the general encoder for every value, and the values it does not take (other
+    types, subclasses, non-ASCII text, huge ints) go the general way."""
 
     class Number(enum.IntEnum):
         ONE = 1
