@@ -737,7 +737,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             return (self.name[:MAX_INFO_LENGTH], "queued", "", "", since)
         node = getattr(request or self.request, "hostname", None) or _process.hostname
         kept = self._running_as
-        if kept is None or kept[0] != node or kept[1] is not _process.pid:
+        if kept is None or kept[0] != node or kept[1] != _process.pid:
             # The same for every execution in this worker process.
             described = (self.name[:MAX_INFO_LENGTH], "running", str(node)[:MAX_INFO_LENGTH])
             kept = self._running_as = (node, _process.pid, (*described, _process.pid))
