@@ -514,8 +514,9 @@ def test_sentinel_locks_keep_working_after_a_failover(
 
 def exercise(user: AclUser, name: str = "acl-exercise") -> str | None:
     """Use every part of the engine as ``user``: take a lock (first use of the scripts on
-    the server, new fence counter), re-enter, read it, release a hold, wait for a
-    release, release, and free a lease. Return what failed first, or ``None``."""
+    the server, new fence counter), re-enter, read it, release a hold, give up
+    waiting, wait for a release (which hands the lock over), release, and free a
+    lease. Return what failed first, or ``None``."""
     url = user.url
     first = RedisLock(url, name, ttl=5, heartbeat=False)
     waiter = RedisLock(url, name, ttl=5, heartbeat=False)
@@ -526,6 +527,11 @@ def exercise(user: AclUser, name: str = "acl-exercise") -> str | None:
         if not (first.locked() and first.owned() and first.holder_lease() is None):
             return "reads disagree"
         first.release()
+        quitter = RedisLock(url, name, ttl=5, heartbeat=False)
+        if quitter.acquire(timeout=0.2):
+            return "the lock was taken twice"
+        if admin.exists(first.queue_key):
+            return "a waiter that gave up did not leave the queue"
         done = threading.Event()
 
         def release_when_waited_for() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import multiprocessing
 import os
 import queue
@@ -29,6 +30,7 @@ from celery_redislock import (
     LockNotOwnedError,
     LockTimeoutError,
     RedisLock,
+    scripts,
     wakeups,
 )
 from celery_redislock import lock as lock_module
@@ -39,6 +41,7 @@ from celery_redislock.scripts import (
     COUNT_FIELD,
     FENCE_FIELD,
     FIELDS,
+    GRANT_MS,
     LEASE_FIELD,
     OWNER_FIELD,
     QUEUED_FIELD,
@@ -628,18 +631,152 @@ def test_spare_woken_again_during_its_head_start_asks_at_once(
     assert holder.acquire()
     waiter_lock, waiter = wait_behind(holder, cleanup, timeout=300)
     assert wait_until(lambda: queued(client, holder) == 1)
-    (waiter_id,) = cast(list[bytes], client.zrange(holder.queue_key, 0, -1))
+    (entry,) = cast(list[bytes], client.zrange(holder.queue_key, 0, -1))
     # A waiter of a process that died while queued, ahead of the live one.
     client.zadd(holder.queue_key, {"gone-process.1": 1})
     hub = wakeups.hub_for(waiter_lock.transport, waiter_lock.prefix)
     holder.release()  # wakes the gone one first, the live one as the spare
-    assert client.zrange(holder.queue_key, 0, -1) == [waiter_id]
+    assert client.zrange(holder.queue_key, 0, -1) == [entry]
     assert wait_until(lambda: hub.received == 1)  # the spare's wake-up, read
     assert not waiter.done()
-    client.publish(holder.wake_prefix + wakeups.process_token(), waiter_id)
+    client.publish(holder.wake_prefix + wakeups.process_token(), json.loads(entry)[0])
     assert wait_until(waiter.done, timeout=30)
     assert (waiter.error, waiter.result) == (None, True)
     assert waiter_lock.owned()
+
+
+def evalsha_calls(client: redis.Redis) -> int:
+    """Scripts the server ran by digest since its statistics were last reset."""
+    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_release_hands_the_lock_to_the_first_waiter(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """A release hands the lock to the first queued waiter, with its lease, its holder
+    description and the next fencing token: the waiter holds it when its wake-up
+    arrives, without a round trip of its own. Its heartbeat then renews the short
+    hold a release grants to the waiter's full TTL at once."""
+    holder = RedisLock(client, "handed", ttl=60)
+    assert holder.acquire()
+    waiter_lock = RedisLock(
+        client,
+        "handed",
+        ttl=60,
+        lease="task-2",
+        holder_info={"task": "tasks.buy", "state": "running", "node": "w1", "pid": "7"},
+    )
+    cleanup.append(waiter_lock)
+    waiter = Waiter(waiter_lock, timeout=30)
+    assert wait_until(lambda: queued(client, holder) == 1)
+    client.config_resetstat()
+    holder.release()
+    assert wait_until(waiter.done, timeout=10)
+    assert (waiter.error, waiter.result) == (None, True)
+    assert holder.token is not None
+    assert waiter_lock.token == holder.token + 1
+    fields = stored(client, waiter_lock)
+    assert fields[OWNER_FIELD] == waiter_lock.owner.encode()
+    assert fields[LEASE_FIELD] == b"task-2"
+    assert fields["t"] == b"tasks.buy"
+    assert fields["h"] == b"w1"
+    assert int(fields[FENCE_FIELD]) == waiter_lock.token
+    # Renewed to the full TTL by the heartbeat (EXTEND), well past the handed hold's.
+    assert wait_until(lambda: client.pttl(waiter_lock.key) > GRANT_MS)
+    # The release and the renewal: the waiter sent no acquire after its wake-up.
+    assert evalsha_calls(client) == 2
+    waiter_lock.release()
+    assert not held(client, waiter_lock)
+
+
+def test_a_handed_lock_is_confirmed_by_a_round_trip_without_heartbeat(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """A waiter that cannot renew the handed hold in the background (no heartbeat)
+    confirms it with an acquire, which gives it the full TTL and counts no second hold."""
+    holder = RedisLock(client, "handed-confirmed", ttl=60)
+    assert holder.acquire()
+    waiter_lock = RedisLock(client, "handed-confirmed", ttl=60, heartbeat=False)
+    cleanup.append(waiter_lock)
+    waiter = Waiter(waiter_lock, timeout=30)
+    assert wait_until(lambda: queued(client, holder) == 1)
+    client.config_resetstat()
+    holder.release()
+    assert wait_until(waiter.done, timeout=10)
+    assert (waiter.error, waiter.result) == (None, True)
+    assert evalsha_calls(client) == 2  # the release and the confirming acquire
+    assert client.pttl(waiter_lock.key) > GRANT_MS
+    fields = stored(client, waiter_lock)
+    assert COUNT_FIELD not in fields
+    assert len(fields[REQUEST_FIELD]) == REQUEST_ID_DIGITS
+    assert waiter_lock.token == int(fields[FENCE_FIELD])
+    waiter_lock.release()
+    assert not held(client, waiter_lock)
+
+
+def test_a_waiter_gone_since_it_queued_keeps_the_lock_only_for_the_grant(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """The first waiter's process died while it was queued: the release hands it the
+    lock all the same, for GRANT_MS at most. The live waiter behind it (woken as the
+    spare) gets the lock once that runs out, long before the holder's 60 s TTL."""
+    holder = RedisLock(client, "handed-gone", ttl=60)
+    assert holder.acquire()
+    gone = scripts.queue_entry("gone-process.1", "gone-owner", 60_000, "", ())
+    client.zadd(holder.queue_key, {gone: 1})
+    client.hset(holder.key, QUEUED_FIELD, "1")
+    waiter_lock, waiter = wait_behind(holder, cleanup)
+    assert wait_until(lambda: queued(client, holder) == 2)
+    holder.release()
+    assert client.hget(holder.key, OWNER_FIELD) == b"gone-owner"
+    assert 0 < client.pttl(holder.key) <= GRANT_MS
+    assert wait_until(waiter.done, timeout=20)
+    assert (waiter.error, waiter.result) == (None, True)
+    assert waiter_lock.owned()
+    assert holder.token is not None
+    assert waiter_lock.token is not None
+    assert waiter_lock.token > holder.token + 1
+
+
+def test_a_waiter_that_leaves_gives_back_a_lock_handed_to_it(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """A waiter that gives up just as a release hands it the lock (its wake-up not read)
+    gives the lock back as it leaves the queue, and the next waiter is handed it."""
+    holder = RedisLock(client, "handed-left", ttl=60)
+    assert holder.acquire()
+    leaving = RedisLock(client, "handed-left", ttl=60)
+    entry = scripts.queue_entry("left-process.1", leaving.owner, 60_000, "", ())
+    after = scripts.queue_entry("next-process.2", "next-owner", 60_000, "", ())
+    client.zadd(holder.queue_key, {entry: 1, after: 2})
+    client.hset(holder.key, QUEUED_FIELD, "1")
+    holder.release()
+    assert client.hget(holder.key, OWNER_FIELD) == leaving.owner.encode()
+    leaving._position = "1"
+    leaving._leave_queue(entry)
+    assert client.hget(holder.key, OWNER_FIELD) == b"next-owner"
+    assert client.zcard(holder.queue_key) == 0
+
+
+def test_a_handed_lock_whose_wake_up_was_lost_is_confirmed_by_the_next_try(
+    client: redis.Redis,
+) -> None:
+    """A waiter that never read the wake-up handing it the lock (the subscription
+    broke) finds the hold its own at its next try: taken once, with the handed
+    fencing token, and one release frees it."""
+    holder = RedisLock(client, "handed-lost", ttl=60)
+    assert holder.acquire()
+    waiter = RedisLock(client, "handed-lost", ttl=60)
+    entry = scripts.queue_entry("lost-process.1", waiter.owner, 60_000, "", ())
+    client.zadd(holder.queue_key, {entry: 1})
+    client.hset(holder.key, QUEUED_FIELD, "1")
+    holder.release()
+    assert waiter._try_acquire(waiter._call_deadline(None), "1000000001", entry)
+    assert holder.token is not None
+    assert waiter.token == holder.token + 1
+    assert COUNT_FIELD not in stored(client, waiter)
+    waiter.release()
+    assert not held(client, waiter)
 
 
 def test_lone_waiter_reads_its_wake_up_itself(

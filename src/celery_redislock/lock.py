@@ -60,6 +60,7 @@ from celery_redislock.ids import owner_token, request_id
 from celery_redislock.scripts import (
     ACQUIRE_SCRIPT,
     EXTEND_SCRIPT,
+    GRANT_MS,
     HOLDER_FIELDS,
     LEASE_FIELD,
     LEAVE_SCRIPT,
@@ -70,6 +71,7 @@ from celery_redislock.scripts import (
     AcquireReply,
     Call,
     Released,
+    queue_entry,
     send,
 )
 from celery_redislock.transport import (
@@ -83,7 +85,7 @@ from celery_redislock.transport import (
     describe_error,
     router_for,
 )
-from celery_redislock.wakeups import Waiter, hub_for
+from celery_redislock.wakeups import hub_for
 
 logger = logging.getLogger(__name__)
 
@@ -326,6 +328,8 @@ class RedisLock:
     _pttl = 0
     # A waiter's place in the lock's queue, kept across its tries.
     _position: str | None = None
+    # Send time of the last try of a waiting acquire.
+    _tried = 0.0
     # Send time of a try of the current acquire whose reply never came.
     _unconfirmed: float | None = None
     # The heartbeat lane renewing the current hold, if any.
@@ -774,8 +778,9 @@ class RedisLock:
         """:func:`~celery_redislock.scripts.send` for this lock's key."""
         return send(self._router, self.key, call, deadline, then)
 
-    def _acquire_call(self, request: str, waiter: Waiter | None = None) -> Call:
-        """The ACQUIRE script call of one try (a ``waiter`` is queued if the lock is held)."""
+    def _acquire_call(self, request: str, entry: str = "") -> Call:
+        """The ACQUIRE script call of one try (a waiter with this queue ``entry``
+        is queued if the lock is held)."""
         return Call(
             ACQUIRE_SCRIPT,
             (self.key, self.queue_key),
@@ -784,20 +789,21 @@ class RedisLock:
                 max(1, int(self.ttl * 1000)),
                 self.lease,
                 request,
-                waiter.id if waiter else "",
-                (self._position or "") if waiter else "",
+                entry,
+                (self._position or "") if entry else "",
                 *self._info,
             ),
         )
 
-    def _try_acquire(self, deadline: Deadline, request: str, waiter: Waiter | None = None) -> bool:
+    def _try_acquire(self, deadline: Deadline, request: str, entry: str = "") -> bool:
         """One acquire round trip; record the hold, or who holds the lock instead.
 
-        A ``waiter`` that finds the lock held is queued (keeping its place).
+        A waiter (with its queue ``entry``) that finds the lock held is queued
+        (keeping its place).
         """
-        call = self._acquire_call(request, waiter)
+        call = self._acquire_call(request, entry)
         wait = self._replica_wait(deadline) if self.min_replicas else ()
-        sent = time.monotonic()
+        sent = self._tried = time.monotonic()
         try:
             raw = send(self._router, self.key, call, deadline, wait)
             reply = AcquireReply.parse(raw[0] if wait else raw)
@@ -944,6 +950,7 @@ class RedisLock:
         """
         hub = hub_for(self.transport, self.prefix)
         waiter = hub.join()
+        entry = queue_entry(waiter.id, self.owner, self.ttl_ms, self.lease, self._info)
         self._position = None
         acquired = False
         failing_since: float | None = None
@@ -956,7 +963,7 @@ class RedisLock:
                     if not hub.wait_ready(self._call_deadline(ends)):
                         raise RedisTimeoutError("the wake-up subscription is not in place")
                     hub.rearm(waiter)
-                    if self._try_acquire(self._call_deadline(ends), request, waiter):
+                    if self._try_acquire(self._call_deadline(ends), request, entry):
                         acquired = True
                         return True
                     failing_since, pause = None, 0.01
@@ -970,6 +977,9 @@ class RedisLock:
                         wait = min(wait, remaining)
                     if hub.wait(waiter, wait):
                         last_try = False
+                        if waiter.fence is not None and self._keep_handed(waiter.fence):
+                            acquired = True
+                            return True
                         if waiter.spare:
                             # Woken second: the first woken waiter goes ahead, unless
                             # it is gone (then this one takes the lock after the pause).
@@ -1000,13 +1010,43 @@ class RedisLock:
         finally:
             hub.leave(waiter)
             if not acquired and self._position is not None:
-                self._leave_queue(waiter)
+                self._leave_queue(entry)
             self._position = None
 
-    def _leave_queue(self, waiter: Waiter) -> None:
-        """Leave the waiter queue, so the next release wakes somebody still waiting
-        (in the background if Redis does not answer at once)."""
-        call = Call(LEAVE_SCRIPT, [self.queue_key], [waiter.id])
+    def _keep_handed(self, fence: int) -> bool:
+        """Hold the lock a release handed to this waiter (with ``fence``), without
+        a round trip, if that is safe; else the next try confirms it.
+
+        The release ran after this waiter's last try was sent, and gave the hold
+        ``GRANT_MS`` (at most the TTL), so the server cannot expire it before the
+        last try's send time plus that: the local deadline. It is kept if at least
+        half of that is left and the heartbeat renews it (at once, to the full
+        TTL); a hold that replicas must confirm (``min_replicas``) always takes
+        the round trip, which waits for them.
+        """
+        if not self.heartbeat or self.min_replicas:
+            return False
+        granted = min(self.ttl, GRANT_MS / 1000)
+        now = time.monotonic()
+        if self._tried + granted - now < granted / 2:
+            return False
+        with self._state:
+            self._holds = 1
+            self.token = fence
+            self._lost = False
+            self._expiry = self._tried + granted
+        self._lane = self._beat().register(self, at_once=True)
+        return True
+
+    def _leave_queue(self, entry: str) -> None:
+        """Leave the waiter queue, so the next release wakes somebody still waiting,
+        and give back the lock if a release handed it over meanwhile (in the
+        background if Redis does not answer at once)."""
+        call = Call(
+            LEAVE_SCRIPT,
+            [self.key, self.queue_key],
+            [self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, entry],
+        )
         try:
             self._run(call, Deadline.after(min(self.call_timeout, MIN_CALL * 4)))
         except RedisError:

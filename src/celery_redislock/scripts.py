@@ -70,6 +70,7 @@ without an expiry.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from enum import IntEnum
 from string import Template
@@ -136,6 +137,20 @@ RESERVE_MS = 250
 #: What the wake-up message of the second woken waiter (the spare) ends with.
 SPARE_MARK = " spare"
 
+#: What follows the waiter id in the wake-up message of a waiter the lock was
+#: handed to, before the hold's fencing token.
+GRANT_MARK = " grant "
+
+#: The TTL, in ms, of a hold a release hands to the first queued waiter (at most
+#: the waiter's own TTL): the waiter renews it to its full TTL as soon as it reads
+#: its wake-up. Long enough for that; short enough that a waiter gone since it
+#: queued keeps the others out only briefly.
+GRANT_MS = 2000
+
+#: What the request field holds while a handed-over hold is not yet confirmed by
+#: its waiter: this, followed by the waiter id.
+GRANTED_TO = "g:"
+
 #: How many recent freeing releases a lock remembers, so that a retried release
 #: is recognised even if the lock was taken and freed again in between.
 RELEASES_REMEMBERED = 8
@@ -152,6 +167,9 @@ def _lua(text: str) -> str:
         HOLDER=holder,
         RESERVE_MS=RESERVE_MS,
         SPARE=f"'{SPARE_MARK}'",
+        GRANT=f"'{GRANT_MARK}'",
+        GRANTED_TO=f"'{GRANTED_TO}'",
+        GRANT_MS=GRANT_MS,
         RELEASE_HISTORY=RELEASES_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
     )
 
@@ -177,6 +195,16 @@ local function now_ms()
     return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 end
 
+-- The fencing token after ``last`` (a field's value, or false): one more, or when
+-- there is none (first use, expired remnant, a server that lost its data) one
+-- seeded from the server clock in microseconds, so tokens keep increasing.
+local function next_fence(last)
+    local fence = tonumber(last)
+    if fence then return fence + 1 end
+    local now = redis.call('TIME')
+    return tonumber(now[1]) * 1000000 + tonumber(now[2])
+end
+
 local function denied(command, ...)
     if redis.acl_check_cmd and not redis.acl_check_cmd(command, ...) then
         local target = select('#', ...) > 0 and (' on ' .. select(1, ...)) or ''
@@ -194,12 +222,27 @@ end
 # fields are emptied, so the remnant keeps little beyond the fence.
 _FREE = _lua("""
 -- What the scripts that free the lock read of it, in one HMGET: the owner, the
--- request id, the lease, the count, the releases remembered, the queued flag and
--- the holder's task name (the first of its description), in that order (a missing
--- field is false).
+-- request id, the lease, the count, the releases remembered, the queued flag,
+-- the holder's task name (the first of its description) and the fence, in that
+-- order (a missing field is false).
 local function read()
     return redis.call('HMGET', KEYS[1], $OWNER, $REQ, $LEASE, $COUNT, $RELEASED, $QUEUED,
-                      $TASK)
+                      $TASK, $FENCE)
+end
+
+-- A queue entry's waiter id, and what the lock is handed over with: the entry's
+-- array {id, owner, TTL in ms, lease, description...}, or nil for an entry that
+-- is only an id (it is woken to ask, with the lock kept free for it).
+local function entry(member)
+    if string.sub(member, 1, 1) == '[' then
+        local ok, value = pcall(cjson.decode, member)
+        if ok and type(value) == 'table' and type(value[1]) == 'string'
+                and type(value[2]) == 'string' and value[2] ~= ''
+                and not check_ttl(value[3]) then
+            return value[1], value
+        end
+    end
+    return member, nil
 end
 
 local function free(lock)
@@ -248,25 +291,60 @@ local function free(lock)
         if #next == 0 then
             fields[#fields + 1] = $QUEUED
             fields[#fields + 1] = ''
-        else
-            -- Handed to the waiters it wakes: for RESERVE_MS, nobody else takes it.
-            local woken = {}
-            for i = 1, #next, 2 do woken[#woken + 1] = next[i] end
-            fields[#fields + 1] = $RESERVED
-            fields[#fields + 1] = table.concat(woken, ' ')
-            fields[#fields + 1] = $RESERVED_UNTIL
-            fields[#fields + 1] = now_ms() + $RESERVE_MS
         end
     end
+    local woken, grant = {}, nil
+    for i = 1, #next, 2 do
+        local id, handed = entry(next[i])
+        woken[#woken + 1] = id
+        if i == 1 then grant = handed end
+    end
+    local messages = {}
+    if grant then
+        -- Handed over: the first waiter holds the lock from now, for GRANT_MS
+        -- at most, until it confirms the hold by renewing it.
+        local fence = next_fence(lock[8])
+        fields[#fields + 1] = $OWNER
+        fields[#fields + 1] = grant[2]
+        fields[#fields + 1] = $FENCE
+        fields[#fields + 1] = fence
+        fields[#fields + 1] = $REQ
+        fields[#fields + 1] = $GRANTED_TO .. woken[1]
+        if type(grant[4]) == 'string' and grant[4] ~= '' then
+            fields[#fields + 1] = $LEASE
+            fields[#fields + 1] = grant[4]
+        end
+        if #grant > 4 then
+            for i, name in ipairs($HOLDER) do
+                local value = grant[4 + i]
+                if i == 1 or (type(value) == 'string' and value ~= '') then
+                    fields[#fields + 1] = name
+                    fields[#fields + 1] = tostring(value or '')
+                end
+            end
+        end
+        messages[1] = woken[1] .. $GRANT .. fence
+    elseif #woken > 0 then
+        -- Kept for the waiters it wakes: for RESERVE_MS, nobody else takes it.
+        fields[#fields + 1] = $RESERVED
+        fields[#fields + 1] = table.concat(woken, ' ')
+        fields[#fields + 1] = $RESERVED_UNTIL
+        fields[#fields + 1] = now_ms() + $RESERVE_MS
+        messages[1] = woken[1]
+    end
+    -- The second is the spare: it lets the first go ahead.
+    if #woken > 1 then messages[2] = woken[2] .. $SPARE end
+    -- (A field named twice takes the last value: the holder's, over the emptied one.)
     redis.call('HSET', KEYS[1], unpack(fields))
-    if ARGV[4] ~= '0' then
+    if grant then
+        redis.call('PEXPIRE', KEYS[1], math.min(tonumber(grant[3]), $GRANT_MS))
+    elseif ARGV[4] ~= '0' then
         redis.call('PEXPIRE', KEYS[1], ARGV[4])
     end
-    for i = 1, #next, 2 do
-        local process = string.match(next[i], '^([^.]+)%.')
+    for i, message in ipairs(messages) do
+        local process = string.match(woken[i], '^([^.]+)%.')
         if process then
-            -- The second is the spare: it lets the first go ahead.
-            redis.call('PUBLISH', ARGV[2] .. process, next[i] .. (i > 1 and $SPARE or ''))
+            redis.call('PUBLISH', ARGV[2] .. process, message)
         end
     end
     return 1
@@ -284,22 +362,33 @@ end
 #:
 #: KEYS[1] the lock hash; KEYS[2] the waiter queue
 #: ARGV[1] owner token; ARGV[2] TTL in ms; ARGV[3] lease ("" for none);
-#: ARGV[4] request id; ARGV[5] waiter id ("" when not waiting: not queued);
+#: ARGV[4] request id; ARGV[5] the waiter's queue entry ("" when not waiting: not
+#: queued): the JSON array ``[waiter id, owner token, TTL in ms, lease,
+#: description...]`` a release hands the lock over with (see :func:`queue_entry`);
 #: ARGV[6] the waiter's queue position from an earlier reply ("" the first time);
 #: ARGV[7..] optionally, the holder's description: one value per HOLDER_FIELDS
 #: name, in that order, written with the hold (and emptied by a holder without one)
-#: Returns {1, fence} when newly taken (or taken over), {2, fence} when re-entered,
+#: Returns {1, fence} when newly taken (or taken over, or a hold a release handed to
+#: this waiter confirmed), {2, fence} when re-entered,
 #: {0, ms to wait, holder lease, queue position} when another owner holds it (or
 #: it was just freed for the waiters a release woke, and the caller is not one). A retry
 #: of a request that already landed returns what the first arrival did.
 ACQUIRE = _CHECK_TTLS + _lua("""
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
+-- The waiter id, the first element of its queue entry.
+local waiter = ARGV[5] ~= '' and (string.match(ARGV[5], '^%["([^"]+)"') or ARGV[5]) or ''
 local lock = redis.call('HMGET', KEYS[1], $OWNER, $LEASE, $COUNT, $FENCE, $REQ, $TASK,
                        $RESERVED, $RESERVED_UNTIL)
 if lock[1] == ARGV[1] then
     bad = denied('pexpire', KEYS[1], '1') or denied('hset', KEYS[1], $COUNT, '1')
     if bad then return bad end
+    if waiter ~= '' and lock[5] == $GRANTED_TO .. waiter then
+        -- Handed to this waiter by a release: the hold is confirmed, with its full TTL.
+        redis.call('HSET', KEYS[1], $REQ, ARGV[4])
+        redis.call('PEXPIRE', KEYS[1], ARGV[2])
+        return {1, tonumber(lock[4])}
+    end
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     local count = tonumber(lock[3]) or 1
     if lock[5] == ARGV[4] then
@@ -314,7 +403,7 @@ local wait_ms, holder = nil, ''
 if lock[1] and lock[1] ~= '' and (ARGV[3] == '' or lock[2] ~= ARGV[3]) then
     wait_ms, holder = redis.call('PTTL', KEYS[1]), lock[2] or ''
 elseif lock[7] and lock[7] ~= ''
-        and not (ARGV[5] ~= '' and string.find(' ' .. lock[7] .. ' ', ' ' .. ARGV[5] .. ' ', 1, true)) then
+        and not (waiter ~= '' and string.find(' ' .. lock[7] .. ' ', ' ' .. waiter .. ' ', 1, true)) then
     local left = tonumber(lock[8]) - now_ms()
     if left > 0 then wait_ms = left end
 end
@@ -338,15 +427,7 @@ if wait_ms then
     end
     return {0, wait_ms, holder, ''}
 end
-local fence = tonumber(lock[4])
-if fence then
-    fence = fence + 1
-else
-    -- No counter (first use, expired remnant, or a server that lost its data):
-    -- seed it from the server clock so tokens keep increasing.
-    local now = redis.call('TIME')
-    fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
-end
+local fence = next_fence(lock[4])
 -- HSET writes first (denied, it writes nothing); what follows it is checked.
 bad = denied('pexpire', KEYS[1], '1')
 if ARGV[5] ~= '' then
@@ -482,14 +563,36 @@ return free(lock)
 """)
 )
 
-#: Leave the waiter queue (a waiter that gave up or got the lock another way).
+#: Leave the waiter queue (a waiter that gave up or got the lock another way), and
+#: give back the lock if a release handed it to the waiter meanwhile.
 #:
-#: KEYS[1] the waiter queue
-#: ARGV[1] waiter id
-#: Returns 1 when it was queued, else 0.
-LEAVE = """
-return redis.call('ZREM', KEYS[1], ARGV[1])
-"""
+#: KEYS[1] the lock hash; KEYS[2] the waiter queue
+#: ARGV[1] owner token; ARGV[2] the wake channel prefix; ARGV[3] request id;
+#: ARGV[4] how long the free hash keeps the fence, in ms; ARGV[5] the waiter's
+#: queue entry (as ACQUIRE's ARGV[5])
+#: Returns 1 when it was queued, 2 when it was handed the lock (now freed), else 0.
+LEAVE = (
+    _CHECK_TTLS
+    + _FREE
+    + _lua("""
+local bad = check_ttl(ARGV[4])
+if bad then return bad end
+local waiter = string.match(ARGV[5], '^%["([^"]+)"') or ARGV[5]
+local lock = read()
+if lock[1] == ARGV[1] and lock[2] == $GRANTED_TO .. waiter then
+    bad = free(lock)
+    if bad ~= 1 then return bad end
+    return 2
+end
+return redis.call('ZREM', KEYS[2], ARGV[5])
+""")
+)
+
+
+def queue_entry(waiter: str, owner: str, ttl_ms: int, lease: str, info: Sequence[str]) -> str:
+    """A waiter's entry in the lock's queue (ACQUIRE's ARGV[5]): what a release
+    needs to hand the lock over to it, as one JSON array."""
+    return json.dumps([waiter, owner, ttl_ms, lease, *info], separators=(",", ":"))
 
 
 class Script:

@@ -35,7 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_redislock.scripts import SPARE_MARK
+from celery_redislock.scripts import GRANT_MARK, SPARE_MARK
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
     TRANSIENT,
@@ -65,15 +65,17 @@ def process_token() -> str:
 
 class Waiter:
     """One waiting acquire: its id in the queue, whether a wake-up named it since
-    its last try (and named it the spare, woken second), and the event that
-    rings when it is woken or may take over the reading."""
+    its last try (and named it the spare, woken second, or handed it the lock,
+    with this fencing token), and the event that rings when it is woken or may
+    take over the reading."""
 
-    __slots__ = ("event", "following", "id", "spare", "woken")
+    __slots__ = ("event", "fence", "following", "id", "spare", "woken")
 
     def __init__(self, waiter_id: str) -> None:
         self.id = waiter_id
         self.event = threading.Event()
         self.spare = False
+        self.fence: int | None = None
         self.woken = False
         # Whether it is in wait() and not reading: a reader that leaves hands it the reading.
         self.following = False
@@ -143,6 +145,7 @@ class WakeHub:
     def rearm(waiter: Waiter) -> None:
         """Forget what woke ``waiter`` before: call it before each try of the lock."""
         waiter.woken = waiter.spare = False
+        waiter.fence = None
         waiter.event.clear()
 
     def wait(self, waiter: Waiter, timeout: float) -> bool:
@@ -211,13 +214,16 @@ class WakeHub:
                     return
 
     def _deliver(self, message: str) -> None:
-        """Wake the waiter a message names (as the spare if it says so)."""
+        """Wake the waiter a message names (as the spare, or as the one the lock
+        was handed to, if it says so)."""
         self.received += 1
         spare = message.endswith(SPARE_MARK)
+        waiter_id, granted, fence = message.removesuffix(SPARE_MARK).partition(GRANT_MARK)
         with self._guard:
-            waiter = self._waiters.get(message.removesuffix(SPARE_MARK))
+            waiter = self._waiters.get(waiter_id)
         if waiter is not None:
             waiter.spare = spare
+            waiter.fence = int(fence) if granted and fence.isdigit() else None
             waiter.woken = True
             waiter.event.set()
 
