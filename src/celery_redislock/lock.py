@@ -25,11 +25,13 @@ a deadline and retried on a broken connection; the scripts recognise a retried
 request, so a retry never acts twice (see :mod:`celery_redislock.scripts`). A
 waiter queues itself (in the acquire that finds the lock held) and sleeps until
 a release wakes it or the holder's remaining TTL runs out — a lock that expires
-wakes nobody, so the TTL bounds every wait. A release wakes the first two queued
-waiters, and the freed lock is theirs for a moment: first come, first served.
+wakes nobody, so the TTL bounds every wait. A release hands the lock to the
+first queued waiter (and wakes it, and a second one in case it has gone): first
+come, first served, and the woken waiter holds the lock without asking again.
 
 The holder keeps a local deadline: the send time of the last confirmed acquire
-or renewal plus the TTL. The server cannot expire the lock before it, so until
+or renewal plus the TTL (for a hold a release handed over: the send time of the
+waiter's last try plus the grant's TTL). The server cannot expire the lock before it, so until
 then the hold is certain; once it passes, :attr:`RedisLock.lost` is true whether
 or not the heartbeat has run since.
 """

@@ -21,11 +21,14 @@ readable name       field  holds
                            or ``""`` for 1
 ``fence``           ``f``  the last fencing token handed out for the name
 ``req``             ``r``  the id of the last request that changed the hold
-                           (acquire or release); ``""`` while free
+                           (acquire or release); ``""`` while free;
+                           ``GRANTED_TO`` + waiter id while a hold a release
+                           handed to a waiter is not yet confirmed
 ``released``        ``x``  the ids of the last few releases that freed the lock
 ``queued``          ``q``  ``"1"`` while waiters may be queued
-``reserved``        ``w``  the waiters a release just woke: the free lock is
-                           theirs for ``RESERVE_MS``
+``reserved``        ``w``  the waiters a release just woke without handing
+                           them the lock: the free lock is theirs for
+                           ``RESERVE_MS``
 ``reserved_until``  ``u``  until when ``reserved`` holds, in ms
 ``task``            ``t``  the holder's description (:data:`HOLDER_FIELDS`): the
 ``state``           ``s``  task name, ``queued``/``running``, the worker node,
@@ -46,15 +49,26 @@ little of the lock's expiry is left). When
 the hash has expired, or the server lost its data, the next token is seeded
 from the server clock in microseconds, so tokens keep increasing.
 
-Waiters queue in a sorted set beside the hash (score: when they first queued), and
-a release that frees the lock wakes the first two of them, each through its own
-process's wake channel ``<prefix>:wake:<process>`` with the waiter's id as the
-message: a targeted handoff, not a broadcast, and one spare in case the first
-waiter has gone. The spare's message ends in :data:`SPARE_MARK`; it gives the
-first a head start (``celery_redislock.lock.SPARE_HEAD_START``) rather than race
-it for the lock, and then asks (taking the lock if the first never came). The
-release takes only the first out of the queue: the spare keeps its place at the
-front, so the next release wakes it first (it then asks at once).
+Waiters queue in a sorted set beside the hash (score: when they first queued;
+member: the waiter's :func:`queue_entry`), and a release that frees the lock wakes
+the first two of them, each through its own process's wake channel
+``<prefix>:wake:<process>`` with the waiter's id as the message: a targeted
+handoff, not a broadcast, and one spare in case the first waiter has gone.
+
+The first is handed the lock in the same script: its entry holds its owner token,
+TTL, lease and description, so the release writes them with the next fencing
+token and an expiry of :data:`GRANT_MS` (the waiter's own TTL if shorter), marks
+the request field ``GRANTED_TO + waiter id`` until the waiter confirms, and sends
+the token after :data:`GRANT_MARK`. The waiter holds the lock as it reads the
+message, with no round trip of its own; a waiter that has gone keeps the others
+out for ``GRANT_MS`` at most. (An entry that is only an id is woken to ask, and
+the free lock is kept for the woken for ``RESERVE_MS``.)
+
+The spare's message ends in :data:`SPARE_MARK`; it gives the first a head start
+(``celery_redislock.lock.SPARE_HEAD_START``) rather than race it for the lock,
+and then asks (taking the lock if the first never came). The release takes only
+the first out of the queue: the spare keeps its place at the front, so the next
+release wakes it first (it then asks at once).
 
 **Retries.** A request can reach the server and run while its reply is lost
 (a reset connection, a timeout); the client then sends it again. Every request
@@ -128,8 +142,8 @@ FIELDS: Mapping[str, str] = MappingProxyType(
     }
 )
 
-#: How long, in ms, a lock freed with waiters queued is kept for the (at most two)
-#: waiters it woke: a newcomer, or the releaser coming back, queues behind them
+#: How long, in ms, a lock freed with waiters queued that it cannot be handed to
+#: (queue entries that are only an id) is kept for the (at most two) waiters it woke: a newcomer, or the releaser coming back, queues behind them
 #: instead of taking it first. Long enough for a woken waiter to ask; short enough
 #: that a waiter that vanished in between delays the others only briefly.
 RESERVE_MS = 250
