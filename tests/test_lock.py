@@ -655,8 +655,8 @@ def test_release_hands_the_lock_to_the_first_waiter(
 ) -> None:
     """A release hands the lock to the first queued waiter, with its lease, its holder
     description and the next fencing token: the waiter holds it when its wake-up
-    arrives, without a round trip of its own. Its heartbeat then renews the short
-    hold a release grants to the waiter's full TTL at once."""
+    arrives, without a round trip of its own. Its heartbeat renews the short hold a
+    release grants to the waiter's full TTL a third of the way through the grant."""
     holder = RedisLock(client, "handed", ttl=60)
     assert holder.acquire()
     waiter_lock = RedisLock(
@@ -681,6 +681,8 @@ def test_release_hands_the_lock_to_the_first_waiter(
     assert fields["t"] == b"tasks.buy"
     assert fields["h"] == b"w1"
     assert int(fields[FENCE_FIELD]) == waiter_lock.token
+    # Not confirmed by an acquire: the request field still names the grant.
+    assert fields[REQUEST_FIELD].startswith(b"g:")
     # Renewed to the full TTL by the heartbeat (EXTEND), well past the handed hold's.
     assert wait_until(lambda: client.pttl(waiter_lock.key) > GRANT_MS)
     # The release and the renewal: the waiter sent no acquire after its wake-up.

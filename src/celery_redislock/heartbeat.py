@@ -441,14 +441,14 @@ class Heartbeat:
                 lane = self._lanes[transport] = _Lane(self, transport)
             return lane
 
-    def register(self, lock: Renewable, at_once: bool = False) -> _Lane:
+    def register(self, lock: Renewable, first: float | None = None) -> _Lane:
         """Start renewing ``lock`` every ``lock.renew_interval`` seconds (the first
-        time now, ``at_once``); return its lane, where the lock can unregister
-        itself directly (see :meth:`_Lane.unregister`)."""
+        time ``first`` seconds from now, if given); return its lane, where the lock
+        can unregister itself directly (see :meth:`_Lane.unregister`)."""
         self._stopping = False
         transport = lock.transport
         lane = self._lanes.get(transport) or self._lane(transport)
-        lane.register(lock, self._clock() if at_once else None)
+        lane.register(lock, None if first is None else self._clock() + first)
         return lane
 
     def unregister(self, lock: Renewable) -> None:

@@ -1022,9 +1022,9 @@ class RedisLock:
         The release ran after this waiter's last try was sent, and gave the hold
         ``GRANT_MS`` (at most the TTL), so the server cannot expire it before the
         last try's send time plus that: the local deadline. It is kept if at least
-        half of that is left and the heartbeat renews it (at once, to the full
-        TTL); a hold that replicas must confirm (``min_replicas``) always takes
-        the round trip, which waits for them.
+        half of that is left and the heartbeat renews it (to the full TTL, a third
+        of the way through the grant); a hold that replicas must confirm
+        (``min_replicas``) always takes the round trip, which waits for them.
         """
         if not self.heartbeat or self.min_replicas:
             return False
@@ -1037,7 +1037,9 @@ class RedisLock:
             self.token = fence
             self._lost = False
             self._expiry = self._tried + granted
-        self._lane = self._beat().register(self, at_once=True)
+        # Renewed (to the full TTL) when a third of the grant has gone, as a lock
+        # with the grant's TTL would be.
+        self._lane = self._beat().register(self, max(0.0, self._tried + granted / 3 - now))
         return True
 
     def _leave_queue(self, entry: str) -> None:

@@ -337,7 +337,8 @@ local function free(lock)
                 end
             end
         end
-        messages[1] = woken[1] .. $GRANT .. fence
+        -- (Concatenated, a number this large would be written as a float.)
+        messages[1] = woken[1] .. $GRANT .. string.format('%.0f', fence)
     elseif #woken > 0 then
         -- Kept for the waiters it wakes: for RESERVE_MS, nobody else takes it.
         fields[#fields + 1] = $RESERVED
