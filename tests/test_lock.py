@@ -691,6 +691,32 @@ def test_release_hands_the_lock_to_the_first_waiter(
     assert not held(client, waiter_lock)
 
 
+def test_the_spare_behind_a_handed_lock_does_not_ask_for_it(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """The spare a release wakes behind a waiter it handed the lock to knows the lock is
+    held: it asks only if the grant runs out (2 s) before the next release, and here
+    the next release hands the lock to it first, so it never asks again."""
+    holder = RedisLock(client, "handed-spare", ttl=60)
+    assert holder.acquire()
+    first_lock, first = wait_behind(holder, cleanup)
+    assert wait_until(lambda: queued(client, holder) == 1)
+    spare_lock, spare = wait_behind(holder, cleanup)
+    assert wait_until(lambda: queued(client, holder) == 2)
+    tried = spare_lock._tried
+    hub = wakeups.hub_for(spare_lock.transport, spare_lock.prefix)
+    received = hub.received
+    holder.release()
+    assert wait_until(first.done, timeout=10)
+    assert (first.error, first.result) == (None, True)
+    assert wait_until(lambda: hub.received == received + 2)  # both wake-ups read
+    first_lock.release()
+    assert wait_until(spare.done, timeout=10)
+    assert (spare.error, spare.result) == (None, True)
+    assert spare_lock._tried == tried  # no try since it queued
+    assert stored(client, spare_lock)[REQUEST_FIELD].startswith(b"g:")
+
+
 def test_a_handed_lock_is_confirmed_by_a_round_trip_without_heartbeat(
     client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:

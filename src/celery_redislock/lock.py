@@ -979,19 +979,23 @@ class RedisLock:
                         wait = min(wait, remaining)
                     if hub.wait(waiter, wait):
                         last_try = False
-                        if waiter.fence is not None and self._keep_handed(waiter.fence):
-                            acquired = True
-                            return True
                         if waiter.spare:
                             # Woken second: the first woken waiter goes ahead, unless
-                            # it is gone (then this one takes the lock after the pause).
-                            # Still queued at the front, it may be woken again meanwhile
-                            # by the next release: then it asks at once.
+                            # it is gone (then this one takes the lock after the pause:
+                            # behind a lock handed to the first, once the grant has run
+                            # out). Still queued at the front, it may be woken again
+                            # meanwhile by the next release: then it is handed the lock,
+                            # or asks at once.
                             pause_for = SPARE_HEAD_START
+                            if waiter.behind:
+                                pause_for = min(self.ttl, GRANT_MS / 1000)
                             if ends is not None:
                                 pause_for = min(pause_for, max(0.0, ends - time.monotonic()))
                             hub.rearm(waiter)
                             hub.wait(waiter, pause_for)
+                        if waiter.fence is not None and self._keep_handed(waiter.fence):
+                            acquired = True
+                            return True
                     continue
                 except RedisError as exc:
                     error = LockBackendError(

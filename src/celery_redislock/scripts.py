@@ -66,7 +66,8 @@ the free lock is kept for the woken for ``RESERVE_MS``.)
 
 The spare's message ends in :data:`SPARE_MARK`; it gives the first a head start
 (``celery_redislock.lock.SPARE_HEAD_START``) rather than race it for the lock,
-and then asks (taking the lock if the first never came). The release takes only
+and then asks (taking the lock if the first never came). Behind a handed lock
+(:data:`BEHIND_MARK`) it waits for the grant to run out before it asks. The release takes only
 the first out of the queue: the spare keeps its place at the front, so the next
 release wakes it first (it then asks at once).
 
@@ -151,6 +152,11 @@ RESERVE_MS = 250
 #: What the wake-up message of the second woken waiter (the spare) ends with.
 SPARE_MARK = " spare"
 
+#: What comes before :data:`SPARE_MARK` in the spare's message when the first
+#: woken waiter was handed the lock: the spare need not ask unless the grant
+#: runs out.
+BEHIND_MARK = " behind"
+
 #: What follows the waiter id in the wake-up message of a waiter the lock was
 #: handed to, before the hold's fencing token.
 GRANT_MARK = " grant "
@@ -181,6 +187,7 @@ def _lua(text: str) -> str:
         HOLDER=holder,
         RESERVE_MS=RESERVE_MS,
         SPARE=f"'{SPARE_MARK}'",
+        BEHIND=f"'{BEHIND_MARK}'",
         GRANT=f"'{GRANT_MARK}'",
         GRANTED_TO=f"'{GRANTED_TO}'",
         GRANT_MS=GRANT_MS,
@@ -347,8 +354,9 @@ local function free(lock)
         fields[#fields + 1] = now_ms() + $RESERVE_MS
         messages[1] = woken[1]
     end
-    -- The second is the spare: it lets the first go ahead.
-    if #woken > 1 then messages[2] = woken[2] .. $SPARE end
+    -- The second is the spare: it lets the first go ahead (behind a handed lock,
+    -- it asks only if the grant runs out first).
+    if #woken > 1 then messages[2] = woken[2] .. (grant and $BEHIND or '') .. $SPARE end
     -- (A field named twice takes the last value: the holder's, over the emptied one.)
     redis.call('HSET', KEYS[1], unpack(fields))
     if grant then

@@ -35,7 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_redislock.scripts import GRANT_MARK, SPARE_MARK
+from celery_redislock.scripts import BEHIND_MARK, GRANT_MARK, SPARE_MARK
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
     TRANSIENT,
@@ -65,16 +65,17 @@ def process_token() -> str:
 
 class Waiter:
     """One waiting acquire: its id in the queue, whether a wake-up named it since
-    its last try (and named it the spare, woken second, or handed it the lock,
-    with this fencing token), and the event that rings when it is woken or may
-    take over the reading."""
+    its last try (and named it the spare, woken second — behind a waiter the lock
+    was handed to, or not — or handed it the lock, with this fencing token), and
+    the event that rings when it is woken or may take over the reading."""
 
-    __slots__ = ("event", "fence", "following", "id", "spare", "woken")
+    __slots__ = ("behind", "event", "fence", "following", "id", "spare", "woken")
 
     def __init__(self, waiter_id: str) -> None:
         self.id = waiter_id
         self.event = threading.Event()
         self.spare = False
+        self.behind = False
         self.fence: int | None = None
         self.woken = False
         # Whether it is in wait() and not reading: a reader that leaves hands it the reading.
@@ -144,7 +145,7 @@ class WakeHub:
     @staticmethod
     def rearm(waiter: Waiter) -> None:
         """Forget what woke ``waiter`` before: call it before each try of the lock."""
-        waiter.woken = waiter.spare = False
+        waiter.woken = waiter.spare = waiter.behind = False
         waiter.fence = None
         waiter.event.clear()
 
@@ -218,11 +219,14 @@ class WakeHub:
         was handed to, if it says so)."""
         self.received += 1
         spare = message.endswith(SPARE_MARK)
-        waiter_id, granted, fence = message.removesuffix(SPARE_MARK).partition(GRANT_MARK)
+        message = message.removesuffix(SPARE_MARK)
+        behind = spare and message.endswith(BEHIND_MARK)
+        waiter_id, granted, fence = message.removesuffix(BEHIND_MARK).partition(GRANT_MARK)
         with self._guard:
             waiter = self._waiters.get(waiter_id)
         if waiter is not None:
             waiter.spare = spare
+            waiter.behind = behind
             waiter.fence = int(fence) if granted and fence.isdigit() else None
             waiter.woken = True
             waiter.event.set()
