@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
 
 from celery_redislock import LockBackendError, RedisLock
-from celery_redislock.scripts import OWNER_FIELD
+from celery_redislock.scripts import OWNER_FIELD, REQUEST_FIELD
 from celery_redislock.server import RedisServer
 from tests.support import held, wait_for
 
@@ -48,6 +49,39 @@ def test_acquire_confirmed_by_a_replica_is_on_the_replica(
     assert lock.transport.sends - before == 1
     assert replica_client.hget(lock.key, OWNER_FIELD) == lock.owner.encode()
     lock.release()
+    replica_client.close()
+
+
+def test_a_lock_handed_to_a_waiter_is_confirmed_by_replicas(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """A release hands the lock to a waiting owner with min_replicas; the waiter does
+    not take the handed hold as it is, but confirms it with an acquire that waits for
+    the replica, and returns once the replica has it."""
+    primary = redislock_server_factory()
+    replica = redislock_server_factory(extra_args=("--replicaof", primary.host, str(primary.port)))
+    replica_client = replica.client()
+    wait_for(
+        lambda: replica_client.info("replication").get("master_link_status") == "up",
+        what="the replica's link",
+    )
+    holder = RedisLock(primary.url, "replicated-handoff", ttl=30)
+    assert holder.acquire()
+    waiter = RedisLock(primary.url, "replicated-handoff", ttl=30, min_replicas=1)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=20)))
+    thread.start()
+    checker = primary.client()
+    wait_for(lambda: checker.zcard(waiter.queue_key) == 1, what="the waiter queued")
+    holder.release()
+    thread.join(30)
+    assert got == [True]
+    confirmed = replica_client.hget(waiter.key, REQUEST_FIELD)
+    assert confirmed is not None
+    assert confirmed.isdigit()  # an acquire's request id, not the grant's mark
+    assert replica_client.hget(waiter.key, OWNER_FIELD) == waiter.owner.encode()
+    waiter.release()
+    checker.close()
     replica_client.close()
 
 
