@@ -1,6 +1,7 @@
 """Child processes of the process-fault tests, and the fenced resource they write to.
 
-Run as ``python -m tests.fault_children holder ...`` or ``... soak ...``; each
+Run as ``python -m tests.fault_children holder ...``, ``... waiter ...`` or
+``... soak ...``; each
 child reports through Redis lists so the test can check the history after the
 fact. :func:`fenced_write` is also used by the Celery tasks of
 ``tests.fault_app``.
@@ -126,6 +127,30 @@ def holder(
     return 0
 
 
+def waiter(url: str, name: str, resource: str, report_key: str) -> int:
+    """Wait for lock ``name`` (60 s TTL), write to ``resource`` once with its fencing
+    token, and release it.
+
+    Reports ``waiting`` (owner, pid) before it asks, ``acquired`` (token),
+    ``wrote`` (whether the fence accepted the write) and ``released``.
+    """
+    client = redis.Redis.from_url(url)
+
+    def report(event: str, **fields: Any) -> None:
+        client.rpush(report_key, json.dumps({"event": event, **fields}))
+
+    lock = RedisLock(url, name, ttl=60)
+    report("waiting", owner=lock.owner, pid=os.getpid())
+    if not lock.acquire(timeout=60):
+        report("not-acquired")
+        return 1
+    report("acquired", token=lock.token)
+    report("wrote", accepted=fenced_write(client, resource, lock.token, "child", lock.key))
+    lock.release()
+    report("released")
+    return 0
+
+
 def soak(
     lock_url: str, record_url: str, label: str, ttl: float, threads: int, names: list[str]
 ) -> int:
@@ -205,6 +230,11 @@ def main(argv: list[str]) -> int:
     one.add_argument("report_key")
     one.add_argument("--ttl", type=float, default=1.0)
     one.add_argument("--freeze-after-check", action="store_true")
+    queued = commands.add_parser("waiter")
+    queued.add_argument("url")
+    queued.add_argument("name")
+    queued.add_argument("resource")
+    queued.add_argument("report_key")
     many = commands.add_parser("soak")
     many.add_argument("lock_url")
     many.add_argument("record_url")
@@ -217,6 +247,8 @@ def main(argv: list[str]) -> int:
         return holder(
             args.url, args.name, args.resource, args.report_key, args.ttl, args.freeze_after_check
         )
+    if args.command == "waiter":
+        return waiter(args.url, args.name, args.resource, args.report_key)
     return soak(
         args.lock_url, args.record_url, args.label, args.ttl, args.threads, args.names.split(",")
     )

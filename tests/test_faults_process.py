@@ -470,3 +470,104 @@ def test_release_retried_after_another_owner_freed_the_lock(
     direct.close()
     if errors:
         raise errors[0]
+
+
+# 5. A waiting process killed or frozen while a release hands it the lock.
+
+
+def queued_waiter(
+    client: redis.Redis, server: RedisServer, tmp_path: Path, holder: RedisLock
+) -> Process:
+    """A child process queued behind ``holder`` (see ``fault_children.waiter``)."""
+    child = spawn(
+        [sys.executable, "-m", "tests.fault_children", "waiter", server.url, holder.name, "res",
+         "report"],
+        tmp_path / "waiter.log",
+    )  # fmt: skip
+    wait_for(
+        lambda: child.poll() is not None or client.zcard(holder.queue_key) == 1,
+        timeout=30,
+        what="the child to queue",
+    )
+    assert child.poll() is None, tail(tmp_path / "waiter.log")
+    return child
+
+
+def test_waiter_killed_while_queued_holds_up_the_next_only_for_the_grant(
+    redislock_server_factory: Callable[..., RedisServer], tmp_path: Path
+) -> None:
+    """A waiting process is SIGKILLed while queued first. The release hands the lock to it
+    all the same; the live waiter behind it gets the lock once the 2 s grant runs out,
+    long before the holder's 60 s TTL would have freed it."""
+    server = redislock_server_factory()
+    client = server.client()
+    holder = RedisLock(client, "handed-killed", ttl=60)
+    assert holder.acquire()
+    child = queued_waiter(client, server, tmp_path, holder)
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        live = RedisLock(client, "handed-killed", ttl=60)
+        got: list[bool] = []
+        thread = threading.Thread(target=lambda: got.append(live.acquire(timeout=30)))
+        thread.start()
+        wait_for(lambda: client.zcard(holder.queue_key) == 2, what="the live waiter to queue")
+        holder.release()
+        (waiting,) = [e for e in entries(client, "report") if e["event"] == "waiting"]
+        assert client.hget(holder.key, OWNER_FIELD) == waiting["owner"].encode()
+        thread.join(40)
+        assert got == [True]
+        assert holder.token is not None
+        assert live.token is not None
+        assert live.token > holder.token + 1
+        assert fenced_write(client, "res", live.token, "parent", live.key)
+        live.release()
+    finally:
+        end(child)
+    assert lock_keys(client) == []
+    client.close()
+
+
+def test_waiter_frozen_while_handed_the_lock_takes_its_turn_after_the_next(
+    redislock_server_factory: Callable[..., RedisServer], tmp_path: Path
+) -> None:
+    """A waiting process is SIGSTOPped while queued first, and the release hands it the
+    lock. The waiter behind it takes the lock once the grant has run out. Resumed, the
+    frozen one reads its wake-up too late to trust the handed hold: it asks, finds the
+    lock held, queues again, and gets it only after the other's release. No two holds
+    overlap: every write the fence accepts is from the lock's current holder."""
+    server = redislock_server_factory()
+    client = server.client()
+    holder = RedisLock(client, "handed-frozen", ttl=60)
+    assert holder.acquire()
+    child = queued_waiter(client, server, tmp_path, holder)
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        live = RedisLock(client, "handed-frozen", ttl=60)
+        got: list[bool] = []
+        thread = threading.Thread(target=lambda: got.append(live.acquire(timeout=30)))
+        thread.start()
+        wait_for(lambda: client.zcard(holder.queue_key) == 2, what="the live waiter to queue")
+        holder.release()
+        thread.join(40)
+        assert got == [True]
+        assert fenced_write(client, "res", live.token, "parent", live.key)
+        os.kill(child.pid, signal.SIGCONT)
+        # Resumed, it asks again and queues behind the live holder.
+        wait_for(lambda: client.zcard(holder.queue_key) == 1, what="the resumed child to queue")
+        assert not [e for e in entries(client, "report") if e["event"] == "acquired"]
+        assert live.owned()
+        assert fenced_write(client, "res", live.token, "parent", live.key)
+        live.release()
+        assert exit_code(child, 30) == 0, tail(tmp_path / "waiter.log")
+        reports = {e["event"]: e for e in entries(client, "report")}
+        assert live.token is not None
+        assert reports["acquired"]["token"] > live.token
+        assert reports["wrote"]["accepted"] is True
+        writes = fence_log(client, "res")
+        assert [w["writer"] for w in writes] == ["parent", "parent", "child"]
+        assert all(w["accepted"] and w["current"] for w in writes), writes
+    finally:
+        end(child)
+    assert lock_keys(client) == []
+    client.close()
