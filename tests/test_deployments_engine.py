@@ -43,7 +43,7 @@ from tests.support import wait_for
 #:   release scripts when someone waits, SUBSCRIBE by a waiting process;
 #: * ``+evalsha`` every operation, ``+eval`` the first use of a script on a server;
 #: * the commands the scripts run (each script checks them before its first write):
-#:   HMGET HGET HSET PEXPIRE PTTL TIME ZADD ZREM ZPOPMIN PUBLISH;
+#:   HMGET HGET HSET PEXPIRE PTTL TIME ZADD ZRANGE ZREM PUBLISH;
 #: * ``+subscribe`` to wait for a release.
 #:
 #: Nothing else. The engine's connections authenticate with ``AUTH`` (RESP2), which
@@ -66,8 +66,8 @@ MINIMAL_ACL: tuple[str, ...] = (
     "+pttl",
     "+time",
     "+zadd",
+    "+zrange",
     "+zrem",
-    "+zpopmin",
     "+publish",
     "+subscribe",
 )

@@ -585,11 +585,11 @@ def test_release_wakes_the_first_two_and_marks_the_spare(
     assert client.zrange(holder.queue_key, 0, -1) == [b"proc-b.7", b"proc-c.3"]
 
 
-def test_queue_emptied_and_refilled_by_a_release_keeps_its_expiry(
+def test_the_spare_stays_queued_and_the_queue_keeps_its_expiry(
     client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:
-    """With exactly two waiters queued, a release takes both out and puts the spare
-    back: the queue it leaves expires when the one it found would have."""
+    """With exactly two waiters queued, a release takes the first out of the queue and
+    leaves the spare in it: the queue expires when it would have."""
     holder = RedisLock(client, "spare-expiry", ttl=60)
     assert holder.acquire()
     cleanup.append(holder)

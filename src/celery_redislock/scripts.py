@@ -268,13 +268,15 @@ end
 
 local function free(lock)
     local queued = lock[6] == '1'
+    -- The first two queued waiters, read before the first write (refused, a read
+    -- writes nothing).
+    local next = queued and redis.call('ZRANGE', KEYS[2], 0, 1) or {}
     -- A lone HSET needs no check: denied, it writes nothing.
     if queued or ARGV[4] ~= '0' then
         local bad = denied('hset', KEYS[1], $OWNER, '') or denied('pexpire', KEYS[1], '1')
-        if queued then
-            bad = bad or denied('zpopmin', KEYS[2]) or denied('publish', ARGV[2] .. '0', '')
-                or denied('time') or denied('zadd', KEYS[2], '1', 'w')
-                or denied('pexpire', KEYS[2], '1')
+        if #next > 0 then
+            bad = bad or denied('zrem', KEYS[2], 'w') or denied('publish', ARGV[2] .. '0', '')
+                or denied('time')
         end
         if bad then return bad end
     end
@@ -296,26 +298,19 @@ local function free(lock)
             fields[#fields + 1] = ''
         end
     end
-    local next = {}
     if queued then
-        local left = redis.call('PTTL', KEYS[2])
-        next = redis.call('ZPOPMIN', KEYS[2], 2)
-        if #next > 2 then
-            -- The second (the spare) keeps its place: it leaves the queue only by
-            -- taking the lock, so while it lets the first go ahead the next
-            -- release still finds it at the front.
-            redis.call('ZADD', KEYS[2], next[4], next[3])
-            if left > 0 then
-                redis.call('PEXPIRE', KEYS[2], left)
-            end
-        end
         if #next == 0 then
             fields[#fields + 1] = $QUEUED
             fields[#fields + 1] = ''
+        else
+            -- Only the first leaves the queue: the second (the spare) leaves it
+            -- only by taking the lock, so while it lets the first go ahead the
+            -- next release still finds it at the front.
+            redis.call('ZREM', KEYS[2], next[1])
         end
     end
     local woken, grant = {}, nil
-    for i = 1, #next, 2 do
+    for i = 1, #next do
         local id, handed = entry(next[i])
         woken[#woken + 1] = id
         if i == 1 then grant = handed end
