@@ -482,17 +482,27 @@ def test_blocking_timeout_returns_false(client: redis.Redis) -> None:
     holder.release()
 
 
-def test_waiting_does_not_poll(client: redis.Redis) -> None:
+@pytest.mark.parametrize("subscribed", [False, True])
+def test_waiting_does_not_poll(client: redis.Redis, subscribed: bool) -> None:
     """A waiter on a long-lived lock tries at the start, once subscribed and at its deadline,
     then leaves the queue: four requests in a second, however long it waits, where a
-    poller would make dozens."""
+    poller would make dozens. In a process whose wake-up subscription is in place
+    already, its first try queues it: three requests."""
     holder = RedisLock(client, "no-poll", ttl=60)
     assert holder.acquire()
-    client.config_resetstat()
     waiter = RedisLock(client, "no-poll", ttl=60)
+    hub = wakeups.hub_for(waiter.transport, waiter.prefix)
+    if subscribed:
+        kept = hub.join()  # another waiter of the process keeps the subscription
+        assert wait_until(lambda: hub.subscribed)
+    else:
+        assert wait_until(lambda: not hub.subscribed, timeout=wakeups.IDLE_EXIT + 5)
+    client.config_resetstat()
     assert waiter.acquire(timeout=1.0) is False
+    if subscribed:
+        hub.leave(kept)
     calls = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-    assert calls == 4
+    assert calls == (3 if subscribed else 4)
     assert not client.exists(waiter.queue_key)
     holder.release()
 

@@ -572,9 +572,15 @@ class RedisLock:
             deadline = (
                 Deadline(started + self.call_timeout) if ends is None else self._call_deadline(ends)
             )
-            acquired = self._try_acquire(deadline, request)
-            if not acquired and blocking and timeout != 0:
+            waits = blocking and timeout != 0
+            if waits and hub_for(self.transport, self.prefix).subscribed:
+                # The process's wake-up subscription is in place: the first try
+                # can queue, and a lock found held needs no second.
                 acquired = self._wait(ends, request)
+            else:
+                acquired = self._try_acquire(deadline, request)
+                if not acquired and waits:
+                    acquired = self._wait(ends, request)
             return acquired
         finally:
             if not acquired and self._unconfirmed is not None:

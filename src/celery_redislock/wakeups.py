@@ -107,6 +107,11 @@ class WakeHub:
         #: Wake-up messages received, for tests and benchmarks.
         self.received = 0
 
+    @property
+    def subscribed(self) -> bool:
+        """Whether the subscription is confirmed now (a waiter may queue at once)."""
+        return self._subscribed
+
     def join(self) -> Waiter:
         """A new waiter; the hub subscribes (in the background) if it is not yet."""
         waiter = Waiter(f"{process_token()}.{next(_counter)}")
