@@ -31,9 +31,9 @@ come, first served, and the woken waiter holds the lock without asking again.
 
 The holder keeps a local deadline: the send time of the last confirmed acquire
 or renewal plus the TTL (for a hold a release handed over: the send time of the
-waiter's last try plus the grant's TTL). The server cannot expire the lock before it, so until
-then the hold is certain; once it passes, :attr:`RedisLock.lost` is true whether
-or not the heartbeat has run since.
+waiter's last try plus the grant's TTL). The server cannot expire the lock
+before it, so until then the hold is certain; once it passes,
+:attr:`RedisLock.lost` is true whether or not the heartbeat has run since.
 """
 
 from __future__ import annotations
@@ -994,7 +994,7 @@ class RedisLock:
                             # or asks at once.
                             pause_for = SPARE_HEAD_START
                             if waiter.behind:
-                                pause_for = min(self.ttl, GRANT_MS / 1000)
+                                pause_for = GRANT_MS / 1000
                             if ends is not None:
                                 pause_for = min(pause_for, max(0.0, ends - time.monotonic()))
                             hub.rearm(waiter)
@@ -1038,7 +1038,8 @@ class RedisLock:
         """
         if not self.heartbeat or self.min_replicas:
             return False
-        granted = min(self.ttl, GRANT_MS / 1000)
+        # What the release gave it, in whole ms as the script counts them.
+        granted = min(self.ttl_ms, GRANT_MS) / 1000
         now = time.monotonic()
         if self._tried + granted - now < granted / 2:
             return False

@@ -67,9 +67,10 @@ the free lock is kept for the woken for ``RESERVE_MS``.)
 The spare's message ends in :data:`SPARE_MARK`; it gives the first a head start
 (``celery_redislock.lock.SPARE_HEAD_START``) rather than race it for the lock,
 and then asks (taking the lock if the first never came). Behind a handed lock
-(:data:`BEHIND_MARK`) it waits for the grant to run out before it asks. The release takes only
-the first out of the queue: the spare keeps its place at the front, so the next
-release wakes it first (it then asks at once).
+(:data:`BEHIND_MARK`) it waits for the grant to run out before it asks. The
+release takes only the first out of the queue: the spare keeps its place at the
+front, so the next release wakes it first (it is then handed the lock, or asks
+at once).
 
 **Retries.** A request can reach the server and run while its reply is lost
 (a reset connection, a timeout); the client then sends it again. Every request
