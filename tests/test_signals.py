@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redislock import RedisLock, SingletonTask, signals
+from celery_redislock import RedisLock, SingletonTask, signals, wakeups
 from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import flush
@@ -136,6 +137,8 @@ def test_lost(
     lost = [kw for name, kw in sent if name == "lock_lost"]
     name = job.lock_name((), {})
     assert lost == [{"task_id": lost[0]["task_id"], "name": name, "key": name}]
+    # Its release's signal comes once the answer is read: not during the next test.
+    wait_for(lambda: any(n == "lock_released" for n, _ in sent), what="lock_released")
 
 
 def test_signals_send_the_name_under_both_spellings(
@@ -177,3 +180,47 @@ def test_signals_nobody_listens_to_are_not_sent(
     assert job.apply().get() == 1
     flush()
     assert called == []
+
+
+@pytest.mark.parametrize("subscribed", [False, True])
+def test_a_waiting_duplicate_reports_its_conflict_once_and_asks_no_more_than_needed(
+    app: Celery,
+    redislock_client: redis.Redis,
+    sent: list[tuple[str, dict[str, Any]]],
+    subscribed: bool,
+) -> None:
+    """An ``on_conflict="wait"`` duplicate sends lock_conflict 'wait' (with the holder's
+    task id) once, then gets the lock the holder's release hands it. It tries the lock
+    twice before it waits (once, then to queue) — once, queueing at its first try, in
+    a process whose wake-up subscription is in place already."""
+
+    @app.task(base=SingletonTask, shared=False, on_conflict="wait", lock_wait=30)
+    def job() -> str:
+        return "ran"
+
+    holder = RedisLock(redislock_client, job.lock_name((), {}), ttl=30, lease="holder-id")
+    assert holder.acquire()
+    hub = wakeups.hub_for(holder.transport, holder.prefix)
+    kept = hub.join() if subscribed else None
+    wait_for(
+        lambda: hub.subscribed == subscribed,
+        timeout=wakeups.IDLE_EXIT + 5,
+        what="the process's wake-up subscription",
+    )
+    redislock_client.config_resetstat()
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(job.apply().get()))
+    thread.start()
+    wait_for(lambda: redislock_client.zcard(holder.queue_key) == 1, what="the duplicate queued")
+    evalsha = redislock_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    assert evalsha == (1 if subscribed else 2)
+    holder.release()
+    thread.join(30)
+    if kept is not None:
+        hub.leave(kept)
+    assert result == ["ran"]
+    conflicts = [kw for name, kw in sent if name == "lock_conflict"]
+    assert [(kw["action"], kw["holder"]) for kw in conflicts] == [("wait", "holder-id")]
+    # (A release's answer, and its signal, can come late: an earlier test's too.)
+    reported = [name for name, _ in sent if name != "lock_released"]
+    assert reported == ["lock_conflict", "lock_acquired"]

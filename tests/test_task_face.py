@@ -13,10 +13,18 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redislock import LockConflictError, LockHandle, NoLockError, RedisLock, SingletonTask
+from celery_redislock import (
+    LockBackendError,
+    LockConflictError,
+    LockHandle,
+    NoLockError,
+    RedisLock,
+    SingletonTask,
+)
 from celery_redislock.server import RedisServer, free_port
 from celery_redislock.task import KNOWN_SETTINGS, OPTIONS, UnknownSettingWarning
 from celery_redislock.testing import hold_lock
+from tests.proxy import FaultProxy
 from tests.support import close_app, make_app, wait_for
 
 
@@ -201,3 +209,73 @@ def test_every_conflict_is_logged(
     assert any(m.startswith("face.raise[") and "raises LockConflictError" in m for m in messages)
     assert any(m.startswith("face.retry[") and "retries in" in m for m in messages)
     assert any(m.startswith("face.dedup: duplicate of held-by-test-") for m in messages)
+
+
+def test_a_waiting_task_whose_first_try_fails_runs_unlocked_with_run(
+    redislock_server: RedisServer,
+) -> None:
+    """``on_conflict="wait"`` with ``lock_on_redis_error="run"``: a first try that cannot
+    reach the store runs the body unlocked, as for every other mode."""
+    app = make_app(redislock_server.url, "wait-unlocked")
+    app.conf.redislock_url = f"redis://127.0.0.1:{free_port()}/0"
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        on_conflict="wait",
+        lock_wait=5,
+        lock_on_redis_error="run",
+    )
+    def job(self: SingletonTask) -> bool:
+        return self.lock.held
+
+    assert job.apply().get() is False
+    close_app(app)
+
+
+@pytest.mark.slow
+def test_a_waiting_task_whose_store_goes_away_fails_rather_than_run_unlocked(
+    redislock_server: RedisServer,
+) -> None:
+    """``on_conflict="wait"`` with ``lock_on_redis_error="run"``: once the task has found
+    the lock held and waits, losing the store fails it (``LockBackendError``, after the
+    lock's ``call_timeout`` of failures in a row); it never runs the body unlocked
+    beside the holder."""
+    with FaultProxy("127.0.0.1", redislock_server.port) as proxy:
+        app = make_app(redislock_server.url, "wait-store-lost")
+        app.conf.redislock_url = proxy.url
+
+        @app.task(
+            base=SingletonTask,
+            shared=False,
+            on_conflict="wait",
+            lock_wait=60,
+            lock_on_redis_error="run",
+        )
+        def job() -> str:
+            return "ran"
+
+        client = redislock_server.client()
+        holder = RedisLock(client, job.lock_name((), {}), ttl=60, lease="holder-id")
+        assert holder.acquire()
+        outcome: list[Any] = []
+
+        def run() -> None:
+            try:
+                outcome.append(job.apply().get())
+            except Exception as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        wait_for(lambda: client.zcard(holder.queue_key) == 1, what="the task to queue")
+        proxy.refuse()
+        proxy.reset_all()
+        thread.join(60)
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], LockBackendError), outcome
+        assert holder.owned()
+        holder.release()
+        client.close()
+        close_app(app)

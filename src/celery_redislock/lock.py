@@ -561,6 +561,14 @@ class RedisLock:
         """
         if timeout is not None:
             timeout = check_timeout(timeout)
+        return self._acquire(blocking, timeout)
+
+    def _acquire(
+        self, blocking: bool, timeout: float | None, held: Callable[[], Any] | None = None
+    ) -> bool:
+        """:meth:`acquire` with a checked ``timeout``; ``held()`` is called once if
+        the lock is found held, before it is waited for (or given up on, for a
+        ``timeout`` of 0): how a task reports the conflict it waits out."""
         started = time.monotonic()
         ends = None if timeout is None or not blocking else started + timeout
         # Every try of this call sends the same request id: a try that landed
@@ -576,9 +584,11 @@ class RedisLock:
             if waits and hub_for(self.transport, self.prefix).subscribed:
                 # The process's wake-up subscription is in place: the first try
                 # can queue, and a lock found held needs no second.
-                acquired = self._wait(ends, request)
+                acquired = self._wait(ends, request, held)
             else:
                 acquired = self._try_acquire(deadline, request)
+                if not acquired and held is not None:
+                    held()
                 if not acquired and waits:
                     acquired = self._wait(ends, request)
             return acquired
@@ -947,8 +957,12 @@ class RedisLock:
             f"undoing the unconfirmed acquire of lock {self.name!r}",
         )
 
-    def _wait(self, ends: float | None, request: str) -> bool:
-        """Queue for the lock and wait to be woken (or for the holder's TTL), until ``ends``.
+    def _wait(
+        self, ends: float | None, request: str, held: Callable[[], Any] | None = None
+    ) -> bool:
+        """Queue for the lock and wait to be woken (or for the holder's TTL), until
+        ``ends``; ``held()`` is called once, after the first try that finds the
+        lock held.
 
         The process's wake-up subscription must be live before each try, or a
         wake-up could slip by between the try and the wait. A broken subscription
@@ -974,6 +988,9 @@ class RedisLock:
                     if self._try_acquire(self._call_deadline(ends), request, entry):
                         acquired = True
                         return True
+                    if held is not None:
+                        report, held = held, None
+                        report()
                     failing_since, pause = None, 0.01
                     wait = self._pttl / 1000 if self._pttl > 0 else 0.001
                     if ends is not None:

@@ -92,6 +92,7 @@ from celery_redislock.lock import (
     SentAcquire,
     check_name,
     check_prefix,
+    check_timeout,
     check_ttl,
     release_lease,
 )
@@ -923,6 +924,12 @@ class SingletonTask(Task):  # type: ignore[misc]
             asked = time.monotonic()
         taken = asked
         keep = retrying = False
+        # When it began to wait (on_conflict="wait"), once it found the lock held.
+        waiting: list[float] = []
+
+        def held() -> None:
+            waiting.append(self._wait_begins(lock, key, request, opts))
+
         # One try from the acquire on: an exception raised asynchronously (a soft
         # time limit) just after the lock was taken must not leave it held, and
         # renewed by this process's heartbeat, with nobody to release it.
@@ -930,17 +937,24 @@ class SingletonTask(Task):  # type: ignore[misc]
             try:
                 if ahead is not None:
                     acquired = lock._acquire_sent(ahead)
+                elif opts.on_conflict == "wait":
+                    # A first try that can queue (see RedisLock._acquire): no
+                    # second request when the lock is held.
+                    acquired = lock._acquire(True, check_timeout(opts.wait), held)
                 else:
                     acquired = lock.acquire(blocking=False)
             except LockBackendError:
-                if opts.on_redis_error != "run":
+                # Only a first try that failed runs the task unlocked, not a wait.
+                if waiting or opts.on_redis_error != "run":
                     raise
                 logger.warning(
                     "lock store unreachable; running %s[%s] unlocked", self.name, task_id
                 )
                 request.redislock = LockHandle(key, None, opts)
                 return self.run(*args, **kwargs)
-            if not acquired:
+            if waiting:
+                self._waited(lock, key, request, opts, waiting[0], acquired)
+            elif not acquired:
                 outcome = self._conflict(lock, key, request, opts)
                 if outcome is not None:
                     return outcome
@@ -1011,44 +1025,67 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
             report("failed")
 
+    def _wait_begins(self, lock: RedisLock, key: str, request: Any, opts: LockOptions) -> float:
+        """Report that the lock is held and the task waits for it (``on_conflict="wait"``);
+        return when the wait began."""
+        holder = lock.blocked_by
+        _send(signals.lock_conflict, self, key, task_id=request.id, holder=holder, action="wait")
+        logger.info(
+            "%s[%s] waits up to %g s: lock %s held by %s",
+            self.name,
+            request.id,
+            opts.wait,
+            key,
+            holder,
+        )
+        return time.monotonic()
+
+    def _waited(
+        self,
+        lock: RedisLock,
+        key: str,
+        request: Any,
+        opts: LockOptions,
+        started: float,
+        acquired: bool,
+    ) -> None:
+        """Report how a wait that began at ``started`` ended; raise
+        :class:`LockConflictError` if the lock was not acquired."""
+        if acquired:
+            logger.info(
+                "%s[%s] got lock %s after waiting %.3f s",
+                self.name,
+                request.id,
+                key,
+                time.monotonic() - started,
+            )
+            return
+        holder = lock.blocked_by
+        logger.info(
+            "%s[%s] gave up after waiting %g s: lock %s still held by %s",
+            self.name,
+            request.id,
+            opts.wait,
+            key,
+            holder,
+        )
+        raise LockConflictError(
+            key,
+            holder,
+            f"lock {key!r} is still held by task {holder!r} after waiting {opts.wait:g} s",
+        )
+
     def _conflict(self, lock: RedisLock, key: str, request: Any, opts: LockOptions) -> Any:
         """Handle a held lock; return a result to end the task, or ``None`` once acquired."""
         mode = opts.on_conflict
+        if mode == "wait":
+            started = self._wait_begins(lock, key, request, opts)
+            self._waited(
+                lock, key, request, opts, started, lock.acquire(blocking=True, timeout=opts.wait)
+            )
+            return None
         holder = lock.blocked_by
         _send(signals.lock_conflict, self, key, task_id=request.id, holder=holder, action=mode)
-        if mode == "wait":
-            logger.info(
-                "%s[%s] waits up to %g s: lock %s held by %s",
-                self.name,
-                request.id,
-                opts.wait,
-                key,
-                holder,
-            )
-            started = time.monotonic()
-            if lock.acquire(blocking=True, timeout=opts.wait):
-                logger.info(
-                    "%s[%s] got lock %s after waiting %.3f s",
-                    self.name,
-                    request.id,
-                    key,
-                    time.monotonic() - started,
-                )
-                return None
-            holder = lock.blocked_by
-            logger.info(
-                "%s[%s] gave up after waiting %g s: lock %s still held by %s",
-                self.name,
-                request.id,
-                opts.wait,
-                key,
-                holder,
-            )
-            raise LockConflictError(
-                key,
-                holder,
-                f"lock {key!r} is still held by task {holder!r} after waiting {opts.wait:g} s",
-            )
         if mode == "raise":
             logger.info(
                 "%s[%s] raises LockConflictError: lock %s held by %s",
