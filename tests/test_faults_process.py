@@ -493,6 +493,19 @@ def queued_waiter(
     return child
 
 
+def live_waiter_behind(
+    client: redis.Redis, holder: RedisLock
+) -> tuple[RedisLock, list[bool], threading.Thread]:
+    """A waiter of this process queued second for ``holder``'s lock, in a thread: its
+    lock, where its outcome lands, and the thread."""
+    live = RedisLock(client, holder.name, ttl=60)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(live.acquire(timeout=30)))
+    thread.start()
+    wait_for(lambda: client.zcard(holder.queue_key) == 2, what="the live waiter to queue")
+    return live, got, thread
+
+
 def test_waiter_killed_while_queued_holds_up_the_next_only_for_the_grant(
     redislock_server_factory: Callable[..., RedisServer], tmp_path: Path
 ) -> None:
@@ -507,11 +520,7 @@ def test_waiter_killed_while_queued_holds_up_the_next_only_for_the_grant(
     try:
         os.kill(child.pid, signal.SIGKILL)
         child.wait(10)
-        live = RedisLock(client, "handed-killed", ttl=60)
-        got: list[bool] = []
-        thread = threading.Thread(target=lambda: got.append(live.acquire(timeout=30)))
-        thread.start()
-        wait_for(lambda: client.zcard(holder.queue_key) == 2, what="the live waiter to queue")
+        live, got, thread = live_waiter_behind(client, holder)
         holder.release()
         (waiting,) = [e for e in entries(client, "report") if e["event"] == "waiting"]
         assert client.hget(holder.key, OWNER_FIELD) == waiting["owner"].encode()
@@ -543,11 +552,7 @@ def test_waiter_frozen_while_handed_the_lock_takes_its_turn_after_the_next(
     child = queued_waiter(client, server, tmp_path, holder)
     try:
         os.kill(child.pid, signal.SIGSTOP)
-        live = RedisLock(client, "handed-frozen", ttl=60)
-        got: list[bool] = []
-        thread = threading.Thread(target=lambda: got.append(live.acquire(timeout=30)))
-        thread.start()
-        wait_for(lambda: client.zcard(holder.queue_key) == 2, what="the live waiter to queue")
+        live, got, thread = live_waiter_behind(client, holder)
         holder.release()
         thread.join(40)
         assert got == [True]

@@ -660,6 +660,17 @@ def evalsha_calls(client: redis.Redis) -> int:
     return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
+def handed_over(client: redis.Redis, holder: RedisLock, waiter_lock: RedisLock) -> None:
+    """``waiter_lock`` waits for ``holder``'s lock, in a thread; the server's statistics
+    are reset once it is queued, and ``holder`` releases: the waiter gets the lock."""
+    waiter = Waiter(waiter_lock, timeout=30)
+    assert wait_until(lambda: queued(client, holder) == 1)
+    client.config_resetstat()
+    holder.release()
+    assert wait_until(waiter.done, timeout=10)
+    assert (waiter.error, waiter.result) == (None, True)
+
+
 def test_release_hands_the_lock_to_the_first_waiter(
     client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:
@@ -677,12 +688,7 @@ def test_release_hands_the_lock_to_the_first_waiter(
         holder_info={"task": "tasks.buy", "state": "running", "node": "w1", "pid": "7"},
     )
     cleanup.append(waiter_lock)
-    waiter = Waiter(waiter_lock, timeout=30)
-    assert wait_until(lambda: queued(client, holder) == 1)
-    client.config_resetstat()
-    holder.release()
-    assert wait_until(waiter.done, timeout=10)
-    assert (waiter.error, waiter.result) == (None, True)
+    handed_over(client, holder, waiter_lock)
     assert holder.token is not None
     assert waiter_lock.token == holder.token + 1
     fields = stored(client, waiter_lock)
@@ -736,12 +742,7 @@ def test_a_handed_lock_is_confirmed_by_a_round_trip_without_heartbeat(
     assert holder.acquire()
     waiter_lock = RedisLock(client, "handed-confirmed", ttl=60, heartbeat=False)
     cleanup.append(waiter_lock)
-    waiter = Waiter(waiter_lock, timeout=30)
-    assert wait_until(lambda: queued(client, holder) == 1)
-    client.config_resetstat()
-    holder.release()
-    assert wait_until(waiter.done, timeout=10)
-    assert (waiter.error, waiter.result) == (None, True)
+    handed_over(client, holder, waiter_lock)
     assert evalsha_calls(client) == 2  # the release and the confirming acquire
     assert client.pttl(waiter_lock.key) > GRANT_MS
     fields = stored(client, waiter_lock)

@@ -6,11 +6,26 @@ import threading
 from collections.abc import Callable
 
 import pytest
+import redis
 
 from celery_redislock import LockBackendError, RedisLock
 from celery_redislock.scripts import OWNER_FIELD, REQUEST_FIELD
 from celery_redislock.server import RedisServer
 from tests.support import held, wait_for
+
+
+def primary_and_replica(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> tuple[RedisServer, redis.Redis]:
+    """A primary, and a client of its one replica once the replica is linked."""
+    primary = redislock_server_factory()
+    replica = redislock_server_factory(extra_args=("--replicaof", primary.host, str(primary.port)))
+    replica_client = replica.client()
+    wait_for(
+        lambda: replica_client.info("replication").get("master_link_status") == "up",
+        what="the replica's link",
+    )
+    return primary, replica_client
 
 
 def test_acquire_without_enough_replicas_gives_the_lock_back(
@@ -34,13 +49,7 @@ def test_acquire_confirmed_by_a_replica_is_on_the_replica(
 ) -> None:
     """With min_replicas=1 and a live replica, acquire returns only once the replica has
     the lock, in the same single round trip."""
-    primary = redislock_server_factory()
-    replica = redislock_server_factory(extra_args=("--replicaof", primary.host, str(primary.port)))
-    replica_client = replica.client()
-    wait_for(
-        lambda: replica_client.info("replication").get("master_link_status") == "up",
-        what="the replica's link",
-    )
+    primary, replica_client = primary_and_replica(redislock_server_factory)
     lock = RedisLock(primary.url, "replicated", ttl=30, min_replicas=1)
     assert lock.acquire()  # the script gets cached by this first acquire
     lock.release()
@@ -58,13 +67,7 @@ def test_a_lock_handed_to_a_waiter_is_confirmed_by_replicas(
     """A release hands the lock to a waiting owner with min_replicas; the waiter does
     not take the handed hold as it is, but confirms it with an acquire that waits for
     the replica, and returns once the replica has it."""
-    primary = redislock_server_factory()
-    replica = redislock_server_factory(extra_args=("--replicaof", primary.host, str(primary.port)))
-    replica_client = replica.client()
-    wait_for(
-        lambda: replica_client.info("replication").get("master_link_status") == "up",
-        what="the replica's link",
-    )
+    primary, replica_client = primary_and_replica(redislock_server_factory)
     holder = RedisLock(primary.url, "replicated-handoff", ttl=30)
     assert holder.acquire()
     waiter = RedisLock(primary.url, "replicated-handoff", ttl=30, min_replicas=1)

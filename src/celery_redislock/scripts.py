@@ -252,6 +252,14 @@ local function read()
                       $TASK, $FENCE)
 end
 
+-- read(), once ARGV[4] (how long the free hash keeps the fence) is checked; else
+-- nil and the error to return.
+local function checked_read()
+    local bad = check_ttl(ARGV[4])
+    if bad then return nil, bad end
+    return read(), nil
+end
+
 -- A queue entry's waiter id, and what the lock is handed over with: the entry's
 -- array {id, owner, TTL in ms, lease, description...}, or nil for an entry that
 -- is only an id (it is woken to ask, with the lock kept free for it).
@@ -490,6 +498,12 @@ end
 return {1, fence}
 """)
 
+
+def _freeing(body: str) -> str:
+    """A script that may free the lock: ``body`` after the TTL checks and :data:`_FREE`."""
+    return _CHECK_TTLS + _FREE + _lua(body)
+
+
 #: Drop one hold; free the lock and wake the next waiters when the last hold goes.
 #:
 #: KEYS[1] the lock hash; KEYS[2] the waiter queue
@@ -499,10 +513,7 @@ return {1, fence}
 #: it is left; ARGV[5] "" or the request id of the acquire this release undoes
 #: (then it acts only if that acquire was the last change to the hold)
 #: Returns 1 when freed, 2 when a hold remains, 0 when not owned (nothing changed).
-RELEASE = (
-    _CHECK_TTLS
-    + _FREE
-    + _lua("""
+RELEASE = _freeing("""
 local bad = ARGV[4] ~= '0' and check_ttl(ARGV[4]) or nil
 if bad then return bad end
 local lock = read()
@@ -521,7 +532,6 @@ if count > 0 then
 end
 return free(lock)
 """)
-)
 
 #: Set the remaining TTL of a held lock (sending it twice does no harm).
 #:
@@ -549,20 +559,15 @@ return 1
 #: ARGV[4] how long the free hash keeps the fence, in ms
 #: Returns 1 when freed (now or by an earlier arrival of the same request), 0 when
 #: that lease does not hold it.
-RELEASE_LEASE = (
-    _CHECK_TTLS
-    + _FREE
-    + _lua("""
-local bad = check_ttl(ARGV[4])
+RELEASE_LEASE = _freeing("""
+local lock, bad = checked_read()
 if bad then return bad end
-local lock = read()
 if ARGV[1] == '' or not lock[1] or lock[1] == '' or lock[3] ~= ARGV[1] then
     if released_here(lock) then return 1 end
     return 0
 end
 return free(lock)
 """)
-)
 
 #: Free the lock whoever holds it (an operator's repair).
 #:
@@ -570,17 +575,12 @@ return free(lock)
 #: ARGV[1] unused; ARGV[2] the wake channel prefix; ARGV[3] request id;
 #: ARGV[4] how long the free hash keeps the fence, in ms
 #: Returns 1 when freed, 0 when it was not held.
-FORCE_RELEASE = (
-    _CHECK_TTLS
-    + _FREE
-    + _lua("""
-local bad = check_ttl(ARGV[4])
+FORCE_RELEASE = _freeing("""
+local lock, bad = checked_read()
 if bad then return bad end
-local lock = read()
 if not lock[1] or lock[1] == '' then return 0 end
 return free(lock)
 """)
-)
 
 #: Leave the waiter queue (a waiter that gave up or got the lock another way), and
 #: give back the lock if a release handed it to the waiter meanwhile.
@@ -590,14 +590,10 @@ return free(lock)
 #: ARGV[4] how long the free hash keeps the fence, in ms; ARGV[5] the waiter's
 #: queue entry (as ACQUIRE's ARGV[5])
 #: Returns 1 when it was queued, 2 when it was handed the lock (now freed), else 0.
-LEAVE = (
-    _CHECK_TTLS
-    + _FREE
-    + _lua("""
-local bad = check_ttl(ARGV[4])
+LEAVE = _freeing("""
+local lock, bad = checked_read()
 if bad then return bad end
 local waiter = string.match(ARGV[5], '^%["([^"]+)"') or ARGV[5]
-local lock = read()
 if lock[1] == ARGV[1] and lock[2] == $GRANTED_TO .. waiter then
     bad = free(lock)
     if bad ~= 1 then return bad end
@@ -605,7 +601,6 @@ if lock[1] == ARGV[1] and lock[2] == $GRANTED_TO .. waiter then
 end
 return redis.call('ZREM', KEYS[2], ARGV[5])
 """)
-)
 
 
 def queue_entry(waiter: str, owner: str, ttl_ms: int, lease: str, info: Sequence[str]) -> str:
