@@ -136,6 +136,26 @@ def test_list_locks_filters_by_pattern(locks: redis.Redis) -> None:
     b.detach()
 
 
+def test_force_release_hands_the_lock_to_its_next_waiter(locks: redis.Redis) -> None:
+    """force_release frees a lock whoever holds it and hands it to the first waiter,
+    who gets it at once (long before the holder's TTL) with the next fencing token."""
+    holder = RedisLock(locks, "c.task:1", ttl=60)
+    assert holder.acquire()
+    waiter = RedisLock(locks, "c.task:1", ttl=60)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
+    thread.start()
+    wait_for(lambda: locks.zcard(holder.queue_key) == 1, what="the waiter to queue")
+    assert force_release(locks, "c.task:1")
+    thread.join(30)
+    assert got == [True]
+    assert holder.token is not None
+    assert waiter.token == holder.token + 1
+    assert waiter.owned()
+    waiter.release()
+    holder.detach()
+
+
 def test_list_locks_round_trips_escaped_names(locks: redis.Redis) -> None:
     """Names that lock_keys escapes (leading '}' or backslash) are listed as given."""
     names = ["}odd{", "\\back", "plain"]

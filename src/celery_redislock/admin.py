@@ -475,7 +475,8 @@ def find_locks(
 
 
 def force_release(client: Client, name: str, prefix: str = DEFAULT_PREFIX) -> bool:
-    """Free a lock whoever holds it and wake its waiters; return whether it was held.
+    """Free a lock whoever holds it and hand it to its next waiter, if one is queued;
+    return whether it was held.
 
     For operators only: the holder keeps running, unprotected, and finds the
     lock lost at its next heartbeat.

@@ -460,7 +460,7 @@ def release(
     force: bool,
     timeout: float,
 ) -> None:
-    """Force-release locks, whoever holds them, and wake their waiters.
+    """Force-release locks, whoever holds them, and hand each to its next waiter.
 
     Give exactly one of NAME, --pattern, --holder or --task. Asks first unless
     --yes; refuses a lock whose holder a live worker is running unless --force.

@@ -599,7 +599,7 @@ class RedisLock:
     def release(
         self, wait: bool = True, then: Callable[[ReleaseOutcome], Any] | None = None
     ) -> None:
-        """Drop one hold; the last hold frees the lock and wakes a waiter.
+        """Drop one hold; the last hold frees the lock, or hands it to the next waiter.
 
         If Redis cannot be reached, the hold is dropped locally all the same: the
         lock is no longer renewed, the release is retried in the background until
