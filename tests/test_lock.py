@@ -97,6 +97,11 @@ def stored(client: redis.Redis, lock: RedisLock) -> dict[str, bytes]:
     }
 
 
+def evalsha_calls(client: redis.Redis) -> int:
+    """Scripts the server ran by digest since its statistics were last reset."""
+    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
 class Waiter:
     """Runs ``lock.acquire(timeout=...)`` in a thread and keeps the outcome."""
 
@@ -501,8 +506,7 @@ def test_waiting_does_not_poll(client: redis.Redis, subscribed: bool) -> None:
     assert waiter.acquire(timeout=1.0) is False
     if subscribed:
         hub.leave(kept)
-    calls = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-    assert calls == (3 if subscribed else 4)
+    assert evalsha_calls(client) == (3 if subscribed else 4)
     assert not client.exists(waiter.queue_key)
     holder.release()
 
@@ -653,11 +657,6 @@ def test_spare_woken_again_during_its_head_start_asks_at_once(
     assert wait_until(waiter.done, timeout=30)
     assert (waiter.error, waiter.result) == (None, True)
     assert waiter_lock.owned()
-
-
-def evalsha_calls(client: redis.Redis) -> int:
-    """Scripts the server ran by digest since its statistics were last reset."""
-    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 def handed_over(client: redis.Redis, holder: RedisLock, waiter_lock: RedisLock) -> None:
