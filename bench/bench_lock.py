@@ -651,9 +651,9 @@ def hold_many(client: redis.Redis, count: int, task_like: bool, heartbeat: bool)
     """``count`` held locks with distinct names, as a task or as a plain lock would hold them.
 
     ``task_like`` names them like a ``SingletonTask`` (``<task name>:<32 hex>``),
-    with a task id as lease, ``<task id>:<16 hex>`` as owner and, where the engine
-    stores one, a holder description like a running task's; otherwise the name is
-    short and the owner is the engine's default (72 random bits, 12 characters).
+    with a task id as lease and, where the engine stores one, a holder description
+    like a running task's; otherwise the name is short. The owner is the engine's
+    default either way (72 random bits, 12 characters), as a task's is.
     """
     # What a running SingletonTask stores about itself, where the engine takes it.
     extra: dict[str, Any] = {}
@@ -673,7 +673,6 @@ def hold_many(client: redis.Redis, count: int, task_like: bool, heartbeat: bool)
                 client,
                 f"shop.tasks.purchase:{uuid.uuid4().hex}",
                 ttl=600,
-                owner=f"{task_id}:{secrets.token_hex(8)}",
                 lease=task_id,
                 heartbeat=heartbeat,
                 **extra,
@@ -706,7 +705,7 @@ def bench_memory(url: str, count: int, findings: Findings) -> None:
     drop(client, hold_many(client, count, task_like=False, heartbeat=False))
     for task_like, heartbeat in ((False, False), (True, True)):
         label = (
-            "as SingletonTask holds them (task name + 32 hex, owner and lease from the task id,"
+            "as SingletonTask holds them (task name + 32 hex, lease from the task id,"
             " holder description where the engine stores one), heartbeat on"
             if task_like
             else "plain RedisLock (short name, default owner), heartbeat off"

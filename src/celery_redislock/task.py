@@ -81,7 +81,7 @@ from celery_redislock.errors import (
     NoLockError,
     TaskSkippedError,
 )
-from celery_redislock.ids import random_hex
+from celery_redislock.ids import owner_token
 from celery_redislock.keys import KeyBuilder, KeySource
 from celery_redislock.lock import (
     DEFAULT_PREFIX,
@@ -864,7 +864,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         return RedisLock._from_shared(
             kept[3],
             key,
-            f"{task_id}:{random_hex(16)}",
+            owner_token(),
             task_id,
             self._holder_values(running=True, request=request),
         )
