@@ -796,6 +796,32 @@ def test_a_waiter_that_leaves_gives_back_a_lock_handed_to_it(
     assert client.zcard(holder.queue_key) == 0
 
 
+def test_a_wake_up_read_after_a_later_try_does_not_hand_over_the_lock(
+    client: redis.Redis,
+) -> None:
+    """A waiter whose process stalled with a wake-up unread: the hold it handed over
+    ran out, another owner took the lock, and the waiter tried again and queued before
+    it read the wake-up. Its last try is recent, but the wake-up is older than that try
+    (its token is not above the one the try found), so the waiter does not take it."""
+    holder = RedisLock(client, "handed-stale", ttl=60)
+    assert holder.acquire()
+    waiter = RedisLock(client, "handed-stale", ttl=60)
+    entry = scripts.queue_entry("stale-process.1", waiter.owner, 60_000, "", ())
+    assert not waiter._try_acquire(waiter._call_deadline(None), "1000000002", entry)
+    holder.release()  # handed to the waiter, whose wake-up goes unread
+    assert holder.token is not None
+    handed = holder.token + 1
+    assert client.hget(holder.key, FENCE_FIELD) == str(handed).encode()
+    client.pexpire(holder.key, 1)  # the grant runs out
+    assert wait_until(lambda: not client.exists(holder.key))
+    other = RedisLock(client, "handed-stale", ttl=60)
+    assert other.acquire()
+    assert not waiter._try_acquire(waiter._call_deadline(None), "1000000003", entry)
+    assert not waiter._keep_handed(handed)
+    assert not waiter.holding
+    other.release()
+
+
 def test_a_handed_lock_whose_wake_up_was_lost_is_confirmed_by_the_next_try(
     client: redis.Redis,
 ) -> None:

@@ -330,8 +330,10 @@ class RedisLock:
     _pttl = 0
     # A waiter's place in the lock's queue, kept across its tries.
     _position: str | None = None
-    # Send time of the last try of a waiting acquire.
+    # Send time of the last try of a waiting acquire, and the last fencing token
+    # handed out for the name as that try found it held (None until it answers).
     _tried = 0.0
+    _held_fence: int | None = None
     # Send time of a try of the current acquire whose reply never came.
     _unconfirmed: float | None = None
     # The heartbeat lane renewing the current hold, if any.
@@ -822,6 +824,7 @@ class RedisLock:
         call = self._acquire_call(request, entry)
         wait = self._replica_wait(deadline) if self.min_replicas else ()
         sent = self._tried = time.monotonic()
+        self._held_fence = None
         try:
             raw = send(self._router, self.key, call, deadline, wait)
             reply = AcquireReply.parse(raw[0] if wait else raw)
@@ -844,6 +847,7 @@ class RedisLock:
         if reply.outcome is Acquired.HELD:
             self.blocked_by = reply.holder
             self._pttl = reply.pttl
+            self._held_fence = reply.last_fence
             self._position = reply.position or self._position
             return False
         with self._state:
@@ -1046,14 +1050,18 @@ class RedisLock:
         """Hold the lock a release handed to this waiter (with ``fence``), without
         a round trip, if that is safe; else the next try confirms it.
 
-        The release ran after this waiter's last try was sent, and gave the hold
-        ``GRANT_MS`` (at most the TTL), so the server cannot expire it before the
-        last try's send time plus that: the local deadline. It is kept if at least
-        half of that is left and the heartbeat renews it (to the full TTL, a third
-        of the way through the grant); a hold that replicas must confirm
-        (``min_replicas``) always takes the round trip, which waits for them.
+        A hold handed over after this waiter's last try has a higher token than
+        the one that try found (a wake-up read late can be older than the try, and
+        is then left to the next try). That release gave the hold ``GRANT_MS`` (at
+        most the TTL), so the server cannot expire it before the last try's send
+        time plus that: the local deadline. It is kept if at least half of that
+        is left and the heartbeat renews it (to the full TTL, a third of the way
+        through the grant); a hold that replicas must confirm (``min_replicas``)
+        always takes the round trip, which waits for them.
         """
         if not self.heartbeat or self.min_replicas:
+            return False
+        if self._held_fence is None or fence <= self._held_fence:
             return False
         # What the release gave it, in whole ms as the script counts them.
         granted = min(self.ttl_ms, GRANT_MS) / 1000

@@ -397,9 +397,11 @@ end
 #: name, in that order, written with the hold (and emptied by a holder without one)
 #: Returns {1, fence} when newly taken (or taken over, or a hold a release handed to
 #: this waiter confirmed), {2, fence} when re-entered,
-#: {0, ms to wait, holder lease, queue position} when another owner holds it (or
-#: it was just freed for the waiters a release woke, and the caller is not one). A retry
-#: of a request that already landed returns what the first arrival did.
+#: {0, ms to wait, holder lease, queue position, fence} when another owner holds it
+#: (or it was just freed for the waiters a release woke, and the caller is not one),
+#: where fence is the last token handed out for the name: a hold a release hands
+#: to the caller later gets a higher one. A retry of a request that already landed
+#: returns what the first arrival did.
 ACQUIRE = _CHECK_TTLS + _lua("""
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
@@ -450,9 +452,9 @@ if wait_ms then
             redis.call('PEXPIRE', KEYS[2], pttl + tonumber(ARGV[2]))
         end
         redis.call('HSET', KEYS[1], $QUEUED, '1')
-        return {0, pttl, holder, position}
+        return {0, pttl, holder, position, tonumber(lock[4]) or 0}
     end
-    return {0, wait_ms, holder, ''}
+    return {0, wait_ms, holder, '', tonumber(lock[4]) or 0}
 end
 local fence = next_fence(lock[4])
 -- HSET writes first (denied, it writes nothing); what follows it is checked.
@@ -748,12 +750,21 @@ class AcquireReply(NamedTuple):
     holder: str | None
     #: A waiter's place in the queue (only when held and the caller waits).
     position: str | None
+    #: The last fencing token handed out for the name (only when held by another owner).
+    last_fence: int | None = None
 
     @classmethod
     def parse(cls, raw: Sequence[Any]) -> AcquireReply:
         outcome = _ACQUIRED[int(raw[0])]
         if outcome is Acquired.HELD:
-            return cls(outcome, None, int(raw[1]), _text(raw[2]) or None, _text(raw[3]) or None)
+            return cls(
+                outcome,
+                None,
+                int(raw[1]),
+                _text(raw[2]) or None,
+                _text(raw[3]) or None,
+                int(raw[4]),
+            )
         return cls(outcome, int(raw[1]), 0, None, None)
 
 
