@@ -79,6 +79,15 @@ def make_app(url: str, name: str = "t") -> Celery:
     return app
 
 
+def acquire_in_thread(lock: Any, timeout: float) -> tuple[list[bool], threading.Thread]:
+    """Start ``lock.acquire(timeout=timeout)`` in a thread: where its outcome lands, and
+    the thread (join it to read the outcome)."""
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(lock.acquire(timeout=timeout)))
+    thread.start()
+    return got, thread
+
+
 def held(client: redis.Redis, key: str) -> bool:
     """Whether the lock hash ``key`` has an owner (a free lock's hash stays a while,
     keeping its fencing counter)."""

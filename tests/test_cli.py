@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,7 +40,7 @@ from celery_redislock.deployments import ClusterDeployment
 from celery_redislock.server import RedisServer, free_port
 from celery_redislock.testing import hold_lock, leave_stale_lock, run_worker
 from tests import cli_app
-from tests.support import close_app, make_app, wait_for
+from tests.support import acquire_in_thread, close_app, make_app, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,9 +141,7 @@ def test_force_release_hands_the_lock_to_its_next_waiter(locks: redis.Redis) -> 
     holder = RedisLock(locks, "c.task:1", ttl=60)
     assert holder.acquire()
     waiter = RedisLock(locks, "c.task:1", ttl=60)
-    got: list[bool] = []
-    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
-    thread.start()
+    got, thread = acquire_in_thread(waiter, 30)
     wait_for(lambda: locks.zcard(holder.queue_key) == 1, what="the waiter to queue")
     assert force_release(locks, "c.task:1")
     thread.join(30)
@@ -211,9 +208,7 @@ def test_list_locks_counts_waiters(locks: redis.Redis) -> None:
     holder = RedisLock(locks, "busy", ttl=30)
     assert holder.acquire()
     waiter = RedisLock(locks, "busy", ttl=30)
-    got: list[bool] = []
-    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=20)))
-    thread.start()
+    got, thread = acquire_in_thread(waiter, 20)
     wait_for(lambda: list_locks(locks)[0].waiters == 1, what="the waiter to queue")
     holder.release()
     thread.join(20)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,7 +20,7 @@ from celery_redislock.server import RedisServer
 from celery_redislock.transport import pack, transport_for
 from celery_redislock.wakeups import hub_for
 from tests.proxy import FaultProxy
-from tests.support import held, wait_for, wait_until
+from tests.support import acquire_in_thread, held, wait_for, wait_until
 from tests.support import hold_count as stored_hold_count
 
 
@@ -349,9 +348,7 @@ def test_waiter_whose_subscription_is_reset_still_wakes_on_release(
     holder = RedisLock(server.url, "wake", ttl=60)
     assert holder.acquire()
     waiter = RedisLock(redis.Redis.from_url(proxy.url), "wake", ttl=10)
-    got: list[bool] = []
-    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
-    thread.start()
+    got, thread = acquire_in_thread(waiter, 30)
     channel = hub_for(waiter.transport, waiter.prefix).channel
     wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
     wait_for(lambda: direct.pubsub_numsub(channel)[0][1] == 1, what="the wake-up subscription")
@@ -369,9 +366,7 @@ def test_restart_while_held_and_waited_for(server: RedisServer, direct: redis.Re
     holder = RedisLock(server.url, "restart", ttl=1.5)
     assert holder.acquire()
     waiter = RedisLock(server.url, "restart", ttl=10)
-    got: list[bool] = []
-    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
-    thread.start()
+    got, thread = acquire_in_thread(waiter, 30)
     wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
     server.restart()
     thread.join(20)

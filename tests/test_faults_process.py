@@ -36,7 +36,7 @@ from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
 from tests.fault_children import SOAK_HOLDS, SOAK_STATS, SOAK_STOP, fence_log, fenced_write
 from tests.proxy import FaultProxy
-from tests.support import close_app, held, lock_keys, wait_for
+from tests.support import acquire_in_thread, close_app, held, lock_keys, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -499,9 +499,7 @@ def live_waiter_behind(
     """A waiter of this process queued second for ``holder``'s lock, in a thread: its
     lock, where its outcome lands, and the thread."""
     live = RedisLock(client, holder.name, ttl=60)
-    got: list[bool] = []
-    thread = threading.Thread(target=lambda: got.append(live.acquire(timeout=30)))
-    thread.start()
+    got, thread = acquire_in_thread(live, 30)
     wait_for(lambda: client.zcard(holder.queue_key) == 2, what="the live waiter to queue")
     return live, got, thread
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import pytest
@@ -11,7 +10,7 @@ import redis
 from celery_redislock import LockBackendError, RedisLock
 from celery_redislock.scripts import OWNER_FIELD, REQUEST_FIELD
 from celery_redislock.server import RedisServer
-from tests.support import held, wait_for
+from tests.support import acquire_in_thread, held, wait_for
 
 
 def primary_and_replica(
@@ -71,9 +70,7 @@ def test_a_lock_handed_to_a_waiter_is_confirmed_by_replicas(
     holder = RedisLock(primary.url, "replicated-handoff", ttl=30)
     assert holder.acquire()
     waiter = RedisLock(primary.url, "replicated-handoff", ttl=30, min_replicas=1)
-    got: list[bool] = []
-    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=20)))
-    thread.start()
+    got, thread = acquire_in_thread(waiter, 20)
     checker = primary.client()
     wait_for(lambda: checker.zcard(waiter.queue_key) == 1, what="the waiter queued")
     holder.release()

@@ -926,10 +926,6 @@ class SingletonTask(Task):  # type: ignore[misc]
         keep = retrying = False
         # When it began to wait (on_conflict="wait"), once it found the lock held.
         waiting: list[float] = []
-
-        def held() -> None:
-            waiting.append(self._wait_begins(lock, key, request, opts))
-
         # One try from the acquire on: an exception raised asynchronously (a soft
         # time limit) just after the lock was taken must not leave it held, and
         # renewed by this process's heartbeat, with nobody to release it.
@@ -938,6 +934,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                 if ahead is not None:
                     acquired = lock._acquire_sent(ahead)
                 elif opts.on_conflict == "wait":
+
+                    def held() -> None:
+                        waiting.append(self._wait_begins(lock, key, request, opts))
+
                     # A first try that can queue (see RedisLock._acquire): no
                     # second request when the lock is held.
                     acquired = lock._acquire(True, check_timeout(opts.wait), held)
