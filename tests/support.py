@@ -15,7 +15,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD
+from celery_redislock.scripts import COUNT_FIELD, LAYOUT, OWNER_FIELD, SEPARATOR, decode_lock
 
 #: Events a test opens to let a held task finish, by name.
 GATES: dict[str, threading.Event] = {}
@@ -88,21 +88,40 @@ def acquire_in_thread(lock: Any, timeout: float) -> tuple[list[bool], threading.
     return got, thread
 
 
+def fields(client: redis.Redis, key: str) -> dict[str, str]:
+    """The fields stored in the lock key ``key``, by stored name (the empty ones
+    left out; none when there is no key)."""
+    return decode_lock(client.get(key))
+
+
+def field(client: redis.Redis, key: str, name: str) -> str | None:
+    """One field stored in the lock key ``key`` (``None`` when empty or absent)."""
+    return fields(client, key).get(name)
+
+
+def write_fields(client: redis.Redis, key: str, **changes: str) -> None:
+    """Change fields of the lock key ``key`` by stored name (``""`` empties one),
+    keeping its expiry: state the engine itself could have written."""
+    values = {**fields(client, key), **changes}
+    raw = SEPARATOR.join(values.get(name, "") for name in LAYOUT).rstrip(SEPARATOR)
+    assert client.set(key, raw, keepttl=True)
+
+
 def held(client: redis.Redis, key: str) -> bool:
-    """Whether the lock hash ``key`` has an owner (a free lock's hash stays a while,
+    """Whether the lock key ``key`` has an owner (a free lock's key stays a while,
     keeping its fencing counter)."""
-    return bool(client.hget(key, OWNER_FIELD))
+    return OWNER_FIELD in fields(client, key)
 
 
 def hold_count(client: redis.Redis, key: str) -> int:
-    """The hold count stored in the lock hash ``key``: 0 when it is free, and 1 when
+    """The hold count stored in the lock key ``key``: 0 when it is free, and 1 when
     held without a count field (a count of one is not stored)."""
-    owner, count = client.hmget(key, OWNER_FIELD, COUNT_FIELD)
-    return int(count or 1) if owner else 0
+    stored = fields(client, key)
+    return int(stored.get(COUNT_FIELD, 1)) if OWNER_FIELD in stored else 0
 
 
 def lock_keys(client: redis.Redis) -> list[str]:
-    """Keys of the locks held now (a free lock's hash, kept for its fencing counter,
+    """Keys of the locks held now (a free lock's key, kept for its fencing counter,
     and waiter queues are left out)."""
     keys = [k for k in client.scan_iter("redislock:{*}") if k.endswith(b"}")]
     return sorted(k.decode() for k in keys if held(client, k.decode()))

@@ -44,14 +44,13 @@ from celery_redislock.scripts import (
     GRANT_MS,
     LEASE_FIELD,
     OWNER_FIELD,
-    QUEUED_FIELD,
     RELEASED_FIELD,
     REQUEST_FIELD,
     SPARE_MARK,
 )
 from celery_redislock.server import RedisServer, available_server_binaries
+from tests.support import field, fields, wait_until, write_fields
 from tests.support import lock_keys as lock_keys_held
-from tests.support import wait_until
 
 #: Names that exercise the ``{hash tag}`` rules and unusual characters.
 TRICKY_NAMES = [
@@ -83,18 +82,13 @@ def queued(client: redis.Redis, lock: RedisLock) -> int:
 
 
 def held(client: redis.Redis, lock: RedisLock) -> bool:
-    """Whether the lock is held (its hash has an owner)."""
-    return bool(client.hget(lock.key, OWNER_FIELD))
+    """Whether the lock is held (its key has an owner)."""
+    return OWNER_FIELD in stored(client, lock)
 
 
-def stored(client: redis.Redis, lock: RedisLock) -> dict[str, bytes]:
-    """The lock hash's non-empty fields, by stored name (an emptied field counts as absent)."""
-    fields = client.hgetall(lock.key)
-    return {
-        k.decode(): v
-        for k, v in fields.items()
-        if isinstance(k, bytes) and isinstance(v, bytes) and v
-    }
+def stored(client: redis.Redis, lock: RedisLock) -> dict[str, str]:
+    """The lock's non-empty fields, by stored name."""
+    return fields(client, lock.key)
 
 
 def evalsha_calls(client: redis.Redis) -> int:
@@ -176,12 +170,9 @@ def test_acquire_sets_ttl_atomically(client: redis.Redis) -> None:
     assert lock.acquire(blocking=False)
     pttl = client.pttl(lock.key)
     assert 0 < pttl <= 30_000
-    fields = client.hgetall(lock.key)
-    request = fields.pop(REQUEST_FIELD.encode())
-    assert fields == {
-        OWNER_FIELD.encode(): lock.owner.encode(),
-        FENCE_FIELD.encode(): str(lock.token).encode(),
-    }
+    values = stored(client, lock)
+    request = values.pop(REQUEST_FIELD)
+    assert values == {OWNER_FIELD: lock.owner, FENCE_FIELD: str(lock.token)}
     assert len(request) == REQUEST_ID_DIGITS  # the id of the request that took it
     lock.release()
 
@@ -192,7 +183,6 @@ def test_held_plain_lock_stores_three_fields(client: redis.Redis) -> None:
     description: what that holder wrote is emptied, not kept."""
     lock = RedisLock(client, "three-fields", ttl=30)
     assert lock.acquire(blocking=False)
-    assert client.hlen(lock.key) == 3
     assert set(stored(client, lock)) == {OWNER_FIELD, FENCE_FIELD, REQUEST_FIELD}
     lock.release()
 
@@ -200,8 +190,8 @@ def test_held_plain_lock_stores_three_fields(client: redis.Redis) -> None:
         client, "three-fields", ttl=30, lease="task-1", holder_info={"task": "proj.job"}
     )
     with earlier, earlier:
-        assert stored(client, earlier)[COUNT_FIELD] == b"2"
-        assert stored(client, earlier)[LEASE_FIELD] == b"task-1"
+        assert stored(client, earlier)[COUNT_FIELD] == "2"
+        assert stored(client, earlier)[LEASE_FIELD] == "task-1"
     with lock:
         # Besides the hold, only the recent releases (for retried releases) are kept.
         assert set(stored(client, lock)) == {
@@ -213,20 +203,16 @@ def test_held_plain_lock_stores_three_fields(client: redis.Redis) -> None:
         assert lock.holder_lease() is None
 
 
-def test_held_plain_lock_hash_is_smaller_than_with_wider_ids(client: redis.Redis) -> None:
-    """The owner token (12 characters) and the request id (a number the server keeps
-    as an integer) keep a held lock's hash in a smaller allocation than the same
-    fields with a 22-character owner token and a 10-hex-digit request id."""
-    lock = RedisLock(client, "small-hash", ttl=30)
+def test_held_plain_lock_value_is_smaller_than_with_wider_ids(client: redis.Redis) -> None:
+    """The owner token (12 characters) and the request id (10 digits) keep a held
+    lock's value short enough to share one allocation with its object, and so
+    smaller than the same fields with a 22-character owner token and a request id
+    of 16 hex digits."""
+    lock = RedisLock(client, "small-value", ttl=30)
     assert lock.acquire(blocking=False)
-    fields = stored(client, lock)
-    wider: list[str | bytes] = [
-        OWNER_FIELD, "o" * 22,
-        FENCE_FIELD, fields[FENCE_FIELD],
-        REQUEST_FIELD, "a" * REQUEST_ID_DIGITS,
-    ]  # fmt: skip
     other = lock.key[:-2] + "X}"  # a key name of the same length
-    client.hset(other, items=wider)
+    client.set(other, "o" * 22, px=30_000)
+    write_fields(client, other, f=stored(client, lock)[FENCE_FIELD], r="a" * 16)
     try:
         held, same_fields = (client.memory_usage(key, samples=0) for key in (lock.key, other))
         assert held is not None
@@ -290,14 +276,14 @@ def test_release_by_non_owner_raises_and_deletes_nothing(client: redis.Redis) ->
     holder = RedisLock(client, "not-mine", ttl=30)
     other = RedisLock(client, "not-mine", ttl=30)
     assert holder.acquire(blocking=False)
-    before = client.hgetall(holder.key)
+    before = client.get(holder.key)
 
     with pytest.raises(LockNotOwnedError) as excinfo:
         other.release()
 
     assert type(excinfo.value) is LockNotOwnedError  # never held, so not "lost"
     assert excinfo.value.name == "not-mine"
-    assert client.hgetall(holder.key) == before
+    assert client.get(holder.key) == before
     assert holder.owned()
     holder.release()
 
@@ -362,7 +348,7 @@ def test_reentrant_same_object(client: redis.Redis) -> None:
     assert lock.token == token
     lock.release()
     assert lock.owned()
-    assert client.hget(lock.key, COUNT_FIELD) == b"1"
+    assert field(client, lock.key, COUNT_FIELD) == "1"
     lock.release()
     assert not lock.locked()
 
@@ -385,7 +371,7 @@ def test_reentrant_with_statement(client: redis.Redis) -> None:
     lock = RedisLock(client, "nested", ttl=30)
     with lock:
         with lock:
-            assert client.hget(lock.key, COUNT_FIELD) == b"2"
+            assert field(client, lock.key, COUNT_FIELD) == "2"
         assert lock.owned()
     assert not lock.locked()
 
@@ -425,7 +411,7 @@ def test_lease_takeover(client: redis.Redis, cleanup: list[RedisLock]) -> None:
     assert old.lost
     assert new.owned()
     assert new.holder_lease() == "task-1"
-    assert client.hget(new.key, FENCE_FIELD) == str(new.token).encode()
+    assert field(client, new.key, FENCE_FIELD) == str(new.token)
 
 
 def test_other_lease_cannot_take_over(client: redis.Redis) -> None:
@@ -466,12 +452,12 @@ def test_non_blocking_returns_false_when_held(client: redis.Redis) -> None:
     """acquire(blocking=False) on a held lock returns False and changes nothing."""
     holder = RedisLock(client, "busy", ttl=30)
     assert holder.acquire()
-    before = client.hgetall(holder.key)
+    before = client.get(holder.key)
     other = RedisLock(client, "busy", ttl=30)
     assert other.acquire(blocking=False) is False
     assert other.acquire(timeout=0) is False
     assert other.token is None
-    assert client.hgetall(holder.key) == before
+    assert client.get(holder.key) == before
     holder.release()
 
 
@@ -581,7 +567,7 @@ def test_release_wakes_the_first_two_and_marks_the_spare(
     cleanup.append(holder)
     for position, waiter_id in enumerate(("proc-a.1", "proc-b.7", "proc-c.3"), start=1):
         client.zadd(holder.queue_key, {waiter_id: position})
-    client.hset(holder.key, QUEUED_FIELD, "1")
+    write_fields(client, holder.key, q="1")
     pubsub = client.pubsub()  # type: ignore[no-untyped-call]
     pubsub.psubscribe(f"{holder.wake_prefix}*")
     assert pubsub.get_message(timeout=5) is not None  # the subscription's confirmation
@@ -609,7 +595,7 @@ def test_the_spare_stays_queued_and_the_queue_keeps_its_expiry(
     cleanup.append(holder)
     client.zadd(holder.queue_key, {"proc-a.1": 1, "proc-b.2": 2})
     client.pexpire(holder.queue_key, 90_000)
-    client.hset(holder.key, QUEUED_FIELD, "1")
+    write_fields(client, holder.key, q="1")
     holder.release()
     assert client.zrange(holder.queue_key, 0, -1) == [b"proc-b.2"]
     assert 0 < client.pttl(holder.queue_key) <= 90_000
@@ -624,7 +610,7 @@ def test_spare_takes_the_lock_when_the_first_woken_waiter_is_gone(
     assert holder.acquire()
     # A waiter of a process that died while queued, ahead of the live one.
     client.zadd(holder.queue_key, {"gone-process.1": 1})
-    client.hset(holder.key, QUEUED_FIELD, "1")
+    write_fields(client, holder.key, q="1")
     waiter_lock, waiter = wait_behind(holder, cleanup)
     assert wait_until(lambda: queued(client, holder) == 2)
     holder.release()
@@ -691,13 +677,13 @@ def test_release_hands_the_lock_to_the_first_waiter(
     assert holder.token is not None
     assert waiter_lock.token == holder.token + 1
     fields = stored(client, waiter_lock)
-    assert fields[OWNER_FIELD] == waiter_lock.owner.encode()
-    assert fields[LEASE_FIELD] == b"task-2"
-    assert fields["t"] == b"tasks.buy"
-    assert fields["h"] == b"w1"
+    assert fields[OWNER_FIELD] == waiter_lock.owner
+    assert fields[LEASE_FIELD] == "task-2"
+    assert fields["t"] == "tasks.buy"
+    assert fields["h"] == "w1"
     assert int(fields[FENCE_FIELD]) == waiter_lock.token
     # Not confirmed by an acquire: the request field still names the grant.
-    assert fields[REQUEST_FIELD].startswith(b"g:")
+    assert fields[REQUEST_FIELD].startswith("g:")
     # Renewed to the full TTL by the heartbeat (EXTEND), well past the handed hold's.
     assert wait_until(lambda: client.pttl(waiter_lock.key) > GRANT_MS)
     # The release and the renewal: the waiter sent no acquire after its wake-up.
@@ -729,7 +715,7 @@ def test_the_spare_behind_a_handed_lock_does_not_ask_for_it(
     assert wait_until(spare.done, timeout=10)
     assert (spare.error, spare.result) == (None, True)
     assert spare_lock._tried == tried  # no try since it queued
-    assert stored(client, spare_lock)[REQUEST_FIELD].startswith(b"g:")
+    assert stored(client, spare_lock)[REQUEST_FIELD].startswith("g:")
 
 
 def test_a_handed_lock_is_confirmed_by_a_round_trip_without_heartbeat(
@@ -762,11 +748,11 @@ def test_a_waiter_gone_since_it_queued_keeps_the_lock_only_for_the_grant(
     assert holder.acquire()
     gone = scripts.queue_entry("gone-process.1", "gone-owner", 60_000, "", ())
     client.zadd(holder.queue_key, {gone: 1})
-    client.hset(holder.key, QUEUED_FIELD, "1")
+    write_fields(client, holder.key, q="1")
     waiter_lock, waiter = wait_behind(holder, cleanup)
     assert wait_until(lambda: queued(client, holder) == 2)
     holder.release()
-    assert client.hget(holder.key, OWNER_FIELD) == b"gone-owner"
+    assert field(client, holder.key, OWNER_FIELD) == "gone-owner"
     assert 0 < client.pttl(holder.key) <= GRANT_MS
     assert wait_until(waiter.done, timeout=20)
     assert (waiter.error, waiter.result) == (None, True)
@@ -787,12 +773,12 @@ def test_a_waiter_that_leaves_gives_back_a_lock_handed_to_it(
     entry = scripts.queue_entry("left-process.1", leaving.owner, 60_000, "", ())
     after = scripts.queue_entry("next-process.2", "next-owner", 60_000, "", ())
     client.zadd(holder.queue_key, {entry: 1, after: 2})
-    client.hset(holder.key, QUEUED_FIELD, "1")
+    write_fields(client, holder.key, q="1")
     holder.release()
-    assert client.hget(holder.key, OWNER_FIELD) == leaving.owner.encode()
+    assert field(client, holder.key, OWNER_FIELD) == leaving.owner
     leaving._position = "1"
     leaving._leave_queue(entry)
-    assert client.hget(holder.key, OWNER_FIELD) == b"next-owner"
+    assert field(client, holder.key, OWNER_FIELD) == "next-owner"
     assert client.zcard(holder.queue_key) == 0
 
 
@@ -811,7 +797,7 @@ def test_a_wake_up_read_after_a_later_try_does_not_hand_over_the_lock(
     holder.release()  # handed to the waiter, whose wake-up goes unread
     assert holder.token is not None
     handed = holder.token + 1
-    assert client.hget(holder.key, FENCE_FIELD) == str(handed).encode()
+    assert field(client, holder.key, FENCE_FIELD) == str(handed)
     client.pexpire(holder.key, 1)  # the grant runs out
     assert wait_until(lambda: not client.exists(holder.key))
     other = RedisLock(client, "handed-stale", ttl=60)
@@ -833,7 +819,7 @@ def test_a_handed_lock_whose_wake_up_was_lost_is_confirmed_by_the_next_try(
     waiter = RedisLock(client, "handed-lost", ttl=60)
     entry = scripts.queue_entry("lost-process.1", waiter.owner, 60_000, "", ())
     client.zadd(holder.queue_key, {entry: 1})
-    client.hset(holder.key, QUEUED_FIELD, "1")
+    write_fields(client, holder.key, q="1")
     holder.release()
     assert waiter._try_acquire(waiter._call_deadline(None), "1000000001", entry)
     assert holder.token is not None
@@ -967,8 +953,8 @@ def test_free_lock_keeps_its_fence_for_fence_ttl(client: redis.Redis) -> None:
     assert lock.acquire()
     lock.release()
     assert 0 < client.pttl(lock.key) <= FENCE_TTL_MS
-    assert client.hget(lock.key, OWNER_FIELD) == b""
-    assert client.hget(lock.key, FENCE_FIELD) == str(lock.token).encode()
+    assert field(client, lock.key, OWNER_FIELD) is None
+    assert field(client, lock.key, FENCE_FIELD) == str(lock.token)
     assert set(stored(client, lock)) == {FENCE_FIELD, RELEASED_FIELD}
     assert not lock.locked()
 
@@ -1257,7 +1243,7 @@ def test_mutual_exclusion_history(redislock_url: str, client: redis.Redis) -> No
         assert token > prev_token, "tokens did not increase in acquisition order"
     assert all(worker.exitcode == 0 for worker in workers)
     assert not client.exists(lock_keys("contended").queue)
-    assert not client.hget(lock_keys("contended").lock, OWNER_FIELD)
+    assert field(client, lock_keys("contended").lock, OWNER_FIELD) is None
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -1279,12 +1265,13 @@ def test_holder_info_is_stored_with_the_hold(client: redis.Redis) -> None:
     before = described.transport.sends
     assert described.acquire()
     assert described.transport.sends - before <= 2  # one, or two on the script's first use
-    fields = client.hmget(described.key, FIELDS["task"], FIELDS["state"], FIELDS["node"])
-    assert fields == [b"proj.rebuild", b"running", None]  # an empty value is not stored
+    values = stored(client, described)
+    assert (values[FIELDS["task"]], values[FIELDS["state"]]) == ("proj.rebuild", "running")
+    assert FIELDS["node"] not in values  # an empty value is not stored
     described.release()
     plain = RedisLock(client, "described", ttl=30)
     assert plain.acquire()
-    assert client.hget(plain.key, FIELDS["task"]) == b""
+    assert FIELDS["task"] not in stored(client, plain)
     plain.release()
 
 

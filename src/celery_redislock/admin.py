@@ -1,7 +1,7 @@
 """Read and repair lock state: what ``celery redislock`` shows and does, callable from Python.
 
 Everything here reads the storage format of :mod:`celery_redislock.scripts`: one
-hash per lock name (held while its owner field is non-empty, kept free for a
+string key per lock name (held while its owner field is non-empty, kept free for a
 while after release for its fencing counter) with the holder's description
 (task, state, node, pid, since), and a sorted set of queued waiters beside it.
 
@@ -46,8 +46,9 @@ from celery_redislock.lock import (
 from celery_redislock.scripts import (
     FIELDS,
     FORCE_RELEASE_SCRIPT,
-    HOLDER_FIELDS,
+    OWNER_FIELD,
     Call,
+    decode_lock,
     send,
 )
 from celery_redislock.store import describe_store, lock_store
@@ -90,10 +91,6 @@ HOLDER_STATES: tuple[HolderState, ...] = ("queued", "running")
 
 #: Keys asked for per ``SCAN`` call (a hint to the server, not a limit).
 SCAN_COUNT = 1000
-
-#: The hash fields read for each lock, in order, by their readable names (stored
-#: under the one-letter names of :data:`~celery_redislock.scripts.FIELDS`).
-_FIELDS = ("owner", "lease", "count", "fence", *HOLDER_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -337,21 +334,24 @@ def _float(value: bytes | str | None) -> float | None:
         return None
 
 
-def _parse(key: str, prefix: str, row: Sequence[Any], pttl: Any, waiters: Any) -> LockInfo | None:
+def _parse(key: str, prefix: str, raw: Any, pttl: Any, waiters: Any) -> LockInfo | None:
     """A :class:`LockInfo` from the replies read for ``key``; ``None`` unless it is held."""
-    if isinstance(row, Exception) or not row or not row[0]:
-        return None  # not a lock hash, gone since the scan, or free
-    values = dict(zip(_FIELDS, row, strict=True))
-    state = _text(values["state"])
+    if isinstance(raw, Exception):
+        return None  # not a lock key
+    stored = decode_lock(raw)
+    if OWNER_FIELD not in stored:
+        return None  # gone since the scan, or free
+    values = {name: stored.get(field) for name, field in FIELDS.items()}
+    state = values["state"]
     return LockInfo(
         name=name_from_key(key, prefix),
-        holder=_text(values["lease"]) or None,
+        holder=values["lease"],
         count=_int(values["count"]) or 1,  # absent: one hold
         fence=_int(values["fence"]) or 0,
         ttl_ms=int(pttl) if isinstance(pttl, int) else -2,
-        task=_text(values["task"]) or None,
+        task=values["task"],
         state=state if state in HOLDER_STATES else None,
-        node=_text(values["node"]) or None,
+        node=values["node"],
         pid=_int(values["pid"], None),
         since=_float(values["since"]),
         waiters=waiters if isinstance(waiters, int) else 0,
@@ -360,9 +360,8 @@ def _parse(key: str, prefix: str, row: Sequence[Any], pttl: Any, waiters: Any) -
 
 
 def _read_commands(key: str) -> list[tuple[Any, ...]]:
-    """The reads that describe lock ``key``: its fields, its TTL and its queue length."""
-    fields = (FIELDS[name] for name in _FIELDS)
-    return [("HMGET", key, *fields), ("PTTL", key), ("ZCARD", f"{key}:waiters")]
+    """The reads that describe lock ``key``: its value, its TTL and its queue length."""
+    return [("GET", key), ("PTTL", key), ("ZCARD", f"{key}:waiters")]
 
 
 def _scan(transport: Transport, match: str, timeout: float) -> Iterator[list[str]]:

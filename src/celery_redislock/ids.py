@@ -7,9 +7,10 @@ count up, from a random start per process. A forked child drops what its parent
 had read and starts counting from a start of its own, so no owner token is ever
 handed out in two processes.
 
-Both are kept small, because a held lock stores both: a plain lock's hash (its
-owner token, fencing token and last request id) then fits the server's 48-byte
-allocation, not its 64-byte one (see ``bench/bench_lock.py``, section 6).
+Both are kept small, because a held lock stores both: a plain lock's value (its
+owner token, fencing token and last request id, 40 bytes) then stays short
+enough (44 bytes at most) for the server to keep it in one allocation with its
+object (see ``bench/bench_lock.py``, section 6).
 """
 
 from __future__ import annotations

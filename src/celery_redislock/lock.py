@@ -10,10 +10,10 @@ Example::
 
 Keys, for a lock named ``N`` with the default prefix::
 
-    redislock:{N}           hash: owner, fence, request id, ...         (held: as long as
+    redislock:{N}           string: owner, fence, request id, ...       (held: as long as
                             the lock; free: until the lock's expiry, or FENCE_TTL
                             when little of it was left, for its fencing counter;
-                            one-letter fields, see celery_redislock.scripts)
+                            fields in a fixed order, see celery_redislock.scripts)
     redislock:{N}:waiters   sorted set of queued waiters                (while someone waits)
     redislock:wake:<P>      pub/sub channel of process P, never a key   (its waiters' wake-ups)
 
@@ -69,10 +69,12 @@ from celery_redislock.scripts import (
     OWNER_FIELD,
     RELEASE_LEASE_SCRIPT,
     RELEASE_SCRIPT,
+    SEPARATOR,
     Acquired,
     AcquireReply,
     Call,
     Released,
+    decode_lock,
     queue_entry,
     send,
 )
@@ -91,15 +93,15 @@ from celery_redislock.wakeups import hub_for
 
 logger = logging.getLogger(__name__)
 
-#: How long a free lock's hash (and its fencing counter) outlives its last
+#: How long a free lock's key (and its fencing counter) outlives its last
 #: release, in ms. After it expires the next token is seeded from the server
 #: clock (microseconds), so tokens still increase.
 FENCE_TTL_MS = 3_600_000
 
-#: A release leaves the free hash's expiry as it is (the lock's own, which the
+#: A release leaves the free key's expiry as it is (the lock's own, which the
 #: heartbeat kept pushing ahead) when more than the release's deadline plus this
 #: many seconds of it are surely left: a retry of the release still finds the
-#: hash, and the release writes one command less. Else it sets FENCE_TTL_MS.
+#: key, and the free key goes with the lock's TTL rather than after FENCE_TTL_MS.
 KEEP_EXPIRY_MARGIN = 1.0
 
 #: How long, in seconds, the second waiter a release wakes (the spare, woken in
@@ -192,6 +194,7 @@ def check_holder_info(value: object, argument: str = "holder_info") -> tuple[str
             raise ValueError(
                 f"{argument}[{field!r}] must be a str of at most {MAX_INFO_LENGTH} characters"
             )
+        check_stored(text, f"{argument}[{field!r}]")
     return tuple(str(value.get(field, "")) for field in HOLDER_FIELDS)
 
 
@@ -208,6 +211,17 @@ def check_name(value: object, argument: str = "name") -> str:
             f"{argument} {value!r} cannot be encoded as UTF-8 ({exc.reason} at "
             f"position {exc.start}); lone surrogates cannot be sent to Redis"
         ) from None
+    return value
+
+
+def check_stored(value: str, argument: str) -> str:
+    """Return ``value`` if a lock's value can hold it: it must not contain
+    :data:`~celery_redislock.scripts.SEPARATOR`, which separates the fields."""
+    if SEPARATOR in value:
+        raise ValueError(
+            f"{argument} {value!r} contains {SEPARATOR!r}, which separates the fields of "
+            "a lock's stored value; use one without it"
+        )
     return value
 
 
@@ -232,7 +246,7 @@ def _empty_hash_tag(text: str) -> bool:
 class LockKeys(NamedTuple):
     """The Redis keys of one lock name."""
 
-    #: The lock hash (held, or free and keeping the fence counter).
+    #: The lock key (held, or free and keeping the fence counter).
     lock: str
     #: The sorted set of queued waiters.
     queue: str
@@ -244,7 +258,7 @@ def wake_channel_prefix(prefix: str = DEFAULT_PREFIX) -> str:
 
 
 def lock_keys(name: str, prefix: str = DEFAULT_PREFIX) -> LockKeys:
-    """Return the keys (lock hash, waiter queue) of a lock name.
+    """Return the keys (lock key, waiter queue) of a lock name.
 
     The name is the ``{hash tag}`` of every key, so the keys one script touches
     share a cluster slot. A name starting with ``}`` would make that tag empty, so
@@ -340,7 +354,7 @@ class RedisLock:
     _lane: _Lane | None = None
 
     # The state set by _fill() (every lock has all of it).
-    #: The lock's name, and the Redis keys of its hash and of its waiter queue.
+    #: The lock's name, and the Redis keys of its value and of its waiter queue.
     name: str
     key: str
     queue_key: str
@@ -397,9 +411,9 @@ class RedisLock:
                     "or the lock expires between renewals"
                 )
         if owner is not None:
-            check_name(owner, "owner")
+            check_stored(check_name(owner, "owner"), "owner")
         if lease is not None and lease != "":
-            check_name(lease, "lease")
+            check_stored(check_name(lease, "lease"), "lease")
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int):
             raise TypeError(f"min_replicas must be an int, not {type(min_replicas).__name__}")
         if min_replicas < 0:
@@ -650,7 +664,7 @@ class RedisLock:
             self._forget()
 
     def _free_ttl_ms(self) -> int:
-        """How long the hash outlives this release (the RELEASE script's ARGV[4]):
+        """How long the key outlives this release (the RELEASE script's ARGV[4]):
         0 (its expiry stays the lock's own) while enough of the hold's local
         deadline is left, which the server's expiry is never earlier than."""
         left = self._expiry - time.monotonic()
@@ -738,16 +752,16 @@ class RedisLock:
 
     def locked(self) -> bool:
         """Whether any owner holds the lock now."""
-        return bool(self._read(("HGET", self.key, OWNER_FIELD)))
+        return OWNER_FIELD in self._read()
 
     def owned(self) -> bool:
         """Whether this owner holds the lock now (asks Redis)."""
-        return _text(self._read(("HGET", self.key, OWNER_FIELD))) == self.owner
+        return self._read().get(OWNER_FIELD) == self.owner
 
     def holder_lease(self) -> str | None:
         """The lease (task id) of whoever holds the lock now, if any."""
-        owner, lease = self._read(("HMGET", self.key, OWNER_FIELD, LEASE_FIELD))
-        return (_text(lease) or None) if owner else None
+        fields = self._read()
+        return fields.get(LEASE_FIELD) if OWNER_FIELD in fields else None
 
     @property
     def holding(self) -> bool:
@@ -785,9 +799,10 @@ class RedisLock:
             at = min(at, max(ends, now + MIN_CALL))
         return Deadline(at)
 
-    def _read(self, command: tuple[Any, ...]) -> Any:
+    def _read(self) -> dict[str, str]:
+        """The lock's fields as stored now (:func:`~celery_redislock.scripts.decode_lock`)."""
         with backend_errors(f"read lock {self.name!r}"):
-            return self._run(command, self._call_deadline(None))
+            return decode_lock(self._run(("GET", self.key), self._call_deadline(None)))
 
     def _run(
         self,
@@ -1205,11 +1220,6 @@ class SentAcquire:
                 self.lock.name,
                 exc,
             )
-
-
-def _text(value: bytes | str | None) -> str | None:
-    """Decode a reply from a client that may or may not decode responses."""
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def release_lease(

@@ -17,7 +17,7 @@ handler that runs Celery's own and then, for each revoked task id, frees the
 * a request this worker holds and has not started (waiting for its ETA or a
   slot): the lock name comes from the task and its arguments;
 * an id it does not know (the message still sits in the broker): the lock is
-  found by a bounded ``SCAN`` of the lock keys and a pipelined ``HMGET`` of their
+  found by a bounded ``SCAN`` of the lock keys and a pipelined ``GET`` of their
   lease and owner fields.
 
 Only a lock still owned by the message — its owner is
@@ -49,7 +49,7 @@ from celery.worker import state as worker_state
 
 from celery_redislock.errors import LockNotOwnedError
 from celery_redislock.lock import RedisLock, name_from_key, release_lease
-from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
+from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD, decode_lock
 from celery_redislock.task import WHILE_EXECUTING, SingletonTask, queued_owner
 from celery_redislock.transport import Client
 
@@ -224,12 +224,13 @@ def find_and_free_queued(client: Client, prefix: str, task_ids: set[str]) -> Non
         if keys:
             with client.pipeline(transaction=False) as pipe:
                 for key in keys:
-                    pipe.hmget(key, LEASE_FIELD, OWNER_FIELD)
+                    pipe.get(key)
                 rows = pipe.execute(raise_on_error=False)
             for key, row in zip(keys, rows, strict=True):
                 if isinstance(row, Exception):
-                    continue  # not a lock hash
-                lease, owner = (_text(value) for value in row)
+                    continue  # not a lock key
+                fields = decode_lock(row)
+                lease, owner = fields.get(LEASE_FIELD), fields.get(OWNER_FIELD)
                 if lease is None or lease not in task_ids:
                     continue
                 task_ids.discard(lease)

@@ -4,28 +4,30 @@ Each script runs atomically on the server, so every read-check-write below is a
 single step no other client can interleave with. All keys one call touches
 share the lock name's ``{hash tag}``, so one call touches a single cluster slot.
 
-A lock name has one hash, which lives as long as the lock is held and, once
-released, until the lock's own expiry (when a release finds enough of it left:
-then it writes no expiry at all) or ``FENCE_TTL`` past the release. Its fields have one-letter names, so that a
-held lock costs the server little (the names below are the constants that hold
-them; ``celery redislock`` and :mod:`celery_redislock.admin` show the readable
-names on the left):
+A lock name has one string key, which lives as long as the lock is held and,
+once released, until the lock's own expiry (when a release finds enough of it
+left: then it writes no new expiry) or ``FENCE_TTL`` past the release. Its value
+is the lock's fields in a fixed order (:data:`LAYOUT`), separated by
+:data:`SEPARATOR`, with the empty ones at the end left out; each field has a
+one-letter name (the names below are the constants that hold them;
+``celery redislock`` and :mod:`celery_redislock.admin` show the readable names on
+the left):
 
 ==================  =====  ===================================================
 readable name       field  holds
 ==================  =====  ===================================================
-``owner``           ``o``  the owner token of the holder, ``""`` while the lock is free
-``lease``           ``l``  the lease the holder belongs to (a Celery task id);
-                           absent or ``""`` for none
-``count``           ``n``  the holder's hold count (re-entrant acquires); absent
-                           or ``""`` for 1
+``owner``           ``o``  the owner token of the holder; empty while the lock is free
 ``fence``           ``f``  the last fencing token handed out for the name
 ``req``             ``r``  the id of the last request that changed the hold
-                           (acquire or release); ``""`` while free;
+                           (acquire or release); empty while free;
                            ``GRANTED_TO`` + waiter id while a hold a release
                            handed to a waiter is not yet confirmed
-``released``        ``x``  the ids of the last few releases that freed the lock
+``lease``           ``l``  the lease the holder belongs to (a Celery task id);
+                           empty for none
+``count``           ``n``  the holder's hold count (re-entrant acquires); empty
+                           for 1
 ``queued``          ``q``  ``"1"`` while waiters may be queued
+``released``        ``x``  the ids of the last few releases that freed the lock
 ``reserved``        ``w``  the waiters a release just woke without handing
                            them the lock: the free lock is theirs for
                            ``RESERVE_MS``
@@ -33,23 +35,20 @@ readable name       field  holds
 ``task``            ``t``  the holder's description (:data:`HOLDER_FIELDS`): the
 ``state``           ``s``  task name, ``queued``/``running``, the worker node,
 ``node``            ``h``  its process id and when the hold began; written only
-``pid``             ``p``  for a holder that has one (``task`` then always, the
-``since``           ``b``  others when not empty)
+``pid``             ``p``  for a holder that has one
+``since``           ``b``
 ==================  =====  ===================================================
 
-A held plain lock is three fields, ``o``, ``f`` and ``r``: nothing is written
-that says only "none" or "1". Redis has no way to remove a field with the
-commands the engine is allowed (see the minimal ACL), so a field that an earlier
-holder wrote and the current one does not need is emptied instead; a release
-empties the holder's fields, so a free hash keeps little beyond its fence.
+A held plain lock is its first three fields, ``o``, ``f`` and ``r``: 40 bytes
+or so, which the server keeps in one allocation with the key's object. A value
+is always written whole, with its expiry in the same ``SET`` (``PX``, or
+``KEEPTTL`` for a key that has one), so that taking or freeing a lock is one read
+and one write. A free lock keeps its fence (and the releases it remembers), so
+the fencing counter needs no second key. When the key has expired, or the server
+lost its data, the next token is seeded from the server clock in microseconds,
+so tokens keep increasing.
 
-Keeping the hash (rather than deleting it) on release keeps the fencing counter
-without a second key, and lets a release be one ``HSET`` (and a ``PEXPIRE`` when
-little of the lock's expiry is left). When
-the hash has expired, or the server lost its data, the next token is seeded
-from the server clock in microseconds, so tokens keep increasing.
-
-Waiters queue in a sorted set beside the hash (score: when they first queued;
+Waiters queue in a sorted set beside the lock key (score: when they first queued;
 member: the waiter's :func:`queue_entry`), and a release that frees the lock wakes
 the first two of them, each through its own process's wake channel
 ``<prefix>:wake:<process>`` with the waiter's id as the message: a targeted
@@ -101,12 +100,12 @@ from celery_redislock.transport import ATTEMPTS, Deadline, Router, Transport, ru
 #: Highest TTL a script accepts, in ms (about 10 years; see ``lock.MAX_SECONDS``).
 MAX_TTL_MS = 315_360_000_000
 
-# The fields of the lock hash (the table in the module docstring).
-#: The holder's owner token; ``""`` while the lock is free.
+# The fields of the lock's value (the table in the module docstring).
+#: The holder's owner token; empty while the lock is free.
 OWNER_FIELD = "o"
-#: The holder's lease (a Celery task id); absent or ``""`` for none.
+#: The holder's lease (a Celery task id); empty for none.
 LEASE_FIELD = "l"
-#: The holder's hold count; absent or ``""`` for 1.
+#: The holder's hold count; empty for 1.
 COUNT_FIELD = "n"
 #: The last fencing token handed out for the name.
 FENCE_FIELD = "f"
@@ -128,21 +127,30 @@ HOLDER_FIELDS = ("task", "state", "node", "pid", "since")
 #: The field each :data:`HOLDER_FIELDS` name is stored in, in the same order.
 HOLDER_STORED = ("t", "s", "h", "p", "b")
 
-#: Readable name -> stored field, for everything the lock hash can hold.
+#: Readable name -> stored field, for everything a lock's value can hold, in the
+#: order the value holds them.
 FIELDS: Mapping[str, str] = MappingProxyType(
     {
         "owner": OWNER_FIELD,
-        "lease": LEASE_FIELD,
-        "count": COUNT_FIELD,
         "fence": FENCE_FIELD,
         "req": REQUEST_FIELD,
-        "released": RELEASED_FIELD,
+        "lease": LEASE_FIELD,
+        "count": COUNT_FIELD,
         "queued": QUEUED_FIELD,
+        "released": RELEASED_FIELD,
         "reserved": RESERVED_FIELD,
         "reserved_until": RESERVED_UNTIL_FIELD,
         **dict(zip(HOLDER_FIELDS, HOLDER_STORED, strict=True)),
     }
 )
+
+#: The stored fields in the order a lock's value holds them: the ones every held
+#: lock has first, so that the empty ones at the end can be left out.
+LAYOUT = tuple(FIELDS.values())
+
+#: What separates the fields of a lock's value (the ASCII unit separator), which
+#: no value may contain: :func:`~celery_redislock.lock.check_stored` refuses it.
+SEPARATOR = "\x1f"
 
 #: How long, in ms, a lock freed with waiters queued that it cannot be handed to
 #: (queue entries that are only an id) is kept for the (at most two) waiters it woke: a newcomer, or the releaser coming back, queues behind them
@@ -178,14 +186,22 @@ RELEASES_REMEMBERED = 8
 
 
 def _lua(text: str) -> str:
-    """``text`` with its ``$NAME`` placeholders filled: the hash's field names as
-    Lua strings (``$OWNER`` is ``'o'``), ``$HOLDER`` the holder's fields as a Lua
-    list, and the numbers the scripts share."""
+    """``text`` with its ``$NAME`` placeholders filled: the lock's field names as
+    Lua strings (``$OWNER`` is ``'o'``), ``$LAYOUT`` all of them in order as a Lua
+    list, ``$HOLDER`` the holder's fields, ``$HANDED`` what a queue entry hands
+    over after its TTL (the lease, then the holder's fields), and the marks and
+    numbers the scripts share."""
     quoted = {name.upper(): f"'{stored}'" for name, stored in FIELDS.items()}
-    holder = "{" + ", ".join(f"'{stored}'" for stored in HOLDER_STORED) + "}"
+
+    def listed(fields: Sequence[str]) -> str:
+        return "{" + ", ".join(f"'{stored}'" for stored in fields) + "}"
+
     return Template(text).substitute(
         quoted,
-        HOLDER=holder,
+        LAYOUT=listed(LAYOUT),
+        SEPARATOR=f"'\\{ord(SEPARATOR)}'",
+        HOLDER=listed(HOLDER_STORED),
+        HANDED=listed((LEASE_FIELD, *HOLDER_STORED)),
         RESERVE_MS=RESERVE_MS,
         SPARE=f"'{SPARE_MARK}'",
         BEHIND=f"'{BEHIND_MARK}'",
@@ -202,8 +218,8 @@ def _lua(text: str) -> str:
 # may run each command that follows the first write on those keys and channels
 # (a first write the ACL refuses writes nothing, nor does a read it refuses before
 # the first write, so neither needs a check ahead: a check can cost the server
-# more than the command it guards).
-_CHECK_TTLS = f"""
+# more than the command it guards). Then the lock value's codec.
+_COMMON = _lua(f"""
 local function check_ttl(value)
     local ms = tonumber(value)
     if not ms or ms < 1 or ms > {MAX_TTL_MS} or ms ~= math.floor(ms) then
@@ -217,7 +233,7 @@ local function now_ms()
     return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 end
 
--- The fencing token after ``last`` (a field's value, or false): one more, or when
+-- The fencing token after ``last`` (a field's value, or nil): one more, or when
 -- there is none (first use, expired remnant, a server that lost its data) one
 -- seeded from the server clock in microseconds, so tokens keep increasing.
 local function next_fence(last)
@@ -235,24 +251,53 @@ local function denied(command, ...)
     end
     return nil
 end
-"""
 
-# Shared by the scripts that free the lock: keep the hash (and its fence) as a
-# free remnant for ARGV[4] ms (its current expiry for "0"), remember the release
-# (ARGV[3]), and hand the lock
-# to the first two queued waiters (wake channel prefix ARGV[2]). The holder's
-# fields are emptied, so the remnant keeps little beyond the fence.
-_FREE = _lua("""
--- What the scripts that free the lock read of it, in one HMGET: the owner, the
--- request id, the lease, the count, the releases remembered, the queued flag,
--- the holder's task name (the first of its description) and the fence, in that
--- order (a missing field is false).
-local function read()
-    return redis.call('HMGET', KEYS[1], $OWNER, $REQ, $LEASE, $COUNT, $RELEASED, $QUEUED,
-                      $TASK, $FENCE)
+-- The stored fields, in the order the value holds them.
+local LAYOUT = $LAYOUT
+
+-- The lock's fields (stored name -> value; an empty field is absent) from the
+-- value of its key (false when there is none).
+local function decode(raw)
+    local lock = {{}}
+    if not raw then return lock end
+    local start = 1
+    for _, name in ipairs(LAYOUT) do
+        local stop = string.find(raw, $SEPARATOR, start, true)
+        local value = string.sub(raw, start, (stop or 0) - 1)
+        if value ~= '' then lock[name] = value end
+        if not stop then break end
+        start = stop + 1
+    end
+    return lock
 end
 
--- read(), once ARGV[4] (how long the free hash keeps the fence) is checked; else
+-- Write the lock's fields as its key's value, with an expiry of ``ms``, or the
+-- key's own expiry for nil (only for a key that exists: else it would have none).
+-- A number is written as an integer (concatenated, a large one would be a float).
+local function write(lock, ms)
+    local parts, last = {{}}, 0
+    for i, name in ipairs(LAYOUT) do
+        local value = lock[name] or ''
+        if type(value) == 'number' then value = string.format('%.0f', value) end
+        parts[i] = value
+        if value ~= '' then last = i end
+    end
+    local raw = table.concat(parts, $SEPARATOR, 1, last)
+    if ms then return redis.call('SET', KEYS[1], raw, 'PX', ms) end
+    return redis.call('SET', KEYS[1], raw, 'KEEPTTL')
+end
+
+local function read()
+    return decode(redis.call('GET', KEYS[1]))
+end
+""")
+
+# Shared by the scripts that free the lock: keep the key (and its fence) as a
+# free remnant for ARGV[4] ms (its current expiry for "0"), remember the release
+# (ARGV[3]), and hand the lock to the first of the queued waiters, waking the
+# first two (wake channel prefix ARGV[2]).
+_FREE = _lua("""
+-- read(), once ARGV[4] (how long the free value keeps the fence) is checked; else
 -- nil and the error to return.
 local function checked_read()
     local bad = check_ttl(ARGV[4])
@@ -276,48 +321,19 @@ local function entry(member)
 end
 
 local function free(lock)
-    local queued = lock[6] == '1'
     -- The first two queued waiters, read before the first write (refused, a read
     -- writes nothing).
-    local next = queued and redis.call('ZRANGE', KEYS[2], 0, 1) or {}
-    -- A lone HSET needs no check: denied, it writes nothing.
-    if queued or ARGV[4] ~= '0' then
-        local bad = denied('hset', KEYS[1], $OWNER, '') or denied('pexpire', KEYS[1], '1')
-        if #next > 0 then
-            bad = bad or denied('zrem', KEYS[2], 'w') or denied('publish', ARGV[2] .. '0', '')
-                or denied('time')
-        end
+    local next = lock[$QUEUED] and redis.call('ZRANGE', KEYS[2], 0, 1) or {}
+    if #next > 0 then
+        local bad = denied('zrem', KEYS[2], 'w') or denied('publish', ARGV[2] .. '0', '')
         if bad then return bad end
     end
-    -- The ids of the last few releases that freed the lock, newest first.
-    local history = string.sub(ARGV[3] .. ' ' .. (lock[5] or ''), 1, $RELEASE_HISTORY)
-    local fields = {$OWNER, '', $REQ, '', $RELEASED, history}
-    if lock[3] and lock[3] ~= '' then
-        fields[#fields + 1] = $LEASE
-        fields[#fields + 1] = ''
-    end
-    if lock[4] and lock[4] ~= '' then
-        fields[#fields + 1] = $COUNT
-        fields[#fields + 1] = ''
-    end
-    if lock[7] and lock[7] ~= '' then
-        -- (An empty task name means the other holder fields are empty or absent.)
-        for _, name in ipairs($HOLDER) do
-            fields[#fields + 1] = name
-            fields[#fields + 1] = ''
-        end
-    end
-    if queued then
-        if #next == 0 then
-            fields[#fields + 1] = $QUEUED
-            fields[#fields + 1] = ''
-        else
-            -- Only the first leaves the queue: the second (the spare) leaves it
-            -- only by taking the lock, so while it lets the first go ahead the
-            -- next release still finds it at the front.
-            redis.call('ZREM', KEYS[2], next[1])
-        end
-    end
+    -- A free lock keeps its fence and the ids of the last few releases that freed
+    -- it, newest first; what else it holds is written below for the woken.
+    local new = {[$FENCE] = lock[$FENCE],
+                 [$RELEASED] = string.sub(ARGV[3] .. ' ' .. (lock[$RELEASED] or ''), 1,
+                                          $RELEASE_HISTORY)}
+    local ms = ARGV[4] ~= '0' and ARGV[4] or nil
     local woken, grant = {}, nil
     for i = 1, #next do
         local id, handed = entry(next[i])
@@ -328,45 +344,29 @@ local function free(lock)
     if grant then
         -- Handed over: the first waiter holds the lock from now, for GRANT_MS
         -- at most, until it confirms the hold by renewing it.
-        local fence = next_fence(lock[8])
-        fields[#fields + 1] = $OWNER
-        fields[#fields + 1] = grant[2]
-        fields[#fields + 1] = $FENCE
-        fields[#fields + 1] = fence
-        fields[#fields + 1] = $REQ
-        fields[#fields + 1] = $GRANTED_TO .. woken[1]
-        if type(grant[4]) == 'string' and grant[4] ~= '' then
-            fields[#fields + 1] = $LEASE
-            fields[#fields + 1] = grant[4]
+        local fence = next_fence(lock[$FENCE])
+        new[$OWNER], new[$FENCE], new[$REQ] = grant[2], fence, $GRANTED_TO .. woken[1]
+        for i, name in ipairs($HANDED) do
+            if type(grant[3 + i]) == 'string' then new[name] = grant[3 + i] end
         end
-        if #grant > 4 then
-            for i, name in ipairs($HOLDER) do
-                local value = grant[4 + i]
-                if i == 1 or (type(value) == 'string' and value ~= '') then
-                    fields[#fields + 1] = name
-                    fields[#fields + 1] = tostring(value or '')
-                end
-            end
-        end
-        -- (Concatenated, a number this large would be written as a float.)
+        ms = math.min(tonumber(grant[3]), $GRANT_MS)
         messages[1] = woken[1] .. $GRANT .. string.format('%.0f', fence)
     elseif #woken > 0 then
         -- Kept for the waiters it wakes: for RESERVE_MS, nobody else takes it.
-        fields[#fields + 1] = $RESERVED
-        fields[#fields + 1] = table.concat(woken, ' ')
-        fields[#fields + 1] = $RESERVED_UNTIL
-        fields[#fields + 1] = now_ms() + $RESERVE_MS
+        new[$RESERVED] = table.concat(woken, ' ')
+        new[$RESERVED_UNTIL] = now_ms() + $RESERVE_MS
         messages[1] = woken[1]
     end
     -- The second is the spare: it lets the first go ahead (behind a handed lock,
     -- it asks only if the grant runs out first).
     if #woken > 1 then messages[2] = woken[2] .. (grant and $BEHIND or '') .. $SPARE end
-    -- (A field named twice takes the last value: the holder's, over the emptied one.)
-    redis.call('HSET', KEYS[1], unpack(fields))
-    if grant then
-        redis.call('PEXPIRE', KEYS[1], math.min(tonumber(grant[3]), $GRANT_MS))
-    elseif ARGV[4] ~= '0' then
-        redis.call('PEXPIRE', KEYS[1], ARGV[4])
+    if #next > 0 then new[$QUEUED] = '1' end
+    write(new, ms)
+    if #next > 0 then
+        -- Only the first leaves the queue: the second (the spare) leaves it only
+        -- by taking the lock, so while it lets the first go ahead the next
+        -- release still finds it at the front.
+        redis.call('ZREM', KEYS[2], next[1])
     end
     for i, message in ipairs(messages) do
         local process = string.match(woken[i], '^([^.]+)%.')
@@ -379,7 +379,7 @@ end
 
 -- Whether request ARGV[3] is one of the releases that freed the lock lately.
 local function released_here(lock)
-    local released = lock[5]
+    local released = lock[$RELEASED]
     return released and string.find(' ' .. released .. ' ', ' ' .. ARGV[3] .. ' ', 1, true)
 end
 """)
@@ -387,14 +387,14 @@ end
 #: Take the lock, take it again (re-entrant), or take it over from an earlier
 #: execution of the same lease; a waiter that finds it held joins the queue.
 #:
-#: KEYS[1] the lock hash; KEYS[2] the waiter queue
+#: KEYS[1] the lock key; KEYS[2] the waiter queue
 #: ARGV[1] owner token; ARGV[2] TTL in ms; ARGV[3] lease ("" for none);
 #: ARGV[4] request id; ARGV[5] the waiter's queue entry ("" when not waiting: not
 #: queued): the JSON array ``[waiter id, owner token, TTL in ms, lease,
 #: description...]`` a release hands the lock over with (see :func:`queue_entry`);
 #: ARGV[6] the waiter's queue position from an earlier reply ("" the first time);
 #: ARGV[7..] optionally, the holder's description: one value per HOLDER_FIELDS
-#: name, in that order, written with the hold (and emptied by a holder without one)
+#: name, in that order, written with the hold
 #: Returns {1, fence} when newly taken (or taken over, or a hold a release handed to
 #: this waiter confirmed), {2, fence} when re-entered,
 #: {0, ms to wait, holder lease, queue position, fence} when another owner holds it
@@ -402,115 +402,87 @@ end
 #: where fence is the last token handed out for the name: a hold a release hands
 #: to the caller later gets a higher one. A retry of a request that already landed
 #: returns what the first arrival did.
-ACQUIRE = _CHECK_TTLS + _lua("""
+ACQUIRE = _COMMON + _lua("""
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
 -- The waiter id, the first element of its queue entry.
 local waiter = ARGV[5] ~= '' and (string.match(ARGV[5], '^%["([^"]+)"') or ARGV[5]) or ''
-local lock = redis.call('HMGET', KEYS[1], $OWNER, $LEASE, $COUNT, $FENCE, $REQ, $TASK,
-                       $RESERVED, $RESERVED_UNTIL)
-if lock[1] == ARGV[1] then
-    bad = denied('pexpire', KEYS[1], '1') or denied('hset', KEYS[1], $COUNT, '1')
-    if bad then return bad end
-    if waiter ~= '' and lock[5] == $GRANTED_TO .. waiter then
+local lock = read()
+if lock[$OWNER] == ARGV[1] then
+    local fence = tonumber(lock[$FENCE])
+    if waiter ~= '' and lock[$REQ] == $GRANTED_TO .. waiter then
         -- Handed to this waiter by a release: the hold is confirmed, with its full TTL.
-        redis.call('HSET', KEYS[1], $REQ, ARGV[4])
+        lock[$REQ] = ARGV[4]
+        write(lock, ARGV[2])
+        return {1, fence}
+    end
+    local count = tonumber(lock[$COUNT]) or 1
+    if lock[$REQ] == ARGV[4] then
         redis.call('PEXPIRE', KEYS[1], ARGV[2])
-        return {1, tonumber(lock[4])}
+        return {count == 1 and 1 or 2, fence}
     end
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    local count = tonumber(lock[3]) or 1
-    if lock[5] == ARGV[4] then
-        return {count == 1 and 1 or 2, tonumber(lock[4])}
-    end
-    redis.call('HSET', KEYS[1], $COUNT, count + 1, $REQ, ARGV[4])
-    return {2, tonumber(lock[4])}
+    lock[$COUNT], lock[$REQ] = count + 1, ARGV[4]
+    write(lock, ARGV[2])
+    return {2, fence}
 end
 -- How long the caller can expect to wait: the holder's remaining TTL, or the
 -- time left to the waiters a release woke (a free lock is theirs for a moment).
 local wait_ms, holder = nil, ''
-if lock[1] and lock[1] ~= '' and (ARGV[3] == '' or lock[2] ~= ARGV[3]) then
-    wait_ms, holder = redis.call('PTTL', KEYS[1]), lock[2] or ''
-elseif lock[7] and lock[7] ~= ''
-        and not (waiter ~= '' and string.find(' ' .. lock[7] .. ' ', ' ' .. waiter .. ' ', 1, true)) then
-    local left = tonumber(lock[8]) - now_ms()
+if lock[$OWNER] and (ARGV[3] == '' or lock[$LEASE] ~= ARGV[3]) then
+    wait_ms, holder = redis.call('PTTL', KEYS[1]), lock[$LEASE] or ''
+elseif lock[$RESERVED]
+        and not (waiter ~= '' and string.find(' ' .. lock[$RESERVED] .. ' ', ' ' .. waiter .. ' ', 1, true)) then
+    local left = tonumber(lock[$RESERVED_UNTIL]) - now_ms()
     if left > 0 then wait_ms = left end
 end
 if wait_ms then
+    local fence = tonumber(lock[$FENCE]) or 0
+    if ARGV[5] == '' then return {0, wait_ms, holder, '', fence} end
     local position = ARGV[6]
-    if ARGV[5] ~= '' then
-        local pttl = wait_ms
-        if position == '' then
-            local now = redis.call('TIME')
-            position = now[1] .. string.format('%06d', tonumber(now[2]))
-        end
-        bad = denied('zadd', KEYS[2], '1', 'w') or denied('pexpire', KEYS[2], '1')
-            or denied('hset', KEYS[1], $QUEUED, '1')
-        if bad then return bad end
-        redis.call('ZADD', KEYS[2], 'NX', position, ARGV[5])
-        if redis.call('PTTL', KEYS[2]) < pttl + tonumber(ARGV[2]) then
-            redis.call('PEXPIRE', KEYS[2], pttl + tonumber(ARGV[2]))
-        end
-        redis.call('HSET', KEYS[1], $QUEUED, '1')
-        return {0, pttl, holder, position, tonumber(lock[4]) or 0}
+    if position == '' then
+        local now = redis.call('TIME')
+        position = now[1] .. string.format('%06d', tonumber(now[2]))
     end
-    return {0, wait_ms, holder, '', tonumber(lock[4]) or 0}
+    bad = denied('pexpire', KEYS[2], '1') or (not lock[$QUEUED] and denied('set', KEYS[1], 'w'))
+    if bad then return bad end
+    redis.call('ZADD', KEYS[2], 'NX', position, ARGV[5])
+    if redis.call('PTTL', KEYS[2]) < wait_ms + tonumber(ARGV[2]) then
+        redis.call('PEXPIRE', KEYS[2], wait_ms + tonumber(ARGV[2]))
+    end
+    if not lock[$QUEUED] then
+        -- (The key exists, held or kept for the woken, and keeps its expiry.)
+        lock[$QUEUED] = '1'
+        write(lock)
+    end
+    return {0, wait_ms, holder, position, fence}
 end
-local fence = next_fence(lock[4])
--- HSET writes first (denied, it writes nothing); what follows it is checked.
-bad = denied('pexpire', KEYS[1], '1')
+-- Only what this hold needs: what an earlier holder left (a lease, a count, a
+-- reservation for the woken, a description) goes.
+local new = {[$OWNER] = ARGV[1], [$FENCE] = next_fence(lock[$FENCE]), [$REQ] = ARGV[4],
+             [$LEASE] = ARGV[3], [$QUEUED] = lock[$QUEUED], [$RELEASED] = lock[$RELEASED]}
+for i, name in ipairs($HOLDER) do new[name] = ARGV[6 + i] end
 if ARGV[5] ~= '' then
-    bad = bad or denied('zrem', KEYS[2], 'w')
+    bad = denied('zrem', KEYS[2], 'w')
+    if bad then return bad end
 end
-if bad then return bad end
--- Only what this hold needs; what an earlier holder left (a lease, a count, a
--- reservation for the woken) is emptied.
-local fields = {$OWNER, ARGV[1], $FENCE, fence, $REQ, ARGV[4]}
-if ARGV[3] ~= '' or (lock[2] and lock[2] ~= '') then
-    fields[#fields + 1] = $LEASE
-    fields[#fields + 1] = ARGV[3]
-end
-if lock[3] and lock[3] ~= '' then
-    fields[#fields + 1] = $COUNT
-    fields[#fields + 1] = ''
-end
-if lock[7] and lock[7] ~= '' then
-    fields[#fields + 1] = $RESERVED
-    fields[#fields + 1] = ''
-    fields[#fields + 1] = $RESERVED_UNTIL
-    fields[#fields + 1] = ''
-end
-if #ARGV > 6 or lock[6] then
-    -- The task field is always written with a description, so a hash without
-    -- one has no other holder field; else a holder without a description
-    -- empties the one its predecessor left.
-    for i, name in ipairs($HOLDER) do
-        local value = ARGV[6 + i] or ''
-        if i == 1 or value ~= '' or lock[6] then
-            fields[#fields + 1] = name
-            fields[#fields + 1] = value
-        end
-    end
-end
-redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+write(new, ARGV[2])
 if ARGV[5] ~= '' then
     redis.call('ZREM', KEYS[2], ARGV[5])
 end
-return {1, fence}
+return {1, new[$FENCE]}
 """)
 
 
 def _freeing(body: str) -> str:
-    """A script that may free the lock: ``body`` after the TTL checks and :data:`_FREE`."""
-    return _CHECK_TTLS + _FREE + _lua(body)
+    """A script that may free the lock: ``body`` after the shared helpers and :data:`_FREE`."""
+    return _COMMON + _FREE + _lua(body)
 
 
 #: Drop one hold; free the lock and wake the next waiters when the last hold goes.
 #:
-#: KEYS[1] the lock hash; KEYS[2] the waiter queue
+#: KEYS[1] the lock key; KEYS[2] the waiter queue
 #: ARGV[1] owner token; ARGV[2] the wake channel prefix (``<prefix>:wake:``);
-#: ARGV[3] request id; ARGV[4] how long the free hash keeps the fence, in ms, or
+#: ARGV[3] request id; ARGV[4] how long the free value keeps the fence, in ms, or
 #: "0" to leave its expiry (the lock's own) as it is: the caller knows enough of
 #: it is left; ARGV[5] "" or the request id of the acquire this release undoes
 #: (then it acts only if that acquire was the last change to the hold)
@@ -519,17 +491,16 @@ RELEASE = _freeing("""
 local bad = ARGV[4] ~= '0' and check_ttl(ARGV[4]) or nil
 if bad then return bad end
 local lock = read()
-if lock[1] ~= ARGV[1] then
+if lock[$OWNER] ~= ARGV[1] then
     if released_here(lock) then return 1 end
     return 0
 end
-if lock[2] == ARGV[3] then return 2 end
-if ARGV[5] ~= '' and lock[2] ~= ARGV[5] then return 0 end
-local count = (tonumber(lock[4]) or 1) - 1
+if lock[$REQ] == ARGV[3] then return 2 end
+if ARGV[5] ~= '' and lock[$REQ] ~= ARGV[5] then return 0 end
+local count = (tonumber(lock[$COUNT]) or 1) - 1
 if count > 0 then
-    bad = denied('hset', KEYS[1], $COUNT, '1')
-    if bad then return bad end
-    redis.call('HSET', KEYS[1], $COUNT, count, $REQ, ARGV[3])
+    lock[$COUNT], lock[$REQ] = count, ARGV[3]
+    write(lock)
     return 2
 end
 return free(lock)
@@ -537,17 +508,15 @@ return free(lock)
 
 #: Set the remaining TTL of a held lock (sending it twice does no harm).
 #:
-#: KEYS[1] the lock hash
+#: KEYS[1] the lock key
 #: ARGV[1] owner token; ARGV[2] the new TTL in ms
 #: Returns 1 when extended, 0 when not owned (nothing changed).
-EXTEND = _CHECK_TTLS + _lua("""
+EXTEND = _COMMON + _lua("""
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
-if redis.call('HGET', KEYS[1], $OWNER) ~= ARGV[1] then
+if read()[$OWNER] ~= ARGV[1] then
     return 0
 end
-bad = denied('pexpire', KEYS[1], '1')
-if bad then return bad end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """)
@@ -556,15 +525,15 @@ return 1
 #: Celery task ends in a way its own process cannot report (revoked in the queue,
 #: terminated), where only the task id is known.
 #:
-#: KEYS[1] the lock hash; KEYS[2] the waiter queue
+#: KEYS[1] the lock key; KEYS[2] the waiter queue
 #: ARGV[1] lease (task id); ARGV[2] the wake channel prefix; ARGV[3] request id;
-#: ARGV[4] how long the free hash keeps the fence, in ms
+#: ARGV[4] how long the free value keeps the fence, in ms
 #: Returns 1 when freed (now or by an earlier arrival of the same request), 0 when
 #: that lease does not hold it.
 RELEASE_LEASE = _freeing("""
 local lock, bad = checked_read()
 if bad then return bad end
-if ARGV[1] == '' or not lock[1] or lock[1] == '' or lock[3] ~= ARGV[1] then
+if ARGV[1] == '' or not lock[$OWNER] or lock[$LEASE] ~= ARGV[1] then
     if released_here(lock) then return 1 end
     return 0
 end
@@ -573,36 +542,46 @@ return free(lock)
 
 #: Free the lock whoever holds it (an operator's repair).
 #:
-#: KEYS[1] the lock hash; KEYS[2] the waiter queue
+#: KEYS[1] the lock key; KEYS[2] the waiter queue
 #: ARGV[1] unused; ARGV[2] the wake channel prefix; ARGV[3] request id;
-#: ARGV[4] how long the free hash keeps the fence, in ms
+#: ARGV[4] how long the free value keeps the fence, in ms
 #: Returns 1 when freed, 0 when it was not held.
 FORCE_RELEASE = _freeing("""
 local lock, bad = checked_read()
 if bad then return bad end
-if not lock[1] or lock[1] == '' then return 0 end
+if not lock[$OWNER] then return 0 end
 return free(lock)
 """)
 
 #: Leave the waiter queue (a waiter that gave up or got the lock another way), and
 #: give back the lock if a release handed it to the waiter meanwhile.
 #:
-#: KEYS[1] the lock hash; KEYS[2] the waiter queue
+#: KEYS[1] the lock key; KEYS[2] the waiter queue
 #: ARGV[1] owner token; ARGV[2] the wake channel prefix; ARGV[3] request id;
-#: ARGV[4] how long the free hash keeps the fence, in ms; ARGV[5] the waiter's
+#: ARGV[4] how long the free value keeps the fence, in ms; ARGV[5] the waiter's
 #: queue entry (as ACQUIRE's ARGV[5])
 #: Returns 1 when it was queued, 2 when it was handed the lock (now freed), else 0.
 LEAVE = _freeing("""
 local lock, bad = checked_read()
 if bad then return bad end
 local waiter = string.match(ARGV[5], '^%["([^"]+)"') or ARGV[5]
-if lock[1] == ARGV[1] and lock[2] == $GRANTED_TO .. waiter then
+if lock[$OWNER] == ARGV[1] and lock[$REQ] == $GRANTED_TO .. waiter then
     bad = free(lock)
     if bad ~= 1 then return bad end
     return 2
 end
 return redis.call('ZREM', KEYS[2], ARGV[5])
 """)
+
+
+def decode_lock(raw: bytes | str | None) -> dict[str, str]:
+    """A lock key's value as its fields (stored name -> value), the empty ones left
+    out; ``{}`` for no value."""
+    if not raw:
+        return {}
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    fields = zip(LAYOUT, text.split(SEPARATOR), strict=False)
+    return {name: value for name, value in fields if value}
 
 
 def queue_entry(waiter: str, owner: str, ttl_ms: int, lease: str, info: Sequence[str]) -> str:

@@ -92,11 +92,12 @@ from celery_redislock.lock import (
     SentAcquire,
     check_name,
     check_prefix,
+    check_stored,
     check_timeout,
     check_ttl,
     release_lease,
 )
-from celery_redislock.scripts import HOLDER_FIELDS
+from celery_redislock.scripts import HOLDER_FIELDS, SEPARATOR
 from celery_redislock.store import (
     check_client_source,
     check_transport_options,
@@ -735,12 +736,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         the current one, if the caller has it at hand)."""
         since = f"{time.time():.3f}"
         if not running:
-            return (self.name[:MAX_INFO_LENGTH], "queued", "", "", since)
+            return (_shown(self.name), "queued", "", "", since)
         node = getattr(request or self.request, "hostname", None) or _process.hostname
         kept = self._running_as
         if kept is None or kept[0] != node or kept[1] != _process.pid:
             # The same for every execution in this worker process.
-            described = (self.name[:MAX_INFO_LENGTH], "running", str(node)[:MAX_INFO_LENGTH])
+            described = (_shown(self.name), "running", _shown(str(node)))
             kept = self._running_as = (node, _process.pid, (*described, _process.pid))
         return (*kept[2], since)
 
@@ -847,6 +848,7 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _execution_lock(self, key: str, task_id: str, opts: LockOptions, request: Any) -> RedisLock:
         """The lock of one execution (``request``: its context, or its worker request)."""
+        check_stored(task_id, "task id")
         client = lock_store(self.app, opts.url)
         kept = self._lock_kind
         if kept is None or kept[0] is not client or kept[1] is not opts or kept[2] != _process.pid:
@@ -1157,3 +1159,9 @@ def _metrics_at_worker_start(sender: Any = None, **_: Any) -> None:
 
 celery_signals.worker_init.connect(_metrics_at_worker_start, weak=False)
 celery_signals.worker_process_init.connect(_metrics_at_worker_start, weak=False)
+
+
+def _shown(text: str) -> str:
+    """``text`` as a lock's holder description can hold it (see
+    :func:`~celery_redislock.lock.check_holder_info`)."""
+    return text.replace(SEPARATOR, " ")[:MAX_INFO_LENGTH]
