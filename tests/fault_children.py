@@ -30,16 +30,20 @@ from typing import Any
 import redis
 
 from celery_redislock import LockBackendError, LockLostError, RedisLock
-from celery_redislock.scripts import FENCE_FIELD
+from celery_redislock.scripts import FENCE_FIELD, LAYOUT
 
-#: KEYS[1] highest token seen; KEYS[2] the attempt log; KEYS[3] the writer's lock hash.
+# FENCED_WRITE reads the fence as the second field of a lock's value.
+assert LAYOUT.index(FENCE_FIELD) == 1
+
+#: KEYS[1] highest token seen; KEYS[2] the attempt log; KEYS[3] the writer's lock key.
 #: ARGV[1] the writer's token; ARGV[2] the writer's label. Returns 1 if accepted.
 FENCED_WRITE = """
 local top = redis.call('GET', KEYS[1])
 local token = tonumber(ARGV[1])
 local accepted = (not top) or token >= tonumber(top)
-local holder = redis.call('HGET', KEYS[3], 'FENCE_FIELD')
-local current = holder ~= false and tonumber(holder) == token
+local lock = redis.call('GET', KEYS[3])
+local holder = lock and string.match(lock, '^[^\31]*\31([^\31]*)')
+local current = holder ~= nil and holder ~= false and tonumber(holder) == token
 if accepted then
     redis.call('SET', KEYS[1], ARGV[1])
 end
@@ -48,7 +52,7 @@ redis.call('RPUSH', KEYS[2], cjson.encode({
 }))
 if accepted then return 1 end
 return 0
-""".replace("FENCE_FIELD", FENCE_FIELD)
+"""
 
 #: Soak: the list every completed hold is appended to (JSON, see :func:`soak`).
 SOAK_HOLDS = "soak:holds"

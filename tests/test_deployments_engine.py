@@ -32,18 +32,18 @@ from celery_redislock.lock import lock_keys, release_lease
 from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import Client, transport_for
-from tests.support import wait_for
+from tests.support import fields, wait_for, write_fields
 
 #: The smallest ACL a lock user needs, as ``ACL SETUSER locker on >password …`` rules
 #: (for the default prefix ``redislock``; the patterns follow the prefix):
 #:
-#: * ``~redislock:*`` the lock hash ``redislock:{name}`` and the waiter queue
+#: * ``~redislock:*`` the lock key ``redislock:{name}`` and the waiter queue
 #:   ``redislock:{name}:waiters`` (both are a script's KEYS, checked before it runs);
 #: * ``&redislock:*`` the wake channels ``redislock:wake:<process>``: PUBLISH in the
 #:   release scripts when someone waits, SUBSCRIBE by a waiting process;
 #: * ``+evalsha`` every operation, ``+eval`` the first use of a script on a server;
 #: * the commands the scripts run (each script checks them before its first write):
-#:   HMGET HGET HSET PEXPIRE PTTL TIME ZADD ZRANGE ZREM PUBLISH;
+#:   GET SET PEXPIRE PTTL TIME ZADD ZRANGE ZREM PUBLISH;
 #: * ``+subscribe`` to wait for a release.
 #:
 #: Nothing else. The engine's connections authenticate with ``AUTH`` (RESP2), which
@@ -59,9 +59,8 @@ MINIMAL_ACL: tuple[str, ...] = (
     "-@all",
     "+evalsha",
     "+eval",
-    "+hmget",
-    "+hget",
-    "+hset",
+    "+get",
+    "+set",
     "+pexpire",
     "+pttl",
     "+time",
@@ -160,7 +159,7 @@ def lock_hashes(store: Store) -> list[str]:
         found += [
             k.decode()
             for k in admin.scan_iter("redislock:{*}")
-            if k.endswith(b"}") and admin.hget(k, OWNER_FIELD)
+            if k.endswith(b"}") and OWNER_FIELD in fields(admin, k.decode())
         ]
     return found
 
@@ -249,9 +248,9 @@ def test_reentry_counts_holds(locks: Store) -> None:
     assert lock.acquire(blocking=False)
     assert lock.token == token
     admin = locks.admin_for(lock.key)
-    assert admin.hget(lock.key, COUNT_FIELD) == b"2"
+    assert fields(admin, lock.key).get(COUNT_FIELD) == "2"
     lock.release()
-    assert admin.hget(lock.key, COUNT_FIELD) == b"1"
+    assert fields(admin, lock.key).get(COUNT_FIELD) == "1"
     assert lock.owned()
     assert not rival.acquire(blocking=False)
     lock.release()
@@ -387,7 +386,7 @@ def test_cluster_renewal_is_one_round_trip_per_primary(
 def assert_renewed_there(admin: redis.Redis, lock: RedisLock) -> None:
     """Assert that ``lock`` is on ``admin``'s server under its owner, that the heartbeat
     renews it there (its remaining TTL grows again), and that it is not lost."""
-    assert admin.hget(lock.key, OWNER_FIELD) == lock.owner.encode()
+    assert fields(admin, lock.key).get(OWNER_FIELD) == lock.owner
     remaining = admin.pttl(lock.key)
     assert remaining > 0
     wait_for(
@@ -670,13 +669,13 @@ def test_release_refused_by_the_acl_changes_nothing(
     lock = RedisLock(user.url, "refused-release", ttl=30, heartbeat=False)
     assert lock.acquire(blocking=False)
     admin.zadd(lock.queue_key, {"someone.1": 1})
-    admin.hset(lock.key, QUEUED_FIELD, "1")
-    before = admin.hgetall(lock.key)
+    write_fields(admin, lock.key, **{QUEUED_FIELD: "1"})
+    before = admin.get(lock.key)
     with pytest.raises(LockBackendError) as excinfo:
         lock.release()
     try:
         assert "PUBLISH on redislock:wake:" in str(excinfo.value)
-        assert admin.hgetall(lock.key) == before
+        assert admin.get(lock.key) == before
         assert admin.zcard(lock.queue_key) == 1
     finally:
         admin.delete(lock.key, lock.queue_key)
@@ -697,12 +696,16 @@ def test_command_refused_inside_a_script_is_reported_as_a_permission_error(
 def test_command_refused_inside_a_script_leaves_no_key_without_expiry(
     redislock_acl_server_factory: Callable[..., AclUser],
 ) -> None:
-    """An acquire refused because PEXPIRE is not allowed leaves no key that never expires."""
+    """A waiter refused PEXPIRE (the expiry of the queue it joins) leaves no key that
+    never expires: the script checks it before it queues the waiter."""
     user = redislock_acl_server_factory([r for r in MINIMAL_ACL if r != "+pexpire"])
     admin = user.server.client()
+    holder = RedisLock(admin, "refused-pexpire", ttl=30, heartbeat=False)
+    assert holder.acquire(blocking=False)
     with pytest.raises(LockBackendError):
-        RedisLock(user.url, "refused-pexpire", ttl=5).acquire(blocking=False)
+        RedisLock(user.url, "refused-pexpire", ttl=5).acquire(timeout=1)
     try:
+        assert admin.zcard(holder.queue_key) == 0
         assert [key for key in admin.keys("*") if admin.pttl(key) == -1] == []
     finally:
         admin.close()
@@ -712,23 +715,23 @@ def test_write_refused_before_anything_is_written_leaves_the_lock_as_it_was(
     redislock_acl_server_factory: Callable[..., AclUser],
 ) -> None:
     """The scripts check permissions ahead only for the writes that follow their first:
-    a first write the ACL refuses (HSET) fails before anything is written. An acquire
+    a first write the ACL refuses (SET) fails before anything is written. An acquire
     leaves no key, and a release leaves the lock held by its owner, as it was."""
-    user = redislock_acl_server_factory([r for r in MINIMAL_ACL if r != "+hset"])
+    user = redislock_acl_server_factory([r for r in MINIMAL_ACL if r != "+set"])
     admin = user.server.client()
     try:
         with pytest.raises(LockBackendError) as excinfo:
-            RedisLock(user.url, "refused-hset", ttl=5, heartbeat=False).acquire(blocking=False)
+            RedisLock(user.url, "refused-set", ttl=5, heartbeat=False).acquire(blocking=False)
         assert "lacks a permission the locks need" in str(excinfo.value)
         assert admin.keys("*") == []
-        held = RedisLock(admin, "refused-hset", ttl=30, heartbeat=False)
+        held = RedisLock(admin, "refused-set", ttl=30, heartbeat=False)
         assert held.acquire(blocking=False)
-        before = admin.hgetall(held.key)
-        releaser = RedisLock(user.url, "refused-hset", ttl=30, owner=held.owner, heartbeat=False)
+        before = admin.get(held.key)
+        releaser = RedisLock(user.url, "refused-set", ttl=30, owner=held.owner, heartbeat=False)
         releaser._holds = 1  # the same owner, as another process holding it would be
         with pytest.raises(LockBackendError):
             releaser.release()
-        assert admin.hgetall(held.key) == before
+        assert admin.get(held.key) == before
         held.release()
     finally:
         admin.close()

@@ -207,6 +207,7 @@ def then_task_locks(namespace: dict[str, Any]) -> None:
 
     from celery_redislock import SingletonTask
     from celery_redislock.scripts import OWNER_FIELD
+    from tests.support import field
 
     app = namespace["app"]
     name = f"docs-check-{uuid.uuid4().hex[:8]}"
@@ -214,7 +215,7 @@ def then_task_locks(namespace: dict[str, Any]) -> None:
     @app.task(base=SingletonTask, bind=True, name=name, shared=False)
     def check(self: Any) -> tuple[int, bool]:
         key = f"{self.lock_options.prefix}:{{{self.lock.key}}}"
-        return self.lock.fence, bool(self.lock_client.hget(key, OWNER_FIELD))
+        return self.lock.fence, bool(field(self.lock_client, key, OWNER_FIELD))
 
     token, held = check.apply().get()
     assert isinstance(token, int), token

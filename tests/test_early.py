@@ -29,6 +29,7 @@ from tests.proxy import FaultProxy
 from tests.support import (
     client_left_clean,
     close_app,
+    field,
     held,
     hold_count,
     in_process_worker,
@@ -223,9 +224,7 @@ def at_start(app: Celery, locks: redis.Redis) -> Iterator[dict[str, Any]]:
         seen["ahead"] = ahead
         if ahead:
             key = lock_keys(sender.lock_name(sender.request.args, sender.request.kwargs)).lock
-            seen["held"] = wait_until(
-                lambda: locks.hget(key, LEASE_FIELD) == task_id.encode(), timeout=5
-            )
+            seen["held"] = wait_until(lambda: field(locks, key, LEASE_FIELD) == task_id, timeout=5)
 
     celery_signals.task_prerun.connect(started, weak=False)
     yield seen

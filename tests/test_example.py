@@ -23,6 +23,7 @@ from example_worker import inventory
 from example_worker.__main__ import build_parser
 from example_worker.inventory import commit_sale, event_keys, open_event, stale_holder_demo
 from example_worker.report import Click, RunResult, build_report
+from tests.support import field
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,7 +84,7 @@ def snapshot(
     locks = sorted(
         text(k)
         for k in client.scan_iter("redislock:{example_worker.tasks.*}")
-        if client.hget(k, OWNER_FIELD)  # a free lock's hash stays a while, for its fence
+        if field(client, k, OWNER_FIELD)  # a free lock's key stays a while, for its fence
     )
     return Batch(
         returncode=done.returncode,

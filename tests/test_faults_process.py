@@ -36,7 +36,7 @@ from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
 from tests.fault_children import SOAK_HOLDS, SOAK_STATS, SOAK_STOP, fence_log, fenced_write
 from tests.proxy import FaultProxy
-from tests.support import acquire_in_thread, close_app, held, lock_keys, wait_for
+from tests.support import acquire_in_thread, close_app, field, held, lock_keys, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,7 +159,7 @@ def test_holder_stopped_past_ttl_sees_lost_and_cannot_release(
         assert any(w["accepted"] for w in writes[:first_parent]), writes
         assert all(w["current"] for w in writes if w["accepted"]), writes
         assert released["result"] == "LockLostError", seen
-        assert client.hget(parent.key, OWNER_FIELD) == parent.owner.encode()
+        assert field(client, parent.key, OWNER_FIELD) == parent.owner
         assert parent.owned()
         assert not parent.lost
     finally:
@@ -521,7 +521,7 @@ def test_waiter_killed_while_queued_holds_up_the_next_only_for_the_grant(
         live, got, thread = live_waiter_behind(client, holder)
         holder.release()
         (waiting,) = [e for e in entries(client, "report") if e["event"] == "waiting"]
-        assert client.hget(holder.key, OWNER_FIELD) == waiting["owner"].encode()
+        assert field(client, holder.key, OWNER_FIELD) == waiting["owner"]
         thread.join(40)
         assert got == [True]
         assert holder.token is not None

@@ -20,7 +20,7 @@ from celery_redislock import client as client_module
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.scripts import EXTEND, OWNER_FIELD
 from celery_redislock.server import RedisServer
-from tests.support import held, in_forked_child, wait_until
+from tests.support import field, held, in_forked_child, wait_until
 
 #: Forking a process that runs threads warns on Python >= 3.12; the fork test
 #: below does it on purpose, as Celery's prefork pool does.
@@ -437,11 +437,11 @@ def test_forked_child_has_its_own_heartbeat(client: redis.Redis, redislock_url: 
             "owner": report["owner"],
             "registered": True,
         }
-        child_owner = report["owner"].encode()
+        child_owner = report["owner"]
         key = RedisLock(client, "forked", ttl=1).key
 
         # Seen from the parent, the child's 1 s lock lives on for 3 s.
-        assert stays_true(lambda: client.hget(key, OWNER_FIELD) == child_owner, 3.0)
+        assert stays_true(lambda: field(client, key, OWNER_FIELD) == child_owner, 3.0)
 
         parent_end.send("release")
         assert parent_end.poll(30), "the child did not release"

@@ -271,6 +271,23 @@ def test_explicit_owner_is_kept(client: redis.Redis) -> None:
     assert RedisLock(client, "owners", ttl=5, owner="task-1:abc").owner == "task-1:abc"
 
 
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"owner": "a\x1fb"}, "owner"),
+        ({"lease": "task\x1f1"}, "lease"),
+        ({"holder_info": {"task": "proj.\x1fjob"}}, "holder_info['task']"),
+    ],
+)
+def test_a_value_with_the_field_separator_is_refused(
+    client: redis.Redis, options: dict[str, Any], named: str
+) -> None:
+    """An owner token, lease or holder description containing the separator of a
+    lock's stored fields is refused when the lock is made, naming it."""
+    with pytest.raises(ValueError, match=re.escape(named)):
+        RedisLock(client, "separated", ttl=5, **options)
+
+
 def test_release_by_non_owner_raises_and_deletes_nothing(client: redis.Redis) -> None:
     """Releasing another owner's lock raises LockNotOwnedError and leaves that lock intact."""
     holder = RedisLock(client, "not-mine", ttl=30)

@@ -10,7 +10,7 @@ import redis
 from celery_redislock import LockBackendError, RedisLock
 from celery_redislock.scripts import OWNER_FIELD, REQUEST_FIELD
 from celery_redislock.server import RedisServer
-from tests.support import acquire_in_thread, held, wait_for
+from tests.support import acquire_in_thread, field, held, wait_for
 
 
 def primary_and_replica(
@@ -55,7 +55,7 @@ def test_acquire_confirmed_by_a_replica_is_on_the_replica(
     before = lock.transport.sends
     assert lock.acquire(blocking=False)
     assert lock.transport.sends - before == 1
-    assert replica_client.hget(lock.key, OWNER_FIELD) == lock.owner.encode()
+    assert field(replica_client, lock.key, OWNER_FIELD) == lock.owner
     lock.release()
     replica_client.close()
 
@@ -76,10 +76,10 @@ def test_a_lock_handed_to_a_waiter_is_confirmed_by_replicas(
     holder.release()
     thread.join(30)
     assert got == [True]
-    confirmed = replica_client.hget(waiter.key, REQUEST_FIELD)
+    confirmed = field(replica_client, waiter.key, REQUEST_FIELD)
     assert confirmed is not None
     assert confirmed.isdigit()  # an acquire's request id, not the grant's mark
-    assert replica_client.hget(waiter.key, OWNER_FIELD) == waiter.owner.encode()
+    assert field(replica_client, waiter.key, OWNER_FIELD) == waiter.owner
     waiter.release()
     checker.close()
     replica_client.close()

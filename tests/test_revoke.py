@@ -32,6 +32,7 @@ from tests.support import (
     record,
     runs,
     wait_for,
+    write_fields,
 )
 
 TIMEOUT = 20
@@ -260,7 +261,7 @@ def test_search_is_bounded(
     """The search gives up after MAX_SCAN_CALLS SCAN calls, logging which ids it did not find."""
     keys = [f"bounded:{{t.job:{n}}}" for n in range(50)]
     for n, key in enumerate(keys):
-        locks.hset(key, mapping={LEASE_FIELD: f"other-{n}", OWNER_FIELD: "x"})
+        write_fields(locks, key, **{LEASE_FIELD: f"other-{n}", OWNER_FIELD: "x"})
     caplog.set_level(logging.WARNING, logger="celery_redislock")
     monkeypatch.setattr("celery_redislock.revoke.SCAN_COUNT", 1)
     monkeypatch.setattr("celery_redislock.revoke.MAX_SCAN_CALLS", 2)

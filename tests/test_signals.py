@@ -14,7 +14,7 @@ from celery_redislock import RedisLock, SingletonTask, signals, wakeups
 from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import flush
-from tests.support import close_app, make_app, wait_for
+from tests.support import close_app, make_app, wait_for, write_fields
 
 
 @pytest.fixture
@@ -71,7 +71,8 @@ def test_released_reports_a_lost_lock(
 
     @app.task(base=SingletonTask, bind=True, shared=False)
     def job(self: Any) -> None:
-        redislock_client.hset(f"redislock:{{{self.lock.name}}}", OWNER_FIELD, "someone-else")
+        key = f"redislock:{{{self.lock.name}}}"
+        write_fields(redislock_client, key, **{OWNER_FIELD: "someone-else"})
 
     job.apply().get()
     wait_for(lambda: any(name == "lock_released" for name, _ in sent), what="lock_released")

@@ -20,7 +20,7 @@ from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.store import describe_store, lock_store, store_url
 from celery_redislock.transport import router_for
-from tests.support import close_app, in_forked_child
+from tests.support import close_app, field, in_forked_child
 
 
 def make(name: str, **conf: Any) -> Celery:
@@ -38,7 +38,7 @@ def job_of(app: Celery, **options: Any) -> Any:
     def job(self: Any, key: str) -> tuple[int | None, bool]:
         handle = self.lock
         assert handle is not None
-        return handle.token, bool(self.lock_client.hget(handle_key(self, key), OWNER_FIELD))
+        return handle.token, bool(field(self.lock_client, handle_key(self, key), OWNER_FIELD))
 
     return job
 

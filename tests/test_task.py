@@ -34,6 +34,7 @@ from celery_redislock.task import OPTIONS, LockOptions
 from tests.support import (
     client_left_clean,
     close_app,
+    field,
     gate,
     held,
     in_process_worker,
@@ -397,7 +398,7 @@ class TestEndPaths:
 
 def runs_of_fence(client: redis.Redis, key: str) -> bool:
     """Whether the lock at ``key`` was ever taken (its hash keeps a fencing token)."""
-    return bool(client.hget(key, FENCE_FIELD))
+    return bool(field(client, key, FENCE_FIELD))
 
 
 @pytest.mark.usefixtures("worker")

@@ -50,6 +50,24 @@ def test_fence_is_the_token_as_an_int(app: Celery, redislock_client: redis.Redis
     assert isinstance(fence, int)
 
 
+def test_a_task_id_with_the_field_separator_fails_the_task_naming_it(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """A task id a lock cannot store (it contains the separator of the lock's stored
+    fields) fails that execution, before the body runs, with an error naming it."""
+    ran: list[bool] = []
+
+    @app.task(base=SingletonTask, shared=False, name="face.separated")
+    def job() -> None:
+        ran.append(True)
+
+    result = job.apply(task_id="task\x1f1")
+    assert isinstance(result.result, ValueError)
+    assert "task id" in str(result.result)
+    assert ran == []
+    assert redislock_client.keys("redislock:*") == []
+
+
 def test_lock_outside_an_execution_raises(app: Celery) -> None:
     """Reading task.lock outside a locked execution raises NoLockError, a LockError."""
 
