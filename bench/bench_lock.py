@@ -718,7 +718,7 @@ def bench_memory(url: str, count: int, findings: Findings) -> None:
         print(f"   {label}:")
         print(
             f"     used_memory delta per held lock {per_lock:,.0f} bytes; MEMORY USAGE of one"
-            f" lock hash {sample} bytes: "
+            f" lock key {sample} bytes: "
             + findings.add(
                 6,
                 f"bytes per held lock, {'task-style' if task_like else 'plain'} (used_memory)",
@@ -772,12 +772,12 @@ def bench_memory(url: str, count: int, findings: Findings) -> None:
         remnant = (settled_memory(stats) - before) / count
         sample = stats.memory_usage(locks[0].key, samples=0) or 0
         print(
-            f"     after release() of all ({took / count * 1e6:.0f} us each): the free hashes that"
+            f"     after release() of all ({took / count * 1e6:.0f} us each): the free keys that"
             f" keep the fence counters stay until the locks' expiry, {remnant:,.0f} bytes per name"
             f" (MEMORY USAGE of one: {sample} bytes)"
         )
         findings.add(
-            6, "bytes per released name (free hash, until the lock's expiry)", f"{remnant:.0f}"
+            6, "bytes per released name (free key, until the lock's expiry)", f"{remnant:.0f}"
         )
         drop(client, locks)
     stats.close()

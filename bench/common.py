@@ -169,7 +169,7 @@ class CommandCount:
         return self.scripts + self.other
 
     def breakdown(self) -> str:
-        """``hmget 1.00, hset 2.00, ...`` (script calls first)."""
+        """``get 2.00, set 2.00, ...`` (script calls first)."""
         parts = [f"{name} {n:.2f}" for name, n in sorted(self.by_name.items())]
         return ", ".join(parts) or "-"
 

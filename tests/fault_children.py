@@ -42,7 +42,7 @@ local top = redis.call('GET', KEYS[1])
 local token = tonumber(ARGV[1])
 local accepted = (not top) or token >= tonumber(top)
 local lock = redis.call('GET', KEYS[3])
-local holder = lock and string.match(lock, '^[^\31]*\31([^\31]*)')
+local holder = lock and string.match(lock, '^[^\\31]*\\31([^\\31]*)')
 local current = holder ~= nil and holder ~= false and tonumber(holder) == token
 if accepted then
     redis.call('SET', KEYS[1], ARGV[1])

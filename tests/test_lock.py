@@ -288,6 +288,19 @@ def test_a_value_with_the_field_separator_is_refused(
         RedisLock(client, "separated", ttl=5, **options)
 
 
+def test_a_key_of_another_layout_is_reported_with_what_to_do(client: redis.Redis) -> None:
+    """A lock key written by a version with another storage layout (a hash) is left
+    as it is, and an acquire says what it is and what to do."""
+    lock = RedisLock(client, "older-layout", ttl=5)
+    client.hset(lock.key, OWNER_FIELD, "someone")
+    client.pexpire(lock.key, 5000)
+    with pytest.raises(LockBackendError, match="not a lock of this version") as excinfo:
+        lock.acquire(blocking=False)
+    assert "stop the workers of other versions" in str(excinfo.value)
+    assert client.hget(lock.key, OWNER_FIELD) == b"someone"
+    client.delete(lock.key)
+
+
 def test_release_by_non_owner_raises_and_deletes_nothing(client: redis.Redis) -> None:
     """Releasing another owner's lock raises LockNotOwnedError and leaves that lock intact."""
     holder = RedisLock(client, "not-mine", ttl=30)

@@ -288,7 +288,13 @@ local function write(lock, ms)
 end
 
 local function read()
-    return decode(redis.call('GET', KEYS[1]))
+    local raw = redis.pcall('GET', KEYS[1])
+    if type(raw) == 'table' and raw.err then
+        error({{err = 'ERR celery_redislock: ' .. KEYS[1] .. ' is not a lock of this version ' ..
+            '(' .. raw.err .. '); stop the workers of other versions, and delete the key ' ..
+            'or let it expire'}})
+    end
+    return decode(raw)
 end
 """)
 
