@@ -49,7 +49,7 @@ from celery_redislock.scripts import (
     SPARE_MARK,
 )
 from celery_redislock.server import RedisServer, available_server_binaries
-from tests.support import field, fields, wait_until, write_fields
+from tests.support import acquire_in_thread, field, fields, wait_until, write_fields
 from tests.support import lock_keys as lock_keys_held
 
 #: Names that exercise the ``{hash tag}`` rules and unusual characters.
@@ -1303,6 +1303,31 @@ def test_holder_info_is_stored_with_the_hold(client: redis.Redis) -> None:
     assert plain.acquire()
     assert FIELDS["task"] not in stored(client, plain)
     plain.release()
+
+
+def test_holder_info_is_kept_through_changes_to_the_hold(client: redis.Redis) -> None:
+    """The scripts keep a holder's description as written (they parse the fields
+    before it, not the description itself) while the hold changes: a second hold,
+    a waiter queueing, a hold dropped."""
+    info = {"task": "proj.rebuild", "state": "running", "node": "w1", "pid": "7", "since": "1.5"}
+    described = RedisLock(client, "kept-info", ttl=30, holder_info=info)
+    waiter = RedisLock(client, "kept-info", ttl=30)
+    assert described.acquire(blocking=False)
+    assert described.acquire(blocking=False)
+    got, thread = acquire_in_thread(waiter, timeout=5)
+    wait_until(lambda: queued(client, described) == 1)
+    values = stored(client, described)
+    assert {name: values[FIELDS[name]] for name in info} == info
+    assert (values[COUNT_FIELD], values[FIELDS["queued"]]) == ("2", "1")
+    described.release()
+    values = stored(client, described)
+    assert {name: values[FIELDS[name]] for name in info} == info
+    assert values[COUNT_FIELD] == "1"
+    described.release()
+    thread.join(10)
+    assert got == [True]
+    assert FIELDS["task"] not in stored(client, waiter)
+    waiter.release()
 
 
 @pytest.mark.parametrize(

@@ -186,19 +186,20 @@ RELEASES_REMEMBERED = 8
 
 
 def _lua(text: str) -> str:
-    """``text`` with its ``$NAME`` placeholders filled: the lock's field names as
-    Lua strings (``$OWNER`` is ``'o'``), ``$LAYOUT`` all of them in order as a Lua
-    list, ``$HOLDER`` the holder's fields, ``$HANDED`` what a queue entry hands
-    over after its TTL (the lease, then the holder's fields), and the marks and
-    numbers the scripts share."""
-    quoted = {name.upper(): f"'{stored}'" for name, stored in FIELDS.items()}
+    """``text`` with its ``$NAME`` placeholders filled: the lock's fields as their
+    places in the value (``$OWNER`` is ``1``: the scripts hold a lock's fields in a
+    Lua array), ``$FIELD_COUNT`` how many there are, ``$HOLDER`` the holder's
+    fields as a Lua list, ``$HANDED`` what a queue entry hands over after its TTL
+    (the lease, then the holder's fields), and the marks and numbers the scripts
+    share."""
+    places = {name.upper(): str(LAYOUT.index(stored) + 1) for name, stored in FIELDS.items()}
 
     def listed(fields: Sequence[str]) -> str:
-        return "{" + ", ".join(f"'{stored}'" for stored in fields) + "}"
+        return "{" + ", ".join(str(LAYOUT.index(stored) + 1) for stored in fields) + "}"
 
     return Template(text).substitute(
-        quoted,
-        LAYOUT=listed(LAYOUT),
+        places,
+        FIELD_COUNT=len(LAYOUT),
         SEPARATOR=f"'\\{ord(SEPARATOR)}'",
         HOLDER=listed(HOLDER_STORED),
         HANDED=listed((LEASE_FIELD, *HOLDER_STORED)),
@@ -252,37 +253,45 @@ local function denied(command, ...)
     return nil
 end
 
--- The stored fields, in the order the value holds them.
-local LAYOUT = $LAYOUT
+-- A whole number as its digits (concatenated, a large one would be a float).
+local function digits(n)
+    return string.format('%.0f', n)
+end
 
--- The lock's fields (stored name -> value; an empty field is absent) from the
--- value of its key (false when there is none).
+-- The lock's fields (an array: a field's place -> its value; an empty field is
+-- nil) from the value of its key (false when there is none), up to the last
+-- before the holder's description: the scripts only keep that or replace it
+-- whole, so it stays unparsed, as ``lock.tail``.
 local function decode(raw)
     local lock = {{}}
     if not raw then return lock end
-    local start = 1
-    for _, name in ipairs(LAYOUT) do
+    local start, place = 1, 1
+    while true do
         local stop = string.find(raw, $SEPARATOR, start, true)
-        local value = string.sub(raw, start, (stop or 0) - 1)
-        if value ~= '' then lock[name] = value end
-        if not stop then break end
-        start = stop + 1
+        if not stop then
+            if start <= #raw then lock[place] = string.sub(raw, start) end
+            return lock
+        end
+        if stop > start then lock[place] = string.sub(raw, start, stop - 1) end
+        if place == $TASK - 1 then
+            lock.tail = string.sub(raw, stop + 1)
+            return lock
+        end
+        start, place = stop + 1, place + 1
     end
-    return lock
 end
 
--- Write the lock's fields as its key's value, with an expiry of ``ms``, or the
--- key's own expiry for nil (only for a key that exists: else it would have none).
--- A number is written as an integer (concatenated, a large one would be a float).
+-- Write the lock's fields (strings) as its key's value, with an expiry of ``ms``,
+-- or the key's own expiry for nil (only for a key that exists: else it would have
+-- none). The empty fields at the end are left out; the others are filled in.
 local function write(lock, ms)
-    local parts, last = {{}}, 0
-    for i, name in ipairs(LAYOUT) do
-        local value = lock[name] or ''
-        if type(value) == 'number' then value = string.format('%.0f', value) end
-        parts[i] = value
-        if value ~= '' then last = i end
+    local last = lock.tail and $TASK - 1 or $FIELD_COUNT
+    while not lock.tail and last > 0 and (lock[last] or '') == '' do last = last - 1 end
+    for place = 1, last do
+        if not lock[place] then lock[place] = '' end
     end
-    local raw = table.concat(parts, $SEPARATOR, 1, last)
+    local raw = table.concat(lock, $SEPARATOR, 1, last)
+    if lock.tail then raw = raw .. $SEPARATOR .. lock.tail end
     if ms then return redis.call('SET', KEYS[1], raw, 'PX', ms) end
     return redis.call('SET', KEYS[1], raw, 'KEEPTTL')
 end
@@ -351,16 +360,16 @@ local function free(lock)
         -- Handed over: the first waiter holds the lock from now, for GRANT_MS
         -- at most, until it confirms the hold by renewing it.
         local fence = next_fence(lock[$FENCE])
-        new[$OWNER], new[$FENCE], new[$REQ] = grant[2], fence, $GRANTED_TO .. woken[1]
-        for i, name in ipairs($HANDED) do
-            if type(grant[3 + i]) == 'string' then new[name] = grant[3 + i] end
+        new[$OWNER], new[$FENCE], new[$REQ] = grant[2], digits(fence), $GRANTED_TO .. woken[1]
+        for i, place in ipairs($HANDED) do
+            if type(grant[3 + i]) == 'string' then new[place] = grant[3 + i] end
         end
         ms = math.min(tonumber(grant[3]), $GRANT_MS)
-        messages[1] = woken[1] .. $GRANT .. string.format('%.0f', fence)
+        messages[1] = woken[1] .. $GRANT .. digits(fence)
     elseif #woken > 0 then
         -- Kept for the waiters it wakes: for RESERVE_MS, nobody else takes it.
         new[$RESERVED] = table.concat(woken, ' ')
-        new[$RESERVED_UNTIL] = now_ms() + $RESERVE_MS
+        new[$RESERVED_UNTIL] = digits(now_ms() + $RESERVE_MS)
         messages[1] = woken[1]
     end
     -- The second is the spare: it lets the first go ahead (behind a handed lock,
@@ -427,7 +436,7 @@ if lock[$OWNER] == ARGV[1] then
         redis.call('PEXPIRE', KEYS[1], ARGV[2])
         return {count == 1 and 1 or 2, fence}
     end
-    lock[$COUNT], lock[$REQ] = count + 1, ARGV[4]
+    lock[$COUNT], lock[$REQ] = tostring(count + 1), ARGV[4]
     write(lock, ARGV[2])
     return {2, fence}
 end
@@ -464,9 +473,10 @@ if wait_ms then
 end
 -- Only what this hold needs: what an earlier holder left (a lease, a count, a
 -- reservation for the woken, a description) goes.
-local new = {[$OWNER] = ARGV[1], [$FENCE] = next_fence(lock[$FENCE]), [$REQ] = ARGV[4],
+local fence = next_fence(lock[$FENCE])
+local new = {[$OWNER] = ARGV[1], [$FENCE] = digits(fence), [$REQ] = ARGV[4],
              [$LEASE] = ARGV[3], [$QUEUED] = lock[$QUEUED], [$RELEASED] = lock[$RELEASED]}
-for i, name in ipairs($HOLDER) do new[name] = ARGV[6 + i] end
+for i, place in ipairs($HOLDER) do new[place] = ARGV[6 + i] end
 if ARGV[5] ~= '' then
     bad = denied('zrem', KEYS[2], 'w')
     if bad then return bad end
@@ -475,7 +485,7 @@ write(new, ARGV[2])
 if ARGV[5] ~= '' then
     redis.call('ZREM', KEYS[2], ARGV[5])
 end
-return {1, new[$FENCE]}
+return {1, fence}
 """)
 
 
@@ -505,7 +515,7 @@ if lock[$REQ] == ARGV[3] then return 2 end
 if ARGV[5] ~= '' and lock[$REQ] ~= ARGV[5] then return 0 end
 local count = (tonumber(lock[$COUNT]) or 1) - 1
 if count > 0 then
-    lock[$COUNT], lock[$REQ] = count, ARGV[3]
+    lock[$COUNT], lock[$REQ] = tostring(count), ARGV[3]
     write(lock)
     return 2
 end
