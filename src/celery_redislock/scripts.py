@@ -274,7 +274,7 @@ local function decode(raw)
         end
         if stop > start then lock[place] = string.sub(raw, start, stop - 1) end
         if place == $TASK - 1 then
-            lock.tail = string.sub(raw, stop + 1)
+            if stop < #raw then lock.tail = string.sub(raw, stop + 1) end
             return lock
         end
         start, place = stop + 1, place + 1
