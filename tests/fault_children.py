@@ -9,7 +9,7 @@ fact. :func:`fenced_write` is also used by the Celery tasks of
 The fenced resource keeps the highest fencing token it has seen and refuses a
 write carrying a lower one. Every attempt is logged, in the order Redis ran
 them, with whether it was accepted and whether the writer's hold was still the
-lock's current one when it landed (the lock hash's ``fence`` field equals the
+lock's current one when it landed (the lock's ``fence`` field equals the
 writer's token).
 """
 

@@ -165,7 +165,7 @@ def test_list_locks_round_trips_escaped_names(locks: redis.Redis) -> None:
 
 
 def test_list_locks_leaves_out_free_locks(locks: redis.Redis) -> None:
-    """A released lock's hash (kept for its fencing counter) is not listed."""
+    """A released lock's key (kept for its fencing counter) is not listed."""
     lock = RedisLock(locks, "freed", ttl=30)
     assert lock.acquire()
     lock.release()

@@ -42,7 +42,7 @@ from tests.support import fields, wait_for, write_fields
 #: * ``&redislock:*`` the wake channels ``redislock:wake:<process>``: PUBLISH in the
 #:   release scripts when someone waits, SUBSCRIBE by a waiting process;
 #: * ``+evalsha`` every operation, ``+eval`` the first use of a script on a server;
-#: * the commands the scripts run (each script checks them before its first write):
+#: * the commands the scripts run (one that follows a first write is checked before it):
 #:   GET SET PEXPIRE PTTL TIME ZADD ZRANGE ZREM PUBLISH;
 #: * ``+subscribe`` to wait for a release.
 #:
@@ -151,8 +151,8 @@ def store(request: pytest.FixtureRequest) -> Iterator[Store]:
         close()
 
 
-def lock_hashes(store: Store) -> list[str]:
-    """Held locks on every primary (a free lock's hash, which keeps its fencing counter
+def held_lock_keys(store: Store) -> list[str]:
+    """Held locks on every primary (a free lock's key, which keeps its fencing counter
     a while, left out)."""
     found = []
     for admin in store.admins():
@@ -165,7 +165,7 @@ def lock_hashes(store: Store) -> list[str]:
 
 
 def keys_without_expiry(store: Store) -> list[str]:
-    """Lock keys (free hashes and waiter queues included) that would never expire."""
+    """Lock keys (free lock keys and waiter queues included) that would never expire."""
     return [
         key.decode()
         for admin in store.admins()
@@ -177,9 +177,9 @@ def keys_without_expiry(store: Store) -> list[str]:
 @pytest.fixture
 def locks(store: Store) -> Iterator[Store]:
     """The deployment under test; afterwards no lock is left on any primary and
-    every remaining key (free hashes, waiter queues) expires."""
+    every remaining key (free lock keys, waiter queues) expires."""
     yield store
-    wait_for(lambda: not lock_hashes(store), timeout=10, what="no lock left")
+    wait_for(lambda: not held_lock_keys(store), timeout=10, what="no lock left")
     assert keys_without_expiry(store) == []
 
 
@@ -317,7 +317,7 @@ def test_heartbeat_keeps_many_locks_alive_past_several_ttls(locks: Store) -> Non
     for lock in held:
         assert lock.acquire(blocking=False)
     primaries = locks.admins()
-    pattern = f"redislock:{{{locks.kind}:beat:*}}"  # the lock hashes
+    pattern = f"redislock:{{{locks.kind}:beat:*}}"  # the lock keys
     per_primary = [sum(1 for _ in admin.scan_iter(pattern)) for admin in primaries]
     assert all(count > 0 for count in per_primary), per_primary
     assert sum(per_primary) == len(held)

@@ -220,7 +220,7 @@ def then_task_locks(namespace: dict[str, Any]) -> None:
     token, held = check.apply().get()
     assert isinstance(token, int), token
     assert held, f"{name}: no lock in the store the sample configured"
-    # Shared deployments must be left as found: drop the freed lock's hash too.
+    # Shared deployments must be left as found: drop the freed lock's key too.
     key = f"{check.lock_options.prefix}:{{{check.lock_name((), {})}}}"
     with contextlib.suppress(NoPermissionError):  # the minimal ACL has no DEL
         check.lock_client.delete(key)

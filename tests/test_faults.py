@@ -406,8 +406,8 @@ def test_scripts_refuse_bad_ttls_before_writing(direct: redis.Redis, bad_ttl: st
 
 
 def test_release_keeps_the_lock_expiry_when_enough_is_left(direct: redis.Redis) -> None:
-    """A release made while plenty of the lock's TTL is left leaves the free hash's
-    expiry as it was (one command less); one made near the end keeps the hash, and
+    """A release made while plenty of the lock's TTL is left leaves the free key's
+    expiry as it was; one made near the end keeps the key, and
     its fence, for FENCE_TTL. Either way the next holder's token is higher."""
     long = RedisLock(direct, "keep", ttl=60)
     assert long.acquire()

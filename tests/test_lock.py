@@ -963,7 +963,7 @@ def test_token_unchanged_on_reentry(client: redis.Redis) -> None:
 
 
 def test_token_increases_after_fence_counter_expired(client: redis.Redis) -> None:
-    """When the free lock's hash (and its fence counter) is gone, the next token is
+    """When the free lock's key (and its fence counter) is gone, the next token is
     still larger."""
     lock = RedisLock(client, "fence-expired", ttl=30)
     tokens: list[int] = []
@@ -977,7 +977,7 @@ def test_token_increases_after_fence_counter_expired(client: redis.Redis) -> Non
 
 
 def test_free_lock_keeps_its_fence_for_fence_ttl(client: redis.Redis) -> None:
-    """A released lock's hash stays, free, for FENCE_TTL_MS: it carries the fence
+    """A released lock's key stays, free, for FENCE_TTL_MS: it carries the fence
     counter and nothing else of the holder's."""
     lock = RedisLock(client, "fence-ttl", ttl=30)
     assert lock.acquire()
@@ -993,7 +993,7 @@ def test_free_lock_keeps_its_fence_for_fence_ttl(client: redis.Redis) -> None:
 
 
 def test_many_names_leave_only_expiring_free_hashes(client: redis.Redis) -> None:
-    """10,000 distinct names leave one free, expiring hash each (their fence counters):
+    """10,000 distinct names leave one free, expiring key each (their fence counters):
     nothing held, no queues, no channels."""
     count = 10_000
     for i in range(count):
@@ -1042,7 +1042,7 @@ def test_client_is_not_kept_alive(redislock_server: RedisServer) -> None:
 
 @pytest.mark.parametrize("name", TRICKY_NAMES)
 def test_lock_and_queue_keys_share_a_slot(name: str) -> None:
-    """The lock hash and its waiter queue hash to the same cluster slot (one script
+    """The lock key and its waiter queue hash to the same cluster slot (one script
     touches both)."""
     key, queue = lock_keys(name)
     assert key_slot(key.encode()) == key_slot(queue.encode())

@@ -397,7 +397,7 @@ class TestEndPaths:
 
 
 def runs_of_fence(client: redis.Redis, key: str) -> bool:
-    """Whether the lock at ``key`` was ever taken (its hash keeps a fencing token)."""
+    """Whether the lock at ``key`` was ever taken (its key keeps a fencing token)."""
     return bool(field(client, key, FENCE_FIELD))
 
 
