@@ -47,6 +47,8 @@ from celery_redislock.scripts import (
     RELEASED_FIELD,
     REQUEST_FIELD,
     SPARE_MARK,
+    Acquired,
+    queue_entry,
 )
 from celery_redislock.server import RedisServer, available_server_binaries
 from tests.support import acquire_in_thread, field, fields, wait_until, write_fields
@@ -1303,6 +1305,32 @@ def test_holder_info_is_stored_with_the_hold(client: redis.Redis) -> None:
     assert plain.acquire()
     assert FIELDS["task"] not in stored(client, plain)
     plain.release()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"lease": "task-1"}, {"holder_info": {"task": "proj.job", "node": "w1"}}],
+    ids=["plain", "lease", "described"],
+)
+def test_a_new_name_is_stored_alike_by_either_path_of_the_acquire(
+    client: redis.Redis, options: dict[str, Any]
+) -> None:
+    """A name without a key is written at once by an acquire that does not wait (the
+    script's first lines), and by the script's general path for a waiter: both store
+    the same fields, the empty ones at the end left out."""
+    quick = RedisLock(client, "stored-alike-quick", ttl=30, **options)
+    assert quick.acquire(blocking=False)
+    waiting = RedisLock(client, "stored-alike-waiting", ttl=30, **options)
+    entry = queue_entry("p.1", waiting.owner, 30_000, waiting.lease, waiting._info)
+    call = waiting._acquire_call("1000000001", entry)
+    assert waiting._run(call, waiting._call_deadline(None))[0] == Acquired.TAKEN
+    raw = [cast(bytes, client.get(lock.key)) for lock in (quick, waiting)]
+    assert not raw[0].endswith(b"\x1f")
+    assert raw[0].count(b"\x1f") == raw[1].count(b"\x1f")
+    shapes = [{**stored(client, lock), "o": "", "f": "", "r": ""} for lock in (quick, waiting)]
+    assert shapes[0] == shapes[1]
+    quick.release()
+    client.delete(waiting.key)
 
 
 def test_holder_info_is_kept_through_changes_to_the_hold(client: redis.Redis) -> None:

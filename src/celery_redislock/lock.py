@@ -178,7 +178,8 @@ MAX_INFO_LENGTH = 200
 
 def check_holder_info(value: object, argument: str = "holder_info") -> tuple[str, ...]:
     """The ACQUIRE arguments for a holder description: one value per
-    :data:`~celery_redislock.scripts.HOLDER_FIELDS` name, or none at all."""
+    :data:`~celery_redislock.scripts.HOLDER_FIELDS` name up to the last that is not
+    empty, or none at all."""
     if value is None:
         return ()
     if not isinstance(value, Mapping):
@@ -195,7 +196,10 @@ def check_holder_info(value: object, argument: str = "holder_info") -> tuple[str
                 f"{argument}[{field!r}] must be a str of at most {MAX_INFO_LENGTH} characters"
             )
         check_stored(text, f"{argument}[{field!r}]")
-    return tuple(str(value.get(field, "")) for field in HOLDER_FIELDS)
+    values = [str(value.get(field, "")) for field in HOLDER_FIELDS]
+    while values and not values[-1]:
+        values.pop()  # (an empty field at the end is not sent)
+    return tuple(values)
 
 
 def check_name(value: object, argument: str = "name") -> str:

@@ -220,7 +220,7 @@ def _lua(text: str) -> str:
 # (a first write the ACL refuses writes nothing, nor does a read it refuses before
 # the first write, so neither needs a check ahead: a check can cost the server
 # more than the command it guards). Then the lock value's codec.
-_COMMON = _lua(f"""
+_CHECK_TTL = f"""
 local function check_ttl(value)
     local ms = tonumber(value)
     if not ms or ms < 1 or ms > {MAX_TTL_MS} or ms ~= math.floor(ms) then
@@ -228,7 +228,8 @@ local function check_ttl(value)
     end
     return nil
 end
-
+"""
+_HELPERS = _lua("""
 local function now_ms()
     local now = redis.call('TIME')
     return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -263,7 +264,7 @@ end
 -- before the holder's description: the scripts only keep that or replace it
 -- whole, so it stays unparsed, as ``lock.tail``.
 local function decode(raw)
-    local lock = {{}}
+    local lock = {}
     if not raw then return lock end
     local start, place = 1, 1
     while true do
@@ -296,16 +297,22 @@ local function write(lock, ms)
     return redis.call('SET', KEYS[1], raw, 'KEEPTTL')
 end
 
-local function read()
-    local raw = redis.pcall('GET', KEYS[1])
+-- The lock's fields from what a GET of its key returned: an error for a key
+-- that holds something else (a lock of an older layout).
+local function parse(raw)
     if type(raw) == 'table' and raw.err then
-        error({{err = 'ERR celery_redislock: ' .. KEYS[1] .. ' is not a lock of this version ' ..
+        error({err = 'ERR celery_redislock: ' .. KEYS[1] .. ' is not a lock of this version ' ..
             '(' .. raw.err .. '); stop the workers of other versions, and delete the key ' ..
-            'or let it expire'}})
+            'or let it expire'})
     end
     return decode(raw)
 end
+
+local function read()
+    return parse(redis.pcall('GET', KEYS[1]))
+end
 """)
+_COMMON = _CHECK_TTL + _HELPERS
 
 # Shared by the scripts that free the lock: keep the key (and its fence) as a
 # free remnant for ARGV[4] ms (its current expiry for "0"), remember the release
@@ -409,7 +416,7 @@ end
 #: description...]`` a release hands the lock over with (see :func:`queue_entry`);
 #: ARGV[6] the waiter's queue position from an earlier reply ("" the first time);
 #: ARGV[7..] optionally, the holder's description: one value per HOLDER_FIELDS
-#: name, in that order, written with the hold
+#: name, in that order, up to the last that is not empty, written with the hold
 #: Returns {1, fence} when newly taken (or taken over, or a hold a release handed to
 #: this waiter confirmed), {2, fence} when re-entered,
 #: {0, ms to wait, holder lease, queue position, fence} when another owner holds it
@@ -417,12 +424,35 @@ end
 #: where fence is the last token handed out for the name: a hold a release hands
 #: to the caller later gets a higher one. A retry of a request that already landed
 #: returns what the first arrival did.
-ACQUIRE = _COMMON + _lua("""
+ACQUIRE = (
+    _CHECK_TTL
+    + _lua("""
+-- A name with no key (new, or its free value expired) taken by a caller that does
+-- not wait is written at once, before the other helpers are made: the usual
+-- acquire of a task with new arguments.
+local current = redis.pcall('GET', KEYS[1])
+if current == false and ARGV[5] == '' and not check_ttl(ARGV[2]) then
+    -- (The fence is seeded from the server clock, as next_fence() seeds it.)
+    local now = redis.call('TIME')
+    local fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+    local value = ARGV[1] .. $SEPARATOR .. string.format('%.0f', fence) .. $SEPARATOR .. ARGV[4]
+    if #ARGV > 6 then
+        value = value .. $SEPARATOR .. ARGV[3] .. string.rep($SEPARATOR, $TASK - $LEASE) ..
+            table.concat(ARGV, $SEPARATOR, 7)
+    elseif ARGV[3] ~= '' then
+        value = value .. $SEPARATOR .. ARGV[3]
+    end
+    redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
+    return {1, fence}
+end
+""")
+    + _HELPERS
+    + _lua("""
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
 -- The waiter id, the first element of its queue entry.
 local waiter = ARGV[5] ~= '' and (string.match(ARGV[5], '^%["([^"]+)"') or ARGV[5]) or ''
-local lock = read()
+local lock = parse(current)
 if lock[$OWNER] == ARGV[1] then
     local fence = tonumber(lock[$FENCE])
     if waiter ~= '' and lock[$REQ] == $GRANTED_TO .. waiter then
@@ -487,6 +517,7 @@ if ARGV[5] ~= '' then
 end
 return {1, fence}
 """)
+)
 
 
 def _freeing(body: str) -> str:
