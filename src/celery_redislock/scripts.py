@@ -219,7 +219,8 @@ def _lua(text: str) -> str:
 # may run each command that follows the first write on those keys and channels
 # (a first write the ACL refuses writes nothing, nor does a read it refuses before
 # the first write, so neither needs a check ahead: a check can cost the server
-# more than the command it guards). Then the lock value's codec.
+# more than the command it guards). _CHECK_TTL checks a TTL; _HELPERS has the ACL
+# check, the clock, the fencing counter and the lock value's codec.
 _CHECK_TTL = f"""
 local function check_ttl(value)
     local ms = tonumber(value)
