@@ -353,9 +353,8 @@ local function free(lock)
     end
     -- A free lock keeps its fence and the ids of the last few releases that freed
     -- it, newest first; what else it holds is written below for the woken.
-    local new = {[$FENCE] = lock[$FENCE],
-                 [$RELEASED] = string.sub(ARGV[3] .. ' ' .. (lock[$RELEASED] or ''), 1,
-                                          $RELEASE_HISTORY)}
+    local released = lock[$RELEASED] and (ARGV[3] .. ' ' .. lock[$RELEASED]) or ARGV[3]
+    local new = {[$FENCE] = lock[$FENCE], [$RELEASED] = string.sub(released, 1, $RELEASE_HISTORY)}
     local ms = ARGV[4] ~= '0' and ARGV[4] or nil
     local woken, grant = {}, nil
     for i = 1, #next do
