@@ -44,6 +44,7 @@ from celery_redislock.scripts import (
     GRANT_MS,
     LEASE_FIELD,
     OWNER_FIELD,
+    QUEUED_FIELD,
     RELEASED_FIELD,
     REQUEST_FIELD,
     SPARE_MARK,
@@ -1307,30 +1308,66 @@ def test_holder_info_is_stored_with_the_hold(client: redis.Redis) -> None:
     plain.release()
 
 
-@pytest.mark.parametrize(
+#: Locks of each shape the acquire script writes: plain, with a lease, described.
+SHAPES = pytest.mark.parametrize(
     "options",
     [{}, {"lease": "task-1"}, {"holder_info": {"task": "proj.job", "node": "w1"}}],
     ids=["plain", "lease", "described"],
 )
+
+
+def take_both_ways(client: redis.Redis, locks: list[RedisLock]) -> list[tuple[int, dict[str, str]]]:
+    """Take the first of ``locks`` with an acquire that does not wait, the second as
+    a waiter would (the script's general path), and assert that both store the same
+    fields (ids, tokens and the releases remembered aside), the empty ones at the
+    end left out. Returns each one's token and fields as stored, then frees both."""
+    quick, waiting = locks
+    assert quick.acquire(blocking=False)
+    entry = queue_entry("p.1", waiting.owner, 30_000, waiting.lease, waiting._info)
+    reply = waiting._run(waiting._acquire_call("1000000001", entry), waiting._call_deadline(None))
+    assert reply[0] == Acquired.TAKEN
+    raw = [cast(bytes, client.get(lock.key)) for lock in locks]
+    assert not raw[0].endswith(b"\x1f")
+    assert raw[0].count(b"\x1f") == raw[1].count(b"\x1f")
+    taken = [stored(client, lock) for lock in locks]
+    aside = {OWNER_FIELD: "", FENCE_FIELD: "", REQUEST_FIELD: "", RELEASED_FIELD: ""}
+    assert {**taken[0], **aside} == {**taken[1], **aside}
+    quick.release()
+    client.delete(waiting.key)
+    return [(cast(int, quick.token), taken[0]), (int(reply[1]), taken[1])]
+
+
+@SHAPES
 def test_a_new_name_is_stored_alike_by_either_path_of_the_acquire(
     client: redis.Redis, options: dict[str, Any]
 ) -> None:
     """A name without a key is written at once by an acquire that does not wait (the
     script's first lines), and by the script's general path for a waiter: both store
     the same fields, the empty ones at the end left out."""
-    quick = RedisLock(client, "stored-alike-quick", ttl=30, **options)
-    assert quick.acquire(blocking=False)
-    waiting = RedisLock(client, "stored-alike-waiting", ttl=30, **options)
-    entry = queue_entry("p.1", waiting.owner, 30_000, waiting.lease, waiting._info)
-    call = waiting._acquire_call("1000000001", entry)
-    assert waiting._run(call, waiting._call_deadline(None))[0] == Acquired.TAKEN
-    raw = [cast(bytes, client.get(lock.key)) for lock in (quick, waiting)]
-    assert not raw[0].endswith(b"\x1f")
-    assert raw[0].count(b"\x1f") == raw[1].count(b"\x1f")
-    shapes = [{**stored(client, lock), "o": "", "f": "", "r": ""} for lock in (quick, waiting)]
-    assert shapes[0] == shapes[1]
-    quick.release()
-    client.delete(waiting.key)
+    take_both_ways(client, [RedisLock(client, f"new-{n}", ttl=30, **options) for n in "ab"])
+
+
+@SHAPES
+@pytest.mark.parametrize("queued", [False, True], ids=["alone", "queued"])
+def test_a_free_lock_is_taken_alike_by_either_path_of_the_acquire(
+    client: redis.Redis, options: dict[str, Any], queued: bool
+) -> None:
+    """A free lock as a release leaves it when it wakes nobody (its fence, the
+    releases it remembers and, while waiters may be queued, the queued flag) is
+    also taken at once by an acquire that does not wait: both paths keep the flag
+    and the releases, and hand out the next token."""
+    locks = [RedisLock(client, f"used-{n}", ttl=30, **options) for n in "ab"]
+    before = []
+    for lock in locks:
+        with lock:
+            pass
+        if queued:
+            write_fields(client, lock.key, **{QUEUED_FIELD: "1"})
+        before.append(stored(client, lock))
+    for (token, taken), free in zip(take_both_ways(client, locks), before, strict=True):
+        assert token == int(free[FENCE_FIELD]) + 1
+        assert taken[RELEASED_FIELD] == free[RELEASED_FIELD]
+        assert taken.get(QUEUED_FIELD) == ("1" if queued else None)
 
 
 def test_holder_info_is_kept_through_changes_to_the_hold(client: redis.Redis) -> None:

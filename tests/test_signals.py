@@ -199,7 +199,11 @@ def test_a_waiting_duplicate_reports_its_conflict_once_and_asks_no_more_than_nee
     def job() -> str:
         return "ran"
 
-    holder = RedisLock(redislock_client, job.lock_name((), {}), ttl=30, lease="holder-id")
+    # (On the task's own client: the wake-up subscription is per connection pool, and
+    # the one whose state counts is the task's.)
+    holder = RedisLock(
+        job.lock_client, job.lock_name((), {}), ttl=30, lease="holder-id", heartbeat=False
+    )
     assert holder.acquire()
     hub = wakeups.hub_for(holder.transport, holder.prefix)
     kept = hub.join() if subscribed else None

@@ -190,9 +190,14 @@ def _lua(text: str) -> str:
     places in the value (``$OWNER`` is ``1``: the scripts hold a lock's fields in a
     Lua array), ``$FIELD_COUNT`` how many there are, ``$HOLDER`` the holder's
     fields as a Lua list, ``$HANDED`` what a queue entry hands over after its TTL
-    (the lease, then the holder's fields), and the marks and numbers the scripts
-    share."""
+    (the lease, then the holder's fields), ``$FREE_VALUE`` a Lua pattern that
+    matches a free lock's value as a release leaves it when it wakes nobody
+    (capturing its fence, its queued flag and the releases it remembers), and the
+    marks and numbers the scripts share."""
     places = {name.upper(): str(LAYOUT.index(stored) + 1) for name, stored in FIELDS.items()}
+    separator = f"\\{ord(SEPARATOR)}"
+    between = LAYOUT.index(QUEUED_FIELD) - LAYOUT.index(FENCE_FIELD)
+    free_value = f"^{separator}(%d+){separator * between}(1?){separator}([^{separator}]+)$"
 
     def listed(fields: Sequence[str]) -> str:
         return "{" + ", ".join(str(LAYOUT.index(stored) + 1) for stored in fields) + "}"
@@ -200,7 +205,8 @@ def _lua(text: str) -> str:
     return Template(text).substitute(
         places,
         FIELD_COUNT=len(LAYOUT),
-        SEPARATOR=f"'\\{ord(SEPARATOR)}'",
+        SEPARATOR=f"'{separator}'",
+        FREE_VALUE=f"'{free_value}'",
         HOLDER=listed(HOLDER_STORED),
         HANDED=listed((LEASE_FIELD, *HOLDER_STORED)),
         RESERVE_MS=RESERVE_MS,
@@ -427,23 +433,42 @@ end
 ACQUIRE = (
     _CHECK_TTL
     + _lua("""
--- A name with no key (new, or its free value expired) taken by a caller that does
--- not wait is written at once, before the other helpers are made: the usual
--- acquire of a task with new arguments.
+-- A lock taken by a caller that does not wait is written at once, before the
+-- other helpers are made or the value parsed, where its name has no key (new, or
+-- its free value expired: a task with new arguments) or a free value as a release
+-- leaves it when it wakes nobody (a fence, the queued flag and the releases
+-- remembered: a task with the same arguments as before). Anything else goes on.
 local current = redis.pcall('GET', KEYS[1])
-if current == false and ARGV[5] == '' and not check_ttl(ARGV[2]) then
-    -- (The fence is seeded from the server clock, as next_fence() seeds it.)
-    local now = redis.call('TIME')
-    local fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
-    local value = ARGV[1] .. $SEPARATOR .. string.format('%.0f', fence) .. $SEPARATOR .. ARGV[4]
-    if #ARGV > 6 then
-        value = value .. $SEPARATOR .. ARGV[3] .. string.rep($SEPARATOR, $TASK - $LEASE) ..
-            table.concat(ARGV, $SEPARATOR, 7)
-    elseif ARGV[3] ~= '' then
-        value = value .. $SEPARATOR .. ARGV[3]
+if ARGV[5] == '' and type(current) ~= 'table' and not check_ttl(ARGV[2]) then
+    local last, queued, released
+    if current then
+        last, queued, released = string.match(current, $FREE_VALUE)
     end
-    redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
-    return {1, fence}
+    if not current or last then
+        local fence
+        if last then
+            fence = tonumber(last) + 1
+        else
+            -- (Seeded from the server clock, as next_fence() seeds it.)
+            local now = redis.call('TIME')
+            fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+        end
+        local value = ARGV[1] .. $SEPARATOR .. string.format('%.0f', fence) .. $SEPARATOR .. ARGV[4]
+        if #ARGV > 6 or released then
+            -- The lease, no count, the queued flag, the releases; then, after the
+            -- reservation's two fields, the holder's description.
+            value = value .. $SEPARATOR .. ARGV[3] .. $SEPARATOR .. $SEPARATOR .. (queued or '') ..
+                $SEPARATOR .. (released or '')
+            if #ARGV > 6 then
+                value = value .. string.rep($SEPARATOR, $TASK - $RELEASED) ..
+                    table.concat(ARGV, $SEPARATOR, 7)
+            end
+        elseif ARGV[3] ~= '' then
+            value = value .. $SEPARATOR .. ARGV[3]
+        end
+        redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
+        return {1, fence}
+    end
 end
 """)
     + _HELPERS
