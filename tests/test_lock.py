@@ -35,7 +35,7 @@ from celery_redislock import (
 )
 from celery_redislock import lock as lock_module
 from celery_redislock.heartbeat import get_heartbeat
-from celery_redislock.ids import REQUEST_ID_DIGITS
+from celery_redislock.ids import REQUEST_ID_DIGITS, request_id
 from celery_redislock.lock import FENCE_TTL_MS, lock_keys, name_from_key, release_lease
 from celery_redislock.scripts import (
     COUNT_FIELD,
@@ -45,10 +45,13 @@ from celery_redislock.scripts import (
     LEASE_FIELD,
     OWNER_FIELD,
     QUEUED_FIELD,
+    RELEASE_SCRIPT,
     RELEASED_FIELD,
     REQUEST_FIELD,
     SPARE_MARK,
     Acquired,
+    Call,
+    Released,
     queue_entry,
 )
 from celery_redislock.server import RedisServer, available_server_binaries
@@ -381,7 +384,7 @@ def test_reentrant_same_object(client: redis.Redis) -> None:
     assert lock.token == token
     lock.release()
     assert lock.owned()
-    assert field(client, lock.key, COUNT_FIELD) == "1"
+    assert field(client, lock.key, COUNT_FIELD) is None  # one hold: no count stored
     lock.release()
     assert not lock.locked()
 
@@ -723,6 +726,38 @@ def test_release_hands_the_lock_to_the_first_waiter(
     assert evalsha_calls(client) == 2
     waiter_lock.release()
     assert not held(client, waiter_lock)
+
+
+@pytest.mark.parametrize("handed", [True, False], ids=["handed", "asked"])
+def test_a_hold_taken_after_waiting_is_released_by_reading_first(
+    client: redis.Redis, cleanup: list[RedisLock], handed: bool
+) -> None:
+    """A hold that came after waiting (handed over, or taken by a try after the wait)
+    is released by the script's general path, a read and then a write: others are
+    likely queued still, and the one write would have to be put back. A hold taken
+    at once is released by the one write."""
+    holder = RedisLock(client, "waited-for", ttl=60 if handed else 1, heartbeat=False)
+    assert holder.acquire()
+    waiter_lock = RedisLock(client, "waited-for", ttl=60, heartbeat=handed)
+    cleanup.append(waiter_lock)
+    if handed:
+        handed_over(client, holder, waiter_lock)
+        assert stored(client, waiter_lock)[REQUEST_FIELD].startswith("g:")
+    else:
+        # Taken by the waiter's next try, once the holder's TTL ran out.
+        waiter = Waiter(waiter_lock, timeout=30)
+        assert wait_until(waiter.done, timeout=10)
+        assert (waiter.error, waiter.result) == (None, True)
+        assert not stored(client, waiter_lock)[REQUEST_FIELD].startswith("g:")
+        holder._forget()
+    client.config_resetstat()
+    waiter_lock.release()
+    assert writes_and_reads(client) == (1, 1)
+    assert not held(client, waiter_lock)
+    assert waiter_lock.acquire(blocking=False)
+    client.config_resetstat()
+    waiter_lock.release()
+    assert writes_and_reads(client) == (1, 0)
 
 
 def test_the_spare_behind_a_handed_lock_does_not_ask_for_it(
@@ -1370,6 +1405,139 @@ def test_a_free_lock_is_taken_alike_by_either_path_of_the_acquire(
         assert taken.get(QUEUED_FIELD) == ("1" if queued else None)
 
 
+def release_call(lock: RedisLock, token: str) -> Call:
+    """The RELEASE call of ``lock``'s usual release (the free key keeps the lock's
+    expiry), with the fencing token given as ``token`` (``""``: unknown, so the
+    script reads the lock before it writes), and no releases remembered."""
+    return Call(
+        RELEASE_SCRIPT,
+        (lock.key, lock.queue_key),
+        (lock.owner, lock.wake_prefix, request_id(), 0, "", token),
+    )
+
+
+def run_call(lock: RedisLock, call: Call) -> Any:
+    return lock._run(call, lock._call_deadline(None))
+
+
+def writes_and_reads(client: redis.Redis) -> tuple[int, int]:
+    """(``SET``, ``GET``) calls since the server's statistics were last reset."""
+    stats = client.info("commandstats")
+    writes, reads = (
+        int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("set", "get")
+    )
+    return writes, reads
+
+
+@SHAPES
+@pytest.mark.parametrize("used", [False, True], ids=["new", "used"])
+def test_a_lock_is_freed_alike_by_either_path_of_the_release(
+    client: redis.Redis, options: dict[str, Any], used: bool
+) -> None:
+    """The usual release (the last hold, nobody queued, the free key keeping the
+    lock's expiry) is one write, which returns the lock as it was, also where the
+    lock remembers earlier releases (the acquire returned them). It stores what
+    the script's general path (read, then write) stores, and keeps the key's
+    expiry."""
+    locks = [RedisLock(client, f"freed-{n}", ttl=30, heartbeat=False, **options) for n in "ab"]
+    for lock in locks:
+        if used:
+            with lock:
+                pass
+        assert lock.acquire(blocking=False)
+        client.pexpire(lock.key, 20_000)
+    before = [stored(client, lock) for lock in locks]
+    client.config_resetstat()
+    locks[0].release()
+    assert writes_and_reads(client) == (1, 0)
+    assert run_call(locks[1], release_call(locks[1], "")) == Released.FREED
+    locks[1]._forget()
+    raw = [cast(bytes, client.get(lock.key)) for lock in locks]
+    assert raw[0].count(b"\x1f") == raw[1].count(b"\x1f")
+    for lock, held_as in zip(locks, before, strict=True):
+        freed = stored(client, lock)
+        assert set(freed) == {FENCE_FIELD, RELEASED_FIELD}
+        assert freed[FENCE_FIELD] == held_as[FENCE_FIELD] == str(lock.token)
+        released = freed[RELEASED_FIELD].split()
+        assert len(released) == (2 if used else 1)
+        if used:
+            assert released[1] == held_as[RELEASED_FIELD]
+        assert 19_000 < client.pttl(lock.key) <= 20_000
+
+
+def test_a_release_the_one_write_does_not_fit_leaves_the_lock_as_it_was(
+    client: redis.Redis,
+) -> None:
+    """A release whose one write finds something else than its own single hold
+    puts back what it found, value and expiry, and answers as the general path
+    does: a lock another owner took meanwhile, a lock whose key expired (no key is
+    left behind, nor one without expiry), a second hold, a retried release; and
+    where only the releases the lock remembers differ from what the caller said,
+    it keeps them."""
+    lock = RedisLock(client, "put-back", ttl=30, heartbeat=False)
+    other = RedisLock(client, "put-back", ttl=30, heartbeat=False)
+
+    # Taken over: the other owner's hold stays as it was.
+    assert lock.acquire(blocking=False)
+    client.delete(lock.key)
+    assert other.acquire(blocking=False)
+    client.pexpire(other.key, 12_345)
+    before = client.get(other.key)
+    with pytest.raises(LockLostError):
+        lock.release()
+    assert client.get(other.key) == before
+    assert 12_000 < client.pttl(other.key) <= 12_345
+    other.release()
+
+    # Expired: nothing is left.
+    assert lock.acquire(blocking=False)
+    client.delete(lock.key)
+    with pytest.raises(LockLostError):
+        lock.release()
+    assert not client.exists(lock.key)
+
+    # A second hold: one is dropped by the general path, the other stays.
+    assert lock.acquire(blocking=False)
+    assert lock.acquire(blocking=False)
+    client.pexpire(lock.key, 12_345)
+    lock.release()
+    assert stored(client, lock).get(OWNER_FIELD) == lock.owner
+    assert COUNT_FIELD not in stored(client, lock)  # one hold: no count stored
+    assert 12_000 < client.pttl(lock.key) <= 12_345
+
+    # Retried: the second arrival is recognised and changes nothing.
+    retried = release_call(lock, str(lock.token))
+    assert run_call(lock, retried) == Released.FREED
+    lock._forget()
+    after = client.get(lock.key)
+    assert run_call(lock, retried) == Released.FREED
+    assert client.get(lock.key) == after
+
+    # Releases the lock remembers that the caller did not name: a second write keeps them.
+    assert lock.acquire(blocking=False)
+    remembered = stored(client, lock)[RELEASED_FIELD]
+    call = release_call(lock, str(lock.token))
+    client.config_resetstat()
+    assert run_call(lock, call) == Released.FREED
+    lock._forget()
+    assert writes_and_reads(client) == (2, 0)
+    assert stored(client, lock)[RELEASED_FIELD] == f"{call.args[2]} {remembered}"
+
+
+def test_a_release_finding_a_key_of_another_layout_leaves_it_as_it_was(
+    client: redis.Redis,
+) -> None:
+    """The one write of a release is refused by a key of another layout (a hash):
+    the release reports it as an acquire does, and the key stays as it was."""
+    lock = RedisLock(client, "older-layout-release", ttl=5, heartbeat=False)
+    client.hset(lock.key, OWNER_FIELD, lock.owner)
+    client.pexpire(lock.key, 5000)
+    with pytest.raises(redis.ResponseError, match="not a lock of this version"):
+        run_call(lock, release_call(lock, "123"))
+    assert client.hgetall(lock.key) == {OWNER_FIELD.encode(): lock.owner.encode()}
+    client.delete(lock.key)
+
+
 def test_holder_info_is_kept_through_changes_to_the_hold(client: redis.Redis) -> None:
     """The scripts keep a holder's description as written (they parse the fields
     before it, not the description itself) while the hold changes: a second hold,
@@ -1387,7 +1555,7 @@ def test_holder_info_is_kept_through_changes_to_the_hold(client: redis.Redis) ->
     described.release()
     values = stored(client, described)
     assert {name: values[FIELDS[name]] for name in info} == info
-    assert values[COUNT_FIELD] == "1"
+    assert COUNT_FIELD not in values
     described.release()
     thread.join(10)
     assert got == [True]

@@ -354,6 +354,13 @@ class RedisLock:
     _held_fence: int | None = None
     # Send time of a try of the current acquire whose reply never came.
     _unconfirmed: float | None = None
+    # The releases the lock remembered as the current hold was taken (see
+    # scripts.AcquireReply.released).
+    _released: str | None = None
+    # Whether the current hold came after waiting for another's: others are then
+    # likely queued still, so its release reads the lock before it writes (it
+    # sends no token: see scripts.RELEASE).
+    _waited = False
     # The heartbeat lane renewing the current hold, if any.
     _lane: _Lane | None = None
 
@@ -646,7 +653,15 @@ class RedisLock:
         call = Call(
             RELEASE_SCRIPT,
             (self.key, self.queue_key),
-            (self.owner, self.wake_prefix, request_id(), self._free_ttl_ms(), ""),
+            (
+                self.owner,
+                self.wake_prefix,
+                request_id(),
+                self._free_ttl_ms(),
+                "",
+                "" if self.token is None or self._waited else self.token,
+                self._released or "",
+            ),
         )
         if not wait:
             self._release_later(call, then)
@@ -871,7 +886,13 @@ class RedisLock:
             return False
         with self._state:
             first = self._holds == 0
-            self._holds = 1 if reply.outcome is Acquired.TAKEN else self._holds + 1
+            if reply.outcome is Acquired.TAKEN:
+                self._holds = 1
+                self._released = reply.released
+                if self._waited:
+                    self._waited = False
+            else:
+                self._holds += 1
             self.token = reply.fence
             self._lost = False
             self._expiry = sent + self.ttl
@@ -1000,7 +1021,7 @@ class RedisLock:
         acquired = False
         failing_since: float | None = None
         pause = 0.01
-        last_try = False
+        last_try = found_held = False
         try:
             while True:
                 now = time.monotonic()
@@ -1010,7 +1031,10 @@ class RedisLock:
                     hub.rearm(waiter)
                     if self._try_acquire(self._call_deadline(ends), request, entry):
                         acquired = True
+                        if found_held:
+                            self._waited = True
                         return True
+                    found_held = True
                     if held is not None:
                         report, held = held, None
                         report()
@@ -1092,6 +1116,7 @@ class RedisLock:
             self.token = fence
             self._lost = False
             self._expiry = self._tried + granted
+            self._waited = True
         # Renewed (to the full TTL) when a third of the grant has gone, as a lock
         # with the grant's TTL would be.
         self._lane = self._beat().register(self, max(0.0, self._tried + granted / 3 - now))

@@ -423,8 +423,9 @@ end
 #: ARGV[6] the waiter's queue position from an earlier reply ("" the first time);
 #: ARGV[7..] optionally, the holder's description: one value per HOLDER_FIELDS
 #: name, in that order, up to the last that is not empty, written with the hold
-#: Returns {1, fence} when newly taken (or taken over, or a hold a release handed to
-#: this waiter confirmed), {2, fence} when re-entered,
+#: Returns {1, fence, releases} when newly taken (or taken over, or a hold a release
+#: handed to this waiter confirmed; releases: the ids of the releases the lock
+#: remembers, absent for none), {2, fence} when re-entered,
 #: {0, ms to wait, holder lease, queue position, fence} when another owner holds it
 #: (or it was just freed for the waiters a release woke, and the caller is not one),
 #: where fence is the last token handed out for the name: a hold a release hands
@@ -467,7 +468,7 @@ if ARGV[5] == '' and type(current) ~= 'table' and not check_ttl(ARGV[2]) then
             value = value .. $SEPARATOR .. ARGV[3]
         end
         redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
-        return {1, fence}
+        return {1, fence, released}
     end
 end
 """)
@@ -540,7 +541,7 @@ write(new, ARGV[2])
 if ARGV[5] ~= '' then
     redis.call('ZREM', KEYS[2], ARGV[5])
 end
-return {1, fence}
+return {1, fence, new[$RELEASED]}
 """)
 )
 
@@ -557,12 +558,49 @@ def _freeing(body: str) -> str:
 #: ARGV[3] request id; ARGV[4] how long the free value keeps the fence, in ms, or
 #: "0" to leave its expiry (the lock's own) as it is: the caller knows enough of
 #: it is left; ARGV[5] "" or the request id of the acquire this release undoes
-#: (then it acts only if that acquire was the last change to the hold)
+#: (then it acts only if that acquire was the last change to the hold);
+#: ARGV[6] optionally, the fencing token of the hold ("" or absent: unknown);
+#: ARGV[7] optionally, the releases the lock remembered as it was taken (what
+#: ACQUIRE returned with the hold)
 #: Returns 1 when freed, 2 when a hold remains, 0 when not owned (nothing changed).
 RELEASE = _freeing("""
-local bad = ARGV[4] ~= '0' and check_ttl(ARGV[4]) or nil
-if bad then return bad end
-local lock = read()
+local lock
+if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' then
+    -- The usual last hold, keeping its key's expiry, is freed by one write: the
+    -- free value, set at once, returns the lock as it was. A hold of this owner
+    -- and token, single, with nobody queued, is freed by it (or by one more write
+    -- if the releases it remembered were not as the caller said); anything else
+    -- is put back as it was and goes on below.
+    local function remembered(earlier)
+        if (earlier or '') == '' then return ARGV[3] end
+        return string.sub(ARGV[3] .. ' ' .. earlier, 1, $RELEASE_HISTORY)
+    end
+    local free_value = $SEPARATOR .. ARGV[6] .. string.rep($SEPARATOR, $RELEASED - $FENCE) ..
+        remembered(ARGV[7])
+    local old = redis.pcall('SET', KEYS[1], free_value, 'KEEPTTL', 'GET')
+    if type(old) ~= 'table' then
+        lock = decode(old)
+        if lock[$OWNER] == ARGV[1] and lock[$FENCE] == ARGV[6] and lock[$REQ] ~= ARGV[3]
+                and not (lock[$COUNT] or lock[$QUEUED] or lock[$RESERVED]) then
+            if (lock[$RELEASED] or '') ~= (ARGV[7] or '') then
+                write({[$FENCE] = ARGV[6], [$RELEASED] = remembered(lock[$RELEASED])})
+            end
+            return 1
+        end
+        if old then
+            redis.call('SET', KEYS[1], old, 'KEEPTTL')
+        else
+            -- (Set where there was no key: it has no expiry.)
+            redis.call('DEL', KEYS[1])
+        end
+    end
+    -- (A refused SET wrote nothing: read() and what follows answer as they would.)
+end
+if not lock then
+    local bad = ARGV[4] ~= '0' and check_ttl(ARGV[4]) or nil
+    if bad then return bad end
+    lock = read()
+end
 if lock[$OWNER] ~= ARGV[1] then
     if released_here(lock) then return 1 end
     return 0
@@ -571,7 +609,7 @@ if lock[$REQ] == ARGV[3] then return 2 end
 if ARGV[5] ~= '' and lock[$REQ] ~= ARGV[5] then return 0 end
 local count = (tonumber(lock[$COUNT]) or 1) - 1
 if count > 0 then
-    lock[$COUNT], lock[$REQ] = tostring(count), ARGV[3]
+    lock[$COUNT], lock[$REQ] = count > 1 and tostring(count) or nil, ARGV[3]
     write(lock)
     return 2
 end
@@ -803,6 +841,10 @@ class AcquireReply(NamedTuple):
     position: str | None
     #: The last fencing token handed out for the name (only when held by another owner).
     last_fence: int | None = None
+    #: The ids of the releases the lock remembers (only when newly taken, and
+    #: only if it remembers any): the hold's release sends them back, so that it
+    #: can free the lock in one write.
+    released: str | None = None
 
     @classmethod
     def parse(cls, raw: Sequence[Any]) -> AcquireReply:
@@ -816,7 +858,8 @@ class AcquireReply(NamedTuple):
                 _text(raw[3]) or None,
                 int(raw[4]),
             )
-        return cls(outcome, int(raw[1]), 0, None, None)
+        released = _text(raw[2]) if len(raw) > 2 else None
+        return cls(outcome, int(raw[1]), 0, None, None, None, released)
 
 
 class Released(IntEnum):
