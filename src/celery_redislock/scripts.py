@@ -567,17 +567,17 @@ RELEASE = _freeing("""
 local lock
 if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' then
     -- The usual last hold, keeping its key's expiry, is freed by one write: the
-    -- free value, set at once, returns the lock as it was. A hold of this owner
-    -- and token, single, with nobody queued, is freed by it (or by one more write
-    -- if the releases it remembered were not as the caller said); anything else
-    -- is put back as it was and goes on below.
+    -- free value, set at once where there is a key, returns the lock as it was.
+    -- A hold of this owner and token, single, with nobody queued, is freed by it
+    -- (or by one more write if the releases it remembered were not as the caller
+    -- said); anything else is put back as it was and goes on below.
     local function remembered(earlier)
         if (earlier or '') == '' then return ARGV[3] end
         return string.sub(ARGV[3] .. ' ' .. earlier, 1, $RELEASE_HISTORY)
     end
     local free_value = $SEPARATOR .. ARGV[6] .. string.rep($SEPARATOR, $RELEASED - $FENCE) ..
         remembered(ARGV[7])
-    local old = redis.pcall('SET', KEYS[1], free_value, 'KEEPTTL', 'GET')
+    local old = redis.pcall('SET', KEYS[1], free_value, 'KEEPTTL', 'XX', 'GET')
     if type(old) ~= 'table' then
         lock = decode(old)
         if lock[$OWNER] == ARGV[1] and lock[$FENCE] == ARGV[6] and lock[$REQ] ~= ARGV[3]
@@ -587,12 +587,7 @@ if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' then
             end
             return 1
         end
-        if old then
-            redis.call('SET', KEYS[1], old, 'KEEPTTL')
-        else
-            -- (Set where there was no key: it has no expiry.)
-            redis.call('DEL', KEYS[1])
-        end
+        if old then redis.call('SET', KEYS[1], old, 'KEEPTTL') end
     end
     -- (A refused SET wrote nothing: read() and what follows answer as they would.)
 end
