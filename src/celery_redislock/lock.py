@@ -617,7 +617,7 @@ class RedisLock:
                 if not acquired and held is not None:
                     held()
                 if not acquired and waits:
-                    acquired = self._wait(ends, request)
+                    acquired = self._wait(ends, request, found_held=True)
             return acquired
         finally:
             if not acquired and self._unconfirmed is not None:
@@ -1002,11 +1002,15 @@ class RedisLock:
         )
 
     def _wait(
-        self, ends: float | None, request: str, held: Callable[[], Any] | None = None
+        self,
+        ends: float | None,
+        request: str,
+        held: Callable[[], Any] | None = None,
+        found_held: bool = False,
     ) -> bool:
         """Queue for the lock and wait to be woken (or for the holder's TTL), until
         ``ends``; ``held()`` is called once, after the first try that finds the
-        lock held.
+        lock held (``found_held``: a try before this call found it so).
 
         The process's wake-up subscription must be live before each try, or a
         wake-up could slip by between the try and the wait. A broken subscription
@@ -1021,7 +1025,7 @@ class RedisLock:
         acquired = False
         failing_since: float | None = None
         pause = 0.01
-        last_try = found_held = False
+        last_try = False
         try:
             while True:
                 now = time.monotonic()
