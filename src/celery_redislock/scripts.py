@@ -485,12 +485,12 @@ if lock[$OWNER] == ARGV[1] then
         -- Handed to this waiter by a release: the hold is confirmed, with its full TTL.
         lock[$REQ] = ARGV[4]
         write(lock, ARGV[2])
-        return {1, fence}
+        return {1, fence, lock[$RELEASED]}
     end
     local count = tonumber(lock[$COUNT]) or 1
     if lock[$REQ] == ARGV[4] then
         redis.call('PEXPIRE', KEYS[1], ARGV[2])
-        return {count == 1 and 1 or 2, fence}
+        return {count == 1 and 1 or 2, fence, lock[$RELEASED]}
     end
     lock[$COUNT], lock[$REQ] = tostring(count + 1), ARGV[4]
     write(lock, ARGV[2])
