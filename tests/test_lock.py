@@ -1417,6 +1417,7 @@ def release_call(lock: RedisLock, token: str) -> Call:
 
 
 def run_call(lock: RedisLock, call: Call) -> Any:
+    """Send ``call`` with ``lock``'s transport and return the script's reply."""
     return lock._run(call, lock._call_deadline(None))
 
 
