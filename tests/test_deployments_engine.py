@@ -727,11 +727,40 @@ def test_write_refused_before_anything_is_written_leaves_the_lock_as_it_was(
         held = RedisLock(admin, "refused-set", ttl=30, heartbeat=False)
         assert held.acquire(blocking=False)
         before = admin.get(held.key)
-        releaser = RedisLock(user.url, "refused-set", ttl=30, owner=held.owner, heartbeat=False)
-        releaser._holds = 1  # the same owner, as another process holding it would be
-        with pytest.raises(LockBackendError):
-            releaser.release()
-        assert admin.get(held.key) == before
+        for token in (None, held.token):  # the general path, then the one write
+            releaser = RedisLock(user.url, "refused-set", ttl=30, owner=held.owner, heartbeat=False)
+            releaser._holds = 1  # the same owner, as another process holding it would be
+            releaser.token = token
+            with pytest.raises(LockBackendError):
+                releaser.release()
+            assert admin.get(held.key) == before
         held.release()
+    finally:
+        admin.close()
+
+
+def test_release_refused_after_its_one_write_leaves_the_lock_as_it_was(
+    redislock_acl_server_factory: Callable[..., AclUser],
+) -> None:
+    """A release whose one write finds waiters queued puts the lock back before the
+    general path runs: refused a command that path needs (ZREM, to hand the lock to
+    the first waiter), it leaves the lock, its expiry and the queue as they were."""
+    user = redislock_acl_server_factory([r for r in MINIMAL_ACL if r != "+zrem"])
+    admin = user.server.client()
+    try:
+        holder = RedisLock(user.url, "refused-zrem", ttl=30, heartbeat=False)
+        assert holder.acquire(blocking=False)
+        write_fields(admin, holder.key, **{QUEUED_FIELD: "1"})
+        admin.zadd(holder.queue_key, {"p.1": 1})
+        admin.pexpire(holder.key, 12_345)
+        before = admin.get(holder.key)
+        admin.config_resetstat()
+        with pytest.raises(LockBackendError, match="ZREM"):
+            holder.release()
+        # The one write, and the lock put back.
+        assert admin.info("commandstats")["cmdstat_set"]["calls"] == 2
+        assert admin.get(holder.key) == before
+        assert 12_000 < admin.pttl(holder.key) <= 12_345
+        assert admin.zrange(holder.queue_key, 0, -1) == [b"p.1"]
     finally:
         admin.close()
