@@ -578,20 +578,21 @@ if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' then
     -- A hold of this owner and token, single, with nobody queued, is freed by it
     -- (or by one more write if the releases it remembered were not as the caller
     -- said); anything else is put back as it was and goes on below.
-    local function remembered(earlier)
-        if (earlier or '') == '' then return ARGV[3] end
-        return string.sub(ARGV[3] .. ' ' .. earlier, 1, $RELEASE_HISTORY)
+    -- The free value: the fence, and this release before the ``earlier`` ones.
+    local function freed(earlier)
+        local released = ARGV[3]
+        if (earlier or '') ~= '' then
+            released = string.sub(ARGV[3] .. ' ' .. earlier, 1, $RELEASE_HISTORY)
+        end
+        return $SEPARATOR .. ARGV[6] .. string.rep($SEPARATOR, $RELEASED - $FENCE) .. released
     end
-    local free_value = $SEPARATOR .. ARGV[6] .. string.rep($SEPARATOR, $RELEASED - $FENCE) ..
-        remembered(ARGV[7])
-    local old = redis.pcall('SET', KEYS[1], free_value, 'KEEPTTL', 'XX', 'GET')
+    local old = redis.pcall('SET', KEYS[1], freed(ARGV[7]), 'KEEPTTL', 'XX', 'GET')
     if type(old) ~= 'table' then
         lock = decode(old)
         if lock[$OWNER] == ARGV[1] and lock[$FENCE] == ARGV[6] and lock[$REQ] ~= ARGV[3]
                 and not (lock[$COUNT] or lock[$QUEUED] or lock[$RESERVED]) then
             if (lock[$RELEASED] or '') ~= (ARGV[7] or '') then
-                redis.call('SET', KEYS[1], $SEPARATOR .. ARGV[6] ..
-                    string.rep($SEPARATOR, $RELEASED - $FENCE) .. remembered(lock[$RELEASED]), 'KEEPTTL')
+                redis.call('SET', KEYS[1], freed(lock[$RELEASED]), 'KEEPTTL')
             end
             return 1
         end
