@@ -262,6 +262,35 @@ def test_acquire_release_is_two_round_trips(
     assert evalsha_1 == evalsha_0
 
 
+@pytest.mark.parametrize("used", [False, True], ids=["new-name", "used-name"])
+def test_acquire_release_runs_at_most_six_server_commands(client: redis.Redis, used: bool) -> None:
+    """An uncontended acquire + release costs the server 6 commands counting the two
+    EVALSHAs on a name without a key (GET, TIME to seed its fence, SET; then one
+    SET), and 5 on a name used before (no TIME)."""
+    info = {"task": "proj.job", "state": "running", "node": "w1", "pid": "7", "since": "1.5"}
+    lock = RedisLock(client, f"commands-{used}", ttl=30, heartbeat=False, holder_info=info)
+    with lock:  # also loads the scripts
+        pass
+    if not used:
+        client.delete(lock.key)
+    client.config_resetstat()
+    with lock:
+        pass
+    stats = client.info("commandstats")
+    calls = {
+        name.removeprefix("cmdstat_"): int(stat["calls"])
+        for name, stat in stats.items()
+        if not name.startswith("cmdstat_config")
+    }
+    expected = (
+        {"evalsha": 2, "get": 1, "set": 2}
+        if used
+        else {"evalsha": 2, "get": 1, "time": 1, "set": 2}
+    )
+    assert calls == expected
+    assert sum(calls.values()) == (5 if used else 6)
+
+
 # Owner tokens and ownership.
 
 
