@@ -27,9 +27,12 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    processes) drains batches of no-op tasks (and of tasks that sleep
    ``--work-ms``) for each kind: plain, ``SingletonTask``, celery-once's
    ``QueueOnce``, celery-singleton's ``Singleton``, a plain task taking
-   redis-py's ``Lock`` in its body, and two floors: a plain task making one
-   round trip (``SET NX``), and one that also writes a ``DEL`` whose answer it
-   reads later (what a lock released without waiting needs at least). Kinds
+   redis-py's ``Lock`` in its body, and three floors: a plain task making one
+   round trip (``SET NX``), one that also writes a ``DEL`` whose answer it
+   reads later (what a lock released without waiting needs at least), and one
+   whose two requests run scripts instead, with a fencing token from the
+   server clock and an owner check (what a lock checked and fenced on the
+   server, as ``SingletonTask``'s is, needs at least). Kinds
    are interleaved over rounds and each round's rate is divided by the same
    round's plain rate. Beside the rate:
    the worker's CPU per task, the producer's time per ``apply_async``, and the
@@ -55,7 +58,7 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    SingletonTask's ratio moved by 2.3 points and celery-singleton's, the most,
    by 5, where section 2's move by ten. Then the lock store's time per command
    over the counted rounds (``INFO commandstats``): the scripts' ``EVALSHA``
-   beside the peers' ``SET`` and ``DEL``.
+   and the owner-checked floor's ``FCALL`` beside the peers' ``SET`` and ``DEL``.
 
 celery-once and celery-singleton take their lock when the task is *sent*
 (``apply_async``) and free it when it ends, so part of their cost is paid by
@@ -182,6 +185,7 @@ def busy(work: float) -> None:
 FLOORS = {
     "one round trip (floor)": "the one-round-trip floor",
     "one round trip + one written": "the floor of a lock released without waiting",
+    "owner-checked floor (scripts)": "the floor of a lock checked and fenced on the server",
 }
 
 #: The other libraries' kinds, whose ratios SingletonTask's must reach.
@@ -240,6 +244,60 @@ def floor_written(round_id: str, index: int, work: float = 0.0) -> None:
     busy(work)
     connection.send_command("DEL", key)
     _owing.add(me)
+
+
+#: The scripted floor's Redis functions (loaded once per process; a function costs
+#: the server what the same script run by ``EVALSHA`` does, and ``INFO
+#: commandstats`` counts its calls apart, as ``FCALL``).
+FLOOR_LIBRARY = """#!lua name=celery_redislock_bench
+-- KEYS[1] the lock key; ARGV[1] owner token; ARGV[2] TTL in ms. Where the name
+-- has no key, take it with a fencing token from the server clock, as
+-- SingletonTask's acquire of a new name does (GET, TIME, SET PX); returns the
+-- token, or 0 when the name has a key.
+redis.register_function('bench_floor_acquire', function(keys, args)
+    if redis.call('GET', keys[1]) then return 0 end
+    local now = redis.call('TIME')
+    local fence = now[1] .. string.format('%06d', tonumber(now[2]))
+    redis.call('SET', keys[1], args[1] .. ':' .. fence, 'PX', args[2])
+    return tonumber(fence)
+end)
+-- KEYS[1] the lock key; ARGV[1] owner token. Delete the key if this owner holds
+-- it; returns 1 when freed, 0 when not owned.
+redis.register_function('bench_floor_release', function(keys, args)
+    local value = redis.call('GET', keys[1])
+    if value and string.sub(value, 1, #args[1] + 1) == args[1] .. ':' then
+        return redis.call('DEL', keys[1])
+    end
+    return 0
+end)
+"""
+_checked: dict[tuple[int, int], Any] = {}
+_checked_owing: set[tuple[int, int]] = set()
+
+
+@app.task(name="bench.floor_checked", shared=False)
+def floor_checked(round_id: str, index: int, work: float = 0.0) -> None:
+    """The floor of a lock whose owner check and fencing token live on the server,
+    as SingletonTask's do: one synchronous round trip running a script (a fencing
+    token from the clock) and one written script (the owner compared, the key
+    deleted) whose answer is read after the next request is written; no renewal,
+    no holder description, no queue, no retry of a lost reply."""
+    me = (os.getpid(), threading.get_ident())
+    connection: Any = _checked.get(me)
+    if connection is None:
+        connection = _checked[me] = lock_client().connection_pool.get_connection()
+        connection.send_command("FUNCTION", "LOAD", "REPLACE", FLOOR_LIBRARY)
+        connection.read_response()
+    key = f"bench.floor_checked:{round_id}:{index}"
+    owner = os.urandom(6).hex()
+    connection.send_command("FCALL", "bench_floor_acquire", 1, key, owner, 60_000)
+    if me in _checked_owing:
+        connection.read_response()
+    if not connection.read_response():
+        raise RuntimeError(f"{key} is held")
+    busy(work)
+    connection.send_command("FCALL", "bench_floor_release", 1, key, owner)
+    _checked_owing.add(me)
 
 
 once: Any = None
@@ -395,6 +453,7 @@ def task_kinds() -> list[Kind]:
         Kind("redis-py Lock in task", redis_py, "lock in the body"),
         Kind("one round trip (floor)", floor, "one SET NX in the body"),
         Kind("one round trip + one written", floor_written, "SET NX, then DEL unanswered"),
+        Kind("owner-checked floor (scripts)", floor_checked, "two scripts, one unanswered"),
     ]
 
 
@@ -874,8 +933,9 @@ def bench_interleaved(url: str, lock_url: str, count: int, rounds: int, findings
 #: The lock store's commands section 5 reports the time of, and who sends them.
 SERVED = {
     "evalsha": "SingletonTask's acquire and release, redis-py Lock's release",
+    "fcall": "the owner-checked floor's acquire and release",
     "set": "the floors', celery-once's, celery-singleton's and redis-py Lock's acquire",
-    "del": "floor written's, celery-once's and celery-singleton's release",
+    "del": "the floors', celery-once's and celery-singleton's release",
 }
 
 
