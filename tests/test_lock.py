@@ -843,7 +843,7 @@ def test_a_waiter_gone_since_it_queued_keeps_the_lock_only_for_the_grant(
     spare) gets the lock once that runs out, long before the holder's 60 s TTL."""
     holder = RedisLock(client, "handed-gone", ttl=60)
     assert holder.acquire()
-    gone = scripts.queue_entry("gone-process.1", "gone-owner", 60_000, "", ())
+    gone = scripts.queue_entry("gone-process.1", "gone-owner", 60_000, "", "")
     client.zadd(holder.queue_key, {gone: 1})
     write_fields(client, holder.key, q="1")
     waiter_lock, waiter = wait_behind(holder, cleanup)
@@ -867,8 +867,8 @@ def test_a_waiter_that_leaves_gives_back_a_lock_handed_to_it(
     holder = RedisLock(client, "handed-left", ttl=60)
     assert holder.acquire()
     leaving = RedisLock(client, "handed-left", ttl=60)
-    entry = scripts.queue_entry("left-process.1", leaving.owner, 60_000, "", ())
-    after = scripts.queue_entry("next-process.2", "next-owner", 60_000, "", ())
+    entry = scripts.queue_entry("left-process.1", leaving.owner, 60_000, "", "")
+    after = scripts.queue_entry("next-process.2", "next-owner", 60_000, "", "")
     client.zadd(holder.queue_key, {entry: 1, after: 2})
     write_fields(client, holder.key, q="1")
     holder.release()
@@ -889,7 +889,7 @@ def test_a_wake_up_read_after_a_later_try_does_not_hand_over_the_lock(
     holder = RedisLock(client, "handed-stale", ttl=60)
     assert holder.acquire()
     waiter = RedisLock(client, "handed-stale", ttl=60)
-    entry = scripts.queue_entry("stale-process.1", waiter.owner, 60_000, "", ())
+    entry = scripts.queue_entry("stale-process.1", waiter.owner, 60_000, "", "")
     assert not waiter._try_acquire(waiter._call_deadline(None), "1000000002", entry)
     holder.release()  # handed to the waiter, whose wake-up goes unread
     assert holder.token is not None
@@ -914,7 +914,7 @@ def test_a_handed_lock_whose_wake_up_was_lost_is_confirmed_by_the_next_try(
     holder = RedisLock(client, "handed-lost", ttl=60)
     assert holder.acquire()
     waiter = RedisLock(client, "handed-lost", ttl=60)
-    entry = scripts.queue_entry("lost-process.1", waiter.owner, 60_000, "", ())
+    entry = scripts.queue_entry("lost-process.1", waiter.owner, 60_000, "", "")
     client.zadd(holder.queue_key, {entry: 1})
     write_fields(client, holder.key, q="1")
     holder.release()

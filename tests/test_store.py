@@ -16,7 +16,7 @@ from redis.cluster import RedisCluster
 from celery_redislock import SingletonTask
 from celery_redislock.client import get_client, url_shown
 from celery_redislock.deployments import ClusterDeployment, SentinelDeployment, TLSServer
-from celery_redislock.scripts import OWNER_FIELD
+from celery_redislock.scripts import OWNER_FIELD, SEPARATOR
 from celery_redislock.server import RedisServer
 from celery_redislock.store import describe_store, lock_store, store_url
 from celery_redislock.transport import router_for
@@ -69,7 +69,7 @@ def _child_locks(job: Any, conn: Connection) -> None:
     conn.send(
         {
             "own_router": lock._router is router_for(job.lock_client),
-            "pid": lock._info[3],
+            "pid": lock._info.split(SEPARATOR)[3],
             "held": held,
         }
     )
@@ -96,7 +96,7 @@ def test_a_forked_child_locks_on_its_own_connections(redislock_server: RedisServ
     # The parent's own state is untouched.
     again = job._execution_lock("k", "parent-task-2", job.lock_options, None)
     assert again._router is parent._router
-    assert again._info[3] == str(os.getpid())
+    assert again._info.split(SEPARATOR)[3] == str(os.getpid())
     close_app(app)
     client.close()
 

@@ -176,12 +176,12 @@ def check_timeout(value: object, argument: str = "timeout") -> float | None:
 MAX_INFO_LENGTH = 200
 
 
-def check_holder_info(value: object, argument: str = "holder_info") -> tuple[str, ...]:
-    """The ACQUIRE arguments for a holder description: one value per
+def check_holder_info(value: object, argument: str = "holder_info") -> str:
+    """The ACQUIRE argument for a holder description: one value per
     :data:`~celery_redislock.scripts.HOLDER_FIELDS` name up to the last that is not
-    empty, or none at all."""
+    empty, joined by :data:`~celery_redislock.scripts.SEPARATOR` (``""`` for none)."""
     if value is None:
-        return ()
+        return ""
     if not isinstance(value, Mapping):
         raise TypeError(f"{argument} must be a mapping of str to str, not {type(value).__name__}")
     unknown = set(value) - set(HOLDER_FIELDS)
@@ -199,7 +199,7 @@ def check_holder_info(value: object, argument: str = "holder_info") -> tuple[str
     values = [str(value.get(field, "")) for field in HOLDER_FIELDS]
     while values and not values[-1]:
         values.pop()  # (an empty field at the end is not sent)
-    return tuple(values)
+    return SEPARATOR.join(values)
 
 
 def check_name(value: object, argument: str = "name") -> str:
@@ -385,7 +385,8 @@ class RedisLock:
     wake_prefix: str
     heartbeat: bool
     on_lost: Callable[[RedisLock], Any] | None
-    _info: tuple[str, ...]
+    #: The holder's description, as ACQUIRE takes it (see :func:`check_holder_info`).
+    _info: str
     _state: threading.Lock
     _heartbeat: Heartbeat | None
     _router: Router
@@ -483,7 +484,7 @@ class RedisLock:
 
     @classmethod
     def _from_shared(
-        cls, shared: Mapping[str, Any], name: str, owner: str, lease: str, info: tuple[str, ...]
+        cls, shared: Mapping[str, Any], name: str, owner: str, lease: str, info: str
     ) -> RedisLock:
         """A lock of :meth:`_shared` state, built from values already checked: the
         per-execution lock of a :class:`~celery_redislock.task.SingletonTask`,
@@ -493,11 +494,11 @@ class RedisLock:
         return lock
 
     def _fill(
-        self, shared: Mapping[str, Any], name: str, owner: str, lease: str, info: tuple[str, ...]
+        self, shared: Mapping[str, Any], name: str, owner: str, lease: str, info: str
     ) -> None:
         """Set the state every lock starts with: ``shared`` (see :meth:`_shared`), its
-        name, owner token, lease (``""`` for none) and holder description (one value
-        per :data:`~celery_redislock.scripts.HOLDER_FIELDS` name, or none)."""
+        name, owner token, lease (``""`` for none) and holder description (as
+        :func:`check_holder_info` returns it)."""
         state = self.__dict__
         state.update(shared)
         state["name"] = name
@@ -835,18 +836,17 @@ class RedisLock:
     def _acquire_call(self, request: str, entry: str = "") -> Call:
         """The ACQUIRE script call of one try (a waiter with this queue ``entry``
         is queued if the lock is held)."""
+        args = (
+            self.owner,
+            max(1, int(self.ttl * 1000)),
+            self.lease,
+            request,
+            entry,
+            (self._position or "") if entry else "",
+        )
+        # The description is left out, not sent empty, when there is none.
         return Call(
-            ACQUIRE_SCRIPT,
-            (self.key, self.queue_key),
-            (
-                self.owner,
-                max(1, int(self.ttl * 1000)),
-                self.lease,
-                request,
-                entry,
-                (self._position or "") if entry else "",
-                *self._info,
-            ),
+            ACQUIRE_SCRIPT, (self.key, self.queue_key), (*args, self._info) if self._info else args
         )
 
     def _try_acquire(self, deadline: Deadline, request: str, entry: str = "") -> bool:

@@ -188,12 +188,11 @@ RELEASES_REMEMBERED = 8
 def _lua(text: str) -> str:
     """``text`` with its ``$NAME`` placeholders filled: the lock's fields as their
     places in the value (``$OWNER`` is ``1``: the scripts hold a lock's fields in a
-    Lua array), ``$FIELD_COUNT`` how many there are, ``$HOLDER`` the holder's
-    fields as a Lua list, ``$HANDED`` what a queue entry hands over after its TTL
-    (the lease, then the holder's fields), ``$FREE_VALUE`` a Lua pattern that
-    matches a free lock's value as a release leaves it when it wakes nobody
-    (capturing its fence, its queued flag and the releases it remembers), and the
-    marks and numbers the scripts share."""
+    Lua array), ``$FIELD_COUNT`` how many there are, ``$HANDED`` what a queue
+    entry hands over after its TTL (the lease, then the holder's fields),
+    ``$FREE_VALUE`` a Lua pattern that matches a free lock's value as a release
+    leaves it when it wakes nobody (capturing its fence, its queued flag and the
+    releases it remembers), and the marks and numbers the scripts share."""
     places = {name.upper(): str(LAYOUT.index(stored) + 1) for name, stored in FIELDS.items()}
     separator = f"\\{ord(SEPARATOR)}"
     between = LAYOUT.index(QUEUED_FIELD) - LAYOUT.index(FENCE_FIELD)
@@ -207,7 +206,6 @@ def _lua(text: str) -> str:
         FIELD_COUNT=len(LAYOUT),
         SEPARATOR=f"'{separator}'",
         FREE_VALUE=f"'{free_value}'",
-        HOLDER=listed(HOLDER_STORED),
         HANDED=listed((LEASE_FIELD, *HOLDER_STORED)),
         RESERVE_MS=RESERVE_MS,
         SPARE=f"'{SPARE_MARK}'",
@@ -424,8 +422,9 @@ end
 #: queued): the JSON array ``[waiter id, owner token, TTL in ms, lease,
 #: description...]`` a release hands the lock over with (see :func:`queue_entry`);
 #: ARGV[6] the waiter's queue position from an earlier reply ("" the first time);
-#: ARGV[7..] optionally, the holder's description: one value per HOLDER_FIELDS
-#: name, in that order, up to the last that is not empty, written with the hold
+#: ARGV[7] optionally, the holder's description, written with the hold: one value
+#: per HOLDER_FIELDS name, in that order, up to the last that is not empty, joined
+#: by SEPARATOR (absent, not empty, for none)
 #: Returns {1, fence, releases} when newly taken (or taken over, or a hold a release
 #: handed to this waiter confirmed; releases: the ids of the releases the lock
 #: remembers, absent for none), {2, fence} when re-entered,
@@ -449,23 +448,25 @@ if ARGV[5] == '' and type(current) ~= 'table' and not check_ttl(ARGV[2]) then
         last, queued, released = string.match(current, $FREE_VALUE)
     end
     if not current or last then
-        local fence
+        local fence, digits
         if last then
             fence = tonumber(last) + 1
+            digits = string.format('%.0f', fence)
         else
-            -- (Seeded from the server clock, as next_fence() seeds it.)
+            -- Seeded from the server clock, as next_fence() seeds it: its seconds
+            -- and microseconds side by side are the number in microseconds.
             local now = redis.call('TIME')
-            fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+            digits = now[1] .. string.sub('00000' .. now[2], -6)
+            fence = tonumber(digits)
         end
-        local value = ARGV[1] .. $SEPARATOR .. string.format('%.0f', fence) .. $SEPARATOR .. ARGV[4]
+        local value = ARGV[1] .. $SEPARATOR .. digits .. $SEPARATOR .. ARGV[4]
         if #ARGV > 6 or released then
             -- The lease, no count, the queued flag, the releases; then, after the
             -- reservation's two fields, the holder's description.
             value = value .. $SEPARATOR .. ARGV[3] .. $SEPARATOR .. $SEPARATOR .. (queued or '') ..
                 $SEPARATOR .. (released or '')
             if #ARGV > 6 then
-                value = value .. string.rep($SEPARATOR, $TASK - $RELEASED) ..
-                    table.concat(ARGV, $SEPARATOR, 7)
+                value = value .. string.rep($SEPARATOR, $TASK - $RELEASED) .. ARGV[7]
             end
         elseif ARGV[3] ~= '' then
             value = value .. $SEPARATOR .. ARGV[3]
@@ -536,7 +537,7 @@ end
 local fence = next_fence(lock[$FENCE])
 local new = {[$OWNER] = ARGV[1], [$FENCE] = digits(fence), [$REQ] = ARGV[4],
              [$LEASE] = ARGV[3], [$QUEUED] = lock[$QUEUED], [$RELEASED] = lock[$RELEASED]}
-for i, place in ipairs($HOLDER) do new[place] = ARGV[6 + i] end
+new.tail = ARGV[7]
 if ARGV[5] ~= '' then
     bad = denied('zrem', KEYS[2], 'w')
     if bad then return bad end
@@ -705,10 +706,13 @@ def decode_lock(raw: bytes | str | None) -> dict[str, str]:
     return {name: value for name, value in fields if value}
 
 
-def queue_entry(waiter: str, owner: str, ttl_ms: int, lease: str, info: Sequence[str]) -> str:
+def queue_entry(waiter: str, owner: str, ttl_ms: int, lease: str, info: str) -> str:
     """A waiter's entry in the lock's queue (ACQUIRE's ARGV[5]): what a release
-    needs to hand the lock over to it, as one JSON array."""
-    return json.dumps([waiter, owner, ttl_ms, lease, *info], separators=(",", ":"))
+    needs to hand the lock over to it, as one JSON array; ``info`` is the holder's
+    description as ACQUIRE takes it (its values joined by :data:`SEPARATOR`), and
+    its values come last, one element each."""
+    described = info.split(SEPARATOR) if info else []
+    return json.dumps([waiter, owner, ttl_ms, lease, *described], separators=(",", ":"))
 
 
 class Script:

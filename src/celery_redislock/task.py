@@ -608,7 +608,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     _lock_kind: tuple[Client, LockOptions, str, Mapping[str, Any]] | None = None
     # The worker node and process id of the last execution, and its holder
     # description without the time it began.
-    _running_as: tuple[Any, str, tuple[str, ...]] | None = None
+    _running_as: tuple[Any, str, str] | None = None
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -729,21 +729,23 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _holder_info(self, running: bool) -> dict[str, str]:
         """Who holds the lock, stored with it for ``celery redislock list``."""
-        return dict(zip(HOLDER_FIELDS, self._holder_values(running), strict=True))
+        values = self._holder_text(running).split(SEPARATOR)
+        return dict(zip(HOLDER_FIELDS, values, strict=True))
 
-    def _holder_values(self, running: bool, request: Any = None) -> tuple[str, ...]:
-        """:meth:`_holder_info`'s values, in :data:`HOLDER_FIELDS` order (``request``:
+    def _holder_text(self, running: bool, request: Any = None) -> str:
+        """:meth:`_holder_info` as a lock sends it: its values in
+        :data:`HOLDER_FIELDS` order, joined by the field separator (``request``:
         the current one, if the caller has it at hand)."""
         since = f"{time.time():.3f}"
         if not running:
-            return (_shown(self.name), "queued", "", "", since)
+            return SEPARATOR.join((_shown(self.name), "queued", "", "", since))
         node = getattr(request or self.request, "hostname", None) or _process.hostname
         kept = self._running_as
         if kept is None or kept[0] != node or kept[1] != _process.pid:
-            # The same for every execution in this worker process.
-            described = (_shown(self.name), "running", _shown(str(node)))
-            kept = self._running_as = (node, _process.pid, (*described, _process.pid))
-        return (*kept[2], since)
+            # The same for every execution in this worker process: all but the time.
+            described = (_shown(self.name), "running", _shown(str(node)), _process.pid, "")
+            kept = self._running_as = (node, _process.pid, SEPARATOR.join(described))
+        return kept[2] + since
 
     def _on_lost(self, lock: RedisLock) -> None:
         logger.warning(
@@ -868,7 +870,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             key,
             owner_token(),
             task_id,
-            self._holder_values(running=True, request=request),
+            self._holder_text(running=True, request=request),
         )
 
     def _acquire_ahead(self, message: Any) -> None:
