@@ -325,7 +325,8 @@ def test_a_value_with_the_field_separator_is_refused(
 
 def test_a_key_of_another_layout_is_reported_with_what_to_do(client: redis.Redis) -> None:
     """A lock key written by a version with another storage layout (a hash) is left
-    as it is, and an acquire says what it is and what to do."""
+    as it is, and an acquire says what it is and what to do; so does a renewal
+    that finds one in place of the lock it holds."""
     lock = RedisLock(client, "older-layout", ttl=5)
     client.hset(lock.key, OWNER_FIELD, "someone")
     client.pexpire(lock.key, 5000)
@@ -334,6 +335,17 @@ def test_a_key_of_another_layout_is_reported_with_what_to_do(client: redis.Redis
     assert "stop the workers of other versions" in str(excinfo.value)
     assert client.hget(lock.key, OWNER_FIELD) == b"someone"
     client.delete(lock.key)
+
+    holder = RedisLock(client, "older-layout-renewed", ttl=5, heartbeat=False)
+    assert holder.acquire(blocking=False)
+    client.delete(holder.key)
+    client.hset(holder.key, OWNER_FIELD, holder.owner)
+    client.pexpire(holder.key, 5000)
+    with pytest.raises(LockBackendError, match="not a lock of this version"):
+        holder.extend()
+    assert client.hget(holder.key, OWNER_FIELD) == holder.owner.encode()
+    assert 0 < client.pttl(holder.key) <= 5000
+    client.delete(holder.key)
 
 
 def test_release_by_non_owner_raises_and_deletes_nothing(client: redis.Redis) -> None:
@@ -370,6 +382,21 @@ def test_extend_by_non_owner_raises(client: redis.Redis) -> None:
         other.extend(100)
     assert type(excinfo.value) is LockNotOwnedError
     assert client.pttl(holder.key) <= 5_000
+    holder.release()
+
+
+def test_an_owner_token_the_holders_begins_with_is_another_owner(client: redis.Redis) -> None:
+    """Owner tokens are compared whole: a token that the holder's begins with
+    neither renews nor frees its lock."""
+    holder = RedisLock(client, "prefixed-owner", ttl=5, owner="worker-12")
+    other = RedisLock(client, "prefixed-owner", ttl=5, owner="worker-1")
+    assert holder.acquire(blocking=False)
+    with pytest.raises(LockNotOwnedError):
+        other.extend(100)
+    with pytest.raises(LockNotOwnedError):
+        other.release()
+    assert holder.owned()
+    assert client.pttl(holder.key) > 1_000
     holder.release()
 
 

@@ -192,11 +192,23 @@ def _lua(text: str) -> str:
     entry hands over after its TTL (the lease, then the holder's fields),
     ``$FREE_VALUE`` a Lua pattern that matches a free lock's value as a release
     leaves it when it wakes nobody (capturing its fence, its queued flag and the
-    releases it remembers), and the marks and numbers the scripts share."""
+    releases it remembers), ``$AFTER_FENCE`` one that matches any lock's value
+    from the field after its fence on (capturing its request id, count, queued
+    flag, the releases it remembers, and the rest, from the separator after
+    them), and the marks and numbers the scripts share."""
     places = {name.upper(): str(LAYOUT.index(stored) + 1) for name, stored in FIELDS.items()}
     separator = f"\\{ord(SEPARATOR)}"
     between = LAYOUT.index(QUEUED_FIELD) - LAYOUT.index(FENCE_FIELD)
     free_value = f"^{separator}(%d+){separator * between}(1?){separator}([^{separator}]+)$"
+    # A field ends at a separator or where the value does (it leaves empty fields
+    # at its end out), and is captured where the scripts need it.
+    after_fence = [
+        f"([^{separator}]*)"
+        if stored in (REQUEST_FIELD, COUNT_FIELD, QUEUED_FIELD, RELEASED_FIELD)
+        else f"[^{separator}]*"
+        for stored in LAYOUT[LAYOUT.index(FENCE_FIELD) + 1 : LAYOUT.index(RELEASED_FIELD) + 1]
+    ]
+    after_fence_pattern = "^" + f"{separator}?".join(after_fence) + "(.*)$"
 
     def listed(fields: Sequence[str]) -> str:
         return "{" + ", ".join(str(LAYOUT.index(stored) + 1) for stored in fields) + "}"
@@ -206,6 +218,7 @@ def _lua(text: str) -> str:
         FIELD_COUNT=len(LAYOUT),
         SEPARATOR=f"'{separator}'",
         FREE_VALUE=f"'{free_value}'",
+        AFTER_FENCE=f"'{after_fence_pattern}'",
         HANDED=listed((LEASE_FIELD, *HOLDER_STORED)),
         RESERVE_MS=RESERVE_MS,
         SPARE=f"'{SPARE_MARK}'",
@@ -589,15 +602,23 @@ if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' then
     end
     local old = redis.pcall('SET', KEYS[1], freed(ARGV[7]), 'KEEPTTL', 'XX', 'GET')
     if type(old) ~= 'table' then
-        lock = decode(old)
-        if lock[$OWNER] == ARGV[1] and lock[$FENCE] == ARGV[6] and lock[$REQ] ~= ARGV[3]
-                and not (lock[$COUNT] or lock[$QUEUED] or lock[$RESERVED]) then
-            if (lock[$RELEASED] or '') ~= (ARGV[7] or '') then
-                redis.call('SET', KEYS[1], freed(lock[$RELEASED]), 'KEEPTTL')
+        -- Checked with one match rather than decoded: this owner and token come
+        -- first, then a request id other than this release's, no count, not
+        -- queued, the releases remembered, and no reservation after them.
+        local mine = ARGV[1] .. $SEPARATOR .. ARGV[6] .. $SEPARATOR
+        if old and string.sub(old, 1, #mine) == mine then
+            local request, count, queued, released, rest = string.match(old, $AFTER_FENCE, #mine + 1)
+            -- (What follows the releases, if anything, starts with a separator.)
+            if request ~= ARGV[3] and count == '' and queued == ''
+                    and (rest == '' or string.sub(rest, 2, 2) == $SEPARATOR) then
+                if released ~= (ARGV[7] or '') then
+                    redis.call('SET', KEYS[1], freed(released), 'KEEPTTL')
+                end
+                return 1
             end
-            return 1
         end
         if old then redis.call('SET', KEYS[1], old, 'KEEPTTL') end
+        lock = decode(old)
     end
     -- (A refused SET wrote nothing: read() and what follows answer as they would.)
 end
@@ -635,7 +656,10 @@ EXTEND = (
     + _lua("""
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
-if read()[$OWNER] ~= ARGV[1] then
+-- Only the owner, the value's first field, is compared: nothing else is parsed.
+local raw = redis.pcall('GET', KEYS[1])
+if type(raw) == 'table' then parse(raw) end
+if not raw or string.sub(raw, 1, #ARGV[1] + 1) ~= ARGV[1] .. $SEPARATOR then
     return 0
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
