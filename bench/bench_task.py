@@ -21,7 +21,8 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
 1. Lock cost per task: each kind of task run through ``apply_async`` in eager
    mode against the lock-only server, so every lock command it makes is seen:
    client round trips (and how many were made on the calling thread, the
-   task's critical path), ``EVALSHA`` calls and the commands run inside them.
+   task's critical path), script calls (``EVALSHA``; ``FCALL`` for the
+   owner-checked floor) and the commands run inside them.
    With ``--profile``, ``cProfile`` of eager SingletonTask executions too.
 2. Throughput ratio to a plain task: a worker (solo pool, then prefork with 2
    processes) drains batches of no-op tasks (and of tasks that sleep
@@ -626,10 +627,10 @@ def bench_cost_per_task(lock_url: str, count: int, findings: Findings, profile: 
             if kind.task is singleton:
                 rows.append(("SingletonTask, one key", singleton, lambda r, i: ("same", 0, 0.0)))
         print(
-            f"   {'kind':<24} {'round':>6} {'waited':>7} {'EVALSHA':>8} {'other':>6} {'all':>5}"
+            f"   {'kind':<24} {'round':>6} {'waited':>7} {'scripts':>8} {'other':>6} {'all':>5}"
             f"   {'us/task':>7}   other commands per task"
         )
-        print(f"   {'':<24} {'trips':>6} {'for':>7} {'':>8} {'cmds':>6} {'cmds':>5}")
+        print(f"   {'':<24} {'trips':>6} {'for':>7} {'run':>8} {'cmds':>6} {'cmds':>5}")
         engine_rows: dict[str, tuple[float, float, CommandCount, float]] = {}
         for label, task, arguments in rows:
             for i in range(20):  # scripts loaded, connections open, imports done

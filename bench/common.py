@@ -156,7 +156,7 @@ def server_cpu(client: redis.Redis) -> float:
 class CommandCount:
     """Server commands per operation: script calls, and everything else."""
 
-    #: ``EVALSHA``/``EVAL`` calls per operation.
+    #: Script calls (``EVALSHA``, ``EVAL``, ``FCALL``, ...) per operation.
     scripts: float
     #: Every other command per operation (run inside scripts, or sent plainly).
     other: float
