@@ -221,8 +221,40 @@ def floor(round_id: str, index: int, work: float = 0.0) -> None:
     busy(work)
 
 
-_written: dict[tuple[int, int], Any] = {}
-_owing: set[tuple[int, int]] = set()
+class Unanswered:
+    """The floors' bare redis-py connections, one of each process's and thread's
+    own (workers fork; the threads pool runs tasks side by side), on which a
+    request may be written and its answer left to be read after the next one."""
+
+    def __init__(self, *setup: tuple[Any, ...]) -> None:
+        #: Commands each new connection sends first, waiting for their answers.
+        self.setup = setup
+        self.connections: dict[tuple[int, int], Any] = {}
+        self.owing: set[tuple[int, int]] = set()
+
+    def round_trip(self, *command: Any) -> Any:
+        """Write ``command``, read the answer still owed (it came first), then its own."""
+        me = (os.getpid(), threading.get_ident())
+        connection: Any = self.connections.get(me)
+        if connection is None:
+            connection = self.connections[me] = lock_client().connection_pool.get_connection()
+            for first in self.setup:
+                connection.send_command(*first)
+                connection.read_response()
+        connection.send_command(*command)
+        if me in self.owing:
+            self.owing.discard(me)
+            connection.read_response()
+        return connection.read_response()
+
+    def write(self, *command: Any) -> None:
+        """Write ``command`` on this thread's connection and leave its answer owed."""
+        me = (os.getpid(), threading.get_ident())
+        self.connections[me].send_command(*command)
+        self.owing.add(me)
+
+
+_written = Unanswered()
 
 
 @app.task(name="bench.floor_written", shared=False)
@@ -231,20 +263,10 @@ def floor_written(round_id: str, index: int, work: float = 0.0) -> None:
     one synchronous round trip (a ``SET NX PX``) and one written request (a ``DEL``)
     whose answer is read after the next request is written; no owner check, no
     heartbeat."""
-    # A connection of each process's and thread's own (workers fork; the threads
-    # pool runs tasks side by side).
-    me = (os.getpid(), threading.get_ident())
-    connection = _written.get(me)
-    if connection is None:
-        connection = _written[me] = lock_client().connection_pool.get_connection()
     key = f"bench.floor_written:{round_id}:{index}"
-    connection.send_command("SET", key, 1, "NX", "PX", 60_000)
-    if me in _owing:
-        connection.read_response()
-    connection.read_response()
+    _written.round_trip("SET", key, 1, "NX", "PX", 60_000)
     busy(work)
-    connection.send_command("DEL", key)
-    _owing.add(me)
+    _written.write("DEL", key)
 
 
 #: The scripted floor's Redis functions (loaded once per process; a function costs
@@ -272,8 +294,7 @@ redis.register_function('bench_floor_release', function(keys, args)
     return 0
 end)
 """
-_checked: dict[tuple[int, int], Any] = {}
-_checked_owing: set[tuple[int, int]] = set()
+_checked = Unanswered(("FUNCTION", "LOAD", "REPLACE", FLOOR_LIBRARY))
 
 
 @app.task(name="bench.floor_checked", shared=False)
@@ -283,22 +304,12 @@ def floor_checked(round_id: str, index: int, work: float = 0.0) -> None:
     token from the clock) and one written script (the owner compared, the key
     deleted) whose answer is read after the next request is written; no renewal,
     no holder description, no queue, no retry of a lost reply."""
-    me = (os.getpid(), threading.get_ident())
-    connection: Any = _checked.get(me)
-    if connection is None:
-        connection = _checked[me] = lock_client().connection_pool.get_connection()
-        connection.send_command("FUNCTION", "LOAD", "REPLACE", FLOOR_LIBRARY)
-        connection.read_response()
     key = f"bench.floor_checked:{round_id}:{index}"
     owner = os.urandom(6).hex()
-    connection.send_command("FCALL", "bench_floor_acquire", 1, key, owner, 60_000)
-    if me in _checked_owing:
-        connection.read_response()
-    if not connection.read_response():
+    if not _checked.round_trip("FCALL", "bench_floor_acquire", 1, key, owner, 60_000):
         raise RuntimeError(f"{key} is held")
     busy(work)
-    connection.send_command("FCALL", "bench_floor_release", 1, key, owner)
-    _checked_owing.add(me)
+    _checked.write("FCALL", "bench_floor_release", 1, key, owner)
 
 
 once: Any = None

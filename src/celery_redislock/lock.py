@@ -889,8 +889,7 @@ class RedisLock:
             if reply.outcome is Acquired.TAKEN:
                 self._holds = 1
                 self._released = reply.released
-                if self._waited:
-                    self._waited = False
+                self._waited = False
             else:
                 self._holds += 1
             self.token = reply.fence
