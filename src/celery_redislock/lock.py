@@ -921,14 +921,12 @@ class RedisLock:
         # meets NOSCRIPT would only have to go again.
         command = call.by_sha() if ACQUIRE_SCRIPT.sha in transport.scripts else call.by_text()
         try:
-            transport.send_deferred(
+            ahead.link = transport.send_deferred(
                 [command], Deadline(ahead.sent + self.call_timeout), ahead.answered
             )
         except RedisError as exc:
             # Not written, or not whole: it did not run.
             ahead.answered(exc)
-            return ahead
-        ahead.written_by = transport.sends
         return ahead
 
     def _acquire_sent(self, ahead: SentAcquire) -> bool:
@@ -950,7 +948,7 @@ class RedisLock:
                 ahead.transport.scripts.add(ACQUIRE_SCRIPT.sha)
                 acquired = self._record(AcquireReply.parse(reply), ahead.sent)
                 return acquired
-            if isinstance(reply, _AMBIGUOUS) and ahead.written_by:
+            if isinstance(reply, _AMBIGUOUS) and ahead.link is not None:
                 self._unconfirmed = ahead.sent
             # Not run (NOSCRIPT: the server lost its scripts), not known to
             # have run, or an error the usual round trip reports or follows.
@@ -1187,6 +1185,10 @@ class RedisLock:
             self._beat().unregister(self)
 
 
+#: Seconds between looks at the connection of an acquire written ahead whose
+#: reply another request's connection use kept this thread from reading.
+REPLY_LOOK = 0.005
+
 #: Errors after which a request may not have run, and is sent again.
 _NOT_RUN = (NoScriptError, RedisConnectionError, RedisTimeoutError)
 
@@ -1200,16 +1202,15 @@ class SentAcquire:
     by :meth:`abandon`, which gives back a hold it made.
     """
 
-    __slots__ = ("_in", "_reply", "claimed", "lock", "request", "sent", "transport", "written_by")
+    __slots__ = ("_in", "_reply", "claimed", "link", "lock", "request", "sent", "transport")
 
     def __init__(self, lock: RedisLock, transport: Transport, request: str) -> None:
         self.lock = lock
         self.transport = transport
         self.request = request
         self.sent = time.monotonic()
-        #: ``transport.sends`` once it was written (it or a later request); 0 if
-        #: it could not be.
-        self.written_by = 0
+        #: The connection it was written on; ``None`` if it could not be.
+        self.link: Any = None
         self.claimed = False
         self._reply: Any = None
         # Held until the reply (or the error that lost it) is handed over.
@@ -1228,10 +1229,15 @@ class SentAcquire:
 
     def reply(self, deadline: Deadline) -> Any:
         """The script's reply (an exception instance if it failed), read by ``deadline``."""
-        if not self._in.acquire(blocking=False):
-            # Read by this thread unless another holds the connection and reads it.
-            self.transport.drain(deadline, written_by=self.written_by)
-            if not self._in.acquire(timeout=max(0.0, deadline.remaining())):
+        while not self._in.acquire(blocking=False):
+            # Read here, unless another request holds the connection: that one
+            # reads it, or leaves it owed (a request written without waiting),
+            # so the connection is looked at again soon.
+            self.transport.read_owed(self.link, deadline)
+            left = deadline.remaining()
+            if self._in.acquire(timeout=max(0.0, min(left, REPLY_LOOK))):
+                break
+            if left <= REPLY_LOOK:
                 return RedisTimeoutError(
                     f"no reply from {self.transport.describe()} within the deadline"
                 )

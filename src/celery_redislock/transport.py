@@ -193,14 +193,16 @@ class Transport:
 
     def send_deferred(
         self, commands: Sequence[Sequence[Any]], deadline: Deadline, handler: ReplyHandler
-    ) -> None:
-        """Write ``commands`` now and read their replies later.
+    ) -> _Link:
+        """Write ``commands`` now and read their replies later; return the
+        connection they were written on (for :meth:`read_owed`).
 
         The replies are read by the next request on the same connection (just
-        after it writes its own), by :meth:`drain`, or by :meth:`flush`, and handed
-        to ``handler``; if the connection breaks first, ``handler`` gets the error.
-        When this returns, the request is in the kernel's send buffer: the server
-        will run it even if this process dies before reading the reply.
+        after it writes its own), by :meth:`read_owed` or :meth:`drain`, and
+        handed to ``handler``; if the connection breaks first, ``handler`` gets
+        the error. When this returns, the request is in the kernel's send
+        buffer: the server will run it even if this process dies before reading
+        the reply.
 
         Raises:
             redis.ConnectionError, redis.TimeoutError: the request could not be
@@ -217,7 +219,23 @@ class Transport:
         with self._guard:
             self.sends += 1
             self._owed.setdefault(link, []).append((len(commands), handler, self.sends))
-        self._checkin(link, True)
+            # _checkin() for a link that owes replies, under the same lock.
+            if self._pid == _process_id:
+                self._idle.append(link)
+                return link
+        link.close()
+        return link
+
+    def read_owed(self, link: _Link, deadline: Deadline) -> None:
+        """Read the replies owed on ``link`` (see :meth:`send_deferred`) and hand
+        them to their handlers, if it is idle; if another request holds it, that
+        request reads them."""
+        with self._guard:
+            try:
+                self._idle.remove(link)
+            except ValueError:
+                return
+        self._checkin(link, self._settle(link, deadline) is None)
 
     def owes_replies(self) -> bool:
         """Whether replies of deferred requests are still unread."""
