@@ -904,7 +904,7 @@ class RedisLock:
     def _send_acquire(self) -> SentAcquire | None:
         """Write a non-blocking acquire now and read its reply later, with
         :meth:`_acquire_sent`: the round trip then overlaps what the caller does
-        in between.
+        in between. The connection it is written on waits for that read.
 
         ``None`` when it cannot go ahead of its caller: replicas must confirm it
         (``min_replicas``), or the store is a cluster (a redirection needs the
@@ -921,19 +921,17 @@ class RedisLock:
         # meets NOSCRIPT would only have to go again.
         command = call.by_sha() if ACQUIRE_SCRIPT.sha in transport.scripts else call.by_text()
         try:
-            ahead.link = transport.send_deferred(
-                [command], Deadline(ahead.sent + self.call_timeout), ahead.answered
-            )
+            ahead.link = transport.write([command], Deadline(ahead.sent + self.call_timeout))
+            ahead.written = True
         except RedisError as exc:
             # Not written, or not whole: it did not run.
-            ahead.answered(exc)
+            ahead.reply_ = exc
         return ahead
 
     def _acquire_sent(self, ahead: SentAcquire) -> bool:
         """``acquire(blocking=False)`` whose first try is ``ahead``, written earlier.
 
-        Its reply is read now (if no other request on the connection read it
-        first). A try that failed is sent again with the same request id, which
+        Its reply is read now. A try that failed is sent again with the same request id, which
         the script recognises if the first one ran.
 
         Raises:
@@ -948,7 +946,7 @@ class RedisLock:
                 ahead.transport.scripts.add(ACQUIRE_SCRIPT.sha)
                 acquired = self._record(AcquireReply.parse(reply), ahead.sent)
                 return acquired
-            if isinstance(reply, _AMBIGUOUS) and ahead.link is not None:
+            if isinstance(reply, _AMBIGUOUS) and ahead.written:
                 self._unconfirmed = ahead.sent
             # Not run (NOSCRIPT: the server lost its scripts), not known to
             # have run, or an error the usual round trip reports or follows.
@@ -1185,10 +1183,6 @@ class RedisLock:
             self._beat().unregister(self)
 
 
-#: Seconds between looks at the connection of an acquire written ahead whose
-#: reply another request's connection use kept this thread from reading.
-REPLY_LOOK = 0.005
-
 #: Errors after which a request may not have run, and is sent again.
 _NOT_RUN = (NoScriptError, RedisConnectionError, RedisTimeoutError)
 
@@ -1202,25 +1196,21 @@ class SentAcquire:
     by :meth:`abandon`, which gives back a hold it made.
     """
 
-    __slots__ = ("_in", "_reply", "claimed", "link", "lock", "request", "sent", "transport")
+    __slots__ = ("claimed", "link", "lock", "reply_", "request", "sent", "transport", "written")
 
     def __init__(self, lock: RedisLock, transport: Transport, request: str) -> None:
         self.lock = lock
         self.transport = transport
         self.request = request
         self.sent = time.monotonic()
-        #: The connection it was written on; ``None`` if it could not be.
+        #: Whether it was written whole (else it did not run).
+        self.written = False
+        #: The connection it was written on, until its reply is read from it.
         self.link: Any = None
+        #: The script's reply, or the error that kept it from coming; ``None``
+        #: until read.
+        self.reply_: Any = None
         self.claimed = False
-        self._reply: Any = None
-        # Held until the reply (or the error that lost it) is handed over.
-        self._in = threading.Lock()
-        self._in.acquire()
-
-    def answered(self, result: list[Any] | RedisError) -> None:
-        """The transport's handler of the reply, called by whichever request reads it."""
-        self._reply = result if isinstance(result, RedisError) else result[0]
-        self._in.release()
 
     def claim(self) -> bool:
         """Whether this caller is the first to claim it (it then must finish it)."""
@@ -1229,19 +1219,13 @@ class SentAcquire:
 
     def reply(self, deadline: Deadline) -> Any:
         """The script's reply (an exception instance if it failed), read by ``deadline``."""
-        while not self._in.acquire(blocking=False):
-            # Read here, unless another request holds the connection: that one
-            # reads it, or leaves it owed (a request written without waiting),
-            # so the connection is looked at again soon.
-            self.transport.read_owed(self.link, deadline)
-            left = deadline.remaining()
-            if self._in.acquire(timeout=max(0.0, min(left, REPLY_LOOK))):
-                break
-            if left <= REPLY_LOOK:
-                return RedisTimeoutError(
-                    f"no reply from {self.transport.describe()} within the deadline"
-                )
-        return self._reply
+        link, self.link = self.link, None
+        if link is not None:
+            try:
+                self.reply_ = self.transport.finish(link, 1, deadline, ready=True)[0]
+            except RedisError as exc:
+                self.reply_ = exc
+        return self.reply_
 
     def abandon(self) -> None:
         """Give back the hold it made, if it made one, when nobody will use it

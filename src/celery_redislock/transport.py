@@ -175,17 +175,47 @@ class Transport:
         Raises:
             redis.ConnectionError, redis.TimeoutError: the round trip did not complete.
         """
+        return self.finish(self.write(commands, deadline), len(commands), deadline)
+
+    def write(self, commands: Sequence[Sequence[Any]], deadline: Deadline) -> _Link:
+        """The first half of :meth:`execute`: write ``commands`` on a connection
+        that stays the caller's until it reads their replies with :meth:`finish`.
+
+        In between, the caller may do other work while the server answers; the
+        connection is nobody else's, so the replies wait for it there.
+
+        Raises:
+            redis.ConnectionError, redis.TimeoutError: the request could not be
+                written (nothing was sent, or not all of it).
+        """
         link = self._checkout(deadline, settle=False)
-        healthy = False
         try:
             link.io("sendall", pack(commands), deadline, self)
-            self.sends += 1
+        except BaseException:
+            self._checkin(link, False)
+            raise
+        self.sends += 1
+        return link
+
+    def finish(
+        self, link: _Link, count: int, deadline: Deadline, ready: bool = False
+    ) -> list[Any]:
+        """The second half of :meth:`execute`: read the ``count`` replies of what
+        :meth:`write` wrote on ``link``, then give the connection back. ``ready``:
+        it was written a while ago, so the replies are likely in already.
+
+        Raises:
+            redis.ConnectionError, redis.TimeoutError: the replies did not all
+                come in time (the connection is then closed).
+        """
+        healthy = False
+        try:
             # Replies owed on the link come first; read after the write, they cost
             # nothing while the server works on it.
             broken = self._settle(link, deadline) if self._owed else None
             if broken is not None:
                 raise broken
-            replies = link.read(len(commands), deadline, self)
+            replies = link.read(count, deadline, self, ready)
             healthy = True
             return replies
         finally:
@@ -193,12 +223,11 @@ class Transport:
 
     def send_deferred(
         self, commands: Sequence[Sequence[Any]], deadline: Deadline, handler: ReplyHandler
-    ) -> _Link:
-        """Write ``commands`` now and read their replies later; return the
-        connection they were written on (for :meth:`read_owed`).
+    ) -> None:
+        """Write ``commands`` now and read their replies later.
 
         The replies are read by the next request on the same connection (just
-        after it writes its own), by :meth:`read_owed` or :meth:`drain`, and
+        after it writes its own), by :meth:`drain`, or by :meth:`flush`, and
         handed to ``handler``; if the connection breaks first, ``handler`` gets
         the error. When this returns, the request is in the kernel's send
         buffer: the server will run it even if this process dies before reading
@@ -222,20 +251,8 @@ class Transport:
             # _checkin() for a link that owes replies, under the same lock.
             if self._pid == _process_id:
                 self._idle.append(link)
-                return link
-        link.close()
-        return link
-
-    def read_owed(self, link: _Link, deadline: Deadline) -> None:
-        """Read the replies owed on ``link`` (see :meth:`send_deferred`) and hand
-        them to their handlers, if it is idle; if another request holds it, that
-        request reads them."""
-        with self._guard:
-            try:
-                self._idle.remove(link)
-            except ValueError:
                 return
-        self._checkin(link, self._settle(link, deadline) is None)
+        link.close()
 
     def owes_replies(self) -> bool:
         """Whether replies of deferred requests are still unread."""
