@@ -651,22 +651,19 @@ class RedisLock:
             LockLostError: this object held it, but it expired or was taken over.
             LockBackendError: Redis could not be reached; see above.
         """
-        call = Call(
-            RELEASE_SCRIPT,
-            (self.key, self.queue_key),
-            (
-                self.owner,
-                self.wake_prefix,
-                request_id(),
-                self._free_ttl_ms(),
-                "",
-                "" if self.token is None or self._waited else self.token,
-                self._released or "",
-            ),
+        args = (
+            self.owner,
+            self.wake_prefix,
+            request_id(),
+            self._free_ttl_ms(),
+            "",
+            "" if self.token is None or self._waited else self.token,
+            self._released or "",
         )
         if not wait:
-            self._release_later(call, then)
+            self._release_later(args, then)
             return
+        call = Call(RELEASE_SCRIPT, (self.key, self.queue_key), args)
         try:
             result = Released(self._run(call, self._call_deadline(None)))
         except RedisError as exc:
@@ -690,8 +687,11 @@ class RedisLock:
         left = self._expiry - time.monotonic()
         return 0 if left > self.call_timeout + KEEP_EXPIRY_MARGIN else FENCE_TTL_MS
 
-    def _release_later(self, call: Call, then: Callable[[ReleaseOutcome], Any] | None) -> None:
-        """``release(wait=False)``: write the release, drop the hold, read the answer later."""
+    def _release_later(
+        self, args: tuple[Any, ...], then: Callable[[ReleaseOutcome], Any] | None
+    ) -> None:
+        """``release(wait=False)`` of a RELEASE call with these ARGV: write the
+        release, drop the hold, read the answer later."""
         with self._state:
             if self._holds == 0:
                 raise LockNotOwnedError(self.name)
@@ -702,20 +702,20 @@ class RedisLock:
         if last:
             # The count is 0 already: renewal stops now, whatever the send does.
             self._stop_renewal()
-        transport = self.transport
+        transport = self._router.single or self.transport
 
         def answered(result: list[Any] | RedisError) -> None:
             reply = result if isinstance(result, RedisError) else result[0]
             outcome: ReleaseOutcome = "released"
             if result is not reply and not isinstance(reply, NoScriptError):
                 # It ran, so the server has the script now: the next goes by digest.
-                transport.scripts.add(call.script.sha)
+                transport.scripts.add(RELEASE_SCRIPT.sha)
             if isinstance(reply, _NOT_RUN):
                 # Not run, or not known to have run: send it again (it is
                 # recognised if it did run).
                 self._beat().retry_in_background(
                     self,
-                    call,
+                    Call(RELEASE_SCRIPT, (self.key, self.queue_key), args),
                     max(until, time.monotonic() + MIN_CALL),
                     f"releasing lock {self.name!r}",
                 )
@@ -737,7 +737,10 @@ class RedisLock:
 
         # By text until this server is known to have the script: a deferred
         # request that meets NOSCRIPT would only be sent again.
-        command = call.by_sha() if call.script.sha in transport.scripts else call.by_text()
+        if RELEASE_SCRIPT.sha in transport.scripts:
+            command = ("EVALSHA", RELEASE_SCRIPT.sha, 2, self.key, self.queue_key, *args)
+        else:
+            command = ("EVAL", RELEASE_SCRIPT.text, 2, self.key, self.queue_key, *args)
         try:
             transport.send_deferred(
                 [command], Deadline(time.monotonic() + self.call_timeout), answered
@@ -745,7 +748,7 @@ class RedisLock:
         except RedisError as exc:
             with self._state:
                 self._holds += 1
-            self._release_failed(call, exc)
+            self._release_failed(Call(RELEASE_SCRIPT, (self.key, self.queue_key), args), exc)
         if lane is None or lane.transport is not transport or not lane.drain_later():
             self._beat().drain_later(transport)
 

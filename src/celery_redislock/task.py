@@ -987,20 +987,13 @@ class SingletonTask(Task):  # type: ignore[misc]
                 if keep:
                     lock.detach()
                 else:
-                    self._release(lock, task_id, time.monotonic() - taken, taken_over_ok=retrying)
+                    self._release(lock, time.monotonic() - taken, retrying)
 
-    def _release(
-        self, lock: RedisLock, task_id: str, held: float, taken_over_ok: bool = False
-    ) -> None:
+    def _release(self, lock: RedisLock, held: float, taken_over_ok: bool = False) -> None:
         """Release without waiting for the answer: the request is written before the
         worker stores the task's result, so a client that sees the result and sends
         the task again finds the key free, but the task does not wait a round trip
         for it. The answer is read moments later; ``lock_released`` reports it."""
-
-        def report(outcome: str) -> None:
-            _send(
-                signals.lock_released, self, lock.name, task_id=task_id, held=held, outcome=outcome
-            )
 
         def answered(outcome: ReleaseOutcome) -> None:
             if outcome == "lost" and not taken_over_ok:
@@ -1019,7 +1012,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     lock.lease,
                 )
             if signals.lock_released.receivers:
-                report("failed" if outcome == "retrying" else outcome)
+                self._report_release(lock, held, outcome)
 
         try:
             lock.release(wait=False, then=answered)
@@ -1027,7 +1020,18 @@ class SingletonTask(Task):  # type: ignore[misc]
             logger.warning(
                 "could not release lock %s (it will expire by its TTL): %s", lock.name, exc
             )
-            report("failed")
+            self._report_release(lock, held, "failed")
+
+    def _report_release(self, lock: RedisLock, held: float, outcome: str) -> None:
+        """Send ``lock_released`` (a release being retried reports ``"failed"``)."""
+        _send(
+            signals.lock_released,
+            self,
+            lock.name,
+            task_id=lock.lease,
+            held=held,
+            outcome="failed" if outcome == "retrying" else outcome,
+        )
 
     def _wait_begins(self, lock: RedisLock, key: str, request: Any, opts: LockOptions) -> float:
         """Report that the lock is held and the task waits for it (``on_conflict="wait"``);

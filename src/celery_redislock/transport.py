@@ -197,9 +197,7 @@ class Transport:
         self.sends += 1
         return link
 
-    def finish(
-        self, link: _Link, count: int, deadline: Deadline, ready: bool = False
-    ) -> list[Any]:
+    def finish(self, link: _Link, count: int, deadline: Deadline, ready: bool = False) -> list[Any]:
         """The second half of :meth:`execute`: read the ``count`` replies of what
         :meth:`write` wrote on ``link``, then give the connection back. ``ready``:
         it was written a while ago, so the replies are likely in already.
