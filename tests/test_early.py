@@ -69,19 +69,27 @@ class TestEngine:
         assert lock.owned()
         lock.release()
 
-    def test_reply_read_by_another_request_is_kept(self, locks: redis.Redis) -> None:
-        """Another request on the connection reads the reply first and hands it over."""
+    def test_its_connection_waits_for_the_read_while_others_are_used(
+        self, locks: redis.Redis
+    ) -> None:
+        """Requests made between the write and the read (another lock's, in the
+        same thread) go on other connections: the reply waits on its own one, which
+        is given back once it is read."""
         lock = RedisLock(locks, uuid.uuid4().hex, ttl=30)
         other = RedisLock(locks, uuid.uuid4().hex, ttl=30)
         assert lock.transport is other.transport
         ahead = lock._send_acquire()
         assert ahead is not None
+        link = ahead.link
         assert other.acquire(blocking=False)
+        other.release()
+        assert link not in lock.transport._idle
         written = sends(lock)
         assert lock._acquire_sent(ahead)
         assert sends(lock) == written
+        assert link in lock.transport._idle
+        assert other.token is not None and lock.token is not None
         lock.release()
-        other.release()
 
     def test_held_by_another_reports_the_holder(self, locks: redis.Redis) -> None:
         name = uuid.uuid4().hex

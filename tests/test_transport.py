@@ -278,6 +278,42 @@ def test_a_connection_closed_while_owing_replies_still_gives_them_and_retries(
     assert transport.sends == sends + 2
 
 
+def test_a_request_written_now_keeps_its_connection_until_its_replies_are_read(
+    redislock_client: redis.Redis,
+) -> None:
+    """``write`` and ``finish`` are a round trip's two halves: in between, the
+    connection is the writer's alone (other requests take another one), and the
+    replies it owed from before are read first, each by its own reader."""
+    transport = transport_for(redislock_client)
+    transport.execute([("PING",)], Deadline.after(5))  # one idle connection
+    answers: list[Any] = []
+    transport.send_deferred([("INCR", "halves")], Deadline.after(5), answers.append)
+    (owing,) = transport._idle
+    link = transport.write([("INCR", "halves")], Deadline.after(5))
+    assert link is owing
+    assert transport._idle == []
+    assert transport.execute([("INCR", "halves")], Deadline.after(5)) == [3]
+    assert transport._idle != [] and link not in transport._idle
+    assert answers == []
+    assert transport.finish(link, 1, Deadline.after(5), ready=True) == [2]
+    assert answers == [[1]]
+    assert link in transport._idle
+    assert not transport.owes_replies()
+
+
+def test_replies_that_do_not_come_in_time_close_the_connection_of_a_request_written_now(
+    redislock_client: redis.Redis,
+) -> None:
+    """A reply still missing at the deadline raises a timeout from ``finish``, and
+    the connection is closed, not given back with the reply still coming."""
+    transport = transport_for(redislock_client)
+    link = transport.write([("BLPOP", "never-filled", 5)], Deadline.after(10))
+    with pytest.raises(RedisTimeoutError):
+        transport.finish(link, 1, Deadline.after(0.2))
+    assert link not in transport._idle
+    assert link.conn._sock is None
+
+
 class _CountedSocket:
     """A socket whose ``settimeout`` calls are counted (each one is a system call),
     and that calls ``on_write`` before each write."""
