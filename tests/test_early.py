@@ -88,7 +88,8 @@ class TestEngine:
         assert lock._acquire_sent(ahead)
         assert sends(lock) == written
         assert link in lock.transport._idle
-        assert other.token is not None and lock.token is not None
+        assert other.token is not None
+        assert lock.token is not None
         lock.release()
 
     def test_held_by_another_reports_the_holder(self, locks: redis.Redis) -> None:

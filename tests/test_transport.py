@@ -293,7 +293,8 @@ def test_a_request_written_now_keeps_its_connection_until_its_replies_are_read(
     assert link is owing
     assert transport._idle == []
     assert transport.execute([("INCR", "halves")], Deadline.after(5)) == [3]
-    assert transport._idle != [] and link not in transport._idle
+    assert transport._idle != []
+    assert link not in transport._idle
     assert answers == []
     assert transport.finish(link, 1, Deadline.after(5), ready=True) == [2]
     assert answers == [[1]]
