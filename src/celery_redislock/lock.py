@@ -928,14 +928,14 @@ class RedisLock:
             ahead.written = True
         except RedisError as exc:
             # Not written, or not whole: it did not run.
-            ahead.reply_ = exc
+            ahead.answer = exc
         return ahead
 
     def _acquire_sent(self, ahead: SentAcquire) -> bool:
         """``acquire(blocking=False)`` whose first try is ``ahead``, written earlier.
 
-        Its reply is read now. A try that failed is sent again with the same request id, which
-        the script recognises if the first one ran.
+        Its reply is read now. A try that failed is sent again with the same
+        request id, which the script recognises if the first one ran.
 
         Raises:
             LockBackendError: as :meth:`acquire`.
@@ -1199,7 +1199,7 @@ class SentAcquire:
     by :meth:`abandon`, which gives back a hold it made.
     """
 
-    __slots__ = ("claimed", "link", "lock", "reply_", "request", "sent", "transport", "written")
+    __slots__ = ("answer", "claimed", "link", "lock", "request", "sent", "transport", "written")
 
     def __init__(self, lock: RedisLock, transport: Transport, request: str) -> None:
         self.lock = lock
@@ -1212,7 +1212,7 @@ class SentAcquire:
         self.link: Any = None
         #: The script's reply, or the error that kept it from coming; ``None``
         #: until read.
-        self.reply_: Any = None
+        self.answer: Any = None
         self.claimed = False
 
     def claim(self) -> bool:
@@ -1225,10 +1225,10 @@ class SentAcquire:
         link, self.link = self.link, None
         if link is not None:
             try:
-                self.reply_ = self.transport.finish(link, 1, deadline, ready=True)[0]
+                self.answer = self.transport.finish(link, 1, deadline, ready=True)[0]
             except RedisError as exc:
-                self.reply_ = exc
-        return self.reply_
+                self.answer = exc
+        return self.answer
 
     def abandon(self) -> None:
         """Give back the hold it made, if it made one, when nobody will use it

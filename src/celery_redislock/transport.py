@@ -225,11 +225,10 @@ class Transport:
         """Write ``commands`` now and read their replies later.
 
         The replies are read by the next request on the same connection (just
-        after it writes its own), by :meth:`drain`, or by :meth:`flush`, and
-        handed to ``handler``; if the connection breaks first, ``handler`` gets
-        the error. When this returns, the request is in the kernel's send
-        buffer: the server will run it even if this process dies before reading
-        the reply.
+        after it writes its own), by :meth:`drain`, or by :meth:`flush`, and handed
+        to ``handler``; if the connection breaks first, ``handler`` gets the error.
+        When this returns, the request is in the kernel's send buffer: the server
+        will run it even if this process dies before reading the reply.
 
         Raises:
             redis.ConnectionError, redis.TimeoutError: the request could not be
