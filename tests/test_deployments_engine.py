@@ -663,7 +663,9 @@ def test_release_refused_by_the_acl_changes_nothing(
 ) -> None:
     """A release the ACL refuses (no channel permission for the wake-up PUBLISH a queued
     waiter needs) raises naming the permission and leaves the lock as it was: still
-    held by its owner, the waiter still queued."""
+    held by its owner, the waiter still queued. Refused, it is not sent again in the
+    background (it would be refused again): the lock is dropped locally and left to
+    its TTL."""
     user = redislock_acl_server_factory(_without("&redislock:*", "&other:*"))
     admin = user.server.client()
     lock = RedisLock(user.url, "refused-release", ttl=30, heartbeat=False)
@@ -675,6 +677,14 @@ def test_release_refused_by_the_acl_changes_nothing(
         lock.release()
     try:
         assert "PUBLISH on redislock:wake:" in str(excinfo.value)
+        assert "expires by its TTL" in str(excinfo.value)
+        assert "retried" not in str(excinfo.value)
+        assert not lock.holding
+        retried = [
+            p for lane in get_heartbeat()._lanes.values() for p in lane.pending
+            if lock.key in p.call.keys
+        ]  # fmt: skip
+        assert retried == []
         assert admin.get(lock.key) == before
         assert admin.zcard(lock.queue_key) == 1
     finally:

@@ -46,7 +46,7 @@ from types import TracebackType
 from typing import Any, Literal, NamedTuple, NoReturn
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_redislock.client import as_client
@@ -631,7 +631,9 @@ class RedisLock:
 
         If Redis cannot be reached, the hold is dropped locally all the same: the
         lock is no longer renewed, the release is retried in the background until
-        the lock's TTL would have run out, and this call raises.
+        the lock's TTL would have run out, and this call raises. A release the
+        server refuses (an ACL without a permission it needs) is dropped the same
+        way, and raises, but is not retried: the lock expires by its TTL.
 
         Arguments:
             wait: wait for the server's answer (the default). With ``wait=False``
@@ -1145,7 +1147,10 @@ class RedisLock:
             )
 
     def _release_failed(self, call: Call, exc: RedisError) -> NoReturn:
-        """A release got no answer: stop renewing, retry it in the background, raise."""
+        """A release failed: stop renewing and raise. One that may not have run,
+        or may land later (no answer, no script, a replica answering after a
+        failover), is retried in the background; one the server refused (an ACL,
+        a key of another kind) would only be refused again."""
         with self._state:
             self._holds = max(0, self._holds - 1)
             last = self._holds == 0
@@ -1155,15 +1160,17 @@ class RedisLock:
         else:
             # An inner hold: the outer one stays renewed, so keep trying a while.
             until = time.monotonic() + self.ttl
-        self._beat().retry_in_background(self, call, until, f"releasing lock {self.name!r}")
+        again = isinstance(exc, _SEND_AGAIN)
+        if again:
+            self._beat().retry_in_background(self, call, until, f"releasing lock {self.name!r}")
+        if last:
+            then = "it is no longer renewed and expires by its TTL"
+            if again:
+                then += "; the release is retried in the background until then"
+        else:
+            then = "the release is retried in the background" if again else "the outer hold stays"
         raise LockBackendError(
-            f"could not release lock {self.name!r}: {describe_error(exc)}; "
-            + (
-                "it is no longer renewed and expires by its TTL; the release is "
-                "retried in the background until then"
-                if last
-                else "the release is retried in the background"
-            )
+            f"could not release lock {self.name!r}: {describe_error(exc)}; {then}"
         ) from exc
 
     def _beat(self) -> Heartbeat:
@@ -1188,6 +1195,11 @@ class RedisLock:
 
 #: Errors after which a request may not have run, and is sent again.
 _NOT_RUN = (NoScriptError, RedisConnectionError, RedisTimeoutError)
+
+#: Errors after which a failed release is sent again in the background: it may
+#: not have run, or (a replica answering after a failover) may land once the
+#: connection reaches the new primary.
+_SEND_AGAIN = (*_NOT_RUN, ReadOnlyError)
 
 
 class SentAcquire:
