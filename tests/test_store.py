@@ -129,6 +129,45 @@ def test_store_is_resolved_again_only_when_its_settings_change(
     close_app(app)
 
 
+def test_executions_look_the_store_up_again_only_after_a_while(
+    redislock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task's executions go on with the lock store they last looked up for
+    ``STORE_RECHECK`` seconds, rather than read the store settings every time;
+    after that, the next one looks again, and a store setting changed meanwhile
+    takes effect."""
+    from celery_redislock import store
+    from celery_redislock import task as task_module
+
+    looked: list[Any] = []
+
+    def counting(app: Any, url: str | None = None) -> Any:
+        looked.append(app)
+        return store.lock_store(app, url)
+
+    monkeypatch.setattr(task_module, "lock_store", counting)
+    app = Celery("recheck", set_as_current=False)
+    app.conf.update(broker_url="memory://", redislock_url=redislock_server.url)
+
+    @app.task(base=SingletonTask, shared=False, name="recheck.job")
+    def job() -> None: ...
+
+    # Due again at once: every execution looks, and sees a changed setting.
+    monkeypatch.setattr(task_module, "STORE_RECHECK", 0.0)
+    before = job._execution_lock("k", "t-0", job.lock_options, None)
+    app.conf.redislock_url = redislock_server.url.replace("/0", "/3")
+    moved = job._execution_lock("k", "t-1", job.lock_options, None)
+    assert len(looked) == 2
+    assert moved.client is not before.client
+    assert moved.client.connection_pool.connection_kwargs["db"] == 3
+    # Due in an hour: the next execution looks, and those after it go on with it.
+    monkeypatch.setattr(task_module, "STORE_RECHECK", 3600.0)
+    kept = [job._execution_lock("k", f"t-{i}", job.lock_options, None) for i in range(2, 8)]
+    assert len(looked) == 3
+    assert all(lock.client is moved.client for lock in kept)
+    close_app(app)
+
+
 def test_redislock_client_callable_is_called_once_per_process(
     redislock_server: RedisServer,
 ) -> None:

@@ -127,6 +127,12 @@ DUPLICATE_MODES: tuple[DuplicateMode, ...] = get_args(DuplicateMode)
 #: Highest countdown, in seconds, of an ``on_conflict="retry"`` re-queue.
 MAX_RETRY_DELAY = 300.0
 
+#: Seconds a task's executions in one process go on with the lock store they
+#: last looked up in ``app.conf`` before looking again: a store setting changed
+#: in a running worker takes effect for them within this. (Looking the store up
+#: reads several settings, which costs every execution several microseconds.)
+STORE_RECHECK = 1.0
+
 #: ``apply_async`` option with lock option overrides for one call.
 CALL_OPTIONS = "lock_options"
 
@@ -185,7 +191,7 @@ class LockOptions:
     #: return the holder's ``AsyncResult``, or raise :class:`DuplicateTaskError`.
     on_duplicate: DuplicateMode
     #: The task's own lock store (``lock_url``); ``None``: the app's, read from
-    #: ``app.conf`` at each use so that configuring the app late works.
+    #: ``app.conf`` at use so that configuring the app late works.
     url: str | None
 
 
@@ -559,8 +565,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     Reading an option on a task (``task.lock_ttl``) gives the value in effect,
     as in ``task.lock_options``; reading it on a class gives what was set there
     (``None``: not set). ``lock_url`` reads as set: ``None`` means the app's lock
-    store, which is read from ``app.conf`` at each use so that configuring the
-    app after defining its tasks works.
+    store, which is read from ``app.conf`` at use so that configuring the app
+    after defining its tasks works (a task's executions in one process look it up
+    again every :data:`STORE_RECHECK` seconds).
     """
 
     #: Parameter names the key is made of (default: all parameters).
@@ -604,8 +611,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     # Per task (set on the task instance, never on a class).
     _lock_options: LockOptions | None = None
     _key_builder: KeyBuilder | None = None
-    # The lock store, options, process id and shared lock state of the last execution.
-    _lock_kind: tuple[Client, LockOptions, str, Mapping[str, Any]] | None = None
+    # The lock store, options, process id and shared lock state of the last
+    # execution, and when to look the lock store up again.
+    _lock_kind: tuple[Client, LockOptions, str, Mapping[str, Any], float] | None = None
     # The worker node and process id of the last execution, and its holder
     # description without the time it began.
     _running_as: tuple[Any, str, str] | None = None
@@ -851,20 +859,29 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _execution_lock(self, key: str, task_id: str, opts: LockOptions, request: Any) -> RedisLock:
         """The lock of one execution (``request``: its context, or its worker request)."""
         check_stored(task_id, "task id")
-        client = lock_store(self.app, opts.url)
         kept = self._lock_kind
-        if kept is None or kept[0] is not client or kept[1] is not opts or kept[2] != _process.pid:
-            # What every execution with these options shares (one per task and
-            # process, unless a call overrides options): a forked child has
-            # connections of its own, even to a client object it inherited.
-            shared = RedisLock._shared(
-                client,
-                opts.ttl,
-                on_lost=self._on_lost,
-                min_replicas=opts.min_replicas,
-                prefix=opts.prefix,
-            )
-            kept = self._lock_kind = (client, opts, _process.pid, shared)
+        now = time.monotonic()
+        if kept is None or kept[1] is not opts or kept[2] != _process.pid or now >= kept[4]:
+            client = lock_store(self.app, opts.url)
+            if (
+                kept is None
+                or kept[0] is not client
+                or kept[1] is not opts
+                or kept[2] != _process.pid
+            ):
+                # What every execution with these options shares (one per task and
+                # process, unless a call overrides options): a forked child has
+                # connections of its own, even to a client object it inherited.
+                shared: Mapping[str, Any] = RedisLock._shared(
+                    client,
+                    opts.ttl,
+                    on_lost=self._on_lost,
+                    min_replicas=opts.min_replicas,
+                    prefix=opts.prefix,
+                )
+            else:
+                shared = kept[3]
+            kept = self._lock_kind = (client, opts, _process.pid, shared, now + STORE_RECHECK)
         return RedisLock._from_shared(
             kept[3],
             key,
