@@ -268,6 +268,13 @@ def check_settings(app: Any) -> list[str]:
     return unknown
 
 
+def since_now() -> str:
+    """Now, as a holder description's ``since`` has it: seconds since the epoch
+    to the millisecond, cut rather than rounded, so never later than now."""
+    ms = time.time_ns() // 1_000_000
+    return f"{ms // 1000}.{ms % 1000:03d}"
+
+
 def retry_countdown(base: float, retries: int) -> float:
     """The countdown of an ``on_conflict="retry"`` re-queue: ``base`` doubled per
     earlier retry, times a random factor from 0.5 to 1.5 (so duplicates spread
@@ -744,7 +751,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         """:meth:`_holder_info` as a lock sends it: its values in
         :data:`HOLDER_FIELDS` order, joined by the field separator (``request``:
         the current one, if the caller has it at hand)."""
-        since = f"{time.time():.3f}"
+        since = since_now()
         if not running:
             return SEPARATOR.join((_shown(self.name), "queued", "", "", since))
         node = getattr(request or self.request, "hostname", None) or _process.hostname

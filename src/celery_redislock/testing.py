@@ -83,7 +83,7 @@ from celery_redislock.deployments import (
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import DEFAULT_PREFIX, RedisLock
 from celery_redislock.server import RedisServer
-from celery_redislock.task import SingletonTask
+from celery_redislock.task import SingletonTask, since_now
 from celery_redislock.transport import Client
 
 __all__ = [
@@ -293,7 +293,7 @@ def _holder(task: SingletonTask, state: str, node: str) -> dict[str, str]:
         "state": state,
         "node": node,
         "pid": "0",
-        "since": f"{time.time():.3f}",
+        "since": since_now(),
     }
 
 
