@@ -867,27 +867,23 @@ class SingletonTask(Task):  # type: ignore[misc]
         """The lock of one execution (``request``: its context, or its worker request)."""
         check_stored(task_id, "task id")
         kept = self._lock_kind
+        same = kept is not None and kept[1] is opts and kept[2] == _process.pid
         now = time.monotonic()
-        if kept is None or kept[1] is not opts or kept[2] != _process.pid or now >= kept[4]:
+        if kept is None or not same or now >= kept[4]:
             client = lock_store(self.app, opts.url)
-            if (
-                kept is None
-                or kept[0] is not client
-                or kept[1] is not opts
-                or kept[2] != _process.pid
-            ):
+            if kept is not None and same and kept[0] is client:
+                shared = kept[3]
+            else:
                 # What every execution with these options shares (one per task and
                 # process, unless a call overrides options): a forked child has
                 # connections of its own, even to a client object it inherited.
-                shared: Mapping[str, Any] = RedisLock._shared(
+                shared = RedisLock._shared(
                     client,
                     opts.ttl,
                     on_lost=self._on_lost,
                     min_replicas=opts.min_replicas,
                     prefix=opts.prefix,
                 )
-            else:
-                shared = kept[3]
             kept = self._lock_kind = (client, opts, _process.pid, shared, now + STORE_RECHECK)
         return RedisLock._from_shared(
             kept[3],
