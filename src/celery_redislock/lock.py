@@ -665,7 +665,7 @@ class RedisLock:
         if not wait:
             self._release_later(args, then)
             return
-        call = Call(RELEASE_SCRIPT, (self.key, self.queue_key), args)
+        call = self._release_call(args)
         try:
             result = Released(self._run(call, self._call_deadline(None)))
         except RedisError as exc:
@@ -681,6 +681,10 @@ class RedisLock:
             done = result is Released.FREED or self._holds == 0
         if done:
             self._forget()
+
+    def _release_call(self, args: tuple[Any, ...]) -> Call:
+        """The RELEASE script call of this lock with these ARGV."""
+        return Call(RELEASE_SCRIPT, (self.key, self.queue_key), args)
 
     def _free_ttl_ms(self) -> int:
         """How long the key outlives this release (the RELEASE script's ARGV[4]):
@@ -717,7 +721,7 @@ class RedisLock:
                 # recognised if it did run).
                 self._beat().retry_in_background(
                     self,
-                    Call(RELEASE_SCRIPT, (self.key, self.queue_key), args),
+                    self._release_call(args),
                     max(until, time.monotonic() + MIN_CALL),
                     f"releasing lock {self.name!r}",
                 )
@@ -738,7 +742,9 @@ class RedisLock:
                 then(outcome)
 
         # By text until this server is known to have the script: a deferred
-        # request that meets NOSCRIPT would only be sent again.
+        # request that meets NOSCRIPT would only be sent again. (What by_sha() and
+        # by_text() of _release_call(args) give, without building the Call: it
+        # is needed only to send the release again.)
         if RELEASE_SCRIPT.sha in transport.scripts:
             command = ("EVALSHA", RELEASE_SCRIPT.sha, 2, self.key, self.queue_key, *args)
         else:
@@ -750,7 +756,7 @@ class RedisLock:
         except RedisError as exc:
             with self._state:
                 self._holds += 1
-            self._release_failed(Call(RELEASE_SCRIPT, (self.key, self.queue_key), args), exc)
+            self._release_failed(self._release_call(args), exc)
         if lane is None or lane.transport is not transport or not lane.drain_later():
             self._beat().drain_later(transport)
 
