@@ -5,7 +5,8 @@
 Usage::
 
     python bench/bench_task.py [--quick] [--url URL] [--only 1,2,3,4,5] [--tasks N] [--rounds R]
-                               [--work-ms 0,5] [--pools solo,prefork] [--profile] [--json FILE]
+                               [--work-ms 0,5] [--pools solo,prefork] [--pin] [--profile]
+                               [--json FILE]
 
 Two private servers are started on free 127.0.0.1 ports (see
 :class:`celery_redislock.server.RedisServer`): one is the broker and result
@@ -476,10 +477,11 @@ def task_kinds() -> list[Kind]:
 # Workers.
 @contextmanager
 def worker_process(
-    url: str, lock_url: str, pool: str, concurrency: int
+    url: str, lock_url: str, pool: str, concurrency: int, cpus: set[int] | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A ``celery worker`` subprocess importing this module, in a process group of its own
-    (so the whole pool can be paused and its CPU time summed)."""
+    (so the whole pool can be paused and its CPU time summed); ``cpus``: the only
+    CPUs it may run on (every thread of it: set before it starts)."""
     env = dict(os.environ)
     env[URL_ENV], env[LOCK_URL_ENV] = url, lock_url
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
@@ -493,6 +495,7 @@ def worker_process(
         process = subprocess.Popen(
             command, cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
         )  # fmt: skip
         try:
             yield process
@@ -880,20 +883,58 @@ def print_ratio_table(ratios: dict[str, dict[tuple[str, Mode], Spread]], modes: 
 
 
 # 5. Interleaved.
+def pin_apart(urls: list[str]) -> set[int]:
+    """For ``--pin``: keep the servers at ``urls`` (and this process) off one CPU,
+    left to the worker, as a lock store on another machine would be: a request
+    the worker writes then never wakes its server on the worker's own CPU, where
+    it would take the CPU from the worker until it answers. Returns the worker's
+    CPUs.
+
+    Raises:
+        SystemExit: fewer than two CPUs, or a server this process cannot pin
+            (not on this machine, or not its own).
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs at least two CPUs")
+    worker, others = {cpus[0]}, set(cpus[1:])
+    for url in set(urls):
+        with redis.Redis.from_url(url) as server:
+            pid = int(server.info("server")["process_id"])
+        try:
+            os.sched_setaffinity(pid, others)
+        except OSError as exc:
+            raise SystemExit(f"--pin: cannot pin the server at {url} (pid {pid}): {exc}") from None
+    os.sched_setaffinity(0, others)
+    return worker
+
+
 def bench_interleaved(
-    url: str, lock_url: str, count: int, rounds: int, findings: Findings, work: float = 0.0
+    url: str,
+    lock_url: str,
+    count: int,
+    rounds: int,
+    findings: Findings,
+    work: float = 0.0,
+    cpus: set[int] | None = None,
 ) -> None:
     """Section 5: the kinds taking turns within each batch, timed by the worker;
-    each task sleeps ``work`` seconds."""
+    each task sleeps ``work`` seconds. ``cpus``: the worker's own, with ``--pin``
+    (see :func:`pin_apart`)."""
     tasks = "no-op tasks" if not work else f"tasks of {work * 1e3:g} ms"
     # How the findings name it: the no-op run kept its name from before there were two.
-    what = "interleaved" if not work else f"interleaved {work * 1e3:g} ms"
+    what = ("interleaved" if not work else f"interleaved {work * 1e3:g} ms") + (
+        "" if cpus is None else " pinned"
+    )
+    where = (
+        "" if cpus is None else f" on CPU {min(cpus)}, the servers and the producer on the others"
+    )
     print(
         f"\n5. Interleaved: the kinds taking turns in batches of {count} {tasks}, "
-        f"solo pool, {rounds} rounds (after one to warm up)"
+        f"solo pool{where}, {rounds} rounds (after one to warm up)"
     )
     stats = redis.Redis.from_url(lock_url)
-    with worker_process(url, lock_url, "solo", 1) as worker:
+    with worker_process(url, lock_url, "solo", 1, cpus) as worker:
         broken = warm_up(task_kinds(), worker, stats)
         kinds = [kind for kind in task_kinds() if kind.label not in broken]
         labels = {kind.task.name: kind.label for kind in kinds}
@@ -1153,6 +1194,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--pools", default="solo,prefork", help="pools of section 2")
     parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="section 5: the worker on a CPU of its own, the servers and producer on the others",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="section 1: also profile SingletonTask executions"
     )
     parser.add_argument("--json", help="write the findings against the targets to this file")
@@ -1201,9 +1247,11 @@ def main(argv: list[str] | None = None) -> int:
         if 4 in sections and not options.quick:
             bench_instructions(url, lock_url, findings)
         if 5 in sections:
+            cpus = pin_apart([url, lock_url]) if options.pin else None
             for work in works:
                 # Fewer tasks of real work: a batch of them takes longer.
-                bench_interleaved(url, lock_url, count * (3 if work else 6), rounds, findings, work)
+                tasks = count * (3 if work else 6)
+                bench_interleaved(url, lock_url, tasks, rounds, findings, work, cpus)
     print(f"\nbench_task: {time.monotonic() - started:.0f} s")
     findings.save(options.json)
     return 0

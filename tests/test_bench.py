@@ -8,9 +8,12 @@ documentation says the section reports.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,6 +37,28 @@ def test_bench_task_runs_and_reports_the_lock_stores_time_per_command(tmp_path: 
     assert "SingletonTask/plain throughput, interleaved, solo pool" in reported
     for command in ("EVALSHA", "SET"):
         assert float(reported[f"lock store us per {command}, interleaved"]) > 0
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="--pin needs Linux and two CPUs",
+)
+def test_bench_task_pins_the_worker_apart_from_the_servers(tmp_path: Path) -> None:
+    """Section 5 with ``--pin``: it exits 0, says where each process runs, and
+    names its findings apart from an unpinned run's."""
+    findings = tmp_path / "findings.json"
+    options = ["--only", "5", "--quick", "--tasks", "10", "--rounds", "1", "--work-ms", "0"]
+    run = subprocess.run(
+        [sys.executable, "bench/bench_task.py", *options, "--pin", "--json", str(findings)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "the servers and the producer on the others" in run.stdout
+    reported = {item["what"] for item in json.loads(findings.read_text())}
+    assert "SingletonTask/plain throughput, interleaved pinned, solo pool" in reported
 
 
 def test_bench_lock_runs_and_counts_commands_and_round_trips(tmp_path: Path) -> None:
