@@ -53,7 +53,8 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
 5. Interleaved: one solo worker drains batches in which the kinds of section 2
    take turns task by task (which kind comes first rotates from round to
    round): batches of no-op tasks, then, for each other ``--work-ms`` value,
-   batches of tasks that sleep that long. The worker notes when it receives each task
+   batches of tasks that sleep that long (with ``--pin``, the worker on a CPU of
+   its own). The worker notes when it receives each task
    (``task_received``, before it accepts the task: ``SingletonTask`` writes its
    acquire as the task is accepted), so the time from one task's receipt to the
    next one's is what that task cost on the worker's clock, its kind known. A
@@ -1001,7 +1002,8 @@ SERVED = {
 
 def print_served(served: dict[str, list[float]], findings: Findings, what: str) -> None:
     """Section 5's lock-store figures: the server's time per command (``INFO
-    commandstats``), on a server whose caches the rest of the machine keeps cold."""
+    commandstats``), on a server whose caches the rest of the machine keeps cold;
+    ``what`` names the run in the findings."""
     print("   lock store, time per command over these rounds (INFO commandstats):")
     for command, who in SERVED.items():
         if command in served:
