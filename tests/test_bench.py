@@ -18,22 +18,28 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_bench_task_runs_and_reports_the_lock_stores_time_per_command(tmp_path: Path) -> None:
-    """Sections 1 and 5 of ``bench/bench_task.py`` on a few tasks: it exits 0, and
-    section 5 reports the ratio to plain and the lock store's time per
-    ``EVALSHA`` (the scripts) and ``SET`` (the peers' and floors' acquire)."""
+def run_bench(script: str, options: list[str], tmp_path: Path) -> tuple[str, dict[str, str]]:
+    """Run ``bench/<script>`` with ``options``; assert it exits 0, and return its
+    output and its findings (what each one names -> its value)."""
     findings = tmp_path / "findings.json"
-    options = ["--only", "1,5", "--quick", "--tasks", "20", "--rounds", "1"]
     run = subprocess.run(
-        [sys.executable, "bench/bench_task.py", *options, "--json", str(findings)],
+        [sys.executable, f"bench/{script}", *options, "--json", str(findings)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "lock store, time per command over these rounds" in run.stdout
-    reported = {item["what"]: item["value"] for item in json.loads(findings.read_text())}
+    return run.stdout, {item["what"]: item["value"] for item in json.loads(findings.read_text())}
+
+
+def test_bench_task_runs_and_reports_the_lock_stores_time_per_command(tmp_path: Path) -> None:
+    """Sections 1 and 5 of ``bench/bench_task.py`` on a few tasks: it exits 0, and
+    section 5 reports the ratio to plain and the lock store's time per
+    ``EVALSHA`` (the scripts) and ``SET`` (the peers' and floors' acquire)."""
+    options = ["--only", "1,5", "--quick", "--tasks", "20", "--rounds", "1"]
+    output, reported = run_bench("bench_task.py", options, tmp_path)
+    assert "lock store, time per command over these rounds" in output
     assert "SingletonTask/plain throughput, interleaved, solo pool" in reported
     for command in ("EVALSHA", "SET"):
         assert float(reported[f"lock store us per {command}, interleaved"]) > 0
@@ -46,33 +52,16 @@ def test_bench_task_runs_and_reports_the_lock_stores_time_per_command(tmp_path: 
 def test_bench_task_pins_the_worker_apart_from_the_servers(tmp_path: Path) -> None:
     """Section 5 with ``--pin``: it exits 0, says where each process runs, and
     names its findings apart from an unpinned run's."""
-    findings = tmp_path / "findings.json"
     options = ["--only", "5", "--quick", "--tasks", "10", "--rounds", "1", "--work-ms", "0"]
-    run = subprocess.run(
-        [sys.executable, "bench/bench_task.py", *options, "--pin", "--json", str(findings)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "the servers and the producer on the others" in run.stdout
-    reported = {item["what"] for item in json.loads(findings.read_text())}
+    output, reported = run_bench("bench_task.py", [*options, "--pin"], tmp_path)
+    assert "the servers and the producer on the others" in output
     assert "SingletonTask/plain throughput, interleaved pinned, solo pool" in reported
 
 
 def test_bench_lock_runs_and_counts_commands_and_round_trips(tmp_path: Path) -> None:
     """Section 1 of ``bench/bench_lock.py``, short: it exits 0 and reports the
     commands and round trips of an uncontended acquire + release."""
-    findings = tmp_path / "findings.json"
-    run = subprocess.run(
-        [sys.executable, "bench/bench_lock.py", "--quick", "--only", "1", "--json", str(findings)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    reported = " ".join(item["what"] for item in json.loads(findings.read_text()))
-    assert "round trips" in reported
-    assert "commands" in reported
+    _, reported = run_bench("bench_lock.py", ["--quick", "--only", "1"], tmp_path)
+    names = " ".join(reported)
+    assert "round trips" in names
+    assert "commands" in names
