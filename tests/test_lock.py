@@ -213,20 +213,29 @@ def test_held_plain_lock_value_is_smaller_than_with_wider_ids(client: redis.Redi
     """The owner token (12 characters) and the request id (10 digits) keep a held
     lock's value short enough to share one allocation with its object, and so
     smaller than the same fields with a 22-character owner token and a request id
-    of 16 hex digits."""
-    lock = RedisLock(client, "small-value", ttl=30)
-    assert lock.acquire(blocking=False)
-    other = lock.key[:-2] + "X}"  # a key name of the same length
-    client.set(other, "o" * 22, px=30_000)
-    write_fields(client, other, f=stored(client, lock)[FENCE_FIELD], r="a" * 16)
-    try:
-        held, same_fields = (client.memory_usage(key, samples=0) for key in (lock.key, other))
-        assert held is not None
-        assert same_fields is not None
-        assert held < same_fields
-    finally:
-        client.delete(other)
-        lock.release()
+    of 16 hex digits.
+
+    Each is measured on five fresh keys and the least is kept: a server built
+    with the C library's allocator (the Valkey wheel's) may give a key's
+    allocations more room than they asked for, depending on what it freed
+    before, never less."""
+    held: list[int] = []
+    same_fields: list[int] = []
+    for attempt in range(5):
+        lock = RedisLock(client, f"small-value-{attempt}", ttl=30)
+        assert lock.acquire(blocking=False)
+        other = lock.key[:-2] + "X}"  # a key name of the same length
+        client.set(other, "o" * 22, px=30_000)
+        write_fields(client, other, f=stored(client, lock)[FENCE_FIELD], r="a" * 16)
+        try:
+            for key, sizes in ((lock.key, held), (other, same_fields)):
+                size = client.memory_usage(key, samples=0)
+                assert size is not None
+                sizes.append(size)
+        finally:
+            client.delete(other)
+            lock.release()
+    assert min(held) < min(same_fields)
 
 
 def _server_counters(client: redis.Redis) -> tuple[int, int]:
