@@ -482,7 +482,7 @@ def worker_process(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A ``celery worker`` subprocess importing this module, in a process group of its own
     (so the whole pool can be paused and its CPU time summed); ``cpus``: the only
-    CPUs it may run on (every thread of it: set before it starts)."""
+    CPUs it may run on."""
     env = dict(os.environ)
     env[URL_ENV], env[LOCK_URL_ENV] = url, lock_url
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
@@ -496,8 +496,11 @@ def worker_process(
         process = subprocess.Popen(
             command, cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
         )  # fmt: skip
+        if cpus is not None:
+            # Before the worker starts its threads (they inherit it): it is still
+            # importing when Popen returns.
+            os.sched_setaffinity(process.pid, cpus)
         try:
             yield process
         except BaseException:
