@@ -716,9 +716,9 @@ class RedisLock:
             if result is not reply and not isinstance(reply, NoScriptError):
                 # It ran, so the server has the script now: the next goes by digest.
                 transport.scripts.add(RELEASE_SCRIPT.sha)
-            if isinstance(reply, _NOT_RUN):
-                # Not run, or not known to have run: send it again (it is
-                # recognised if it did run).
+            if isinstance(reply, _SEND_AGAIN):
+                # Not run, not known to have run, or refused by a replica: send it
+                # again (it is recognised if it did run).
                 self._beat().retry_in_background(
                     self,
                     self._release_call(args),
