@@ -6,7 +6,7 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -17,9 +17,12 @@ from redis.retry import Retry
 
 from celery_redislock import LockLostError, RedisLock
 from celery_redislock import client as client_module
+from celery_redislock import heartbeat as heartbeat_module
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
-from celery_redislock.scripts import EXTEND, OWNER_FIELD
+from celery_redislock.scripts import EXTEND, OWNER_FIELD, Call
+from celery_redislock.scripts import run_calls as real_run_calls
 from celery_redislock.server import RedisServer
+from celery_redislock.transport import Deadline, Transport
 from tests.support import field, held, in_forked_child, wait_until
 
 #: Forking a process that runs threads warns on Python >= 3.12; the fork test
@@ -280,6 +283,56 @@ def test_reacquired_after_loss_is_renewed_again(
     assert lock.acquire()
 
     assert not lock.lost
+    assert lock in private_heartbeat.held()
+    assert stays_true(lock.owned, 2.5)
+    lock.release()
+
+
+def test_stale_verdict_leaves_the_next_hold_alone(
+    client: redis.Redis, private_heartbeat: Heartbeat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal sent for one hold and answered after the same object released it and
+    took the lock again is not applied to the new hold: the server's 0 (the renewal
+    landed between the release and the acquire) does not mark the new hold lost,
+    which stays registered and renewed."""
+    sending, released, answered, reacquired = (threading.Event() for _ in range(4))
+    armed = [True]
+    verdicts: list[list[Any]] = []
+
+    def scripted(
+        transport: Transport,
+        calls: Sequence[Call],
+        deadline: Deadline,
+        then: Sequence[Sequence[Any]] = (),
+    ) -> list[Any]:
+        if not armed[0]:
+            return real_run_calls(transport, calls, deadline, then)
+        armed[0] = False
+        # The renewal reaches the server after the release, and its verdict is
+        # applied after the next acquire.
+        sending.set()
+        assert released.wait(10)
+        results = real_run_calls(transport, calls, deadline, then)
+        verdicts.append(results)
+        answered.set()
+        assert reacquired.wait(10)
+        return results
+
+    monkeypatch.setattr(heartbeat_module, "run_calls", scripted)
+    on_lost = LostCalls()
+    lock = RedisLock(client, "stale-verdict", ttl=1, on_lost=on_lost, _heartbeat=private_heartbeat)
+    assert lock.acquire()
+    assert sending.wait(10)
+    lock.release()
+    released.set()
+    assert answered.wait(10)
+    assert lock.acquire(blocking=False)
+    reacquired.set()
+
+    assert wait_until(lambda: private_heartbeat.rounds >= 1)
+    assert verdicts == [[0]]
+    assert not lock.lost
+    assert on_lost.locks == []
     assert lock in private_heartbeat.held()
     assert stays_true(lock.owned, 2.5)
     lock.release()

@@ -94,6 +94,11 @@ class _Entry(weakref.ref["Renewable"]):
     name: str
 
 
+#: A lock to renew and the registration the renewal is for (``None`` for a lock
+#: not registered on the lane: renewed, but never rescheduled, moved or lost).
+_Renewal = tuple[Renewable, _Entry | None]
+
+
 class _Pending:
     """A request the lane keeps sending until it lands or ``until`` passes."""
 
@@ -194,6 +199,25 @@ class _Lane:
         with self.cond:
             return [lock for e in self.entries.values() if (lock := e()) is not None]
 
+    def renewals(self, locks: Iterable[Renewable]) -> list[_Renewal]:
+        """``locks``, each with its current registration here (or ``None``)."""
+        with self.cond:
+            return [(lock, self._entry_of(lock)) for lock in locks]
+
+    def _entry_of(self, lock: Renewable) -> _Entry | None:
+        """With ``cond`` held: the current registration of ``lock``, if any."""
+        entry = self.entries.get(id(lock))
+        return entry if entry is not None and entry() is lock else None
+
+    def _is_current(self, entry: _Entry) -> bool:
+        """With ``cond`` held: whether ``entry`` is still its lock's registration.
+
+        A renewal's verdict applies to the hold it was sent for only: the same
+        lock object may have been released and taken again meanwhile (a new
+        registration), and a 0 for the old hold says nothing about the new one.
+        """
+        return self.entries.get(entry.ident) is entry
+
     def stop(self) -> threading.Thread | None:
         with self.cond:
             self.cond.notify()
@@ -219,10 +243,10 @@ class _Lane:
                 batch = self._next_batch()
                 if batch is None:
                     return
-                locks, pending, drain = batch
+                renewals, pending, drain = batch
             try:
-                if locks:
-                    self.renew(locks)
+                if renewals:
+                    self.renew(renewals)
                     self.heartbeat.rounds += 1
                 if pending:
                     self._send_pending(pending)
@@ -234,12 +258,13 @@ class _Lane:
                 logger.exception("celery_redislock heartbeat round failed")
             # No strong reference may outlive the round: a lock dropped by its
             # user must be collectable while the thread sleeps.
-            del batch, locks, pending, drain
+            del batch, renewals, pending, drain
 
-    def _next_batch(self) -> tuple[list[Renewable], list[_Pending], int | None] | None:
+    def _next_batch(self) -> tuple[list[_Renewal], list[_Pending], int | None] | None:
         """With ``cond`` held: sleep until work is due; ``None`` when the thread
-        should end. The batch is the locks to renew, the requests to retry, and
-        (or ``None``) the last request whose owed reply to read."""
+        should end. The batch is the locks to renew (with their registrations),
+        the requests to retry, and (or ``None``) the last request whose owed
+        reply to read."""
         idle_since = self.clock()
         while True:
             self._drop_collected()
@@ -267,11 +292,11 @@ class _Lane:
             self.wakeups += 1
         # Renew everything due within half an interval, so locks taken at
         # nearly the same moment share one round trip.
-        locks = []
+        renewals: list[_Renewal] = []
         for entry in self.entries.values():
             lock = entry()
             if lock is not None and entry.due - lock.renew_interval / 2 <= now:
-                locks.append(lock)
+                renewals.append((lock, entry))
         pending = [p for p in self.pending if p.next_try <= now]
         drain = None
         if self.drain_at is not None and self.drain_at <= now:
@@ -279,7 +304,7 @@ class _Lane:
             keep_looking = self.deferred or self.transport.owes_replies()
             self.drain_at = now + DRAIN_DELAY if keep_looking else None
             self.deferred = False
-        return locks, pending, drain
+        return renewals, pending, drain
 
     def _drop_collected(self) -> None:
         while self.collected:
@@ -293,26 +318,27 @@ class _Lane:
                 )
 
     # Renewal.
-    def renew(self, locks: list[Renewable]) -> None:
-        """Renew ``locks`` (all on this lane's server) in one bounded round trip."""
+    def renew(self, renewals: list[_Renewal]) -> None:
+        """Renew locks (all on this lane's server) in one bounded round trip; each
+        verdict applies to the registration the renewal was sent for only."""
         now = self.clock()
-        live = []
-        for lock in locks:
+        live: list[_Renewal] = []
+        for lock, entry in renewals:
             if lock._expires_at() <= now:
                 # Its local deadline has passed: whatever the server says now,
                 # the holder could not be sure of the lock for a while.
-                self._lose(lock)
+                self._lose(lock, entry)
             else:
-                live.append(lock)
+                live.append((lock, entry))
         if not live:
-            if locks:
+            if renewals:
                 signals.heartbeat_round.send(
-                    sender=self.transport.describe(), renewed=0, failed=0, lost=len(locks)
+                    sender=self.transport.describe(), renewed=0, failed=0, lost=len(renewals)
                 )
             return
-        budget = min(lock._expires_at() for lock in live) - now
-        budget = min(max(budget, MIN_ROUND_TRIP), max(lock.renew_interval for lock in live))
-        calls = [Call(EXTEND_SCRIPT, [lock.key], [lock.owner, lock.ttl_ms]) for lock in live]
+        budget = min(lock._expires_at() for lock, _ in live) - now
+        budget = min(max(budget, MIN_ROUND_TRIP), max(lock.renew_interval for lock, _ in live))
+        calls = [Call(EXTEND_SCRIPT, [lock.key], [lock.owner, lock.ttl_ms]) for lock, _ in live]
         try:
             results = run_calls(self.transport, calls, Deadline.after(budget))
         except RedisError as exc:
@@ -323,52 +349,49 @@ class _Lane:
                 describe_error(exc),
             )
             results = [exc] * len(live)
-            live[0]._redirected(exc)
+            live[0][0]._redirected(exc)
         after = self.clock()
         renewed = failed = 0
-        lost = len(locks) - len(live)
-        for lock, result in zip(live, results, strict=True):
+        lost = len(renewals) - len(live)
+        for (lock, entry), result in zip(live, results, strict=True):
             if isinstance(result, AskError):
                 lock._redirected(result)
             if isinstance(result, Exception) and lock.transport is not self.transport:
                 # A cluster slot moved: the lane of the lock's new primary takes it.
-                self._move(lock, after)
+                self._move(lock, entry, after)
             elif result == 1:
                 renewed += 1
                 lock._renewed(now)
-                self._reschedule(lock, now + lock.renew_interval)
+                self._reschedule(entry, now + lock.renew_interval)
             elif isinstance(result, Exception):
                 failed += 1
                 if lock._expires_at() <= after:
                     lost += 1
-                    self._lose(lock)
+                    self._lose(lock, entry)
                 else:
-                    self._reschedule(lock, after + min(RENEW_RETRY, lock.renew_interval / 4))
+                    self._reschedule(entry, after + min(RENEW_RETRY, lock.renew_interval / 4))
             else:
                 lost += 1
-                self._lose(lock)
+                self._lose(lock, entry)
         signals.heartbeat_round.send(
             sender=self.transport.describe(), renewed=renewed, failed=failed, lost=lost
         )
 
-    def _move(self, lock: Renewable, due: float) -> None:
+    def _move(self, lock: Renewable, entry: _Entry | None, due: float) -> None:
         with self.cond:
-            entry = self.entries.get(id(lock))
-            if entry is None or entry() is not lock:
+            if entry is None or not self._is_current(entry):
                 return
-            del self.entries[id(lock)]
+            del self.entries[entry.ident]
         self.heartbeat._lane(lock.transport).register(lock, due)
 
-    def _reschedule(self, lock: Renewable, due: float) -> None:
+    def _reschedule(self, entry: _Entry | None, due: float) -> None:
         with self.cond:
-            entry = self.entries.get(id(lock))
-            if entry is not None and entry() is lock:
+            if entry is not None and self._is_current(entry):
                 entry.due = due
 
-    def _lose(self, lock: Renewable) -> None:
+    def _lose(self, lock: Renewable, entry: _Entry | None) -> None:
         with self.cond:
-            entry = self.entries.get(id(lock))
-            registered = entry is not None and entry() is lock
+            registered = entry is not None and self._is_current(entry)
             if registered:
                 del self.entries[id(lock)]
         if registered:
@@ -483,7 +506,8 @@ class Heartbeat:
         for lock in locks:
             by_transport.setdefault(lock.transport, []).append(lock)
         for transport, group in by_transport.items():
-            self._lane(transport).renew(group)
+            lane = self._lane(transport)
+            lane.renew(lane.renewals(group))
         self.rounds += 1
 
     def stop(self, timeout: float | None = 5.0) -> None:
