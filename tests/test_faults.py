@@ -207,6 +207,62 @@ def test_retried_final_release_reports_success(
     assert not lock.holding
 
 
+def release_as_sent(lock: RedisLock, request: str) -> tuple[Any, ...]:
+    """The RELEASE call ``lock.release()`` sends for its current hold, with ``request``
+    as its request id: KEYS and ARGV for ``EVAL``, so that the same request can be
+    sent again later, as a background retry would."""
+    return (
+        2,
+        lock.key,
+        lock.queue_key,
+        lock.owner,
+        lock.wake_prefix,
+        request,
+        0,
+        "",
+        lock.token,
+        lock._released or "",
+    )
+
+
+def test_release_sent_again_leaves_the_same_owners_later_hold_alone(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """A release that freed the lock and is sent again (its answer was lost) after the same
+    owner took the lock again answers "freed" and leaves the new hold as it is."""
+    first = RedisLock(server.url, "again", ttl=30, heartbeat=False)
+    assert first.acquire()
+    release = release_as_sent(first, "1000000001")
+    assert direct.eval(RELEASE, *release) == 1
+    second = RedisLock(server.url, "again", ttl=30, heartbeat=False, owner=first.owner)
+    assert second.acquire()
+    assert direct.eval(RELEASE, *release) == 1
+    assert hold_count(direct, second) == 1
+    assert not RedisLock(server.url, "again", ttl=30).acquire(blocking=False)
+    second.release()
+
+
+def test_release_for_an_earlier_hold_leaves_a_later_one_alone(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """A release carries its hold's fencing token: the same owner's later hold (a new
+    token) is left alone even once the lock no longer remembers that release."""
+    first = RedisLock(server.url, "earlier", ttl=30, heartbeat=False)
+    assert first.acquire()
+    stale = release_as_sent(first, "1000000002")
+    first.release()
+    for _ in range(10):  # more releases than the lock remembers
+        other = RedisLock(server.url, "earlier", ttl=30, heartbeat=False)
+        assert other.acquire()
+        other.release()
+    second = RedisLock(server.url, "earlier", ttl=30, heartbeat=False, owner=first.owner)
+    assert second.acquire()
+    assert direct.eval(RELEASE, *stale) == 0
+    assert hold_count(direct, second) == 1
+    second.release()
+    assert not held(direct, second.key)
+
+
 def test_retried_release_lease_reports_freed(proxy: FaultProxy, via_proxy: redis.Redis) -> None:
     """release_lease whose reply is lost after it freed the lock still answers True."""
     lock = RedisLock(via_proxy, "lease-dropped", ttl=10, lease="task-1", heartbeat=False)

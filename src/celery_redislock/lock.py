@@ -358,8 +358,8 @@ class RedisLock:
     # scripts.AcquireReply.released).
     _released: str | None = None
     # Whether the current hold came after waiting for another's: others are then
-    # likely queued still, so its release reads the lock before it writes (it
-    # sends no token: see scripts.RELEASE).
+    # likely queued still, so its release reads the lock before it writes (see
+    # scripts.RELEASE, ARGV[8]).
     _waited = False
     # The heartbeat lane renewing the current hold, if any.
     _lane: _Lane | None = None
@@ -653,15 +653,18 @@ class RedisLock:
             LockLostError: this object held it, but it expired or was taken over.
             LockBackendError: Redis could not be reached; see above.
         """
-        args = (
+        args: tuple[Any, ...] = (
             self.owner,
             self.wake_prefix,
             request_id(),
             self._free_ttl_ms(),
             "",
-            "" if self.token is None or self._waited else self.token,
+            "" if self.token is None else self.token,
             self._released or "",
         )
+        if self._waited:
+            # Others are likely queued still: read the lock before writing it.
+            args = (*args, "read")
         if not wait:
             self._release_later(args, then)
             return

@@ -579,14 +579,18 @@ def _freeing(body: str, first: str = "") -> str:
 #: "0" to leave its expiry (the lock's own) as it is: the caller knows enough of
 #: it is left; ARGV[5] "" or the request id of the acquire this release undoes
 #: (then it acts only if that acquire was the last change to the hold);
-#: ARGV[6] optionally, the fencing token of the hold ("" or absent: unknown);
+#: ARGV[6] optionally, the fencing token of the hold ("" or absent: unknown): a
+#: hold of this owner with another token is a later one, which it leaves alone;
 #: ARGV[7] optionally, the releases the lock remembered as it was taken (what
-#: ACQUIRE returned with the hold)
-#: Returns 1 when freed, 2 when a hold remains, 0 when not owned (nothing changed).
+#: ACQUIRE returned with the hold); ARGV[8] optionally, "read" to read the lock
+#: before writing (others are likely queued: the one-write path would only have to
+#: put the lock back)
+#: Returns 1 when freed (by this request, now or on an earlier arrival), 2 when a
+#: hold remains, 0 when not owned (nothing changed).
 RELEASE = _freeing(
     first="""
 local lock
-if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' then
+if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' and ARGV[8] ~= 'read' then
     -- The usual last hold, keeping its key's expiry, is freed by one write: the
     -- free value, set at once where there is a key, returns the lock as it was.
     -- A hold of this owner and token, single, with nobody queued, is freed by it
@@ -629,7 +633,9 @@ if not lock then
     if bad then return bad end
     lock = read()
 end
-if lock[$OWNER] ~= ARGV[1] then
+-- Another owner's hold, or this owner's later one (with a new token): not the
+-- hold this release was for. It may be sent again after it freed the lock.
+if lock[$OWNER] ~= ARGV[1] or ((ARGV[6] or '') ~= '' and lock[$FENCE] ~= ARGV[6]) then
     if released_here(lock) then return 1 end
     return 0
 end
