@@ -32,6 +32,7 @@ from celery_redislock.lock import lock_keys, release_lease
 from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import Client, transport_for
+from tests.proxy import FaultProxy
 from tests.support import fields, wait_for, write_fields
 
 #: The smallest ACL a lock user needs, as ``ACL SETUSER locker on >password …`` rules
@@ -381,6 +382,49 @@ def test_cluster_renewal_is_one_round_trip_per_primary(
         heartbeat.stop()
         for lock in held:
             lock.release()
+
+
+def test_cluster_release_whose_slot_map_cannot_be_refreshed_fails_like_any_release(
+    redislock_cluster: ClusterDeployment,
+) -> None:
+    """A release that finds its primary unreachable, and no node to refresh the slot
+    map from (redis-py raises RedisClusterException there, not a RedisError), raises
+    LockBackendError as any failed release does: the hold is dropped and the
+    heartbeat stops renewing the lock, which is free within a few TTLs (by its
+    release, retried in the background, or by its expiry)."""
+    name = "cluster:refresh-fails"
+    key = lock_keys(name)[0]
+    server = redislock_cluster.primary_for_key(key)
+    admin = server.client()
+    with FaultProxy(server.host, server.port) as proxy:
+        # The client knows only the proxy, and reaches the key's primary through it.
+        client = RedisCluster(
+            host=proxy.host,
+            port=proxy.port,
+            dynamic_startup_nodes=False,
+            address_remap=lambda at: (proxy.host, proxy.port) if at[1] == server.port else at,
+        )
+        try:
+            lock = RedisLock(client, name, ttl=2, call_timeout=1.0)
+            assert lock.acquire(blocking=False)
+            assert lock in get_heartbeat().held()
+            proxy.refuse()
+            proxy.reset_all()
+            with pytest.raises(LockBackendError, match="could not release") as excinfo:
+                lock.release()
+            assert isinstance(excinfo.value.__cause__, redis.ConnectionError)
+            proxy.heal()
+            assert not lock.holding
+            assert lock not in get_heartbeat().held()
+            wait_for(
+                lambda: OWNER_FIELD not in fields(admin, key),
+                timeout=10 * lock.ttl,
+                what="the lock freed",
+            )
+        finally:
+            client.close()
+            admin.delete(key)
+            admin.close()
 
 
 def assert_renewed_there(admin: redis.Redis, lock: RedisLock) -> None:

@@ -693,6 +693,9 @@ class Router:
         #: The one transport of a single server, ``None`` for a cluster (looked up
         #: once: this is hot, and a check of the client's kind is slow).
         self.single = None if isinstance(client, RedisCluster) else transport_for(client)
+        # The slot map's refresh under way, or the last one (see redirected()).
+        self._refresh: _SlotRefresh | None = None
+        self._refresh_guard = threading.Lock()
 
     @property
     def client(self) -> Client:
@@ -719,12 +722,19 @@ class Router:
         primaries = client.get_primaries()  # type: ignore[no-untyped-call]
         return [transport_for(client.get_redis_connection(n)) for n in primaries]
 
-    def redirected(self, exc: BaseException) -> bool:
+    def redirected(self, exc: BaseException, deadline: Deadline | None = None) -> bool:
         """Learn from ``exc`` where keys live now; return whether a new try may help.
 
         A single server has nowhere else to go. On a cluster, a ``MOVED`` reply
         updates the slot map; a connection error or timeout (a primary died, a
         failover may be under way) refreshes it from the cluster.
+
+        The refresh is waited for until ``deadline`` at most (by default the
+        deadline of the round trip that raised ``exc``, see :func:`run`): it asks
+        the cluster's nodes with the cluster client's own timeouts, so it runs in
+        a thread of its own and goes on there if the caller cannot wait for it;
+        the slot map is then new for the next request. A refresh that fails, or
+        does not end in time, is ``False``: the caller's error stands.
         """
         if self.single is not None:
             return False
@@ -736,15 +746,60 @@ class Router:
             # A slot half-way through a migration: its keys settle shortly.
             return True
         if isinstance(exc, TRANSIENT):
-            try:
-                client.nodes_manager.initialize()
-            except RedisError:
-                return False
-            return True
+            if deadline is None:
+                deadline = getattr(exc, _DEADLINE, None) or Deadline.after(DEFAULT_CALL_TIMEOUT)
+            with self._refresh_guard:
+                refresh = self._refresh
+                if refresh is None or refresh.done.is_set():
+                    refresh = self._refresh = _SlotRefresh(client)
+            return refresh.wait(deadline)
         return False
 
 
+class _SlotRefresh:
+    """One refresh of a cluster client's slot map, in a thread of its own.
+
+    ``nodes_manager.initialize()`` asks the cluster's nodes one after another,
+    each with the cluster client's own timeouts, whatever the deadline of the
+    request that needs it; and it raises ``RedisClusterException`` (not a
+    ``RedisError``) when no node answers. Run here, a caller waits for it only
+    until its own deadline, and whatever it raises is its failure, never the
+    caller's.
+    """
+
+    def __init__(self, client: RedisCluster) -> None:
+        self.done = threading.Event()
+        #: Whether the slot map was refreshed (meaningful once ``done`` is set).
+        self.ok = False
+        # The thread holds the client only while it runs.
+        thread = threading.Thread(
+            target=self._run,
+            args=(client,),
+            name="celery-redislock-cluster-refresh",
+            daemon=True,
+        )
+        thread.start()
+
+    def _run(self, client: RedisCluster) -> None:
+        try:
+            client.nodes_manager.initialize()
+        except Exception as exc:
+            logger.debug("celery_redislock: could not refresh the cluster's slot map: %s", exc)
+        else:
+            self.ok = True
+        finally:
+            self.done.set()
+
+    def wait(self, deadline: Deadline) -> bool:
+        """Whether the refresh succeeded by ``deadline``."""
+        return self.done.wait(max(0.0, deadline.remaining())) and self.ok
+
+
 _routers: weakref.WeakKeyDictionary[Any, Router] = weakref.WeakKeyDictionary()
+
+#: The attribute by which an error :func:`run` raises carries the deadline of
+#: the round trip it ended.
+_DEADLINE = "_celery_redislock_deadline"
 
 
 def router_for(client: Client) -> Router:
@@ -784,6 +839,8 @@ def run(
             transport.reset()
         pause = BACKOFF[min(attempt + 1, len(BACKOFF) - 1)]
         if attempt + 1 == attempts or deadline.remaining() <= pause:
+            # What it failed within, for Router.redirected() (a cluster's refresh).
+            setattr(error, _DEADLINE, deadline)
             raise error
         if pause:
             time.sleep(pause)
