@@ -366,6 +366,62 @@ def test_on_lost_error_does_not_stop_the_round(
     survivor.release()
 
 
+def test_on_lost_raising_system_exit_leaves_the_thread_running(
+    client: redis.Redis, private_heartbeat: Heartbeat, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ``on_lost`` callback that raises SystemExit (a holder that aborts when its
+    lock is lost) is logged, and the heartbeat thread lives on: it keeps renewing
+    the other locks on that server past their TTL."""
+    on_lost = LostCalls()
+
+    def abort(lock: RedisLock) -> None:
+        on_lost(lock)
+        raise SystemExit("lock lost, aborting")
+
+    doomed = RedisLock(client, "exit-doomed", ttl=1, on_lost=abort, _heartbeat=private_heartbeat)
+    survivor = RedisLock(client, "exit-survivor", ttl=1, _heartbeat=private_heartbeat)
+    assert doomed.acquire()
+    assert survivor.acquire()
+    client.delete(doomed.key)
+
+    assert wait_until(lambda: on_lost.locks == [doomed], timeout=5)
+    rounds = private_heartbeat.rounds
+    assert wait_until(lambda: private_heartbeat.rounds >= rounds + 3, timeout=10)
+    assert stays_true(survivor.owned, 2.5)
+    assert not survivor.lost
+    assert survivor in private_heartbeat.held()
+    assert "lock lost, aborting" in caplog.text
+    survivor.release()
+
+
+def test_reply_handler_raising_system_exit_leaves_the_thread_running(
+    client: redis.Redis, private_heartbeat: Heartbeat, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handler of a release's deferred answer that raises SystemExit, called from
+    the heartbeat thread (which reads the answer), is logged, and the thread lives
+    on: it keeps renewing the other locks on that server past their TTL."""
+    keeper = RedisLock(client, "exit-keeper", ttl=1, _heartbeat=private_heartbeat)
+    released = RedisLock(client, "exit-released", ttl=30, _heartbeat=private_heartbeat)
+    assert keeper.acquire()
+    assert released.acquire()
+    outcomes: list[str] = []
+
+    def abort(outcome: str) -> None:
+        outcomes.append(outcome)
+        raise SystemExit("release answered, aborting")
+
+    # Nothing else in this thread uses the locks' connections until the answer is
+    # read: the heartbeat thread reads it.
+    released.release(wait=False, then=abort)
+    assert wait_until(lambda: outcomes == ["released"], timeout=5)
+    rounds = private_heartbeat.rounds
+    assert wait_until(lambda: private_heartbeat.rounds >= rounds + 3, timeout=10)
+    assert stays_true(keeper.owned, 2.5)
+    assert not keeper.lost
+    assert "release answered, aborting" in caplog.text
+    keeper.release()
+
+
 def test_stopped_heartbeat_lets_lock_expire(
     client: redis.Redis, private_heartbeat: Heartbeat
 ) -> None:

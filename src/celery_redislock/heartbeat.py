@@ -238,27 +238,36 @@ class _Lane:
 
     # The lane's thread.
     def _run(self) -> None:
-        while True:
+        try:
+            while True:
+                with self.cond:
+                    batch = self._next_batch()
+                    if batch is None:
+                        return
+                    renewals, pending, drain = batch
+                try:
+                    if renewals:
+                        self.renew(renewals)
+                        self.heartbeat.rounds += 1
+                    if pending:
+                        self._send_pending(pending)
+                    if drain is not None:
+                        self.drained += self.transport.drain(
+                            Deadline.after(DEFAULT_CALL_TIMEOUT), written_by=drain
+                        )
+                except BaseException:
+                    # The round runs its users' code (the handlers of deferred
+                    # replies): not even a SystemExit there may end the thread,
+                    # which renews every other lock on this server.
+                    logger.exception("celery_redislock heartbeat round failed")
+                # No strong reference may outlive the round: a lock dropped by its
+                # user must be collectable while the thread sleeps.
+                del batch, renewals, pending, drain
+        finally:
+            # However the thread ends, the next caller that needs one starts another.
             with self.cond:
-                batch = self._next_batch()
-                if batch is None:
-                    return
-                renewals, pending, drain = batch
-            try:
-                if renewals:
-                    self.renew(renewals)
-                    self.heartbeat.rounds += 1
-                if pending:
-                    self._send_pending(pending)
-                if drain is not None:
-                    self.drained += self.transport.drain(
-                        Deadline.after(DEFAULT_CALL_TIMEOUT), written_by=drain
-                    )
-            except Exception:  # pragma: no cover - the thread must not die
-                logger.exception("celery_redislock heartbeat round failed")
-            # No strong reference may outlive the round: a lock dropped by its
-            # user must be collectable while the thread sleeps.
-            del batch, renewals, pending, drain
+                if self.thread is threading.current_thread():
+                    self.thread = None
 
     def _next_batch(self) -> tuple[list[_Renewal], list[_Pending], int | None] | None:
         """With ``cond`` held: sleep until work is due; ``None`` when the thread
@@ -400,6 +409,12 @@ class _Lane:
             except Exception:
                 # A failing on_lost callback must not cut the round short for the
                 # other locks (or kill the thread).
+                logger.exception("celery_redislock: on_lost callback for %s failed", lock.name)
+            except BaseException:
+                # Nor may a SystemExit from one end the lane's thread. In a caller's
+                # own thread (Heartbeat.renew) it is the caller's to handle.
+                if threading.current_thread() is not self.thread:
+                    raise
                 logger.exception("celery_redislock: on_lost callback for %s failed", lock.name)
 
     # Background requests.
