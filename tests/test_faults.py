@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -261,6 +262,50 @@ def test_release_for_an_earlier_hold_leaves_a_later_one_alone(
     assert hold_count(direct, second) == 1
     second.release()
     assert not held(direct, second.key)
+
+
+def test_last_release_takes_the_lock_off_the_heartbeat_before_it_lands(
+    proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """While the last hold's release is on its way, the lock is no longer renewed: a
+    renewal answered after the release landed cannot report a released lock lost."""
+    lost: list[RedisLock] = []
+    lock = RedisLock(proxy.url, "last-release", ttl=30, on_lost=lost.append, call_timeout=5)
+    assert lock.acquire()
+    proxy.set_latency(0.5)
+    releasing = threading.Thread(target=lock.release)
+    releasing.start()
+    try:
+        wait_for(lambda: not held(direct, lock.key), what="the release to land")
+        # Landed, its answer still on the way back.
+        assert lock.holding
+        assert lock not in get_heartbeat().held()
+    finally:
+        releasing.join(10)
+    assert not lock.holding
+    assert not lock.lost
+    assert lost == []
+
+
+def test_hold_reentered_after_a_loss_is_renewed_again(direct: redis.Redis) -> None:
+    """A lock the heartbeat found lost, that the server holds for this owner again by
+    the time the owner re-enters it, is put back on the heartbeat and renewed."""
+    lock = RedisLock(direct, "reentered", ttl=1)
+    assert lock.acquire()
+    value = direct.get(lock.key)
+    assert value is not None
+    direct.set(lock.key, b"somebody else", keepttl=True)
+    wait_for(lambda: lock.lost, timeout=5, what="the heartbeat to find the lock lost")
+    assert lock not in get_heartbeat().held()
+    direct.set(lock.key, value, px=1000)
+    assert lock.acquire(blocking=False)
+    assert not lock.lost
+    assert lock in get_heartbeat().held()
+    # Renewed past the TTL it was re-entered with.
+    time.sleep(1.5)
+    assert lock.owned()
+    lock.release()
+    lock.release()
 
 
 def test_retried_release_lease_reports_freed(proxy: FaultProxy, via_proxy: redis.Redis) -> None:

@@ -669,6 +669,10 @@ class RedisLock:
             self._release_later(args, then)
             return
         call = self._release_call(args)
+        if self._holds == 1:
+            # The last hold: off the heartbeat before the release lands, so that a
+            # renewal answered after it cannot report this lock lost.
+            self._stop_renewal()
         try:
             result = Released(self._run(call, self._call_deadline(None)))
         except RedisError as exc:
@@ -899,7 +903,8 @@ class RedisLock:
             self._position = reply.position or self._position
             return False
         with self._state:
-            first = self._holds == 0
+            # Off the heartbeat: no hold yet, or the heartbeat found it lost.
+            first = self._holds == 0 or self._lost
             if reply.outcome is Acquired.TAKEN:
                 self._holds = 1
                 self._released = reply.released
@@ -910,7 +915,9 @@ class RedisLock:
             self._lost = False
             self._expiry = sent + self.ttl
         # A new hold (TAKEN) is registered even if this object still counted
-        # holds from a lock it lost: losing it took it off the heartbeat.
+        # holds from a lock it lost, and so is a hold re-entered after the
+        # heartbeat found it lost (the server still had it): losing it took it
+        # off the heartbeat.
         if self.heartbeat and (first or reply.outcome is Acquired.TAKEN):
             self._lane = (self._heartbeat or get_heartbeat()).register(self)
         return True
