@@ -440,6 +440,28 @@ def test_stopped_heartbeat_lets_lock_expire(
     waiter.release()
 
 
+def test_stopped_heartbeat_restarted_leaves_earlier_locks_alone(
+    client: redis.Redis, private_heartbeat: Heartbeat
+) -> None:
+    """A lock registered when its heartbeat stopped is not renewed once a later lock
+    starts the heartbeat again: it expires by its TTL, while the later lock is kept."""
+    earlier = RedisLock(client, "stopped-earlier", ttl=1, _heartbeat=private_heartbeat)
+    assert earlier.acquire()
+    private_heartbeat.stop()
+    assert earlier not in private_heartbeat.held()
+
+    later = RedisLock(client, "stopped-later", ttl=1, _heartbeat=private_heartbeat)
+    assert later.acquire()
+    assert private_heartbeat.held() == [later]
+
+    assert wait_until(lambda: not held(client, earlier.key), timeout=15)
+    assert later.owned()
+    assert not later.lost
+    with pytest.raises(LockLostError):
+        earlier.release()
+    later.release()
+
+
 def test_unreachable_server_loses_lock_only_after_ttl(
     redislock_server_factory: Callable[..., RedisServer],
 ) -> None:

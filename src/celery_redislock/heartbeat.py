@@ -219,7 +219,9 @@ class _Lane:
         return self.entries.get(entry.ident) is entry
 
     def stop(self) -> threading.Thread | None:
+        """Drop the registered locks and have the thread end; return the thread."""
         with self.cond:
+            self.entries.clear()
             self.cond.notify()
             return self.thread
 
@@ -526,7 +528,12 @@ class Heartbeat:
         self.rounds += 1
 
     def stop(self, timeout: float | None = 5.0) -> None:
-        """Stop every thread and wait for them; registered locks are no longer renewed."""
+        """Stop every thread and wait for them (at most ``timeout`` seconds each).
+
+        The locks registered now are dropped: they are no longer renewed, even once
+        a later registration starts the threads again, and expire by their TTL.
+        Requests being retried in the background are kept, and resume then.
+        """
         self._stopping = True
         with self._guard:
             lanes = list(self._lanes.values())
