@@ -140,6 +140,20 @@ class TestEngine:
             assert not held(direct, lock.key)
         direct.close()
 
+    def test_a_reply_read_later_than_call_timeout_is_still_read(self, locks: redis.Redis) -> None:
+        """The caller's own work between the write and the read (a slow
+        ``task_prerun`` receiver) does not count against the server: the reply,
+        in long since, is read, not taken for a timeout."""
+        lock = RedisLock(locks, uuid.uuid4().hex, ttl=30, call_timeout=0.3)
+        assert lock.acquire(blocking=False)  # opens the connection
+        lock.release()
+        ahead = lock._send_acquire()
+        assert ahead is not None
+        time.sleep(0.5)
+        assert lock._acquire_sent(ahead)
+        assert hold_count(locks, lock.key) == 1
+        lock.release()
+
     def test_a_stalled_server_costs_one_call_timeout(
         self, redislock_server_factory: Callable[..., RedisServer]
     ) -> None:

@@ -931,7 +931,10 @@ class RedisLock:
         (``min_replicas``), or the store is a cluster (a redirection needs the
         reply). A write that fails is not raised here: it is the answer
         :meth:`_acquire_sent` reads. The whole acquire, tries included, has one
-        ``call_timeout`` from the moment it was written.
+        ``call_timeout`` from the moment it was written, and at least half of one
+        from the moment its reply is read: the caller's own work in between (a
+        worker's, however slow) does not leave it without time to read a reply
+        that came in long since.
         """
         transport = self._router.single
         if transport is None or self.min_replicas:
@@ -952,7 +955,7 @@ class RedisLock:
     def _acquire_sent(self, ahead: SentAcquire) -> bool:
         """``acquire(blocking=False)`` whose first try is ``ahead``, written earlier.
 
-        Its reply is read now. A try that failed is sent again with the same
+        Its reply is read now (by the deadline :meth:`_send_acquire` gives). A try that failed is sent again with the same
         request id, which the script recognises if the first one ran.
 
         Raises:
@@ -961,7 +964,9 @@ class RedisLock:
         self._unconfirmed = None
         acquired = False
         try:
-            deadline = Deadline(ahead.sent + self.call_timeout)
+            deadline = Deadline(
+                max(ahead.sent + self.call_timeout, time.monotonic() + self.call_timeout / 2)
+            )
             reply = ahead.reply(deadline)
             if isinstance(reply, list):
                 ahead.transport.scripts.add(ACQUIRE_SCRIPT.sha)
