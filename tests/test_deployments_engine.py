@@ -48,12 +48,12 @@ from tests.support import fields, wait_for, write_fields
 #: * ``+subscribe`` to wait for a release.
 #:
 #: Nothing else. The engine's connections authenticate with ``AUTH`` (RESP2), which
-#: every user may send, and send no ``HELLO``, ``PING`` or ``SELECT`` — except
-#: ``SELECT`` for a database other than 0, which then needs ``+select``. redis-py
-#: also sends ``CLIENT SETINFO`` (library name and version) on every new connection
-#: and ignores a refusal; on Redis 7.2+ and Valkey each refusal is an entry in
-#: ``ACL LOG``, which ``+client|setinfo`` avoids (Redis 7.0 has no such subcommand).
-#: :func:`refusals` leaves those entries out.
+#: every user may send, and send no ``HELLO``, ``PING``, ``CLIENT SETINFO`` or
+#: ``SELECT`` — except ``SELECT`` for a database other than 0, which then needs
+#: ``+select``. A redis-py client's own connections send ``CLIENT SETINFO`` (library
+#: name and version) and ignore a refusal; on Redis 7.2+ and Valkey each refusal is
+#: an entry in ``ACL LOG``, which ``+client|setinfo`` avoids (Redis 7.0 has no such
+#: subcommand). :func:`refusals` leaves those entries out.
 MINIMAL_ACL: tuple[str, ...] = (
     "~redislock:*",
     "&redislock:*",

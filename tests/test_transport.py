@@ -18,6 +18,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_redislock import transport as transport_module
+from celery_redislock.server import RedisServer
 from celery_redislock.transport import (
     Deadline,
     Transport,
@@ -26,6 +27,7 @@ from celery_redislock.transport import (
     run,
     transport_for,
 )
+from tests.proxy import FaultProxy
 from tests.support import wait_until
 
 
@@ -102,7 +104,7 @@ def test_replies_larger_than_one_read(redislock_client: redis.Redis) -> None:
 @contextmanager
 def fake_server(marker: bytes, then: Callable[[socket.socket], object]) -> Iterator[Transport]:
     """A transport to a fake server on a free port: it answers the connection's
-    handshake (``CLIENT SETINFO ...``) with OK to each command until a read holds
+    handshake, if any, with OK to each command until a read holds
     ``marker``, then calls ``then`` with the connection and closes it."""
     listener = socket.create_server(("127.0.0.1", 0))
     client = redis.Redis(host="127.0.0.1", port=listener.getsockname()[1], protocol=2)
@@ -149,6 +151,42 @@ def test_a_write_the_server_does_not_take_is_bounded_by_the_deadline() -> None:
             assert transport._idle == []
         finally:
             done.set()
+
+
+def test_a_new_connection_sends_only_what_the_request_needs(
+    redislock_server: RedisServer,
+) -> None:
+    """A transport's new connection sends no CLIENT SETINFO (two round trips, for a
+    label): a request on a database other than 0 costs the server a SELECT and the
+    request, and no error reply (a server older than 7.2 refuses CLIENT SETINFO)."""
+    admin = redislock_server.client()
+    client = redislock_server.client(db=1)
+    try:
+        admin.config_resetstat()
+        assert Transport(client).execute([("PING",)], Deadline.after(5)) == [b"PONG"]
+        calls = {name: stats["calls"] for name, stats in admin.info("commandstats").items()}
+        # CONFIG RESETSTAT counts itself.
+        assert calls == {"cmdstat_config|resetstat": 1, "cmdstat_select": 1, "cmdstat_ping": 1}
+        assert admin.info("stats")["total_error_replies"] == 0
+    finally:
+        client.close()
+        admin.close()
+
+
+def test_the_handshake_as_a_whole_ends_by_the_deadline(redislock_server: RedisServer) -> None:
+    """Each command of a connection's handshake waits only for what is left of the
+    deadline, not for all of it again: with two handshake commands (CLIENT SETNAME,
+    SELECT) of 0.6 s round trips each, a connection due within 1 s times out
+    instead of being handed over late; given time, the same handshake succeeds."""
+    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+        client = redis.Redis(host=proxy.host, port=proxy.port, db=1, client_name="handshake")
+        transport = Transport(client)
+        proxy.set_latency(0.3)
+        with pytest.raises(RedisTimeoutError):
+            transport.connection(Deadline.after(1.0))
+        conn = transport.connection(Deadline.after(30))
+        conn.disconnect()
+        client.close()
 
 
 class _SystemCalls:

@@ -22,6 +22,7 @@ through :func:`backend_errors`, the one place where they are translated.
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import logging
 import os
 import socket
@@ -123,7 +124,10 @@ TIMEOUT_SLACK = 1 / 64
 
 #: Connection settings a transport always sets itself: its own timeouts per
 #: call, no retries inside redis-py (they would resend requests behind our
-#: back), RESP2 replies as bytes.
+#: back), RESP2 replies as bytes, and no ``CLIENT SETINFO`` (library name and
+#: version) in the handshake: two round trips on every new connection, for a
+#: label. redis-py 7.1 and later take ``driver_info=None`` for that, earlier
+#: ones ``lib_name=None, lib_version=None`` (deprecated later).
 _OVERRIDES: dict[str, Any] = {
     "retry_on_timeout": False,
     "retry_on_error": [],
@@ -131,6 +135,11 @@ _OVERRIDES: dict[str, Any] = {
     "decode_responses": False,
     "protocol": 2,
     "socket_keepalive": True,
+    **(
+        {"driver_info": None}
+        if importlib.util.find_spec("redis.driver_info") is not None
+        else {"lib_name": None, "lib_version": None}
+    ),
 }
 
 
@@ -144,9 +153,14 @@ class Transport:
 
     def __init__(self, client: redis.Redis) -> None:
         pool = client.connection_pool
-        self.connection_class: type[Any] = pool.connection_class
-        # Server push notifications (RESP3 only) are the client's business.
-        kwargs = {k: v for k, v in pool.connection_kwargs.items() if "maint_notifications" not in k}
+        self.connection_class: type[Any] = _bounded_handshake(pool.connection_class)
+        # Server push notifications (RESP3 only) are the client's business; the
+        # client's library name and version are given up with CLIENT SETINFO.
+        kwargs = {
+            k: v
+            for k, v in pool.connection_kwargs.items()
+            if "maint_notifications" not in k and k not in ("lib_name", "lib_version")
+        }
         kwargs.update(_OVERRIDES, retry=Retry(NoBackoff(), 0))
         self._kwargs = kwargs
         self._idle: list[Any] = []
@@ -308,10 +322,15 @@ class Transport:
         remaining = deadline.remaining()
         if remaining <= 0:
             raise RedisTimeoutError(f"no time left to connect to {self.describe()}")
-        # Both bound the TCP connect and the handshake (HELLO/AUTH/SELECT) reads.
+        # The TCP connect (and a TLS handshake) gets the time left; each command of
+        # the handshake (AUTH, SELECT, ...) what is left of it when it goes.
         conn.socket_connect_timeout = remaining
         conn.socket_timeout = remaining
-        conn.connect()
+        conn.handshake_deadline = deadline
+        try:
+            conn.connect()
+        finally:
+            conn.handshake_deadline = None
 
     def _checkout(self, deadline: Deadline, settle: bool = True) -> _Link:
         """An idle connection (or a new one); with ``settle``, the replies it owes
@@ -370,6 +389,45 @@ class Transport:
             owed = self._owed.pop(link, None)
         for _count, handler, _sent in owed or ():
             _hand_over(handler, error)
+
+
+class _BoundedHandshake:
+    """Mixed into the connection class of a transport (see :func:`_bounded_handshake`).
+
+    redis-py sends the commands of a connection's handshake (``AUTH``,
+    ``CLIENT SETNAME``, ``SELECT``, a cluster replica's ``READONLY``) one after
+    another, each waiting for its reply with the connection's socket timeout. While
+    :attr:`handshake_deadline` is set (by :meth:`Transport._connect`), each gets
+    the time left to it instead, so the handshake as a whole ends by the deadline.
+    """
+
+    #: The deadline of the connect under way (``None`` after it).
+    handshake_deadline: Deadline | None = None
+
+    def send_command(self, *args: Any, **kwargs: Any) -> None:
+        deadline = self.handshake_deadline
+        if deadline is not None:
+            remaining = deadline.remaining()
+            if remaining <= 0:
+                raise RedisTimeoutError(f"no time left for the handshake ({args[0]})")
+            sock = getattr(self, "_sock", None)
+            if sock is not None:
+                sock.settimeout(remaining)
+        cast(Any, super()).send_command(*args, **kwargs)
+
+
+_bounded_classes: dict[type[Any], type[Any]] = {}
+
+
+def _bounded_handshake(connection_class: type[Any]) -> type[Any]:
+    """``connection_class`` with :class:`_BoundedHandshake` mixed in (one per class)."""
+    bounded = _bounded_classes.get(connection_class)
+    if bounded is None:
+        name = f"Bounded{connection_class.__name__}"
+        bounded = _bounded_classes.setdefault(
+            connection_class, type(name, (_BoundedHandshake, connection_class), {})
+        )
+    return bounded
 
 
 #: What each socket operation of :meth:`_Link.io` does, for its error messages.
