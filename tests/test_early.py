@@ -395,3 +395,19 @@ def test_threads_written_ahead_at_once_still_exclude(crowded: Celery, locks: red
     assert outcomes.count(True) == 10
     assert int(locks.get(f"{event}:sold") or 0) == 10
     locks.delete(f"{event}:sold")
+
+
+def test_a_task_the_tracer_skips_gives_its_lock_back(app: Celery, locks: redis.Redis) -> None:
+    """The tracer may end a task as a success without calling it (a redelivered task
+    already done, with ``worker_deduplicate_successful_tasks``): the hold written
+    ahead is given back as the success is recorded."""
+    task = app.tasks["early.plain"]
+    name = uuid.uuid4().hex
+    request = Request(TaskMessage(task.name, args=(name,)), app=app, task=task)
+    request.on_accepted(os.getpid(), time.monotonic())
+    task_ready(request)
+    key = lock_keys(task.lock_name((name,), {})).lock
+    assert wait_until(lambda: held(locks, key))
+    request.on_success((False, None, 0.0))
+    assert threading.get_ident() not in _written_ahead
+    assert wait_until(lambda: not held(locks, key))

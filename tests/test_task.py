@@ -217,6 +217,16 @@ def define_tasks(app: Celery) -> SimpleNamespace:
             return "stopped"
         return "not stopped"
 
+    @app.task(base=SingletonTask, shared=False, bind=True, name="t.recurse", lock_key="one")
+    def recurse(self: Any, depth: int) -> Any:
+        if depth == 0:
+            return "inner"
+        stored = redis.Redis.from_url(app.conf.redislock_url)
+        key = f"redislock:{{{self.lock.key}}}"
+        before = stored.get(key)
+        inner = recurse(depth - 1)  # a plain function call, inside the locked execution
+        return [inner, before == stored.get(key), self.lock.lost]
+
     @app.task(base=SingletonTask, shared=False, name="t.add")
     def add(x: int, y: int) -> int:
         record("add", (x, y))
@@ -229,7 +239,7 @@ def define_tasks(app: Celery) -> SimpleNamespace:
 
     return SimpleNamespace(**{t.__name__: t for t in [
         hold, hold_raise, hold_wait, short_wait, hold_retry, retry_exhausted, self_retry,
-        until_executed, until_executing, ends, lose, add, plain_hold,
+        until_executed, until_executing, ends, lose, add, plain_hold, recurse,
     ]})  # fmt: skip
 
 
@@ -449,6 +459,30 @@ class TestEnqueueStrategies:
         gate(f"{name}:0").set()
         assert first.get(timeout=TIMEOUT) == 0
 
+    def test_a_task_id_with_a_colon_takes_its_own_lock_over(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """The execution of a message sent with an id of its own that has a colon in
+        it (``report:42``) takes over the lock sent with it, runs, and frees it."""
+        name = unique("colon")
+        result = tasks.until_executed.apply_async((name,), task_id=f"report:{uuid.uuid4()}")
+        gate(f"{name}:0").set()
+        assert result.get(timeout=TIMEOUT) == 0
+
+    def test_retry_keeps_the_options_of_its_call(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """``self.retry()`` sends the task again with the lock options of its call: the
+        lock taken for the retry has the call's ``enqueue_ttl``, not the task's."""
+        name = unique("ueo")
+        first = tasks.until_executed.apply_async((name, 2.0), lock_options={"enqueue_ttl": 100})
+        gate(f"{name}:0").set()
+        wait_for(lambda: first.state == "RETRY", what="the retry")
+        key = f"redislock:{{{tasks.until_executed.lock_name((name, 2.0), {})}}}"
+        assert 0 < locks.pttl(key) <= 102_000
+        gate(f"{name}:1").set()
+        assert first.get(timeout=TIMEOUT) == 1
+
     def test_send_task_by_name_still_locks_at_execution(
         self, app: Celery, tasks: SimpleNamespace, locks: redis.Redis
     ) -> None:
@@ -575,6 +609,14 @@ class TestEager:
     def test_direct_call_is_plain(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
         """Calling the task object directly runs the function without a lock."""
         assert tasks.add(2, 3) == 5
+
+    @pytest.mark.usefixtures("worker")
+    def test_a_task_calling_itself_in_its_body_is_a_plain_call(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """Inside the body, calling the task object is a plain function call too: it
+        neither takes the lock (the same name here) nor frees the one the body holds."""
+        assert tasks.recurse.delay(1).get(timeout=TIMEOUT) == ["inner", True, False]
 
 
 class TestRedisTrouble:

@@ -131,6 +131,22 @@ def test_contention_history(env: tuple[Any, redis.Redis, Callable[..., Worker]])
     assert waiter_queues(client) == []
 
 
+def test_prefork_child_reads_its_last_release_before_it_exits(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """A pool child that exits right after its task (``worker_max_tasks_per_child``)
+    reads the answer of the release it wrote without waiting before it goes:
+    ``lock_released`` is sent from it."""
+    mod, client, launch = env
+    launch("exit", concurrency=1, REDISLOCK_TEST_MAX_TASKS_PER_CHILD="1")
+    result = mod.queued_once.delay("child-exit")
+    result.get(timeout=60)
+    wait_for(lambda: records(client, "released"), what="lock_released from the child")
+    [released] = records(client, "released")
+    assert (released["task_id"], released["outcome"]) == (result.id, "released")
+    assert lock_keys(client) == []
+
+
 def test_killed_worker_lock_expires(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
     """SIGKILL mid-task: the heartbeat dies with the process and the TTL frees the lock."""
     mod, client, launch = env

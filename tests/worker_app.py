@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from celery_redislock import SingletonTask
+from celery_redislock import SingletonTask, signals
 from tests.support import make_app
 
 URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6379/0")
@@ -31,12 +31,20 @@ app.conf.update(
 )
 if os.environ.get("REDISLOCK_TEST_LOCK_URL"):
     app.conf.redislock_url = os.environ["REDISLOCK_TEST_LOCK_URL"]
+if os.environ.get("REDISLOCK_TEST_MAX_TASKS_PER_CHILD"):
+    app.conf.worker_max_tasks_per_child = int(os.environ["REDISLOCK_TEST_MAX_TASKS_PER_CHILD"])
 store = redis.Redis.from_url(URL)
 
 
 def log(kind: str, **fields: Any) -> None:
     """Append one JSON record to the ``log:<kind>`` list."""
     store.rpush(f"log:{kind}", json.dumps(fields))
+
+
+@signals.lock_released.connect
+def log_release(sender: Any, task_id: str, outcome: str, **_: Any) -> None:
+    """Record every ``lock_released`` under ``log:released``, with the process it came from."""
+    log("released", task_id=task_id, outcome=outcome, pid=os.getpid())
 
 
 # shared=False on every task: a test process that imports this module (again, as

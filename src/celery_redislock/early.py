@@ -54,6 +54,12 @@ class Request(_CeleryRequest):  # type: ignore[misc]
             self._give_back()
             raise
 
+    def on_success(self, failed__retval__runtime: Any, **kwargs: Any) -> None:
+        # The tracer may end a task without calling it and without a failure
+        # (worker_deduplicate_successful_tasks skips a redelivered one).
+        self._give_back()
+        super().on_success(failed__retval__runtime, **kwargs)
+
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
     ) -> None:

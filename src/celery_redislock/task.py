@@ -104,7 +104,7 @@ from celery_redislock.store import (
     lock_store,
     store_url,
 )
-from celery_redislock.transport import Client
+from celery_redislock.transport import Client, flush
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +148,10 @@ _OVERRIDES_HEADER = "redislock_options"
 
 #: ``apply_async`` option that re-queues without taking the enqueue-time lock.
 _NO_ENQUEUE_LOCK = "redislock_no_enqueue_lock"
+
+#: Request attribute set once an execution has entered its locked path: a call of
+#: the task from its own body then runs as a plain function call.
+_ENTERED = "redislock_entered"
 
 
 def queued_owner(task_id: str) -> str:
@@ -726,9 +730,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         return builder(args, kwargs)
 
     def _new_lock(
-        self, key: str, owner: str, ttl: float, heartbeat: bool, opts: LockOptions
+        self, key: str, task_id: str, owner: str, ttl: float, heartbeat: bool, opts: LockOptions
     ) -> RedisLock:
-        task_id = owner.split(":", 1)[0]
+        """A lock of ``key`` held for the task ``task_id`` (its lease) by ``owner``."""
         return RedisLock(
             self.lock_client,
             key,
@@ -814,6 +818,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         """
         skip_lock = options.pop(_NO_ENQUEUE_LOCK, False)
         overrides = options.pop(CALL_OPTIONS, None)
+        if overrides is None:
+            # Sent again by self.retry(): the overrides travel in its headers.
+            overrides = (options.get("headers") or {}).get(_OVERRIDES_HEADER)
         opts = self.options_for_call(overrides)
         if overrides:
             # The worker applies them too: they travel with the message.
@@ -825,7 +832,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         key = self.lock_name(args, kwargs)
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
         lock = self._new_lock(
-            key, queued_owner(task_id), opts.enqueue_ttl + delay, heartbeat=False, opts=opts
+            key,
+            task_id,
+            queued_owner(task_id),
+            opts.enqueue_ttl + delay,
+            heartbeat=False,
+            opts=opts,
         )
         try:
             acquired = lock.acquire(blocking=False)
@@ -858,9 +870,11 @@ class SingletonTask(Task):  # type: ignore[misc]
     # Execution side.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
-        if request.called_directly:
-            # A plain function call, outside any worker or apply(): no lock.
+        if request.called_directly or getattr(request, _ENTERED, False):
+            # A plain function call: outside any worker or apply(), or the task
+            # calling itself from its own body (still that execution's request).
             return super().__call__(*args, **kwargs)
+        setattr(request, _ENTERED, True)
         return self._run_locked(request, args, kwargs)
 
     def _execution_lock(self, key: str, task_id: str, opts: LockOptions, request: Any) -> RedisLock:
@@ -1183,6 +1197,17 @@ def _metrics_at_worker_start(sender: Any = None, **_: Any) -> None:
         metrics.enable()
 
 
+def _flush_at_child_exit(**_: Any) -> None:
+    """Read the answers a prefork pool child still owes (the releases it wrote
+    without waiting) before it exits: it ends with ``os._exit``, which skips the
+    ``atexit`` hook that does it in other processes."""
+    try:
+        flush()
+    except Exception as exc:  # a signal handler must not break the worker
+        logger.warning("could not read the last answers of the lock store: %s", exc)
+
+
+celery_signals.worker_process_shutdown.connect(_flush_at_child_exit, weak=False)
 celery_signals.worker_init.connect(_metrics_at_worker_start, weak=False)
 celery_signals.worker_process_init.connect(_metrics_at_worker_start, weak=False)
 
