@@ -7,6 +7,7 @@ lacking a permission is told (and that nothing is written)."""
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoPermissionError
+from redis.sentinel import Sentinel
 
 from celery_redislock import LockBackendError, LockLostError, RedisLock
 from celery_redislock.client import get_client
@@ -505,6 +507,32 @@ def test_cluster_locks_keep_working_after_a_primary_fails(
         renewed = get_heartbeat().held()
         assert not [lock for lock in (held, fresh, other) if lock in renewed]
     finally:
+        client.close()
+
+
+# Sentinel: a Sentinel that does not answer.
+
+
+def test_sentinel_that_never_answers_holds_up_no_call(
+    redislock_sentinel: SentinelDeployment,
+) -> None:
+    """A Sentinel that takes connections and never answers, first in the list and
+    with no timeout of its own (redis-py would wait for it for ever), gets only a
+    share of the call's deadline: the next Sentinel names the primary and the lock
+    is taken and released."""
+    stalled = socket.create_server(("127.0.0.1", 0))  # it never accepts a connection
+    hosts = [stalled.getsockname()[:2], *redislock_sentinel.sentinel_hosts]
+    sentinel = Sentinel(hosts, sentinel_kwargs={"socket_timeout": None})  # type: ignore[no-untyped-call]
+    client: redis.Redis = sentinel.master_for(redislock_sentinel.master_name)  # type: ignore[no-untyped-call]
+    lock = RedisLock(client, "sentinel:stalled-first", ttl=30, call_timeout=3.0, heartbeat=False)
+    thread, outcome = in_thread(lambda: lock.acquire(blocking=False))
+    try:
+        wait_for(lambda: "ended" in outcome, timeout=30, what="the acquire to return")
+        assert outcome.get("result") is True, outcome.get("error")
+        lock.release()
+    finally:
+        stalled.close()
+        thread.join(5)
         client.close()
 
 

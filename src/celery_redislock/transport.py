@@ -52,6 +52,7 @@ from redis.exceptions import (
     TimeoutError as RedisTimeoutError,
 )
 from redis.retry import Retry
+from redis.sentinel import MasterNotFoundError, SentinelManagedConnection
 
 from celery_redislock.errors import LockBackendError
 
@@ -328,7 +329,11 @@ class Transport:
         conn.socket_timeout = remaining
         conn.handshake_deadline = deadline
         try:
-            conn.connect()
+            if isinstance(conn, SentinelManagedConnection) and conn.connection_pool.is_master:
+                # redis-py would ask the Sentinels with their own timeouts and retries.
+                conn.connect_to(_discover_master(conn.connection_pool, deadline))  # type: ignore[no-untyped-call]
+            else:
+                conn.connect()
         finally:
             conn.handshake_deadline = None
 
@@ -389,6 +394,80 @@ class Transport:
             owed = self._owed.pop(link, None)
         for _count, handler, _sent in owed or ():
             _hand_over(handler, error)
+
+
+def _discover_master(pool: Any, deadline: Deadline) -> tuple[str, int]:
+    """The address of the primary that the Sentinels of ``pool`` (a Sentinel
+    connection pool) name, asked over connections of transports of their own, by
+    ``deadline``.
+
+    The Sentinels are asked in turn, as redis-py does, and the first to name a
+    primary in good standing (``Sentinel.check_master_state``) goes to the front of
+    the list. Each gets an even share of the time left, with one share kept for
+    connecting to the primary: one that does not answer cannot take it all.
+
+    Raises:
+        redis.TimeoutError: the deadline passed first.
+        redis.sentinel.MasterNotFoundError: no Sentinel named a primary in good
+            standing (a connection error: the request may be sent again).
+    """
+    manager = pool.sentinel_manager
+    service = pool.service_name
+    sentinels = list(manager.sentinels)
+    errors: list[str] = []
+    for number, sentinel in enumerate(sentinels):
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            break
+        share = Deadline.after(remaining / (len(sentinels) - number + 1))
+        transport = transport_for(sentinel)
+        try:
+            # What redis-py asks (a Sentinel's ACL may allow just that).
+            (reply,) = transport.execute([("SENTINEL", "MASTERS")], share)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            errors.append(f"{transport.describe()}: {exc}")
+            continue
+        if not isinstance(reply, list):
+            errors.append(f"{transport.describe()}: {reply}")
+            continue
+        states = (_sentinel_state(item) for item in reply if isinstance(item, list))
+        state = next((state for state in states if state and state["name"] == service), None)
+        if state is None or not manager.check_master_state(state, service):
+            continue
+        # Put this Sentinel at the front, as redis-py does.
+        at = next((i for i, known in enumerate(manager.sentinels) if known is sentinel), 0)
+        if at:
+            manager.sentinels[0], manager.sentinels[at] = sentinel, manager.sentinels[0]
+        forced = getattr(manager, "_force_master_ip", None)
+        return (forced if forced is not None else state["ip"]), state["port"]
+    if deadline.expired():
+        raise RedisTimeoutError(f"no Sentinel named the primary of {service!r} in time")
+    raise MasterNotFoundError(
+        f"No master found for {service!r}" + (f": {'; '.join(errors)}" if errors else "")
+    )
+
+
+def _sentinel_state(reply: list[Any]) -> dict[str, Any] | None:
+    """What ``Sentinel.check_master_state`` reads of one primary's state in a
+    ``SENTINEL MASTERS`` reply (a flat list of names and values), with its name and
+    address; ``None`` if malformed."""
+    try:
+        fields = {
+            bytes(reply[i]).decode(): bytes(reply[i + 1]).decode()
+            for i in range(0, len(reply) - 1, 2)
+        }
+        flags = set(fields["flags"].split(","))
+        return {
+            "name": fields["name"],
+            "ip": fields["ip"],
+            "port": int(fields["port"]),
+            "is_master": "master" in flags,
+            "is_sdown": "s_down" in flags,
+            "is_odown": "o_down" in flags,
+            "num-other-sentinels": int(fields["num-other-sentinels"]),
+        }
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 class _BoundedHandshake:
