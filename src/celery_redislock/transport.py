@@ -127,8 +127,8 @@ TIMEOUT_SLACK = 1 / 64
 #: call, no retries inside redis-py (they would resend requests behind our
 #: back), RESP2 replies as bytes, and no ``CLIENT SETINFO`` (library name and
 #: version) in the handshake: two round trips on every new connection, for a
-#: label. redis-py 7.1 and later take ``driver_info=None`` for that, earlier
-#: ones ``lib_name=None, lib_version=None`` (deprecated later).
+#: label. A redis-py that knows ``driver_info`` takes ``driver_info=None`` for
+#: that, an earlier one ``lib_name=None, lib_version=None`` (deprecated since).
 _OVERRIDES: dict[str, Any] = {
     "retry_on_timeout": False,
     "retry_on_error": [],
