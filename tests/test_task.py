@@ -227,6 +227,10 @@ def define_tasks(app: Celery) -> SimpleNamespace:
         inner = recurse(depth - 1)  # a plain function call, inside the locked execution
         return [inner, before == stored.get(key), self.lock.lost]
 
+    @app.task(shared=False, name="t.note_error")
+    def note_error(request: Any, exc: Any, traceback: Any) -> None:
+        record("note_error", request.id)
+
     @app.task(base=SingletonTask, shared=False, name="t.add")
     def add(x: int, y: int) -> int:
         record("add", (x, y))
@@ -239,7 +243,7 @@ def define_tasks(app: Celery) -> SimpleNamespace:
 
     return SimpleNamespace(**{t.__name__: t for t in [
         hold, hold_raise, hold_wait, short_wait, hold_retry, retry_exhausted, self_retry,
-        until_executed, until_executing, ends, lose, add, plain_hold, recurse,
+        until_executed, until_executing, ends, lose, add, plain_hold, recurse, note_error,
     ]})  # fmt: skip
 
 
@@ -459,6 +463,34 @@ class TestEnqueueStrategies:
         gate(f"{name}:0").set()
         assert first.get(timeout=TIMEOUT) == 0
 
+    def test_a_group_of_queued_duplicates_resolves(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """A group waits for each member's own id: a member whose key is held is sent
+        all the same and meets on_conflict as it starts, so the group resolves."""
+        name = unique("ueg")
+        result = group(tasks.until_executed.s(name), tasks.until_executed.s(name)).apply_async()
+        wait_for(lambda: running("until_executed", name))
+        wait_for(lambda: any(is_skipped(r.result) for r in result.results), what="the skip")
+        gate(f"{name}:0").set()
+        outcomes = result.get(timeout=TIMEOUT)
+        assert sorted(outcomes, key=is_skipped)[0] == 0
+        assert is_skipped(outcomes[0]) != is_skipped(outcomes[1])
+
+    def test_a_chain_whose_first_step_is_queued_already_fails(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """A chain's step whose key is held is sent all the same: skipped as it starts, it
+        fails the chain (TaskSkippedError) instead of leaving it waiting for ever."""
+        name = unique("uec")
+        first = tasks.until_executed.delay(name)
+        wait_for(lambda: running("until_executed", name))
+        result = chain(tasks.until_executed.si(name), tasks.add.si(1, 2)).apply_async()
+        with pytest.raises(TaskSkippedError):
+            result.get(timeout=TIMEOUT)
+        gate(f"{name}:0").set()
+        assert first.get(timeout=TIMEOUT) == 0
+
     def test_a_task_id_with_a_colon_takes_its_own_lock_over(
         self, tasks: SimpleNamespace, locks: redis.Redis
     ) -> None:
@@ -545,6 +577,23 @@ class TestWorkflows:
         gate(name).set()
         first.get(timeout=TIMEOUT)
         assert excinfo.value.holder == first.id
+
+    def test_skip_as_a_chains_last_step_with_error_callbacks_fails(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """A duplicate skipped as a chain's last step, with error callbacks, fails with
+        TaskSkippedError, and the error callbacks run."""
+        name = unique("last")
+        first = tasks.hold.delay(name)
+        wait_for(lambda: running("hold", name))
+        result = chain(tasks.add.s(1, 2), tasks.hold.si(name)).apply_async(
+            link_error=tasks.note_error.s()
+        )
+        with pytest.raises(TaskSkippedError):
+            result.get(timeout=TIMEOUT)
+        wait_for(lambda: result.id in runs("note_error"), what="the error callback")
+        gate(name).set()
+        first.get(timeout=TIMEOUT)
 
     def test_skip_inside_chord_fails_the_chord(
         self, tasks: SimpleNamespace, locks: redis.Redis

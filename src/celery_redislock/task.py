@@ -326,6 +326,13 @@ def take_written_ahead(task_id: str) -> _Ahead | None:
     return _written_ahead.pop(me, None)
 
 
+def _in_workflow(options: Mapping[str, Any]) -> bool:
+    """Whether ``apply_async``'s ``options`` send one step of a workflow: a chain's
+    (the steps after it travel with it), a group's or chord's member, or a task
+    with callbacks."""
+    return any(options.get(name) for name in ("chain", "chord", "group_id", "link", "link_error"))
+
+
 def skipped_result(name: str, holder: str | None) -> dict[str, Any]:
     """The result a duplicate returns with ``on_conflict="skip"``: the lock name as
     ``lock_name`` (and as ``lock_key``, its older spelling) and the holder's task id."""
@@ -850,6 +857,17 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise
         if not acquired:
             holder = lock.blocked_by
+            if opts.on_duplicate == "return" and _in_workflow(options):
+                # A workflow waits for this message's own id (a group's member, a
+                # chain's next step): sent all the same, it meets on_conflict as
+                # it starts, which lets the workflow go on or fail visibly.
+                logger.info(
+                    "%s: duplicate of %s sent as part of a workflow (lock %s)",
+                    self.name,
+                    holder,
+                    key,
+                )
+                return super().apply_async(args, kwargs, task_id, **options)
             logger.info("%s: duplicate of %s not enqueued (lock %s)", self.name, holder, key)
             _send(signals.lock_conflict, self, key, task_id=task_id, holder=holder, action="dedup")
             if opts.on_duplicate == "raise":
@@ -1152,9 +1170,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                 countdown=countdown,
                 **{_NO_ENQUEUE_LOCK: True},
             )
-        if request.callbacks or request.chain or request.chord:
+        if request.callbacks or request.errbacks or request.chain or request.chord:
             logger.info(
-                "%s[%s] skipped inside a chain/chord: lock %s held by %s",
+                "%s[%s] skipped inside a workflow: lock %s held by %s",
                 self.name,
                 request.id,
                 key,
@@ -1164,7 +1182,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 key,
                 holder,
                 f"lock {key!r} is held by task {holder!r}: this duplicate was skipped, "
-                "so the rest of its chain/chord does not run",
+                "so what follows it (its chain, chord or callbacks) does not run",
             )
         logger.info("%s[%s] skipped: lock %s held by %s", self.name, request.id, key, holder)
         return skipped_result(key, holder)
