@@ -16,12 +16,12 @@ import redis
 from celery_redislock import LockBackendError, LockLostError, RedisLock
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import lock_keys, release_lease, wake_channel_prefix
-from celery_redislock.scripts import ACQUIRE, EXTEND, RELEASE
+from celery_redislock.scripts import ACQUIRE, EXTEND, FENCE_FIELD, RELEASE
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import pack, transport_for
 from celery_redislock.wakeups import hub_for
 from tests.proxy import FaultProxy
-from tests.support import acquire_in_thread, held, wait_for, wait_until
+from tests.support import acquire_in_thread, field, held, wait_for, wait_until
 from tests.support import hold_count as stored_hold_count
 
 
@@ -329,9 +329,10 @@ def test_unconfirmed_acquire_is_undone(
     proxy.drop_replies()
     with pytest.raises(LockBackendError):
         lock.acquire(blocking=False)
-    assert held(direct, lock.key)  # it did land
     proxy.heal()
     wait_for(lambda: not held(direct, lock.key), what="the undo of the unconfirmed acquire")
+    # It did land: the free key keeps the fencing token it handed out.
+    assert field(direct, lock.key, FENCE_FIELD)
     client.close()
 
 

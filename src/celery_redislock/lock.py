@@ -974,6 +974,12 @@ class RedisLock:
                 return acquired
             if isinstance(reply, _AMBIGUOUS) and ahead.written:
                 self._unconfirmed = ahead.sent
+            if isinstance(reply, RedisTimeoutError) and deadline.remaining() < MIN_CALL:
+                # The server did not answer in the time the call had: what is left
+                # of it is no time for another try.
+                raise LockBackendError(
+                    f"could not acquire lock {self.name!r}: {describe_error(reply)}"
+                ) from reply
             # Not run (NOSCRIPT: the server lost its scripts), not known to
             # have run, or an error the usual round trip reports or follows.
             acquired = self._try_acquire(deadline, ahead.request)
