@@ -106,14 +106,30 @@ SCALARS = st.one_of(
 
 #: Dict keys. kombu decodes a dict whose keys are exactly ``__type__`` and
 #: ``__value__`` as a typed value, whatever the sender meant: keep clear of that.
-DICT_KEYS = st.text(max_size=8).filter(lambda k: not k.startswith("__"))
+#: JSON sends the others as text (``1`` as ``"1"``).
+DICT_KEYS = st.one_of(
+    st.text(max_size=8).filter(lambda k: not k.startswith("__")),
+    st.integers(),
+    st.floats(),
+    st.booleans(),
+    st.none(),
+)
+
+
+def dictionaries(values: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[Any, Any]]:
+    """Dicts of :data:`DICT_KEYS` that JSON can carry whole: no two keys with the
+    same text (``1`` and ``"1"`` would arrive as one)."""
+    return st.dictionaries(DICT_KEYS, values, max_size=4).filter(
+        lambda d: len(json_round_trip(dict.fromkeys(d, 0))) == len(d)
+    )
+
 
 JSON_VALUES = st.recursive(
     SCALARS,
     lambda children: st.one_of(
         st.lists(children, max_size=4),
         st.lists(children, max_size=4).map(tuple),
-        st.dictionaries(DICT_KEYS, children, max_size=4),
+        dictionaries(children),
     ),
     max_leaves=16,
 )
@@ -124,7 +140,7 @@ PICKLE_VALUES = st.recursive(
     lambda children: st.one_of(
         st.lists(children, max_size=4),
         st.lists(children, max_size=4).map(tuple),
-        st.dictionaries(DICT_KEYS, children, max_size=4),
+        dictionaries(children),
         st.sets(SCALARS, max_size=4),
         st.frozensets(SCALARS, max_size=4),
     ),
@@ -923,3 +939,14 @@ def test_cpythons_own_sha256_is_preferred_and_hashlibs_is_the_fallback() -> None
         assert _sha256 is not hashlib.sha256
     assert _sha256_from(("no_such_module_here", "math")) is hashlib.sha256
     assert _sha256_from(("hashlib",)) is hashlib.sha256
+
+
+def test_mapping_keys_are_taken_as_json_sends_them() -> None:
+    """JSON object keys are text: a number, boolean or None key arrives as the text JSON
+    writes for it, so the key derived where the task is sent (``{1: "a"}``) is the one
+    derived where it runs (``{"1": "a"}``)."""
+    for sent in ({1: "a"}, {1.5: "a"}, {True: "a"}, {None: "a"}, {float("inf"): "a"}):
+        assert canonical(sent) == canonical(json_round_trip(sent))
+    assert canonical({1: "a"}) == canonical({"1": "a"})
+    assert canonical({1: "a"}) != canonical({1.0: "a"})
+    assert canonical({"1": "a"}) != canonical({"1": 1})

@@ -10,7 +10,9 @@ written in a canonical, type-tagged, length-prefixed form and hashed:
   its length);
 * the form survives a message round trip: a tuple sent arrives as a list, so
   both encode as a list, and a string's surrogate pair as its code point; an
-  int/float Enum member encodes as its number; dict order does not matter;
+  int/float Enum member encodes as its number; a mapping's number, boolean and
+  ``None`` keys encode as the text JSON makes of them (``{1: x}`` arrives as
+  ``{"1": x}``); dict order does not matter;
 * UUID, Decimal, datetime/date/time, bytes, sets and nested containers are
   supported; anything else raises :class:`~celery_redislock.errors.KeyDerivationError`.
 
@@ -25,6 +27,7 @@ import decimal
 import hashlib
 import importlib
 import inspect
+import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -171,11 +174,35 @@ def _canonical(value: Any, path: set[int]) -> bytes:
 def _container(value: Any, path: set[int]) -> bytes:
     """The canonical form of a mapping, set, list or tuple."""
     if isinstance(value, Mapping):
-        items = sorted(_canonical(k, path) + _canonical(v, path) for k, v in value.items())
+        items = sorted(
+            _canonical(_as_json_key(k), path) + _canonical(v, path) for k, v in value.items()
+        )
         return _frame(b"d", b"".join(items))
     if isinstance(value, set | frozenset):
         return _frame(b"e", b"".join(sorted(_canonical(v, path) for v in value)))
     return _frame(b"l", b"".join(_canonical(v, path) for v in value))
+
+
+def _as_json_key(key: Any) -> Any:
+    """A mapping key as a JSON message carries it: JSON object keys are text, so
+    a number, a boolean or ``None`` arrives as the text :mod:`json` writes for it
+    (``1`` as ``"1"``, ``True`` as ``"true"``). Any other key is left as it is (a
+    JSON message cannot carry it at all; pickle carries it unchanged)."""
+    if isinstance(key, str):
+        return key
+    if key is None:
+        return "null"
+    if isinstance(key, bool):
+        return "true" if key else "false"
+    if isinstance(key, int):
+        return int.__repr__(key)
+    if isinstance(key, float):
+        if key != key:
+            return "NaN"
+        if key in (math.inf, -math.inf):
+            return "Infinity" if key > 0 else "-Infinity"
+        return float.__repr__(key)
+    return key
 
 
 def digest(material: Any) -> str:
