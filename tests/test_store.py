@@ -243,6 +243,20 @@ def test_sentinel_url_with_transport_options(redislock_sentinel: SentinelDeploym
     close_app(app)
 
 
+def test_task_sentinel_lock_url_with_transport_options(
+    redislock_sentinel: SentinelDeployment,
+) -> None:
+    """A task's own lock_url = sentinel://… takes redislock_transport_options too."""
+    app = make(
+        "sentinel-task-url", redislock_transport_options=redislock_sentinel.transport_options
+    )
+    job = job_of(app, lock_url=redislock_sentinel.sentinel_url)
+    token, held = job.apply((uuid.uuid4().hex,)).get()
+    assert isinstance(token, int)
+    assert held
+    close_app(app)
+
+
 def test_sentinel_url_without_master_name_says_what_to_set(
     redislock_sentinel: SentinelDeployment,
 ) -> None:

@@ -11,7 +11,8 @@ defining its tasks, or between uses, works; the first of these that is set wins:
 2. ``app.conf.redislock_url`` (``redis://``, ``rediss://``, ``unix://`` or
    ``sentinel://``), with ``app.conf.redislock_transport_options`` for Sentinel
    (``master_name``, ``sentinel_kwargs``, as Celery's
-   ``broker_transport_options``);
+   ``broker_transport_options``; they serve a task's own ``sentinel://``
+   ``lock_url`` too);
 3. the broker URL, when it is one of those, with ``broker_transport_options``.
 """
 
@@ -101,6 +102,11 @@ def lock_store(app: Any, url: str | None = None) -> Client:
         TypeError, ValueError: the configuration names no usable lock store.
     """
     if url is not None:
+        if url.startswith("sentinel://"):
+            options = app.conf.get("redislock_transport_options")
+            return get_client(
+                url, check_transport_options(options, "app.conf.redislock_transport_options")
+            )
         return get_client(url)
     known, settings = _resolved.get(app), _settings(app)
     # The very same values as when it was resolved (compared by identity).
