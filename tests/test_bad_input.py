@@ -389,3 +389,22 @@ def test_bad_input_is_rejected(env: Env, run: Run, error: type[Exception], culpr
         run(env)
     assert culprit in str(excinfo.value)
     assert keyspace(env.client) == before
+
+
+@pytest.mark.parametrize(
+    ("run", "expiry"),
+    [
+        pytest.param(task_with(lock_ttl=-1), True, id="lock_ttl"),
+        pytest.param(task_with(lock_enqueue_ttl=math.inf), True, id="lock_enqueue_ttl"),
+        pytest.param(task_with(lock_wait=-1), False, id="lock_wait"),
+        pytest.param(task_with(lock_retry_delay=math.inf), False, id="lock_retry_delay"),
+    ],
+)
+def test_a_duration_out_of_range_says_why_only_for_a_lifetime(
+    env: Env, run: Run, expiry: bool
+) -> None:
+    """Only a lock's lifetime is refused for the reason that a lock that never expires
+    is never freed; a wait or a delay out of range is just out of range."""
+    with pytest.raises(ValueError, match="from") as excinfo:
+        run(env)
+    assert ("never freed after a crash" in str(excinfo.value)) is expiry

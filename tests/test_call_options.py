@@ -134,3 +134,15 @@ def test_bad_per_call_options_raise_at_send(
     with pytest.raises(error) as excinfo:
         app.tasks["co.report"].apply_async(("x",), lock_options=overrides)
     assert named in str(excinfo.value)
+
+
+def test_per_call_options_apply_to_apply(app: Celery) -> None:
+    """``apply()`` takes ``lock_options`` too: the task runs here with them, and a bad
+    one raises, naming it."""
+    name = uuid.uuid4().hex
+    gate(name).set()
+    report = app.tasks["co.report"]
+    result = report.apply((name,), lock_options={"ttl": 7.5, "on_conflict": "raise"})
+    assert result.get() == {"ttl": 7.5, "on_conflict": "raise"}
+    with pytest.raises(ValueError, match=r"lock_options\['ttl'\]"):
+        report.apply((name,), lock_options={"ttl": -1})

@@ -59,9 +59,27 @@ def test_acquired_and_released(app: Celery, sent: list[tuple[str, dict[str, Any]
     assert acquired["token"] == result.get()
     assert acquired["task_id"] == result.id
     assert acquired["name"] == released["name"] == job.lock_name((), {})
-    assert acquired["waited"] >= 0
+    assert acquired["waited"] == 0.0  # free at once
     assert released["held"] >= 0
     assert released["outcome"] == "released"
+
+
+def test_acquired_after_a_wait_reports_how_long_it_waited(
+    app: Celery, redislock_client: redis.Redis, sent: list[tuple[str, dict[str, Any]]]
+) -> None:
+    """A task that waited for its lock reports the wait, from the moment it found the
+    lock held to the moment it took it."""
+
+    @app.task(base=SingletonTask, shared=False, on_conflict="wait", lock_wait=10)
+    def job() -> None: ...
+
+    holder = RedisLock(redislock_client, job.lock_name((), {}), ttl=30, lease="holder-id")
+    assert holder.acquire()
+    threading.Timer(0.3, holder.release).start()
+    job.apply().get()
+    acquired = [kw for name, kw in sent if name == "lock_acquired"]
+    assert len(acquired) == 1
+    assert acquired[0]["waited"] > 0
 
 
 def test_released_reports_a_lost_lock(

@@ -139,8 +139,9 @@ ReleaseOutcome = Literal["released", "lost", "failed", "retrying"]
 _AMBIGUOUS = (RedisConnectionError, RedisTimeoutError)
 
 
-def check_ttl(value: object, argument: str = "ttl") -> float:
-    """Return ``value`` as a number of seconds Redis can store, or raise naming ``argument``.
+def check_ttl(value: object, argument: str = "ttl", expiry: bool = True) -> float:
+    """Return ``value`` as a number of seconds Redis can store, or raise naming ``argument``
+    (``expiry``: the value is a lock's lifetime, and the message says why it is bounded).
 
     Raises:
         TypeError: not a number.
@@ -149,10 +150,10 @@ def check_ttl(value: object, argument: str = "ttl") -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{argument} must be a number of seconds, not {type(value).__name__}")
     if not MIN_TTL <= value <= MAX_SECONDS:
+        why = "; a lock that never expires is never freed after a crash" if expiry else ""
         raise ValueError(
             f"{argument} must be a finite number of seconds from {MIN_TTL} to "
-            f"{MAX_SECONDS:.0f} (about 10 years), got {value!r}; a lock that never "
-            "expires is never freed after a crash"
+            f"{MAX_SECONDS:.0f} (about 10 years), got {value!r}{why}"
         )
     return float(value)
 

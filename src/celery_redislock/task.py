@@ -440,7 +440,7 @@ def _check_option(option: _Option, value: object, source: str) -> object:
         if value < 0:
             raise ValueError(f"{source} must be >= 0, got {value}")
         return value
-    return check_ttl(value, source)
+    return check_ttl(value, source, expiry=option.field in ("ttl", "enqueue_ttl"))
 
 
 def resolve_options(task_class: type[SingletonTask], app: Any) -> LockOptions:
@@ -885,6 +885,24 @@ class SingletonTask(Task):  # type: ignore[misc]
                 logger.warning("could not free %s after a failed send: %s", key, exc)
             raise
 
+    def apply(
+        self,
+        args: Iterable[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        *more: Any,
+        **options: Any,
+    ) -> Any:
+        """Run the task here and now (Celery's ``apply``), locked as in a worker.
+
+        ``lock_options={...}`` overrides lock options for this call, as with
+        :meth:`apply_async`; a bad one raises here, naming it.
+        """
+        overrides = options.pop(CALL_OPTIONS, None)
+        if overrides:
+            self.options_for_call(overrides)
+            options["headers"] = {**(options.get("headers") or {}), _OVERRIDES_HEADER: overrides}
+        return super().apply(args, kwargs, *more, **options)
+
     # Execution side.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
@@ -1011,7 +1029,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             if waiting:
                 self._waited(lock, key, request, opts, waiting[0], acquired)
             elif not acquired:
-                outcome = self._conflict(lock, key, request, opts)
+                outcome = self._conflict(lock, key, request, opts, waiting)
                 if outcome is not None:
                     return outcome
             request.redislock = LockHandle(key, lock, opts)
@@ -1023,7 +1041,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     key,
                     task_id=task_id,
                     token=lock.token,
-                    waited=taken - asked,
+                    waited=taken - waiting[0] if waiting else 0.0,
                 )
             return self.run(*args, **kwargs)
         except Retry:
@@ -1135,11 +1153,15 @@ class SingletonTask(Task):  # type: ignore[misc]
             f"lock {key!r} is still held by task {holder!r} after waiting {opts.wait:g} s",
         )
 
-    def _conflict(self, lock: RedisLock, key: str, request: Any, opts: LockOptions) -> Any:
-        """Handle a held lock; return a result to end the task, or ``None`` once acquired."""
+    def _conflict(
+        self, lock: RedisLock, key: str, request: Any, opts: LockOptions, waiting: list[float]
+    ) -> Any:
+        """Handle a held lock; return a result to end the task, or ``None`` once acquired
+        (after waiting for it: when the wait began is added to ``waiting``)."""
         mode = opts.on_conflict
         if mode == "wait":
             started = self._wait_begins(lock, key, request, opts)
+            waiting.append(started)
             self._waited(
                 lock, key, request, opts, started, lock.acquire(blocking=True, timeout=opts.wait)
             )
