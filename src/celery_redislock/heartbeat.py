@@ -76,7 +76,9 @@ class Renewable(Protocol):
 
     def _renewed(self, sent: float) -> None: ...
 
-    def _mark_lost(self) -> None: ...
+    def _mark_lost(self) -> bool: ...
+
+    def _report_lost(self) -> None: ...
 
     def _expires_at(self) -> float: ...
 
@@ -402,12 +404,16 @@ class _Lane:
 
     def _lose(self, lock: Renewable, entry: _Entry | None) -> None:
         with self.cond:
-            registered = entry is not None and self._is_current(entry)
-            if registered:
+            # Marked lost together with its registration's removal: the same
+            # object taking the lock again registers anew only before (this
+            # verdict is then not for it) or after (its new hold clears the mark).
+            lost = entry is not None and self._is_current(entry)
+            if lost:
                 del self.entries[id(lock)]
-        if registered:
+                lost = lock._mark_lost()
+        if lost:
             try:
-                lock._mark_lost()
+                lock._report_lost()
             except Exception:
                 # A failing on_lost callback must not cut the round short for the
                 # other locks (or kill the thread).

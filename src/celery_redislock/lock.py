@@ -540,11 +540,17 @@ class RedisLock:
     def _redirected(self, exc: BaseException) -> bool:
         return self._router.redirected(exc)
 
-    def _mark_lost(self) -> None:
+    def _mark_lost(self) -> bool:
+        """Mark the current hold lost; return whether there was one not yet known to
+        be lost (then :meth:`_report_lost` is due)."""
         with self._state:
             if self._lost or self._holds == 0:
-                return
+                return False
             self._lost = True
+        return True
+
+    def _report_lost(self) -> None:
+        """Tell ``on_lost`` (from the heartbeat thread) that the lock was lost."""
         if self.on_lost is not None:
             self.on_lost(self)
 
