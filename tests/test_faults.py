@@ -195,6 +195,31 @@ def test_retried_inner_release_drops_one_hold(
     rival.release()
 
 
+def test_inner_release_sent_again_after_the_holder_reentered_drops_one_hold(
+    proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """An inner release whose answer was lost is sent again in the background; if the
+    holder takes the lock once more before it lands, it still drops one hold, not two."""
+    lock = RedisLock(proxy.url, "inner-again", ttl=30, call_timeout=1)
+    assert lock.acquire()
+    lock.release()  # the server now has both scripts
+    assert lock.acquire()
+    assert lock.acquire()
+    proxy.drop_replies(1)
+    proxy.refuse()
+    with pytest.raises(LockBackendError, match="retried in the background"):
+        lock.release()  # it landed: one hold left on the server
+    assert hold_count(direct, lock) == 1
+    proxy.heal()
+    assert lock.acquire()  # two holds again, on both sides
+    time.sleep(1.5)  # the background retry has landed by now
+    assert hold_count(direct, lock) == 2
+    lock.release()
+    assert held(direct, lock.key)
+    lock.release()
+    assert not held(direct, lock.key)
+
+
 def test_retried_final_release_reports_success(
     proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
 ) -> None:

@@ -362,6 +362,11 @@ class RedisLock:
     # likely queued still, so its release reads the lock before it writes (see
     # scripts.RELEASE, ARGV[8]).
     _waited = False
+    # The request id of the last change this object made to its hold, as the
+    # server records it (None: not known): the release of an inner hold acts
+    # only if it still is, so that one sent again after the holder re-entered
+    # the lock does not drop a second hold (see scripts.RELEASE, ARGV[5]).
+    _last_change: str | None = None
     # The heartbeat lane renewing the current hold, if any.
     _lane: _Lane | None = None
 
@@ -660,15 +665,23 @@ class RedisLock:
             LockLostError: this object held it, but it expired or was taken over.
             LockBackendError: Redis could not be reached; see above.
         """
+        request = request_id()
+        inner = self._holds > 1
         args: tuple[Any, ...] = (
             self.owner,
             self.wake_prefix,
-            request_id(),
+            request,
             self._free_ttl_ms(),
-            "",
+            # An inner hold's release acts only on the hold as this object last
+            # changed it: sent again after it re-entered, it drops no second hold.
+            (self._last_change or "") if inner else "",
             "" if self.token is None else self.token,
             self._released or "",
         )
+        if inner:
+            # Counted as landed from now on, whatever its answer (one that did not
+            # land is sent again in the background, with the same arguments).
+            self._last_change = request
         if self._waited:
             # Others are likely queued still: read the lock before writing it.
             args = (*args, "read")
@@ -898,9 +911,9 @@ class RedisLock:
         self._unconfirmed = None
         if wait and reply.outcome is Acquired.TAKEN:
             self._check_replicas(raw[1], request)
-        return self._record(reply, sent)
+        return self._record(reply, sent, request)
 
-    def _record(self, reply: AcquireReply, sent: float) -> bool:
+    def _record(self, reply: AcquireReply, sent: float, request: str) -> bool:
         """Keep what an acquire sent at ``sent`` found: the hold it made (registered
         with the heartbeat), or who holds the lock instead; return whether it holds."""
         if reply.outcome is Acquired.HELD:
@@ -921,6 +934,7 @@ class RedisLock:
             self.token = reply.fence
             self._lost = False
             self._expiry = sent + self.ttl
+            self._last_change = request
         # A new hold (TAKEN) is registered even if this object still counted
         # holds from a lock it lost, and so is a hold re-entered after the
         # heartbeat found it lost (the server still had it): losing it took it
@@ -977,7 +991,7 @@ class RedisLock:
             reply = ahead.reply(deadline)
             if isinstance(reply, list):
                 ahead.transport.scripts.add(ACQUIRE_SCRIPT.sha)
-                acquired = self._record(AcquireReply.parse(reply), ahead.sent)
+                acquired = self._record(AcquireReply.parse(reply), ahead.sent, ahead.request)
                 return acquired
             if isinstance(reply, _AMBIGUOUS) and ahead.written:
                 self._unconfirmed = ahead.sent
@@ -1155,6 +1169,8 @@ class RedisLock:
             self._lost = False
             self._expiry = self._tried + granted
             self._waited = True
+            # The release that handed it over made the last change.
+            self._last_change = None
         # Renewed (to the full TTL) when a third of the grant has gone, as a lock
         # with the grant's TTL would be.
         self._lane = self._beat().register(self, max(0.0, self._tried + granted / 3 - now))

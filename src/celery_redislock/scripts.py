@@ -577,8 +577,9 @@ def _freeing(body: str, first: str = "") -> str:
 #: ARGV[1] owner token; ARGV[2] the wake channel prefix (``<prefix>:wake:``);
 #: ARGV[3] request id; ARGV[4] how long the free value keeps the fence, in ms, or
 #: "0" to leave its expiry (the lock's own) as it is: the caller knows enough of
-#: it is left; ARGV[5] "" or the request id of the acquire this release undoes
-#: (then it acts only if that acquire was the last change to the hold);
+#: it is left; ARGV[5] "" or the request id of the last change to the hold the
+#: caller knows of (the acquire this release undoes, or the last request of the
+#: holder of an inner hold): it then acts only if that still is the last change;
 #: ARGV[6] optionally, the fencing token of the hold ("" or absent: unknown): a
 #: hold of this owner with another token is a later one, which it leaves alone;
 #: ARGV[7] optionally, the releases the lock remembered as it was taken (what
