@@ -271,6 +271,19 @@ def test_lost_when_taken_over(client: redis.Redis, private_heartbeat: Heartbeat)
     new.release()
 
 
+def test_extend_to_less_than_the_ttl_brings_the_next_renewal_forward(
+    client: redis.Redis, private_heartbeat: Heartbeat
+) -> None:
+    """A lock extended to less than its TTL is renewed before that runs out: the
+    heartbeat's next renewal, due a third of the TTL later, does not come too late."""
+    lock = RedisLock(client, "shortened", ttl=3, _heartbeat=private_heartbeat)
+    assert lock.acquire()
+    lock.extend(0.5)
+    assert stays_true(lambda: lock.owned() and not lock.lost, 1.5)
+    assert client.pttl(lock.key) > 1000  # renewed to the lock's own TTL
+    lock.release()
+
+
 def test_reacquired_after_loss_is_renewed_again(
     client: redis.Redis, private_heartbeat: Heartbeat
 ) -> None:

@@ -790,6 +790,10 @@ class RedisLock:
     def extend(self, ttl: float | None = None) -> None:
         """Reset the remaining TTL to ``ttl`` seconds (default: the lock's TTL).
 
+        With the heartbeat on, it goes on renewing the lock to its own TTL, the
+        next time before ``ttl`` runs out: a shorter ``ttl`` brings the next
+        renewal forward, and a longer one lasts until the next renewal.
+
         Raises:
             LockNotOwnedError: this owner does not hold the lock.
             LockLostError: this object held it, but it expired or was taken over.
@@ -807,6 +811,9 @@ class RedisLock:
             raise LockNotOwnedError(self.name)
         with self._state:
             self._expiry = sent + new_ttl
+        if self.heartbeat and new_ttl < self.ttl:
+            # Registered anew, due before the shorter TTL runs out.
+            self._lane = self._beat().register(self, new_ttl / 3)
 
     def locked(self) -> bool:
         """Whether any owner holds the lock now."""
