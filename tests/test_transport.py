@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from celery_redislock import RedisLock
 from celery_redislock import transport as transport_module
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import (
@@ -28,7 +31,7 @@ from celery_redislock.transport import (
     transport_for,
 )
 from tests.proxy import FaultProxy
-from tests.support import wait_until
+from tests.support import in_forked_child, wait_until
 
 
 def test_every_reply_shape(redislock_client: redis.Redis) -> None:
@@ -430,3 +433,28 @@ def test_pack_refuses_what_the_engine_never_sends(value: object) -> None:
     """A bool, float, None or other object is a bug, not something to guess at."""
     with pytest.raises(TypeError, match="cannot send"):
         pack([("SET", "k", value)])
+
+
+FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
+
+
+def _take_and_free(lock: RedisLock, conn: Connection) -> None:
+    taken = lock.acquire(blocking=False)
+    lock.release()
+    conn.send("taken" if taken else "not taken")
+    conn.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork()")
+@pytest.mark.filterwarnings(FORK_WARNING)
+def test_a_transport_busy_as_the_process_forks_works_in_the_child(
+    redislock_server: RedisServer,
+) -> None:
+    """A lock made before a fork works in the child even if its transport was in use
+    by another thread of the parent at the moment of the fork (its lock held then):
+    the child has its own."""
+    lock = RedisLock(redislock_server.url, uuid.uuid4().hex, ttl=30, heartbeat=False)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    with lock.transport._guard:
+        assert in_forked_child(_take_and_free, lock) == "taken"

@@ -170,6 +170,7 @@ class Transport:
         self._owed: dict[Any, list[tuple[int, ReplyHandler, int]]] = {}
         self._guard = threading.Lock()
         self._pid = os.getpid()
+        _every_transport.add(self)
         #: Requests written to the server (round trips started), for tests and benchmarks.
         self.sends = 0
         #: Digests of the scripts this server has run for us (cached there).
@@ -833,6 +834,7 @@ class Router:
         # The slot map's refresh under way, or the last one (see redirected()).
         self._refresh: _SlotRefresh | None = None
         self._refresh_guard = threading.Lock()
+        _every_router.add(self)
 
     @property
     def client(self) -> Client:
@@ -1023,11 +1025,24 @@ def flush(timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
 atexit.register(flush)
 
 
+#: Every transport and router of this process, so that a forked child can make
+#: their locks anew: another thread of the parent may have held one as it forked
+#: (the child has no such thread to release it), and an object made before the
+#: fork (a lock's router, and its transport) stays reachable in the child.
+_every_transport: weakref.WeakSet[Transport] = weakref.WeakSet()
+_every_router: weakref.WeakSet[Router] = weakref.WeakSet()
+
+
 def _forget_after_fork() -> None:
     global _transports_guard
     _transports.clear()
     _routers.clear()
     _transports_guard = threading.Lock()
+    for transport in list(_every_transport):
+        transport._guard = threading.Lock()
+    for router in list(_every_router):
+        # A refresh under way in the parent has no thread here to end it.
+        router._refresh, router._refresh_guard = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
