@@ -195,6 +195,21 @@ def define_tasks(app: Celery) -> SimpleNamespace:
         gate(name).wait(TIMEOUT)
         return "done"
 
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        bind=True,
+        name="t.until_executing_retry",
+        lock_strategy="until_executing",
+        max_retries=1,
+    )
+    def until_executing_retry(self: Any, name: str) -> int:
+        record("until_executing_retry", (name, self.request.retries))
+        gate(f"{name}:{self.request.retries}").wait(TIMEOUT)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.2)
+        return int(self.request.retries)
+
     @app.task(base=SingletonTask, shared=False, bind=True, name="t.ends")
     def ends(self: Any, how: str) -> str:
         if how == "ignore":
@@ -244,6 +259,7 @@ def define_tasks(app: Celery) -> SimpleNamespace:
     return SimpleNamespace(**{t.__name__: t for t in [
         hold, hold_raise, hold_wait, short_wait, hold_retry, retry_exhausted, self_retry,
         until_executed, until_executing, ends, lose, add, plain_hold, recurse, note_error,
+        until_executing_retry,
     ]})  # fmt: skip
 
 
@@ -490,6 +506,34 @@ class TestEnqueueStrategies:
             result.get(timeout=TIMEOUT)
         gate(f"{name}:0").set()
         assert first.get(timeout=TIMEOUT) == 0
+
+    def test_an_until_executing_group_of_duplicates_runs_each(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """An until_executing member whose key is held is sent all the same and runs:
+        its lock is released as it starts."""
+        name = unique("uingg")
+        result = group(tasks.until_executing.s(name), tasks.until_executing.s(name)).apply_async()
+        wait_for(lambda: runs("until_executing").count(name) == 2, what="both members")
+        gate(name).set()
+        assert result.get(timeout=TIMEOUT) == ["done", "done"]
+
+    def test_until_executing_retry_behind_a_pending_copy_is_sent(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """The retry of a running until_executing task is sent even if another copy is
+        pending meanwhile (its key held): the retried task still ends, not in RETRY
+        for ever."""
+        name = unique("uingr")
+        task = tasks.until_executing_retry
+        first = task.delay(name)
+        wait_for(lambda: (name, 0) in runs("until_executing_retry"), what="the first run")
+        pending = task.apply_async((name,), countdown=3)
+        assert pending.id != first.id
+        gate(f"{name}:0").set()
+        gate(f"{name}:1").set()
+        assert first.get(timeout=TIMEOUT) == 1
+        assert pending.get(timeout=TIMEOUT) is not None
 
     def test_a_task_id_with_a_colon_takes_its_own_lock_over(
         self, tasks: SimpleNamespace, locks: redis.Redis

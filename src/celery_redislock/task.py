@@ -857,12 +857,14 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise
         if not acquired:
             holder = lock.blocked_by
-            if opts.on_duplicate == "return" and _in_workflow(options):
-                # A workflow waits for this message's own id (a group's member, a
-                # chain's next step): sent all the same, it meets on_conflict as
-                # it starts, which lets the workflow go on or fail visibly.
+            if opts.on_duplicate == "return" and (
+                _in_workflow(options) or self._own_retry(task_id)
+            ):
+                # Somebody waits for this message's own id: a workflow (a group's
+                # member, a chain's next step), or the caller of the task that
+                # retries. Sent all the same, it meets on_conflict as it starts.
                 logger.info(
-                    "%s: duplicate of %s sent as part of a workflow (lock %s)",
+                    "%s: duplicate of %s sent as a workflow step or a retry (lock %s)",
                     self.name,
                     holder,
                     key,
@@ -902,6 +904,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             self.options_for_call(overrides)
             options["headers"] = {**(options.get("headers") or {}), _OVERRIDES_HEADER: overrides}
         return super().apply(args, kwargs, *more, **options)
+
+    def _own_retry(self, task_id: str) -> bool:
+        """Whether sending ``task_id`` is ``self.retry()`` of the running execution."""
+        request = self.request
+        return not request.called_directly and request.id == task_id
 
     # Execution side.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
