@@ -639,6 +639,19 @@ class TestWorkflows:
         gate(name).set()
         first.get(timeout=TIMEOUT)
 
+    def test_skip_as_a_chains_last_step_without_callbacks_resolves(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """A duplicate skipped as a chain's last step, with nothing attached, resolves
+        as skipped like a task on its own: the chain's result is the marker."""
+        name = unique("lastplain")
+        first = tasks.hold.delay(name)
+        wait_for(lambda: running("hold", name))
+        result = chain(tasks.add.s(1, 2), tasks.hold.si(name)).apply_async()
+        assert is_skipped(result.get(timeout=TIMEOUT))
+        gate(name).set()
+        first.get(timeout=TIMEOUT)
+
     def test_skip_inside_chord_fails_the_chord(
         self, tasks: SimpleNamespace, locks: redis.Redis
     ) -> None:
