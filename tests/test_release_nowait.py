@@ -3,6 +3,7 @@ keeps every promise a waited-for release makes."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from celery_redislock import LockNotOwnedError, RedisLock, SingletonTask
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.server import RedisServer
 from celery_redislock.testing import run_worker
-from celery_redislock.transport import transport_for
+from celery_redislock.transport import Deadline, transport_for
 from tests.proxy import FaultProxy
 from tests.support import close_app, held, make_app, wait_for
 
@@ -215,3 +216,30 @@ def test_answer_is_read_before_a_normal_exit(redislock_server: RedisServer) -> N
         [sys.executable, "-c", child], check=True, timeout=60, capture_output=True, text=True
     )
     assert "outcome: released" in done.stdout
+
+
+def test_a_handler_raising_system_exit_leaves_the_next_answers_handed_over(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """Two releases whose answers are owed on one connection: the first's handler
+    raises SystemExit as the answers are read; the second's still gets its answer."""
+    client = redislock_server_factory().client()
+    transport = transport_for(client)
+    outcomes: list[str] = []
+
+    def leave(outcome: str) -> None:
+        raise SystemExit(f"leaving on {outcome}")
+
+    first, second = (
+        RedisLock(client, "exit:first", ttl=30),
+        RedisLock(client, "exit:second", ttl=30),
+    )
+    assert first.acquire(blocking=False)
+    assert second.acquire(blocking=False)
+    first.release(wait=False, then=leave)
+    second.release(wait=False, then=outcomes.append)
+    with contextlib.suppress(SystemExit):
+        transport.drain(Deadline.after(5))
+    wait_for(lambda: outcomes == ["released"], what="the second release's answer")
+    assert not transport.owes_replies()
+    client.close()

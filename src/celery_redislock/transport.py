@@ -22,6 +22,7 @@ through :func:`backend_errors`, the one place where they are translated.
 from __future__ import annotations
 
 import atexit
+import collections
 import importlib.util
 import logging
 import os
@@ -289,7 +290,11 @@ class Transport:
             ]
             self._idle = [link for link in self._idle if link not in owing]
         for link in owing:
-            self._checkin(link, self._settle(link, deadline) is None)
+            healthy = False
+            try:
+                healthy = self._settle(link, deadline) is None
+            finally:
+                self._checkin(link, healthy)
         return len(owing)
 
     def reset(self) -> None:
@@ -372,22 +377,45 @@ class Transport:
 
     def _settle(self, link: _Link, deadline: Deadline) -> RedisError | None:
         """Read the replies owed on ``link`` and hand them over; the error that broke
-        it, if it broke (it is then closed)."""
+        it, if it broke (it is then closed).
+
+        Every handler gets its answer. One that raises ``SystemExit`` or
+        ``KeyboardInterrupt`` has it raised again once the others have theirs; a
+        read interrupted by an exception raised asynchronously (a soft time
+        limit) leaves the link closed, and the handlers not yet called get a
+        connection error (a release then goes again in the background).
+        """
         with self._guard:
             owed = self._owed.pop(link, None)
         if not owed:
             return None
         broken: RedisError | None = None
-        for count, handler, _sent in owed:
-            result: list[Any] | RedisError
-            if broken is None:
+        raised: BaseException | None = None
+        left = collections.deque(owed)
+        try:
+            while left:
+                count, handler, _sent = left[0]
+                result: list[Any] | RedisError
+                if broken is None:
+                    try:
+                        result = link.read(count, deadline, self, ready=True)
+                    except RedisError as exc:
+                        broken = result = exc
+                else:
+                    result = broken
+                left.popleft()
                 try:
-                    result = link.read(count, deadline, self, ready=True)
-                except RedisError as exc:
-                    broken = result = exc
-            else:
-                result = broken
-            _hand_over(handler, result)
+                    _hand_over(handler, result)
+                except BaseException as exc:
+                    raised = raised or exc
+        finally:
+            if left:
+                link.close()
+                error = RedisConnectionError("interrupted before its reply was read")
+                for _count, handler, _sent in left:
+                    _hand_over(handler, error)
+        if raised is not None:
+            raise raised
         return broken
 
     def _fail_owed(self, link: _Link, error: RedisError) -> None:
