@@ -679,8 +679,8 @@ class RedisLock:
             self._released or "",
         )
         if inner:
-            # Counted as landed from now on, whatever its answer (one that did not
-            # land is sent again in the background, with the same arguments).
+            # Counted as landed from now on (the next inner release may follow
+            # before this one's answer is read); unknown again if it fails.
             self._last_change = request
         if self._waited:
             # Others are likely queued still: read the lock before writing it.
@@ -765,6 +765,8 @@ class RedisLock:
                         self.name,
                     )
                 outcome = "lost"
+            if outcome != "released" and self._last_change == args[2]:
+                self._last_change = None
             if then is not None:
                 then(outcome)
 
@@ -983,8 +985,9 @@ class RedisLock:
     def _acquire_sent(self, ahead: SentAcquire) -> bool:
         """``acquire(blocking=False)`` whose first try is ``ahead``, written earlier.
 
-        Its reply is read now (by the deadline :meth:`_send_acquire` gives). A try that failed is sent again with the same
-        request id, which the script recognises if the first one ran.
+        Its reply is read now (by the deadline :meth:`_send_acquire` gives). A try
+        that failed is sent again with the same request id, which the script
+        recognises if the first one ran.
 
         Raises:
             LockBackendError: as :meth:`acquire`.
@@ -1045,6 +1048,8 @@ class RedisLock:
         does not know it holds it.
         """
         self._unconfirmed = None
+        # If it lands, it makes a change this object does not know the id of.
+        self._last_change = None
         self._beat().retry_in_background(
             self,
             Call(
@@ -1208,6 +1213,8 @@ class RedisLock:
         or may land later (no answer, no script, a replica answering after a
         failover), is retried in the background; one the server refused (an ACL,
         a key of another kind) would only be refused again."""
+        # Whether it landed is not known.
+        self._last_change = None
         with self._state:
             self._holds = max(0, self._holds - 1)
             last = self._holds == 0
