@@ -458,3 +458,24 @@ def test_a_transport_busy_as_the_process_forks_works_in_the_child(
     lock.release()
     with lock.transport._guard:
         assert in_forked_child(_take_and_free, lock) == "taken"
+
+
+def test_idle_connections_all_closed_by_the_server_cost_one_retry(
+    redislock_server: RedisServer,
+) -> None:
+    """Every idle connection closed by the server (a restart, CLIENT KILL, its idle
+    ``timeout``): the next request finds one closed and goes on a new connection,
+    rather than trying the others one by one until its attempts run out."""
+    client = redislock_server.client()
+    transport = transport_for(client)
+    deadline = Deadline.after(5)
+    links = [transport.write([("PING",)], deadline) for _ in range(transport_module.MAX_IDLE)]
+    for link in links:
+        assert transport.finish(link, 1, deadline) == [b"PONG"]
+    killer = redislock_server.client()
+    assert killer.client_kill_filter(_type="normal", skipme=True) >= transport_module.MAX_IDLE
+    killer.close()
+    lock = RedisLock(client, uuid.uuid4().hex, ttl=30, heartbeat=False)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    client.close()

@@ -307,6 +307,18 @@ class Transport:
             )
             link.close()
 
+    def close_idle(self) -> None:
+        """Close the idle connections that owe no replies. One connection found
+        closed by the server says the others likely are too (a restart, ``CLIENT
+        KILL``, its ``timeout`` for idle clients): the next request then makes a
+        new one rather than try them one by one. Those that owe replies stay, to
+        be read (or to fail) in their turn."""
+        with self._guard:
+            idle = [link for link in self._idle if link not in self._owed]
+            self._idle = [link for link in self._idle if link in self._owed]
+        for link in idle:
+            link.close()
+
     def connection(self, deadline: Deadline) -> Any:
         """A connected connection of this transport's own, for a subscriber.
 
@@ -996,6 +1008,8 @@ def run(
             replies = transport.execute(commands, deadline)
         except TRANSIENT as exc:
             error: RedisError = exc
+            if isinstance(exc, RedisConnectionError):
+                transport.close_idle()
         else:
             for reply in replies:
                 if isinstance(reply, ReadOnlyError):
