@@ -21,6 +21,7 @@ from celery_redislock.server import (
     RedisServer,
     available_server_binaries,
     find_server_binary,
+    free_port,
 )
 
 
@@ -230,3 +231,54 @@ def test_kill_ends_the_server_at_once() -> None:
         assert client.ping()
     finally:
         server.stop()
+
+
+def test_a_taken_fixed_port_fails_clearly(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """Starting on a port another server already listens on fails, naming that
+    server's process, instead of passing off the other server's PING as ours."""
+    other = redislock_server_factory()
+    assert other.process is not None
+    server = RedisServer(port=other.port)
+    with pytest.raises(RuntimeError, match=f"another server \\(process {other.process.pid}\\)"):
+        server.start()
+    assert server.process is None
+    assert no_retry_client(other, 5.0).ping()
+
+
+def test_a_taken_free_port_is_retried_on_another(
+    redislock_server_factory: Callable[..., RedisServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the free port picked is taken by another server before ours binds it,
+    start() tries a new port and ends up with its own process answering there."""
+    other = redislock_server_factory()
+    picks = iter([other.port])
+    real_free_port = free_port
+    monkeypatch.setattr(
+        "celery_redislock.server.free_port", lambda host: next(picks, None) or real_free_port(host)
+    )
+    server = RedisServer().start()
+    try:
+        assert server.port != other.port
+        assert server.process is not None
+        info = no_retry_client(server, 5.0).info("server")
+        assert info["process_id"] == server.process.pid
+    finally:
+        server.stop()
+
+
+def test_restart_onto_a_port_another_server_took_fails_clearly() -> None:
+    """restart() does not take another server on its port for its own: it gives up
+    after its timeout, saying the port is taken."""
+    server = RedisServer().start()
+    port = server.port
+    server.stop()
+    other = RedisServer(port=port).start()
+    try:
+        with pytest.raises(RuntimeError, match="another server"):
+            server.restart(timeout=0.5)
+        assert server.process is None
+        assert server.port == port
+    finally:
+        other.stop()

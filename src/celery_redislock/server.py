@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 from urllib.parse import quote, urlencode
@@ -319,7 +320,8 @@ class RedisServer:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
-            if self._wait_ready():
+            other = self._wait_ready()
+            if other is None:
                 return self
             complaint = self._exit_complaint()
             self._kill()
@@ -331,6 +333,11 @@ class RedisServer:
             raise RuntimeError(
                 f"{self.binary} did not start on {self.host}:{self.port}: it exited "
                 f"saying: {complaint}"
+            )
+        if other:
+            raise RuntimeError(
+                f"{self.binary} did not start on {self.host}:{self.port}: another "
+                f"server (process {other}) already listens there"
             )
         raise RuntimeError(
             f"{self.binary} did not start on {self.host}:{self.port} "
@@ -344,7 +351,15 @@ class RedisServer:
             return ""
         return process.stderr.read(4000).decode(errors="replace").strip()
 
-    def _wait_ready(self) -> bool:
+    def _wait_ready(self) -> int | None:
+        """Wait until our process answers PING; return ``None`` once it does.
+
+        A PING alone does not prove it: if another server already listens on the
+        port, it answers while ours fails to bind and exits. So the answer must
+        come from our process (``INFO server``'s ``process_id``). Returns the
+        other server's process id when one answered instead (this attempt failed:
+        the port is taken), or 0 when ours exited or did not answer in time.
+        """
         deadline = time.monotonic() + self.startup_timeout
         # No retries inside the client: a refused connect is polled again here,
         # and a server that exited is noticed at once.
@@ -355,15 +370,33 @@ class RedisServer:
             while time.monotonic() < deadline:
                 assert self.process is not None
                 if self.process.poll() is not None:
-                    return False
+                    return 0
                 try:
                     if probe.ping():
-                        return True
+                        answered = int(probe.info("server")["process_id"])
+                        return None if self._is_ours(answered) else answered
                 except redis.RedisError:
                     time.sleep(0.02)
-            return False
+            return 0
         finally:
             probe.close()
+
+    def _is_ours(self, pid: int) -> bool:
+        """Whether ``pid`` is the process we started, or (a binary that is a wrapper
+        which forks the server) one of its descendants."""
+        assert self.process is not None
+        seen = 0
+        while pid > 1 and seen < 16:
+            if pid == self.process.pid:
+                return True
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                return False
+            # The command name (field 2) is in parentheses and may hold spaces.
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+            seen += 1
+        return False
 
     def _kill(self) -> None:
         """End the process with SIGTERM (SIGKILL after 5 s) and release what it used."""
