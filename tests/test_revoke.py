@@ -17,10 +17,12 @@ from celery import Celery
 from celery.worker import state as worker_state
 
 from celery_redislock import RedisLock, SingletonTask
+from celery_redislock.deployments import ClusterDeployment
 from celery_redislock.revoke import RevokedLockRelease, find_and_free_queued
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.task import queued_owner
+from celery_redislock.transport import Client
 from tests.support import (
     client_left_clean,
     close_app,
@@ -212,7 +214,7 @@ def test_revoking_a_running_task_keeps_its_lock(
     assert running.get(timeout=TIMEOUT) == "done"
 
 
-def _queued(client: redis.Redis, name: str, task_id: str, prefix: str = "redislock") -> RedisLock:
+def _queued(client: Client, name: str, task_id: str, prefix: str = "redislock") -> RedisLock:
     """Take lock ``name`` the way ``apply_async`` does for the message of ``task_id``."""
     lock = RedisLock(
         client,
@@ -271,3 +273,23 @@ def test_search_is_bounded(
     assert wanted == {"id-missing"}
     assert "gave up" in caplog.text
     assert "id-missing" in caplog.text
+
+
+def test_search_scans_every_primary_of_a_cluster(
+    redislock_cluster: ClusterDeployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a Redis Cluster, the search scans each primary with a cursor of its own: a
+    queued lock is found behind many other keys, on whichever primary holds it."""
+    client = redislock_cluster.client()
+    others = [f"crowd:{n}" for n in range(300)]
+    for key in others:
+        client.set(key, "x")
+    lock = _queued(client, f"t.job:{uuid.uuid4().hex}", "id-clustered")
+    monkeypatch.setattr("celery_redislock.revoke.SCAN_COUNT", 5)
+    wanted = {"id-clustered", "id-unknown"}
+    find_and_free_queued(client, "redislock", wanted)
+    assert wanted == {"id-unknown"}
+    assert not lock.locked()
+    for key in others:
+        client.delete(key)
+    client.close()

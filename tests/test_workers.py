@@ -219,6 +219,25 @@ def test_revoke_terminate_releases(env: tuple[Any, redis.Redis, Callable[..., Wo
     assert not records(client, "sleeper_done")
 
 
+def test_revoke_terminate_with_a_signal_the_task_lives_through_keeps_its_lock(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """A terminate whose signal the pool process lives through (a prefork child
+    ignores SIGINT) leaves the lock to the task, which still runs: it is freed as
+    the task ends, not while it runs."""
+    mod, client, launch = env
+    launch("int", concurrency=1)
+    result = mod.sleeper.delay("i", 3)
+    wait_for(lambda: records(client, "sleeper"), what="the task to start")
+    key = f"redislock:{{{mod.sleeper.lock_name(('i', 3), {})}}}"
+    result.revoke(terminate=True, signal="SIGINT")
+    deadline = time.monotonic() + 30
+    while held(client, key):
+        assert time.monotonic() < deadline, "the lock was never freed"
+        time.sleep(0.05)
+    assert records(client, "sleeper_done"), "freed while its task still ran"
+
+
 def test_warm_shutdown_finishes_and_releases(
     env: tuple[Any, redis.Redis, Callable[..., Worker]],
 ) -> None:

@@ -46,6 +46,7 @@ import redis
 from celery import bootsteps
 from celery.utils.functional import maybe_list
 from celery.worker import state as worker_state
+from redis.cluster import RedisCluster
 
 from celery_redislock.errors import LockNotOwnedError
 from celery_redislock.lock import RedisLock, name_from_key, release_lease
@@ -218,26 +219,24 @@ def find_and_free_queued(client: Client, prefix: str, task_ids: set[str]) -> Non
     when none is left.
     """
     pattern = f"{_glob_escape(prefix)}:{{*}}"
-    cursor = 0
-    for _ in range(MAX_SCAN_CALLS):
-        cursor, keys = client.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
-        if keys:
-            with client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.get(key)
-                rows = pipe.execute(raise_on_error=False)
-            for key, row in zip(keys, rows, strict=True):
-                if isinstance(row, Exception):
-                    continue  # not a lock key
-                fields = decode_lock(row)
-                lease, owner = fields.get(LEASE_FIELD), fields.get(OWNER_FIELD)
-                if lease is None or lease not in task_ids:
-                    continue
-                task_ids.discard(lease)
-                if owner == queued_owner(lease):
-                    free_queued(client, name_from_key(_text(key) or "", prefix), lease, prefix)
-        if not task_ids or cursor == 0:
-            return
+    calls = 0
+    # A Redis Cluster's keys are scanned primary by primary, each with a cursor of
+    # its own (the cluster client's scan() answers for all of them at once).
+    for server in _servers(client):
+        cursor = 0
+        while calls < MAX_SCAN_CALLS:
+            calls += 1
+            cursor, keys = server.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
+            if keys:
+                _free_found(client, server, keys, prefix, task_ids)
+            if not task_ids:
+                return
+            if cursor == 0:
+                break
+        else:
+            break
+    else:
+        return
     logger.warning(
         "gave up looking for the locks of revoked tasks %s under %r after %d SCAN calls; "
         "they free when lock_enqueue_ttl runs out",
@@ -245,6 +244,37 @@ def find_and_free_queued(client: Client, prefix: str, task_ids: set[str]) -> Non
         prefix,
         MAX_SCAN_CALLS,
     )
+
+
+def _servers(client: Client) -> list[redis.Redis]:
+    """The servers whose keyspaces together hold ``client``'s keys: each primary of a
+    Redis Cluster, or the one server."""
+    if isinstance(client, RedisCluster):
+        primaries = client.get_primaries()  # type: ignore[no-untyped-call]
+        return [client.get_redis_connection(node) for node in primaries]
+    return [client]
+
+
+def _free_found(
+    client: Client, server: redis.Redis, keys: list[Any], prefix: str, task_ids: set[str]
+) -> None:
+    """Free those of the lock ``keys`` (found on ``server``) that the messages of
+    ``task_ids`` still own, reading them in one pipelined round trip; drop the ids
+    found from ``task_ids``."""
+    with server.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.get(key)
+        rows = pipe.execute(raise_on_error=False)
+    for key, row in zip(keys, rows, strict=True):
+        if isinstance(row, Exception):
+            continue  # not a lock key
+        fields = decode_lock(row)
+        lease, owner = fields.get(LEASE_FIELD), fields.get(OWNER_FIELD)
+        if lease is None or lease not in task_ids:
+            continue
+        task_ids.discard(lease)
+        if owner == queued_owner(lease):
+            free_queued(client, name_from_key(_text(key) or "", prefix), lease, prefix)
 
 
 def _glob_escape(text: str) -> str:

@@ -54,6 +54,7 @@ import inspect
 import logging
 import os
 import random
+import signal
 import socket
 import threading
 import time
@@ -1217,9 +1218,32 @@ class SingletonTask(Task):  # type: ignore[misc]
         return skipped_result(key, holder)
 
 
-def _release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
-    """Free the lock of a task revoked in the queue or terminated while running."""
+#: Signals whose delivery ends a pool process (``revoke(terminate=True)``'s
+#: default is ``SIGTERM``); a prefork child ignores ``SIGINT``, and ``SIGUSR1``
+#: raises ``SoftTimeLimitExceeded`` in the task, which may go on.
+_ENDING_SIGNALS = frozenset(
+    int(getattr(signal, name))
+    for name in ("SIGKILL", "SIGTERM", "SIGQUIT", "SIGHUP", "SIGABRT")
+    if hasattr(signal, name)
+)
+
+
+def _release_revoked(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    signum: object = None,
+    **_: Any,
+) -> None:
+    """Free the lock of a task revoked in the queue or terminated while running.
+
+    A running task sent a signal its process may live through is left alone: it
+    releases its lock as it ends, or the lock expires by its TTL. (Celery reports a
+    process that did end with the signal's description as text.)
+    """
     if not isinstance(sender, SingletonTask) or request is None or not request.id:
+        return
+    if terminated and isinstance(signum, int) and signum not in _ENDING_SIGNALS:
         return
     try:
         key = sender.lock_name(request.args, request.kwargs)
