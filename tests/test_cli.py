@@ -26,6 +26,7 @@ from celery_redislock.admin import (
     LOCK_SCHEMA,
     SHOW_SCHEMA,
     STATS_SCHEMA,
+    ForceReleased,
     check_pattern,
     clear_locks,
     find_locks,
@@ -37,12 +38,22 @@ from celery_redislock.admin import (
     server_versions,
 )
 from celery_redislock.deployments import ClusterDeployment
+from celery_redislock.ids import request_id
+from celery_redislock.lock import DEFAULT_PREFIX, FENCE_TTL_MS, lock_keys, wake_channel_prefix
+from celery_redislock.scripts import FORCE_RELEASE_SCRIPT
 from celery_redislock.server import RedisServer, free_port
 from celery_redislock.testing import hold_lock, leave_stale_lock, run_worker
 from tests import cli_app
 from tests.support import acquire_in_thread, close_app, make_app, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def command_environment(url: str, **env: str) -> dict[str, str]:
+    """The environment of a ``celery … redislock`` process against the server at
+    ``url``: it imports this checkout's package and tests, whatever is installed."""
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    return dict(os.environ, REDISLOCK_TEST_URL=url, PYTHONPATH=path, **env)
 
 
 def celery(
@@ -54,7 +65,7 @@ def celery(
     **env: str,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``celery [-A app] redislock ARGS`` against the server at ``url``."""
-    environment = dict(os.environ, REDISLOCK_TEST_URL=url, PYTHONPATH=str(ROOT), **env)
+    environment = command_environment(url, **env)
     command = [sys.executable, "-m", "celery", *(["-A", app] if app else []), "redislock", *args]
     return subprocess.run(
         command,
@@ -149,6 +160,63 @@ def test_force_release_hands_the_lock_to_its_next_waiter(locks: redis.Redis) -> 
     assert holder.token is not None
     assert waiter.token == holder.token + 1
     assert waiter.owned()
+    waiter.release()
+    holder.detach()
+
+
+def test_force_release_of_a_listed_hold_leaves_the_next_holder_alone(
+    locks: redis.Redis,
+) -> None:
+    """force_release with the fencing token of the hold that was read frees that hold
+    only: once the lock went to a waiter, it answers CHANGED_HANDS and the waiter keeps
+    it; without a token it frees whatever holds the lock."""
+    first = RedisLock(locks, "d.task:1", ttl=60, lease="task-A")
+    assert first.acquire()
+    listed = read_lock(locks, "d.task:1")
+    assert listed is not None
+    second = RedisLock(locks, "d.task:1", ttl=60, lease="task-B")
+    got, thread = acquire_in_thread(second, 30)
+    wait_for(lambda: locks.zcard(first.queue_key) == 1, what="the waiter to queue")
+    first.release()
+    thread.join(30)
+    assert got == [True]
+    outcome = force_release(locks, "d.task:1", fence=listed.fence)
+    assert outcome is ForceReleased.CHANGED_HANDS
+    assert not outcome
+    second.check()
+    now = read_lock(locks, "d.task:1")
+    assert now is not None
+    assert now.holder == "task-B"
+    assert force_release(locks, "d.task:1", fence=now.fence) is ForceReleased.FREED
+    assert force_release(locks, "d.task:1", fence=now.fence) is ForceReleased.NOT_HELD
+    second.detach()
+
+
+@pytest.mark.parametrize("with_fence", [True, False])
+def test_force_release_sent_again_leaves_the_waiter_it_handed_to_alone(
+    locks: redis.Redis, with_fence: bool
+) -> None:
+    """A FORCE_RELEASE whose reply was lost is sent again with the same request id: the
+    second arrival answers "freed" and does not free the waiter the first handed the
+    lock to (with or without a fencing token)."""
+    holder = RedisLock(locks, "e.task:1", ttl=60)
+    assert holder.acquire()
+    waiter = RedisLock(locks, "e.task:1", ttl=60)
+    got, thread = acquire_in_thread(waiter, 30)
+    wait_for(lambda: locks.zcard(holder.queue_key) == 1, what="the waiter to queue")
+    key, queue = lock_keys("e.task:1", DEFAULT_PREFIX)
+    args: list[str | int] = [
+        str(holder.token) if with_fence else "",
+        wake_channel_prefix(DEFAULT_PREFIX),
+        request_id(),
+        FENCE_TTL_MS,
+    ]
+    script = FORCE_RELEASE_SCRIPT.text
+    assert locks.eval(script, 2, key, queue, *args) == 1
+    thread.join(30)
+    assert got == [True]
+    assert locks.eval(script, 2, key, queue, *args) == 1
+    waiter.check()
     waiter.release()
     holder.detach()
 
@@ -480,6 +548,57 @@ def test_release_refuses_a_running_holder_unless_forced(
     assert f"released {name}: evicted task cliapp.report, holder {running.id}" in forced.stdout
     assert read_lock(locks, name) is None
     finish_report(locks, 10, running)
+
+
+def test_release_leaves_a_lock_that_changed_hands_since_it_was_listed(
+    app: Celery, locks: redis.Redis
+) -> None:
+    """Between the listing (and the question) and the release, one listed lock is
+    handed to its waiter: that waiter was never shown nor checked, so it keeps the
+    lock, the output says the lock changed hands, and the command exits with status
+    3; the other listed lock is released all the same."""
+    url = str(app.conf.redislock_url)
+    first = RedisLock(locks, "moved:1", ttl=60, lease="task-A")
+    other = RedisLock(locks, "moved:2", ttl=60, lease="task-C")
+    assert first.acquire()
+    assert other.acquire()
+    waiter = RedisLock(locks, "moved:1", ttl=60, lease="task-B")
+    got, thread = acquire_in_thread(waiter, 30)
+    wait_for(lambda: locks.zcard(first.queue_key) == 1, what="the waiter to queue")
+    command = [sys.executable, "-m", "celery", "-A", "tests.cli_app", "redislock"]
+    with subprocess.Popen(
+        [*command, "release", "--pattern", "moved:*", "--timeout", "0.2"],
+        cwd=ROOT,
+        env=command_environment(url),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as process:
+        assert process.stdout is not None
+        listed = [process.stdout.readline(), process.stdout.readline()]
+        assert [line.split()[:3] for line in listed] == [
+            ["to", "release:", "moved:1"],
+            ["to", "release:", "moved:2"],
+        ], listed
+        first.release()  # the lock goes to the waiter while the command asks
+        thread.join(30)
+        assert got == [True]
+        out, err = process.communicate("y\n", timeout=60)
+    assert process.returncode == 3, (out, err)
+    assert "not released moved:1: it changed hands since it was listed" in out
+    assert "(now holder task-B; listed: holder task-A, fence" in out
+    assert "evicted" not in out.split("moved:1", 1)[1].split("\n", 1)[0]
+    assert "released moved:2: evicted holder task-C" in out
+    assert "1 lock(s) changed hands since they were listed and were not released" in err
+    waiter.check()
+    info = read_lock(locks, "moved:1")
+    assert info is not None
+    assert info.holder == "task-B"
+    assert read_lock(locks, "moved:2") is None
+    waiter.release()
+    first.detach()
+    other.detach()
 
 
 def test_purge(app: Celery, locks: redis.Redis) -> None:

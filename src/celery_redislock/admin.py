@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Literal, NamedTuple, TypeVar
 
 import redis
@@ -67,6 +68,7 @@ __all__ = [
     "LIST_SCHEMA",
     "SHOW_SCHEMA",
     "STATS_SCHEMA",
+    "ForceReleased",
     "HolderStatus",
     "LockInfo",
     "Store",
@@ -473,21 +475,52 @@ def find_locks(
     return list_locks(client, "*", prefix, holder=name_or_id, timeout=timeout)
 
 
-def force_release(client: Client, name: str, prefix: str = DEFAULT_PREFIX) -> bool:
-    """Free a lock whoever holds it and hand it to its next waiter, if one is queued;
-    return whether it was held.
+class ForceReleased(Enum):
+    """What :func:`force_release` did. Only :attr:`FREED` is true, so callers that
+    ask ``if force_release(...)`` read "was it freed"."""
+
+    #: The lock was not held: nothing changed.
+    NOT_HELD = 0
+    #: The hold was freed (and the lock handed to its next waiter, if one is queued).
+    FREED = 1
+    #: Another hold than the one named by its fencing token holds the lock: the
+    #: lock changed hands since that hold was read, and nothing changed.
+    CHANGED_HANDS = 2
+
+    def __bool__(self) -> bool:
+        return self is ForceReleased.FREED
+
+
+def force_release(
+    client: Client, name: str, prefix: str = DEFAULT_PREFIX, fence: int | None = None
+) -> ForceReleased:
+    """Free a lock and hand it to its next waiter, if one is queued; say what it did.
+
+    With ``fence`` (the :attr:`LockInfo.fence` of a hold that was read), only that
+    hold is freed: an operator decides on the hold they were shown, and whoever
+    took the lock since (the waiter it was handed to, a new taker) is left alone
+    (:attr:`ForceReleased.CHANGED_HANDS`). Without it, whatever hold there is goes.
 
     For operators only: the holder keeps running, unprotected, and finds the
     lock lost at its next heartbeat.
+
+    Raises:
+        LockBackendError: the store could not be reached.
     """
     key, queue = lock_keys(name, prefix)
     call = Call(
         FORCE_RELEASE_SCRIPT,
         [key, queue],
-        ["", wake_channel_prefix(prefix), request_id(), FENCE_TTL_MS],
+        [
+            "" if fence is None else str(fence),
+            wake_channel_prefix(prefix),
+            request_id(),
+            FENCE_TTL_MS,
+        ],
     )
     with backend_errors(f"release lock {name!r}"):
-        return bool(send(Router(client), key, call, Deadline.after(DEFAULT_CALL_TIMEOUT)))
+        reply = send(Router(client), key, call, Deadline.after(DEFAULT_CALL_TIMEOUT))
+    return ForceReleased(int(reply))
 
 
 def lock_stats(locks: Iterable[LockInfo], now: float | None = None) -> dict[str, Any]:
@@ -693,7 +726,9 @@ def purge_locks(
     deployment's clean slate); ``task=`` only those held for that task name;
     ``node=`` only those held by tasks running on that worker node (one that died
     and will not come back). Holders still running are not stopped, and find
-    their locks lost at their next renewal. Waiters are woken.
+    their locks lost at their next renewal. Waiters are woken. Only the holds
+    found are freed: a lock that changed hands since it was found (handed to a
+    waiter, taken anew) is left to its new holder, who was never selected.
 
     Raises:
         ValueError: none of ``task``, ``node`` or ``all=True`` was given.
@@ -706,7 +741,7 @@ def purge_locks(
         for info in list_locks(store.client, "*", store.prefix, task=task):
             if node is not None and info.node != node:
                 continue
-            if force_release(store.client, info.name, store.prefix):
+            if force_release(store.client, info.name, store.prefix, info.fence):
                 freed += 1
     return freed
 

@@ -31,6 +31,7 @@ from celery import _state
 
 from celery_redislock.admin import (
     HOLDER_STATES,
+    ForceReleased,
     HolderState,
     LockInfo,
     Store,
@@ -53,6 +54,11 @@ from celery_redislock.store import store_url
 
 #: Seconds ``show``, ``release`` and ``purge`` wait for live workers to answer.
 DEFAULT_INSPECT_TIMEOUT = 1.0
+
+#: Exit status of ``release`` and ``purge`` when a listed lock changed hands
+#: before its release and was left to its new holder (1 is a failure, 2 a usage
+#: error): what was freed is done, the rest wants a second look.
+CHANGED_HANDS_EXIT = 3
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -411,7 +417,11 @@ def _release_all(
     force: bool,
     timeout: float,
 ) -> None:
-    """Release ``found`` after the safety checks: live holders, then confirmation."""
+    """Release ``found`` after the safety checks: live holders, then confirmation.
+
+    Only the holds listed are released; a lock that changed hands meanwhile is
+    reported and left, and the command then exits with :data:`CHANGED_HANDS_EXIT`.
+    """
     if not force and any(info.holder for _, info in found):
         activity = worker_activity(ctx.obj.app, timeout, kinds=("active",))
         if activity.error is not None:
@@ -433,11 +443,30 @@ def _release_all(
         click.echo(f"to release: {info.name} ({_whose(info)})")
     if not yes:
         click.confirm(f"Release {len(found)} lock(s) {what}?", abort=True, err=True)
+    # Each release names the hold that was listed and checked (by its fencing
+    # token): a lock handed to someone else meanwhile (its holder ended and a
+    # waiter got it, a new task took it) was never shown nor checked, so it stays.
+    moved = 0
     for store, info in found:
-        if force_release(store.client, info.name, store.prefix):
+        outcome = force_release(store.client, info.name, store.prefix, info.fence)
+        if outcome is ForceReleased.FREED:
             click.echo(f"released {info.name}: evicted {_whose(info)}")
+        elif outcome is ForceReleased.CHANGED_HANDS:
+            moved += 1
+            now = read_lock(store.client, info.name, store.prefix)
+            holder = f"now {_whose(now)}" if now is not None else "since freed"
+            click.echo(
+                f"not released {info.name}: it changed hands since it was listed "
+                f"({holder}; listed: {_whose(info)}, fence {info.fence})"
+            )
         else:
             click.echo(f"{info.name} was no longer held")
+    if moved:
+        raise Failure(
+            f"{moved} lock(s) changed hands since they were listed and were not released; "
+            "run the command again to review their new holders",
+            CHANGED_HANDS_EXIT,
+        )
 
 
 @redislock.command()
@@ -465,6 +494,8 @@ def release(
     Give exactly one of NAME, --pattern, --holder or --task. Asks first unless
     --yes; refuses a lock whose holder a live worker is running unless --force.
     The holder is not stopped: it finds its lock lost at its next renewal.
+    Only the holds listed are released: a lock that changed hands since is left
+    to its new holder, and the command exits with status 3.
     """
     chosen = [x for x in (lock_name, pattern, holder, task) if x is not None]
     if len(chosen) != 1:

@@ -693,16 +693,23 @@ end
 return free(lock)
 """)
 
-#: Free the lock whoever holds it (an operator's repair).
+#: Free the lock whoever holds it (an operator's repair), or only the hold an
+#: operator was shown: its fencing token names that hold alone, so a lock handed
+#: to someone else since it was listed (a waiter, a new taker) is left alone.
 #:
 #: KEYS[1] the lock key; KEYS[2] the waiter queue
-#: ARGV[1] unused; ARGV[2] the wake channel prefix; ARGV[3] request id;
-#: ARGV[4] how long the free value keeps the fence, in ms
-#: Returns 1 when freed, 0 when it was not held.
+#: ARGV[1] the fencing token of the hold to free, or "" for whatever hold there
+#: is; ARGV[2] the wake channel prefix; ARGV[3] request id; ARGV[4] how long the
+#: free value keeps the fence, in ms
+#: Returns 1 when freed (now, or by an earlier arrival of the same request: a
+#: retry never frees the hold the first arrival handed to a waiter), 0 when it
+#: was not held, 2 when another hold than ARGV[1] holds it (nothing changed).
 FORCE_RELEASE = _freeing("""
 local lock, bad = checked_read()
 if bad then return bad end
+if released_here(lock) then return 1 end
 if not lock[$OWNER] then return 0 end
+if ARGV[1] ~= '' and lock[$FENCE] ~= ARGV[1] then return 2 end
 return free(lock)
 """)
 
