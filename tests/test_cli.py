@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -599,6 +599,40 @@ def test_release_leaves_a_lock_that_changed_hands_since_it_was_listed(
     waiter.release()
     first.detach()
     other.detach()
+
+
+def test_a_frozen_broker_does_not_hang_show_release_or_purge(
+    app: Celery, locks: redis.Redis, redislock_server_factory: Callable[..., RedisServer]
+) -> None:
+    """With the broker frozen (it accepts connections and answers nothing), `show`
+    ends and says the broker did not answer; `release` and `purge` refuse, as when
+    the workers cannot be asked, unless --force. (The subprocess timeout is the
+    guard against a hang.)"""
+    broker = redislock_server_factory()
+    store = str(app.conf.redislock_url)
+    name = leave_stale_lock(cli_app.report, 14, ttl=60)
+    with broker.paused():
+        shown = celery(broker.url, "show", name, "--timeout", "0.1", REDISLOCK_TEST_LOCK_URL=store)
+        released = celery(
+            broker.url, "release", name, "--yes", "--timeout", "0.1", REDISLOCK_TEST_LOCK_URL=store
+        )
+        purged = celery(
+            broker.url, "purge", "--all", "--yes", "--timeout", "0.1", REDISLOCK_TEST_LOCK_URL=store
+        )
+        assert read_lock(locks, name) is not None
+        forced = celery(
+            broker.url, "release", name, "--yes", "--force", REDISLOCK_TEST_LOCK_URL=store
+        )
+    assert shown.returncode == 0, shown.stderr
+    fields = dict(line.split(None, 1) for line in shown.stdout.splitlines() if line.strip())
+    assert fields["worker"].startswith("workers not asked: the broker did not answer within ")
+    for refused in (released, purged):
+        line = one_line_failure(refused)
+        assert "cannot tell whether the holders still run (workers not asked: the broker " in line
+        assert "pass --force to release anyway" in line
+    assert forced.returncode == 0, forced.stderr
+    assert f"released {name}: evicted" in forced.stdout
+    assert read_lock(locks, name) is None
 
 
 def test_purge(app: Celery, locks: redis.Redis) -> None:

@@ -607,11 +607,19 @@ class WorkerActivity:
 
 _INSPECT_KINDS = ("active", "reserved", "scheduled")
 
+#: Seconds, beyond the time given to the workers to answer, that asking them may
+#: take to reach the broker (connect, publish the question). A broker that takes
+#: longer (frozen, its replies lost) is reported as not answering, rather than
+#: hanging the command: its client has no socket timeout of its own.
+BROKER_ALLOWANCE = 3.0
+
 _T = TypeVar("_T")
 
 
 class _Call:
-    """``function(argument)`` on a thread of its own; :meth:`result` joins it."""
+    """``function(argument)`` on a thread of its own; :meth:`result` waits for it,
+    until a deadline at most (a daemon thread: one stuck on a frozen broker is
+    left behind, and does not keep the process alive)."""
 
     def __init__(self, function: Callable[[str], dict[str, Any]], argument: str) -> None:
         self._result: dict[str, Any] = {}
@@ -622,9 +630,11 @@ class _Call:
         self._thread = threading.Thread(target=target, name="redislock-inspect", daemon=True)
         self._thread.start()
 
-    def result(self) -> dict[str, Any]:
-        self._thread.join()
-        return self._result
+    def result(self, deadline: float) -> dict[str, Any] | None:
+        """What ``function`` returned, or ``None`` if it has not returned by
+        ``deadline`` (a ``time.monotonic()`` value)."""
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return None if self._thread.is_alive() else self._result
 
 
 def worker_activity(
@@ -632,8 +642,9 @@ def worker_activity(
 ) -> WorkerActivity:
     """Ask every live worker of ``app`` which tasks it runs (``active``), holds
     (``reserved``) and waits on for an ETA (``scheduled``); each question waits
-    ``timeout`` seconds for the answers. Never raises for an unreachable broker:
-    :attr:`WorkerActivity.error` says why nothing is known."""
+    ``timeout`` seconds for the answers. Never raises for an unreachable broker,
+    nor waits more than ``timeout`` plus :data:`BROKER_ALLOWANCE` seconds for one
+    that does not answer: :attr:`WorkerActivity.error` says why nothing is known."""
     tasks: dict[str, tuple[str, str]] = {}
     answered: set[str] = set()
     errors: list[str] = []
@@ -650,8 +661,14 @@ def worker_activity(
             return {}
 
     threads = {kind: _Call(ask, kind) for kind in kinds}
+    waited = timeout + BROKER_ALLOWANCE
+    deadline = time.monotonic() + waited
     for kind, call in threads.items():
-        for node, entries in call.result().items():
+        result = call.result(deadline)
+        if result is None:
+            errors.insert(0, f"workers not asked: the broker did not answer within {waited:g} s")
+            continue
+        for node, entries in result.items():
             answered.add(node)
             for entry in entries or ():
                 request = entry.get("request", entry) if kind == "scheduled" else entry
