@@ -232,6 +232,36 @@ def test_list_locks_round_trips_escaped_names(locks: redis.Redis) -> None:
         lock.release()
 
 
+@pytest.mark.parametrize(
+    ("pattern", "expected"),
+    [
+        ("*", ["\\x", "ab", "a}", "xx", "}x"]),
+        ("}*", ["}x"]),
+        ("\\\\*", ["\\x"]),
+        ("\\}x", ["}x"]),
+        ("?x", ["\\x", "xx", "}x"]),
+        ("??", ["\\x", "ab", "a}", "xx", "}x"]),
+        ("[}]*", ["}x"]),
+        ("[\\\\]*", ["\\x"]),
+        ("[^a]?", ["\\x", "xx", "}x"]),
+        ("*}", ["a}"]),
+        ("*\\}x", ["}x"]),
+    ],
+)
+def test_list_locks_matches_names_not_their_escaped_keys(
+    locks: redis.Redis, pattern: str, expected: list[str]
+) -> None:
+    """A pattern is matched against lock names, as Redis matches globs: a name
+    starting with '}' or a backslash, stored escaped, is found by the patterns its
+    name matches, and only by those."""
+    held = [RedisLock(locks, name, ttl=30) for name in ("}x", "\\x", "ab", "a}", "xx")]
+    for lock in held:
+        assert lock.acquire()
+    assert [info.name for info in list_locks(locks, pattern)] == expected
+    for lock in held:
+        lock.release()
+
+
 def test_list_locks_leaves_out_free_locks(locks: redis.Redis) -> None:
     """A released lock's key (kept for its fencing counter) is not listed."""
     lock = RedisLock(locks, "freed", ttl=30)

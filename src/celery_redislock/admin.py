@@ -315,6 +315,110 @@ def glob_escape(text: str) -> str:
     return "".join(f"\\{char}" if char in "*?[]\\" else char for char in text)
 
 
+def _class_end(pattern: bytes, start: int) -> int:
+    """Where the ``[...]`` class whose ``[`` is at ``start`` in ``pattern`` ends (the
+    index of its ``]``, or ``len(pattern)`` if none closes it), read as Redis reads it:
+    ``\\`` escapes, a range ``a-z`` takes the character after ``-`` whatever it is."""
+    at = start + 1
+    if at < len(pattern) and pattern[at] == ord("^"):
+        at += 1
+    while at < len(pattern) and pattern[at] != ord("]"):
+        if pattern[at] == ord("\\") and at + 1 < len(pattern):
+            at += 1
+        elif at + 2 < len(pattern) and pattern[at + 1] == ord("-"):
+            at += 2
+        at += 1
+    return at
+
+
+def _in_class(pattern: bytes, start: int, char: int) -> bool:
+    """Whether the class whose ``[`` is at ``start`` matches the byte ``char``."""
+    at, end = start + 1, _class_end(pattern, start)
+    negated = at < end and pattern[at] == ord("^")
+    at += negated
+    found = False
+    while at < end:
+        if pattern[at] == ord("\\") and at + 1 < len(pattern):
+            at += 1
+            found = found or pattern[at] == char
+        elif at + 2 < len(pattern) and pattern[at + 1] == ord("-"):
+            low, high = sorted((pattern[at], pattern[at + 2]))
+            found = found or low <= char <= high
+            at += 2
+        else:
+            found = found or pattern[at] == char
+        at += 1
+    return found != negated
+
+
+def _glob_matches(pattern: bytes, text: bytes) -> bool:
+    """Whether ``text`` matches the glob ``pattern`` as Redis's ``MATCH`` matches
+    keys (byte by byte: ``*``, ``?``, ``[...]`` with ``^`` and ranges, ``\\``
+    escapes), so that names filtered here agree with what the server selects."""
+    p = t = 0
+    # Where to resume after the last '*': its pattern position, and the text
+    # position it has swallowed up to. One '*' backtracking at a time suffices
+    # (a later '*' supersedes an earlier one), as in Redis.
+    star: tuple[int, int] | None = None
+    while t < len(text):
+        if p < len(pattern):
+            char = pattern[p]
+            if char == ord("*"):
+                star = (p, t)
+                p += 1
+                continue
+            if char == ord("?"):
+                p, t = p + 1, t + 1
+                continue
+            if char == ord("["):
+                end = _class_end(pattern, p)
+                if _in_class(pattern, p, text[t]):
+                    p, t = min(end + 1, len(pattern)), t + 1
+                    continue
+            else:
+                if char == ord("\\") and p + 1 < len(pattern):
+                    p += 1
+                if pattern[p] == text[t]:
+                    p, t = p + 1, t + 1
+                    continue
+        if star is None:
+            return False
+        p, t = star[0] + 1, star[1] + 1
+        star = (star[0], t)
+    return all(char == ord("*") for char in pattern[p:])
+
+
+def _first_element(pattern: bytes) -> int:
+    """How many bytes the first element of the glob ``pattern`` takes."""
+    if pattern[:1] == b"[":
+        return min(_class_end(pattern, 0) + 1, len(pattern))
+    if pattern[:1] == b"\\" and len(pattern) > 1:
+        return 2
+    return 1
+
+
+def _scan_match(pattern: str) -> str:
+    """The ``{...}`` part of a ``SCAN MATCH`` that finds every lock key whose name
+    matches ``pattern`` (and maybe others: the names read are filtered again).
+
+    A name starting with ``}`` or ``\\`` is stored escaped, as ``{\\name}``
+    (:func:`~celery_redislock.lock.lock_keys`). Where the pattern's first element
+    can match those characters, the match allows for the escape: after a literal
+    one, every name found is escaped, so ``\\`` goes in front; after ``?`` or a
+    class, the element becomes ``*`` (one or two characters, escaped or not).
+    """
+    raw = pattern.encode("utf-8")
+    if raw[:1] == b"*":
+        return pattern
+    size = _first_element(raw)
+    first = raw[:size]
+    if not any(_glob_matches(first, char) for char in (b"}", b"\\")):
+        return pattern
+    if first[:1] in (b"?", b"["):
+        return "*" + raw[size:].decode("utf-8")
+    return "\\\\" + pattern
+
+
 def _text(value: bytes | str | None) -> str | None:
     """Decode a reply (the engine's connections return bytes)."""
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
@@ -413,7 +517,8 @@ def list_locks(
     check_prefix(prefix)
     if state is not None and state not in HOLDER_STATES:
         raise ValueError(f"state must be one of {', '.join(HOLDER_STATES)}, got {state!r}")
-    match = f"{glob_escape(prefix)}:{{{pattern}}}"
+    match = f"{glob_escape(prefix)}:{{{_scan_match(pattern)}}}"
+    wanted = None if pattern == "*" else pattern.encode("utf-8")
     found: list[LockInfo] = []
     with backend_errors("list locks"):
         for transport in Router(client).transports():
@@ -425,7 +530,11 @@ def list_locks(
                 for i, key in enumerate(keys):
                     row, pttl, waiters = replies[3 * i : 3 * i + 3]
                     info = _parse(key, prefix, row, pttl, waiters)
-                    if info is not None and _matches(info, task, holder, state):
+                    if info is None or not _matches(info, task, holder, state):
+                        continue
+                    # The server matched the stored (maybe escaped) key; the
+                    # pattern is about the name.
+                    if wanted is None or _glob_matches(wanted, info.name.encode("utf-8")):
                         found.append(info)
     return sorted(found, key=lambda info: info.name)
 
