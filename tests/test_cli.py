@@ -535,6 +535,19 @@ def test_release_asks_first(app: Celery, locks: redis.Redis) -> None:
     assert read_lock(locks, name) is None
 
 
+def test_release_warns_of_a_holder_whose_node_did_not_answer(
+    app: Celery, locks: redis.Redis
+) -> None:
+    """A lock described as running on a node that does not answer (here, gone) is
+    released after a warning saying that its node did not answer."""
+    url = str(app.conf.redislock_url)
+    name = leave_stale_lock(cli_app.report, 9, ttl=30)
+    released = celery(url, "release", name, "--yes", "--timeout", "0.5")
+    assert released.returncode == 0, released.stderr
+    assert "node crashed@leave_stale_lock did not answer within 0.5 s" in released.stderr
+    assert read_lock(locks, name) is None
+
+
 def test_release_by_pattern_holder_and_task(app: Celery, locks: redis.Redis) -> None:
     """`release` takes exactly one of NAME, --pattern, --holder or --task; a NAME that
     looks like a glob gets a hint to use --pattern."""

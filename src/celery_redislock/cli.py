@@ -439,6 +439,16 @@ def _release_all(
                 f"{node}{more}; pass --force to release it anyway (the task keeps running, "
                 "unprotected)"
             )
+        for _, info in found:
+            if info.state == "running" and info.node and info.node not in activity.answered:
+                # Gone (a crash: the usual reason to release), or alive but unable
+                # to answer (a solo pool busy with this very task).
+                click.echo(
+                    f"warning: {info.name}: its holder's node {info.node} did not answer "
+                    f"within {timeout:g} s: gone, or busy (a solo pool cannot answer while "
+                    "it runs a task)",
+                    err=True,
+                )
     for _, info in found:
         click.echo(f"to release: {info.name} ({_whose(info)})")
     if not yes:
