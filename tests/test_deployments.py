@@ -5,7 +5,10 @@ settle, fail over and clean up as documented (the lock engine on them is tested 
 from __future__ import annotations
 
 import os
+import socket
 import ssl
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -295,3 +298,60 @@ def test_acl_user_gets_noperm_outside_its_patterns(
     with pytest.raises(redis.exceptions.NoPermissionError, match="set"):
         reader.set("app:1", "y")
     reader.close()
+
+
+def test_tls_restart_keeps_the_certificates_when_an_attempt_fails(
+    redislock_tls_server: TLSServer,
+) -> None:
+    """restart() keeps the CA and certificates even when its first attempts fail (the
+    port is still held by another socket): a client made before still connects."""
+    with TLSServer(binary=redislock_tls_server.binary) as server:
+        client = server.client(socket_timeout=5)
+        assert client.ping()
+        ca_path = server.ca_path
+        log = os.path.join(os.path.dirname(ca_path), "server.log")
+        # The client closes its connection first, so the server's side of it leaves
+        # nothing behind on the port that would stop the holder below from binding.
+        client.connection_pool.disconnect()
+        server.kill()
+        # Bound without SO_REUSEADDR and not listening: the server cannot bind the
+        # port, and the start's TLS probe is refused instead of meeting a listener
+        # that then goes away in the middle of its handshake.
+        holder = socket.socket()
+        holder.bind((server.host, server.port))
+        refused = threading.Event()
+
+        def release_when_refused() -> None:
+            """Free the port once the log shows a start that could not bind it."""
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                with open(log, errors="replace") as lines:
+                    if "in use" in lines.read():
+                        refused.set()
+                        break
+                time.sleep(0.02)
+            holder.close()
+
+        releaser = threading.Thread(target=release_when_refused)
+        releaser.start()
+        try:
+            server.restart(timeout=30)
+        finally:
+            releaser.join()
+        assert refused.is_set(), "no start attempt met the held port"
+        assert server.ca_path == ca_path
+        assert os.path.exists(ca_path)
+        assert client.ping()
+        client.close()
+
+
+def test_tls_failed_first_start_removes_its_certificates(
+    redislock_tls_server: TLSServer,
+) -> None:
+    """A first start that fails (its port is taken) leaves no certificates behind."""
+    server = TLSServer(binary=redislock_tls_server.binary, port=redislock_tls_server.port)
+    with pytest.raises(RuntimeError, match="did not start"):
+        server.start()
+    assert server.process is None
+    with pytest.raises(RuntimeError, match="no certificates"):
+        _ = server.ca_path

@@ -956,7 +956,10 @@ class TLSServer(RedisServer):
         over TLS."""
         if self.process is not None:
             return self
-        if self.tls is None:
+        # Certificates are removed on failure only if this call wrote them: a failed
+        # attempt of restart() must leave the ones its clients verify with.
+        created = self.tls is None
+        if created:
             self._certificates = tempfile.TemporaryDirectory(prefix="redislock-tls-")
             settings = make_certificates(self._certificates.name, client_certificate=self.mutual)
             if self.mutual:
@@ -968,14 +971,22 @@ class TLSServer(RedisServer):
             super().start()
         except RuntimeError as exc:
             tail = self._log_tail()
-            self.stop()
+            self._give_up(created)
             if tail:
                 raise RuntimeError(f"{exc}; its log ends:\n{tail}") from exc
             raise
         except BaseException:
-            self.stop()
+            self._give_up(created)
             raise
         return self
+
+    def _give_up(self, created: bool) -> None:
+        """After a failed start: end the process, and remove the certificates only
+        if ``created`` (this start wrote them), as a first start that failed leaves nothing."""
+        if created:
+            self.stop()
+        else:
+            self._kill()
 
     def _log_tail(self) -> str:
         """The server's last log lines (it logs next to its certificates)."""
