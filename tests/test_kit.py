@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.worker import state as worker_state
 
 from celery_redislock import LockLostError, RedisLock, SingletonTask, is_skipped
 from celery_redislock.admin import read_lock
@@ -62,6 +64,50 @@ def test_page_example_passes_as_a_project_of_its_own(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 passed" in result.stdout
+
+
+# Tests that start and stop a worker of their own come before the module's worker
+# starts: stopping an in-process worker sets Celery's process-wide shutdown flag,
+# which would stop that one too.
+
+
+def test_run_worker_returns_after_its_running_task_finished(
+    redislock_server: RedisServer, redislock_client: redis.Redis
+) -> None:
+    """run_worker returns only once a task running when its block ends has finished:
+    no thread of the pool is left running it, and its lock is free."""
+    app = configure_app(Celery("kit-stop", set_as_current=False), redislock_server.url)
+    app.conf.task_default_queue = "kit-stop-queue"
+    finished = threading.Event()
+    ran_on: list[threading.Thread] = []
+
+    @app.task(base=SingletonTask, bind=True, shared=False, name="kit.outlast")
+    def outlast(self: SingletonTask) -> bool:
+        # Outlast the worker: Celery sets its shutdown flag when it stops the worker
+        # and clears it once the worker's thread has exited; go on a little after.
+        ran_on.append(threading.current_thread())
+        deadline = time.monotonic() + 20
+        while worker_state.should_terminate is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        while worker_state.should_terminate is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        finished.set()
+        return True
+
+    try:
+        with run_worker(app, concurrency=2) as worker:
+            result = outlast.delay()
+            wait_for_lock(outlast)
+            pool_threads = list(worker.pool.executor._threads)
+        assert finished.is_set(), "run_worker returned while the task was still running"
+        assert pool_threads
+        assert ran_on
+        assert not [thread.name for thread in pool_threads + ran_on if thread.is_alive()]
+        assert_no_locks(redislock_client)
+        assert result.get(timeout=10) is True
+    finally:
+        close_app(app)
 
 
 @pytest.fixture(scope="module")

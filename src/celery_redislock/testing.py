@@ -61,9 +61,11 @@ from __future__ import annotations
 import gc
 import logging
 import secrets
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -254,30 +256,65 @@ def run_worker(
     it stops, after the tasks it runs have finished, when the block ends, and
     the root logger's level, which Celery sets for the worker, is put back.
     ``options`` go to Celery's ``start_worker`` (``hostname=``, ``queues=``…).
+
+    Raises:
+        RuntimeError: when the block ends, the worker or a task it runs was still
+            running after ``shutdown_timeout`` seconds.
     """
     # Celery sets the root logger's level for the worker (ERROR by default); what
     # is logged after the worker stopped must not depend on it.
     root = logging.getLogger()
     level = root.level
-    worker_cm = start_worker(
-        app,
-        pool=pool,
-        concurrency=concurrency,
-        perform_ping_check=False,
-        shutdown_timeout=shutdown_timeout,
-        **options,
-    )
-    worker = worker_cm.__enter__()
     try:
-        yield worker
+        worker_cm = start_worker(
+            app,
+            pool=pool,
+            concurrency=concurrency,
+            perform_ping_check=False,
+            shutdown_timeout=shutdown_timeout,
+            **options,
+        )
+        worker = worker_cm.__enter__()
+        try:
+            yield worker
+        finally:
+            deadline = time.monotonic() + shutdown_timeout
+            # A stopped in-process worker drops (rather than closes) its broker
+            # connections; collect them now, quietly, not in some later test.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ResourceWarning)
+                worker_cm.__exit__(None, None, None)
+                _wait_for_pool_threads(worker, deadline)
+                gc.collect()
     finally:
-        # A stopped in-process worker drops (rather than closes) its broker
-        # connections; collect them now, quietly, not in some later test.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            worker_cm.__exit__(None, None, None)
-            gc.collect()
         root.setLevel(level)
+
+
+def _wait_for_pool_threads(worker: Any, deadline: float) -> None:
+    """Wait, until ``deadline``, for the tasks still running on a threads pool.
+
+    Celery stops an in-process worker with a cold terminate, which leaves the
+    threads pool's executor alone: a running task would go on (holding and
+    renewing its lock) after the worker is gone, into the next test. Tasks not
+    yet started are cancelled; the running ones are waited for.
+
+    Raises:
+        RuntimeError: a pool thread was still running at ``deadline``.
+    """
+    executor = getattr(getattr(worker, "pool", None), "executor", None)
+    if not isinstance(executor, ThreadPoolExecutor):
+        return  # other pools run their tasks in the worker thread or in processes
+    executor.shutdown(wait=False, cancel_futures=True)
+    # shutdown(wait=True) has no timeout; its threads are joined one by one instead.
+    threads: list[threading.Thread] = list(getattr(executor, "_threads", ()))
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    running = [thread.name for thread in threads if thread.is_alive()]
+    if running:
+        raise RuntimeError(
+            f"tasks still running on the worker's threads pool ({', '.join(running)}) "
+            "after shutdown_timeout: raise it if your tasks take longer to finish"
+        )
 
 
 def _call_lock(task: SingletonTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
