@@ -450,6 +450,31 @@ def test_cut_off_holder_knows_before_anyone_else_can_take_it(
     rival.release()
 
 
+def test_holder_extended_past_its_ttl_then_cut_off_knows_before_anyone_else_can_take_it(
+    proxy: FaultProxy, server: RedisServer
+) -> None:
+    """extend() past the lock's TTL lasts until the next renewal, which sets the TTL
+    back: the holder's local deadline comes back with it, so a holder cut off after
+    that renewal still finds its lock lost before another owner can take it."""
+    holder = RedisLock(proxy.url, "extended-then-cut-off", ttl=2, call_timeout=0.5)
+    assert holder.acquire()
+    holder.extend(60)
+    direct = server.client()
+    wait_for(lambda: 0 < direct.pttl(holder.key) <= 2000, what="a renewal to set the TTL back")
+    proxy.blackhole()
+    rival = RedisLock(server.url, "extended-then-cut-off", ttl=2)
+    deadline = time.monotonic() + 10
+    while True:
+        was_lost = holder.lost
+        if rival.acquire(blocking=False):
+            break
+        assert time.monotonic() < deadline, "the lock never expired"
+        time.sleep(0.02)
+    assert was_lost, "another owner took the lock while its holder still trusted it"
+    rival.release()
+    direct.close()
+
+
 def test_local_deadline_is_seen_without_the_heartbeat(server: RedisServer) -> None:
     """With no heartbeat at all, lost turns true once the TTL has run out since the acquire
     was sent; a fresh acquire makes it false again."""

@@ -367,6 +367,9 @@ class RedisLock:
     # only if it still is, so that one sent again after the holder re-entered
     # the lock does not drop a second hold (see scripts.RELEASE, ARGV[5]).
     _last_change: str | None = None
+    # Whether extend() gave the hold more than the lock's TTL since the last
+    # renewal: the next renewal cuts it back, and the local deadline with it.
+    _extended = False
     # The heartbeat lane renewing the current hold, if any.
     _lane: _Lane | None = None
 
@@ -536,7 +539,14 @@ class RedisLock:
 
     def _renewed(self, sent: float) -> None:
         with self._state:
-            if not self._lost:
+            if self._lost:
+                return
+            if self._extended:
+                # A renewal sets the lock's own TTL, shorter than the extend's: the
+                # server's expiry may now be no later than this renewal's.
+                self._expiry = sent + self.ttl
+                self._extended = False
+            else:
                 self._expiry = max(self._expiry, sent + self.ttl)
 
     def _expires_at(self) -> float:
@@ -813,6 +823,7 @@ class RedisLock:
             raise LockNotOwnedError(self.name)
         with self._state:
             self._expiry = sent + new_ttl
+            self._extended = new_ttl > self.ttl
         if self.heartbeat and new_ttl < self.ttl:
             # Registered anew, due before the shorter TTL runs out.
             self._lane = self._beat().register(self, new_ttl / 3)
@@ -943,6 +954,7 @@ class RedisLock:
             self.token = reply.fence
             self._lost = False
             self._expiry = sent + self.ttl
+            self._extended = False
             self._last_change = request
         # A new hold (TAKEN) is registered even if this object still counted
         # holds from a lock it lost, and so is a hold re-entered after the
