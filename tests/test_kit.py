@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, bootsteps
 from celery.worker import state as worker_state
 
 from celery_redislock import LockLostError, RedisLock, SingletonTask, is_skipped
@@ -106,6 +106,44 @@ def test_run_worker_returns_after_its_running_task_finished(
         assert not [thread.name for thread in pool_threads + ran_on if thread.is_alive()]
         assert_no_locks(redislock_client)
         assert result.get(timeout=10) is True
+    finally:
+        close_app(app)
+
+
+def test_run_worker_raises_when_the_worker_fails_to_start(
+    redislock_server: RedisServer,
+) -> None:
+    """A worker whose consumer fails to start (a bootstep raises) makes run_worker
+    raise that error, instead of waiting for ever for a worker that never gets ready."""
+    app = configure_app(Celery("kit-broken", set_as_current=False), redislock_server.url)
+    app.conf.task_default_queue = "kit-broken-queue"
+
+    class Broken(bootsteps.StartStopStep):  # type: ignore[misc]
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def start(self, consumer: Any) -> None:
+            raise RuntimeError("the step failed")
+
+    app.steps["consumer"].add(Broken)
+    raised: list[BaseException] = []
+
+    def start_broken_worker() -> None:
+        try:
+            with run_worker(app, startup_timeout=30):
+                pass
+        except BaseException as exc:
+            raised.append(exc)
+
+    # In a thread of its own, so that a run_worker that hangs fails the test
+    # rather than hanging the session.
+    runner = threading.Thread(target=start_broken_worker, daemon=True)
+    runner.start()
+    runner.join(60)
+    try:
+        assert not runner.is_alive(), "run_worker hangs on a worker that failed to start"
+        assert len(raised) == 1
+        assert isinstance(raised[0], RuntimeError)
+        assert str(raised[0]) == "the worker failed to start: RuntimeError('the step failed')"
     finally:
         close_app(app)
 

@@ -58,9 +58,11 @@ Helpers, for testing your own duplicate handling against a real lock:
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import secrets
+import sys
 import threading
 import time
 import warnings
@@ -71,7 +73,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery.contrib.testing.worker import start_worker
+from celery.contrib.testing.worker import TestWorkController, start_worker
 
 from celery_redislock.admin import LockInfo, glob_escape, list_locks, read_lock
 from celery_redislock.deployments import (
@@ -247,6 +249,7 @@ def run_worker(
     concurrency: int = 4,
     pool: str = "threads",
     shutdown_timeout: float = 30.0,
+    startup_timeout: float = 60.0,
     **options: Any,
 ) -> Iterator[Any]:
     """Run a real Celery worker for ``app`` in this process while the block runs.
@@ -258,8 +261,10 @@ def run_worker(
     ``options`` go to Celery's ``start_worker`` (``hostname=``, ``queues=``…).
 
     Raises:
-        RuntimeError: when the block ends, the worker or a task it runs was still
-            running after ``shutdown_timeout`` seconds.
+        RuntimeError: the worker failed to start, or was not ready within
+            ``startup_timeout`` seconds (the block does not run); or, when the
+            block ends, the worker or a task it runs was still running after
+            ``shutdown_timeout`` seconds.
     """
     # Celery sets the root logger's level for the worker (ERROR by default); what
     # is logged after the worker stopped must not depend on it.
@@ -272,6 +277,7 @@ def run_worker(
             concurrency=concurrency,
             perform_ping_check=False,
             shutdown_timeout=shutdown_timeout,
+            WorkController=functools.partial(_Worker, startup_timeout=startup_timeout),
             **options,
         )
         worker = worker_cm.__enter__()
@@ -288,6 +294,60 @@ def run_worker(
                 gc.collect()
     finally:
         root.setLevel(level)
+
+
+class _Worker(TestWorkController):  # type: ignore[misc]
+    """Celery's in-process test worker, whose wait for start-up gives up.
+
+    Celery's waits for ever on an event only a started worker sets, so a worker
+    that fails to start (a bootstep raises) would hang the test session. This
+    one waits until ``startup_timeout`` and notices a worker thread that ended.
+    """
+
+    def __init__(self, *args: Any, startup_timeout: float, **kwargs: Any) -> None:
+        self._startup_timeout = startup_timeout
+        self._thread: threading.Thread | None = None
+        self._startup_error: BaseException | None = None
+        super().__init__(*args, **kwargs)
+
+    def start(self) -> Any:
+        """Run the worker (in its own thread), remembering that thread."""
+        self._thread = threading.current_thread()
+        return super().start()
+
+    def stop(self, in_sighandler: bool = False, exitcode: int | None = None) -> None:
+        """Stop the worker; before it was ready, keep the error it is stopping on.
+
+        Celery's ``start()`` logs a start-up error and calls this from its
+        ``except`` block, so the error is still the one being handled here.
+        """
+        if not self._on_started.is_set() and self._startup_error is None:
+            self._startup_error = sys.exc_info()[1]
+        super().stop(in_sighandler=in_sighandler, exitcode=exitcode)
+
+    def ensure_started(self) -> None:
+        """Wait until the worker is ready to consume.
+
+        Raises:
+            RuntimeError: the worker failed to start, or was not ready in time.
+        """
+        deadline = time.monotonic() + self._startup_timeout
+        while not self._on_started.wait(0.05):
+            # A failed start is reported once the worker thread has ended, so that
+            # its shutdown does not go on into whatever runs next.
+            error = self._startup_error
+            ended = self._thread is not None and not self._thread.is_alive()
+            if ended and error is not None:
+                raise RuntimeError(f"the worker failed to start: {error!r}") from error
+            if ended:
+                raise RuntimeError(
+                    f"the worker stopped before it was ready (exit code {self.exitcode!r})"
+                )
+            if time.monotonic() >= deadline:
+                cause = f" (it was failing with {error!r})" if error is not None else ""
+                raise RuntimeError(
+                    f"the worker was not ready within {self._startup_timeout:g} s{cause}"
+                ) from error
 
 
 def _wait_for_pool_threads(worker: Any, deadline: float) -> None:
