@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, cast
 
 import pytest
@@ -55,7 +56,7 @@ from celery_redislock.scripts import (
     queue_entry,
 )
 from celery_redislock.server import RedisServer, available_server_binaries
-from tests.support import acquire_in_thread, field, fields, wait_until, write_fields
+from tests.support import acquire_in_thread, field, fields, hold_count, wait_until, write_fields
 from tests.support import lock_keys as lock_keys_held
 
 #: Names that exercise the ``{hash tag}`` rules and unusual characters.
@@ -465,6 +466,60 @@ def test_reentrant_same_owner_other_object(client: redis.Redis) -> None:
     assert first.owned()
     first.release()
     assert not first.locked()
+
+
+def test_inner_release_after_another_object_of_the_same_owner_changed_the_hold(
+    client: redis.Redis,
+) -> None:
+    """An inner release drops its hold even when another object of the same owner
+    changed the hold after this one last did."""
+    first = RedisLock(client, "same-owner-inner", ttl=30, owner="job-2")
+    second = RedisLock(client, "same-owner-inner", ttl=30, owner="job-2")
+    assert first.acquire(blocking=False)
+    assert first.acquire(blocking=False)
+    assert second.acquire(blocking=False)
+    second.release()
+    first.release()
+    assert first.holding
+    assert not first.lost
+    assert hold_count(client, first.key) == 1
+    first.release()
+    assert not first.locked()
+
+
+def test_hold_taken_again_while_the_last_release_goes_is_renewed(client: redis.Redis) -> None:
+    """Another thread sharing the object takes the lock again while what was its last
+    hold's release is on its way (off the heartbeat): the hold left is renewed."""
+    lock = RedisLock(client, "again-while-releasing", ttl=1)
+    assert lock.acquire(blocking=False)
+    run = lock._run
+
+    def reenter_first(call: Any, deadline: Any, then: Any = ()) -> Any:
+        if getattr(call, "script", None) is RELEASE_SCRIPT:
+            other = threading.Thread(target=lambda: lock.acquire(blocking=False))
+            other.start()
+            other.join(10)
+        return run(call, deadline, then)
+
+    lock._run = reenter_first  # type: ignore[method-assign]
+    lock.release()
+    lock._run = run  # type: ignore[method-assign]
+    assert lock.holding
+    assert lock in get_heartbeat().held()
+    time.sleep(1.5)
+    assert lock.owned()
+    lock.release()
+
+
+def test_extend_of_a_lock_not_held_puts_nothing_on_the_heartbeat(client: redis.Redis) -> None:
+    """extend() to less than the TTL re-registers only a hold this object has: after
+    detach(), the lock is not renewed, and expires by its TTL."""
+    lock = RedisLock(client, "extend-detached", ttl=3)
+    assert lock.acquire(blocking=False)
+    lock.detach()
+    lock.extend(0.5)
+    assert lock not in get_heartbeat().held()
+    assert wait_until(lambda: not lock.locked(), timeout=5)
 
 
 def test_reentrant_with_statement(client: redis.Redis) -> None:
@@ -1007,6 +1062,39 @@ def test_waiter_takes_over_the_reading_from_one_that_gave_up(
     assert wait_until(stayer.done, timeout=10)
     assert stayer.error is None
     assert stayer.result is True
+
+
+def test_waiters_are_served_in_the_order_they_queued(client: redis.Redis) -> None:
+    """Waiters get the lock first come, first served, and a newcomer asking as the
+    lock is released does not jump the queue."""
+    holder = RedisLock(client, "fifo", ttl=60)
+    assert holder.acquire()
+    locks = [RedisLock(client, "fifo", ttl=60) for _ in range(5)]
+    order: list[int] = []
+    errors: list[BaseException] = []
+
+    def wait_then_release(index: int) -> None:
+        try:
+            if locks[index].acquire(timeout=30):
+                order.append(index)
+                time.sleep(0.02)
+                locks[index].release()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = []
+    for index in range(5):
+        thread = threading.Thread(target=wait_then_release, args=(index,))
+        thread.start()
+        threads.append(thread)
+        assert wait_until(partial(lambda waiting: queued(client, holder) == waiting, index + 1))
+    holder.release()
+    newcomer = RedisLock(client, "fifo", ttl=60)
+    assert not newcomer.acquire(blocking=False)
+    for thread in threads:
+        thread.join(30)
+    assert errors == []
+    assert order == list(range(5))
 
 
 def test_many_waiters_each_get_it_once(client: redis.Redis) -> None:

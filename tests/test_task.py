@@ -23,12 +23,13 @@ from celery_redislock import (
     LockBackendError,
     LockConflictError,
     LockLostError,
+    RedisLock,
     SingletonTask,
     TaskSkippedError,
     is_skipped,
 )
 from celery_redislock.heartbeat import get_heartbeat
-from celery_redislock.scripts import FENCE_FIELD
+from celery_redislock.scripts import FENCE_FIELD, LEASE_FIELD
 from celery_redislock.server import RedisServer, free_port
 from celery_redislock.task import OPTIONS, LockOptions
 from tests.support import (
@@ -210,6 +211,16 @@ def define_tasks(app: Celery) -> SimpleNamespace:
             raise self.retry(countdown=0.2)
         return int(self.request.retries)
 
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        bind=True,
+        name="t.until_executed_rejects",
+        lock_strategy="until_executed",
+    )
+    def until_executed_rejects(self: Any, name: str) -> None:
+        raise Reject("again later", requeue=True)
+
     @app.task(base=SingletonTask, shared=False, bind=True, name="t.ends")
     def ends(self: Any, how: str) -> str:
         if how == "ignore":
@@ -259,7 +270,7 @@ def define_tasks(app: Celery) -> SimpleNamespace:
     return SimpleNamespace(**{t.__name__: t for t in [
         hold, hold_raise, hold_wait, short_wait, hold_retry, retry_exhausted, self_retry,
         until_executed, until_executing, ends, lose, add, plain_hold, recurse, note_error,
-        until_executing_retry,
+        until_executing_retry, until_executed_rejects,
     ]})  # fmt: skip
 
 
@@ -534,6 +545,59 @@ class TestEnqueueStrategies:
         gate(f"{name}:1").set()
         assert first.get(timeout=TIMEOUT) == 1
         assert pending.get(timeout=TIMEOUT) is not None
+
+    def test_duplicate_of_a_holder_that_is_no_task_raises(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """With lock_on_duplicate="return", a key held by a plain RedisLock (no task,
+        so no result to return) makes the send raise LockConflictError."""
+        name = unique("uenotask")
+        holder = RedisLock(locks, tasks.until_executed.lock_name((name,), {}), ttl=30)
+        assert holder.acquire()
+        with pytest.raises(LockConflictError):
+            tasks.until_executed.delay(name)
+        holder.release()
+
+    def test_retry_lock_outlives_its_countdown(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """The lock taken again for a retry lives its enqueue_ttl plus the countdown:
+        with a countdown longer than the enqueue_ttl, it is still held while the
+        retry waits."""
+        name = unique("uecd")
+        first = tasks.until_executed.apply_async((name, 3.0), lock_options={"enqueue_ttl": 1})
+        gate(f"{name}:0").set()
+        wait_for(lambda: first.state == "RETRY", what="the retry")
+        key = f"redislock:{{{tasks.until_executed.lock_name((name, 3.0), {})}}}"
+        assert locks.pttl(key) > 1_000
+        gate(f"{name}:1").set()
+        assert first.get(timeout=TIMEOUT) == 1
+
+    def test_reject_with_requeue_keeps_the_lock_for_the_redelivery(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """An until_executed task rejected with requeue=True keeps its lock, for the
+        message that comes back (same task id): its lease is still the task's."""
+        name = unique("uerej")
+        result = tasks.until_executed_rejects.apply((name,))
+        key = f"redislock:{{{tasks.until_executed_rejects.lock_name((name,), {})}}}"
+        assert held(locks, key)
+        assert field(locks, key, LEASE_FIELD) == result.id
+        locks.delete(key)
+
+    def test_a_chain_whose_last_step_is_queued_already_resolves(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """A chain's last step (sent with an empty list of steps after it) whose key is
+        held is sent all the same: it resolves as skipped instead of leaving the chain
+        waiting for ever."""
+        name = unique("uecl")
+        first = tasks.until_executed.delay(name)
+        wait_for(lambda: running("until_executed", name))
+        result = chain(tasks.add.si(1, 2), tasks.until_executed.si(name)).apply_async()
+        assert is_skipped(result.get(timeout=TIMEOUT))
+        gate(f"{name}:0").set()
+        assert first.get(timeout=TIMEOUT) == 0
 
     def test_a_task_id_with_a_colon_takes_its_own_lock_over(
         self, tasks: SimpleNamespace, locks: redis.Redis

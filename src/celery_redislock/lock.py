@@ -682,21 +682,26 @@ class RedisLock:
             self.wake_prefix,
             request,
             self._free_ttl_ms(),
-            # An inner hold's release acts only on the hold as this object last
-            # changed it: sent again after it re-entered, it drops no second hold.
-            (self._last_change or "") if inner else "",
+            "",
             "" if self.token is None else self.token,
             self._released or "",
         )
+        if self._waited:
+            # Others are likely queued still: read the lock before writing it.
+            args = (*args, "read")
+        # Sent again in the background, an inner hold's release acts only on the
+        # hold as this object last changed it: arriving after the holder took the
+        # lock once more, it drops no second hold. (Not the first send: another
+        # object of the same owner, or another thread, may have changed it since.)
+        resend = args
+        if inner and self._last_change:
+            resend = (*args[:4], self._last_change, *args[5:])
         if inner:
             # Counted as landed from now on (the next inner release may follow
             # before this one's answer is read); unknown again if it fails.
             self._last_change = request
-        if self._waited:
-            # Others are likely queued still: read the lock before writing it.
-            args = (*args, "read")
         if not wait:
-            self._release_later(args, then)
+            self._release_later(args, resend, then)
             return
         call = self._release_call(args)
         if self._holds == 1:
@@ -706,7 +711,7 @@ class RedisLock:
         try:
             result = Released(self._run(call, self._call_deadline(None)))
         except RedisError as exc:
-            self._release_failed(call, exc)
+            self._release_failed(self._release_call(resend), exc)
         if result is Released.NOT_OWNED:
             was_held = self._forget()
             if was_held:
@@ -718,6 +723,10 @@ class RedisLock:
             done = result is Released.FREED or self._holds == 0
         if done:
             self._forget()
+        elif self.heartbeat and self._lane is None:
+            # Another thread sharing this object took the lock again while what
+            # was the last hold's release went (off the heartbeat): renew it again.
+            self._lane = self._beat().register(self)
 
     def _release_call(self, args: tuple[Any, ...]) -> Call:
         """The RELEASE script call of this lock with these ARGV."""
@@ -731,10 +740,14 @@ class RedisLock:
         return 0 if left > self.call_timeout + KEEP_EXPIRY_MARGIN else FENCE_TTL_MS
 
     def _release_later(
-        self, args: tuple[Any, ...], then: Callable[[ReleaseOutcome], Any] | None
+        self,
+        args: tuple[Any, ...],
+        resend: tuple[Any, ...],
+        then: Callable[[ReleaseOutcome], Any] | None,
     ) -> None:
-        """``release(wait=False)`` of a RELEASE call with these ARGV: write the
-        release, drop the hold, read the answer later."""
+        """``release(wait=False)`` of a RELEASE call with these ARGV (``resend``: those
+        it is sent again with, in the background): write the release, drop the
+        hold, read the answer later."""
         with self._state:
             if self._holds == 0:
                 raise LockNotOwnedError(self.name)
@@ -758,9 +771,10 @@ class RedisLock:
                 # again (it is recognised if it did run).
                 self._beat().retry_in_background(
                     self,
-                    self._release_call(args),
+                    self._release_call(resend),
                     max(until, time.monotonic() + MIN_CALL),
                     f"releasing lock {self.name!r}",
+                    quiet=not last,
                 )
                 outcome = "retrying"
             elif isinstance(reply, Exception):
@@ -795,7 +809,7 @@ class RedisLock:
         except RedisError as exc:
             with self._state:
                 self._holds += 1
-            self._release_failed(self._release_call(args), exc)
+            self._release_failed(self._release_call(resend), exc)
         if lane is None or lane.transport is not transport or not lane.drain_later():
             self._beat().drain_later(transport)
 
@@ -824,9 +838,11 @@ class RedisLock:
         with self._state:
             self._expiry = sent + new_ttl
             self._extended = new_ttl > self.ttl
-        if self.heartbeat and new_ttl < self.ttl:
+            renewed = self._holds > 0 and not self._lost
+        if self.heartbeat and renewed and new_ttl < self.ttl:
             # Registered anew, due before the shorter TTL runs out.
-            self._lane = self._beat().register(self, new_ttl / 3)
+            first = min(new_ttl / 3, self.heartbeat_interval)
+            self._lane = self._beat().register(self, first)
 
     def locked(self) -> bool:
         """Whether any owner holds the lock now."""
@@ -1238,7 +1254,11 @@ class RedisLock:
             until = time.monotonic() + self.ttl
         again = isinstance(exc, _SEND_AGAIN)
         if again:
-            self._beat().retry_in_background(self, call, until, f"releasing lock {self.name!r}")
+            # An inner release sent again may find the hold changed since, and
+            # then changes nothing: not worth a warning.
+            self._beat().retry_in_background(
+                self, call, until, f"releasing lock {self.name!r}", quiet=not last
+            )
         if last:
             then = "it is no longer renewed and expires by its TTL"
             if again:

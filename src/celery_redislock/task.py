@@ -329,9 +329,11 @@ def take_written_ahead(task_id: str) -> _Ahead | None:
 
 def _in_workflow(options: Mapping[str, Any]) -> bool:
     """Whether ``apply_async``'s ``options`` send one step of a workflow: a chain's
-    (the steps after it travel with it), a group's or chord's member, or a task
-    with callbacks."""
-    return any(options.get(name) for name in ("chain", "chord", "group_id", "link", "link_error"))
+    (the steps after it travel with it; the last step gets an empty list), a
+    group's or chord's member, or a task with callbacks."""
+    return options.get("chain") is not None or any(
+        options.get(name) for name in ("chord", "group_id", "link", "link_error")
+    )
 
 
 def skipped_result(name: str, holder: str | None) -> dict[str, Any]:
@@ -892,7 +894,14 @@ class SingletonTask(Task):  # type: ignore[misc]
         self,
         args: Iterable[Any] | None = None,
         kwargs: Mapping[str, Any] | None = None,
-        *more: Any,
+        link: Any = None,
+        link_error: Any = None,
+        task_id: str | None = None,
+        retries: int | None = None,
+        throw: bool | None = None,
+        logfile: str | None = None,
+        loglevel: str | None = None,
+        headers: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> Any:
         """Run the task here and now (Celery's ``apply``), locked as in a worker.
@@ -903,8 +912,20 @@ class SingletonTask(Task):  # type: ignore[misc]
         overrides = options.pop(CALL_OPTIONS, None)
         if overrides:
             self.options_for_call(overrides)
-            options["headers"] = {**(options.get("headers") or {}), _OVERRIDES_HEADER: overrides}
-        return super().apply(args, kwargs, *more, **options)
+            headers = {**(headers or {}), _OVERRIDES_HEADER: overrides}
+        return super().apply(
+            args,
+            kwargs,
+            link,
+            link_error,
+            task_id,
+            retries,
+            throw,
+            logfile,
+            loglevel,
+            headers,
+            **options,
+        )
 
     def _own_retry(self, task_id: str) -> bool:
         """Whether sending ``task_id`` is ``self.retry()`` of the running execution."""

@@ -1008,7 +1008,8 @@ def run(
             replies = transport.execute(commands, deadline)
         except TRANSIENT as exc:
             error: RedisError = exc
-            if isinstance(exc, RedisConnectionError):
+            if type(exc) is RedisConnectionError:
+                # Lost (not refused: a server loading its data, a bad password).
                 transport.close_idle()
         else:
             for reply in replies:
@@ -1059,8 +1060,10 @@ def backend_errors(action: str) -> Iterator[None]:
 def flush(timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
     """Read every reply still owed in this process (before it exits)."""
     deadline = Deadline.after(timeout)
-    for transport in list(_transports.values()):
-        if transport.owes_replies():
+    # Every transport, not only those of transport_for(): a forked child also
+    # writes on transports it reached through objects made before the fork.
+    for transport in list(_every_transport):
+        if transport._pid == _process_id and transport.owes_replies():
             transport.drain(deadline)
 
 
