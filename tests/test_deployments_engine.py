@@ -21,6 +21,7 @@ from redis.exceptions import NoPermissionError
 from redis.sentinel import Sentinel
 
 from celery_redislock import LockBackendError, LockLostError, RedisLock
+from celery_redislock.admin import force_release, list_locks, read_lock
 from celery_redislock.client import get_client
 from celery_redislock.deployments import (
     AclUser,
@@ -666,6 +667,39 @@ def test_every_rule_of_the_minimal_acl_is_needed(
         assert logged == {("command", rule[1:])} or (
             not logged and f"run {rule[1:].upper()}" in problem
         )
+
+
+#: What the operator's reads add to MINIMAL_ACL (docs/deployments.md, ACL).
+OPERATOR_ACL = ("+scan", "+zcard")
+
+
+def test_operator_reads_need_scan_and_zcard(
+    redislock_acl_server_factory: Callable[..., AclUser],
+) -> None:
+    """With MINIMAL_ACL alone, listing and reading locks fail naming the permission
+    (a refused ZCARD is not taken for "no waiters"); with OPERATOR_ACL added, they
+    work without a refusal, as does force_release."""
+    locker = redislock_acl_server_factory(MINIMAL_ACL)
+    held_lock = RedisLock(locker.url, "operated", ttl=30)
+    assert held_lock.acquire()
+    client = locker.client()
+    with pytest.raises(LockBackendError, match="scan"):
+        list_locks(client)
+    with pytest.raises(LockBackendError, match="zcard"):
+        read_lock(client, "operated")
+    held_lock.release()
+    client.close()
+    operator = redislock_acl_server_factory((*MINIMAL_ACL, *OPERATOR_ACL))
+    lock = RedisLock(operator.url, "operated", ttl=30)
+    assert lock.acquire()
+    client = operator.client()
+    assert [info.name for info in list_locks(client)] == ["operated"]
+    info = read_lock(client, "operated")
+    assert info is not None
+    assert info.waiters == 0
+    assert force_release(client, "operated", fence=info.fence)
+    assert refusals(operator.server) == []
+    client.close()
 
 
 def refusals(server: RedisServer) -> list[dict[str, Any]]:

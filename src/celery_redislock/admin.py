@@ -441,9 +441,19 @@ def _float(value: bytes | str | None) -> float | None:
 
 
 def _parse(key: str, prefix: str, raw: Any, pttl: Any, waiters: Any) -> LockInfo | None:
-    """A :class:`LockInfo` from the replies read for ``key``; ``None`` unless it is held."""
+    """A :class:`LockInfo` from the replies read for ``key``; ``None`` unless it is held.
+
+    Raises:
+        redis.RedisError: a read the server refused (an ACL without ``ZCARD``, say),
+            rather than take it for an empty answer.
+    """
     if isinstance(raw, Exception):
-        return None  # not a lock key
+        if "WRONGTYPE" in str(raw):
+            return None  # not a lock key
+        raise raw
+    for reply in (pttl, waiters):
+        if isinstance(reply, Exception):
+            raise reply
     stored = decode_lock(raw)
     if OWNER_FIELD not in stored:
         return None  # gone since the scan, or free
@@ -564,7 +574,7 @@ def read_lock(
     first, *then = _read_commands(key)
     with backend_errors(f"read lock {name!r}"):
         replies = send(Router(client), key, first, Deadline.after(timeout), then)
-    return _parse(key, prefix, *replies)
+        return _parse(key, prefix, *replies)
 
 
 def find_locks(
