@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from celery_redislock import ServerNotFoundError
+from celery_redislock.client import url_shown
 from celery_redislock.server import RedisServer
 from example_worker import interrupt
 
@@ -191,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         except redis.ConnectionError as exc:
             print(
-                f"seckill: cannot reach Redis at {os.environ['REDIS_URL']}: {exc}", file=sys.stderr
+                f"seckill: cannot reach Redis at {url_shown(os.environ['REDIS_URL'])}: {exc}", file=sys.stderr
             )
             return 1
     except ServerNotFoundError as exc:

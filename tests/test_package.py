@@ -99,9 +99,16 @@ def test_wheel_holds_only_the_package(tmp_path: Path) -> None:
         names = archive.namelist()
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         declared = archive.read(entry_points).decode()
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        requires = [
+            line for line in archive.read(metadata).decode().splitlines()
+            if line.startswith("Requires-Dist:")
+        ]  # fmt: skip
     tops = {name.split("/", 1)[0] for name in names}
     assert tops == {"celery_redislock", "celery_redislock-0.1.0.dist-info"}, sorted(names)
     assert "celery_redislock/py.typed" in names
     assert "celery_redislock/testing.py" in names
     assert "[celery.commands]" in declared
     assert "pytest11" not in declared
+    # Celery's Redis transport needs more than redis-py: its [redis] extra.
+    assert any(re.match(r"Requires-Dist: celery\[redis\]", line) for line in requires), requires

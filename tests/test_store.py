@@ -14,6 +14,7 @@ from celery import Celery
 from redis.cluster import RedisCluster
 
 from celery_redislock import SingletonTask
+from celery_redislock import store as store_module
 from celery_redislock.client import get_client, url_shown
 from celery_redislock.deployments import ClusterDeployment, SentinelDeployment, TLSServer
 from celery_redislock.scripts import OWNER_FIELD, SEPARATOR
@@ -254,6 +255,66 @@ def test_task_sentinel_lock_url_with_transport_options(
     token, held = job.apply((uuid.uuid4().hex,)).get()
     assert isinstance(token, int)
     assert held
+    close_app(app)
+
+
+def test_sentinel_broker_options_of_the_transport_are_left_out(
+    redislock_sentinel: SentinelDeployment,
+) -> None:
+    """The broker's own transport options (visibility_timeout, ...) are not connection
+    options: the lock store on a Sentinel broker leaves them out; a missing
+    master_name names the setting it is read from."""
+    app = make(
+        "sentinel-broker-options",
+        broker_url=redislock_sentinel.sentinel_url,
+        broker_transport_options={
+            **redislock_sentinel.transport_options,
+            "visibility_timeout": 3600,
+            "socket_timeout": 4,
+        },
+    )
+    _token, held = job_of(app).apply((uuid.uuid4().hex,)).get()
+    assert held
+    close_app(app)
+    nameless = make(
+        "sentinel-broker-nameless",
+        broker_url=redislock_sentinel.sentinel_url,
+        broker_transport_options={"visibility_timeout": 3600},
+    )
+    with pytest.raises(ValueError, match=r"app\.conf\.broker_transport_options = "):
+        lock_store(nameless)
+    close_app(nameless)
+
+
+def test_broker_url_given_as_a_list_locks_on_the_first(redislock_server: RedisServer) -> None:
+    """A broker given as a list of failover URLs (as kombu takes it): the locks live on
+    the first; a list that is no Redis URL is refused without showing a password."""
+    app = make("broker-list", broker_url=[redislock_server.url, "redis://127.0.0.1:1/0"])
+    assert store_url(app)[0] == redislock_server.url
+    _token, held = job_of(app).apply((uuid.uuid4().hex,)).get()
+    assert held
+    close_app(app)
+    other = make("broker-list-amqp", broker_url=["amqp://user:s3cret@h1//"])
+    with pytest.raises(ValueError) as excinfo:
+        store_url(other)
+    assert "s3cret" not in str(excinfo.value)
+    close_app(other)
+
+
+def _store_in_child(app: Celery, conn: Connection) -> None:
+    conn.send(lock_store(app).ping())
+    conn.close()
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_child_forked_while_the_store_is_being_built_builds_its_own(
+    redislock_server: RedisServer,
+) -> None:
+    """A process forked while another thread builds the lock store (the store's lock
+    held, say in a slow redislock_client callable) resolves its own in the child."""
+    app = make("fork-while-building", redislock_client=lambda: redislock_server.client())
+    with store_module._guard:
+        assert in_forked_child(_store_in_child, app) is True
     close_app(app)
 
 

@@ -22,6 +22,7 @@ trips are bounded tighter by their callers (see :mod:`celery_redislock.transport
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import threading
@@ -111,14 +112,43 @@ def _stable(options: Mapping[str, Any]) -> str:
     return json.dumps(options, sort_keys=True, default=repr)
 
 
+#: The key under which :func:`sentinel_options` keeps the setting its options came
+#: from, to name it in a message.
+SETTING_KEY = "_setting"
+
+#: The keys of a Sentinel's transport options that are not the master's connection
+#: options: its name, the Sentinels' own options, and the setting they came from.
+_SENTINEL_KEYS = ("master_name", "sentinel_kwargs", SETTING_KEY)
+
+
+def sentinel_options(options: Mapping[str, Any], setting: str) -> dict[str, Any]:
+    """Of a Celery transport's ``options`` (``broker_transport_options``), those a
+    Sentinel lock store takes: the master's name, the Sentinels' options, and the
+    master's connection options redis-py knows; not the broker's own
+    (``visibility_timeout``, ...). ``setting`` names them in messages."""
+    known = _connection_parameters()
+    kept = {key: value for key, value in options.items() if key in _SENTINEL_KEYS or key in known}
+    kept[SETTING_KEY] = setting
+    return kept
+
+
+def _connection_parameters() -> frozenset[str]:
+    """The keyword arguments redis-py's connection classes take."""
+    names: set[str] = set()
+    for kind in (redis.connection.AbstractConnection, redis.connection.Connection):
+        names.update(inspect.signature(kind.__init__).parameters)
+    names.update(inspect.signature(redis.connection.SSLConnection.__init__).parameters)
+    return frozenset(names - {"self", "args", "kwargs"})
+
+
 def _sentinel_master(url: str, options: dict[str, Any]) -> redis.Redis:
     """A client of the master that the Sentinels in ``url`` name ``master_name``."""
+    setting = options.pop(SETTING_KEY, "app.conf.redislock_transport_options")
     master_name = options.pop("master_name", None)
     if not master_name:
         raise ValueError(
             f"the Sentinel URL {url_shown(url)!r} needs the master's name: set "
-            'app.conf.redislock_transport_options = {"master_name": "mymaster"} '
-            "(or broker_transport_options when the broker URL is used)"
+            f'{setting} = {{"master_name": "mymaster"}}'
         )
     sentinel_kwargs = dict(_TIMEOUTS, **options.pop("sentinel_kwargs", None) or {})
     hosts: list[tuple[str, int]] = []

@@ -28,7 +28,13 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from celery_redislock.client import URL_SCHEMES, check_url, get_client, url_shown
+from celery_redislock.client import (
+    URL_SCHEMES,
+    check_url,
+    get_client,
+    sentinel_options,
+    url_shown,
+)
 from celery_redislock.transport import Client
 
 #: A lock store given directly: a client, or a callable that builds one.
@@ -70,13 +76,21 @@ def store_url(app: Any) -> tuple[str, Mapping[str, Any]]:
         options = app.conf.get("redislock_transport_options")
         return url, check_transport_options(options, "app.conf.redislock_transport_options")
     broker = app.conf.broker_url or ""
+    if isinstance(broker, list | tuple) and broker:
+        # Failover URLs, as kombu takes them: the locks live on the first.
+        broker = broker[0]
     if not isinstance(broker, str) or not broker.startswith(URL_SCHEMES):
+        shown = url_shown(broker) if isinstance(broker, str) else type(broker).__name__
         raise ValueError(
             "no lock store: set app.conf.redislock_url (or redislock_client, or the task's "
-            f"lock_url); the broker URL {url_shown(str(broker))} is not a Redis URL"
+            f"lock_url); the broker URL {shown} is not a Redis URL"
         )
-    options = app.conf.get("broker_transport_options")
-    return broker, check_transport_options(options, "app.conf.broker_transport_options")
+    options = check_transport_options(
+        app.conf.get("broker_transport_options"), "app.conf.broker_transport_options"
+    )
+    # The broker's options are the transport's (visibility_timeout, ...): only those
+    # that name the Sentinels' master and connect to it apply to the lock store.
+    return broker, sentinel_options(options, "app.conf.broker_transport_options")
 
 
 #: The settings a lock store is resolved from. Each task execution needs the
@@ -165,5 +179,13 @@ def describe_store(app: Any, url: str | None = None) -> str:
     return url_shown(store_url(app)[0])
 
 
-# A forked child builds its own clients (see redislock_client).
-os.register_at_fork(after_in_child=_resolved.clear)
+def _forget_after_fork() -> None:
+    """A forked child builds its own clients (see ``redislock_client``), under a lock
+    of its own: another thread of the parent may have held this one as it forked."""
+    global _guard
+    _resolved.clear()
+    _built.clear()
+    _guard = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
