@@ -42,6 +42,7 @@ from celery_redislock.scripts import (
     COUNT_FIELD,
     FENCE_FIELD,
     FIELDS,
+    GRANT_MARK,
     GRANT_MS,
     LEASE_FIELD,
     OWNER_FIELD,
@@ -968,6 +969,28 @@ def test_a_waiter_that_leaves_gives_back_a_lock_handed_to_it(
     leaving._leave_queue(entry)
     assert field(client, holder.key, OWNER_FIELD) == "next-owner"
     assert client.zcard(holder.queue_key) == 0
+
+
+def test_a_spare_handed_the_lock_before_it_pauses_keeps_the_hand_over(
+    client: redis.Redis,
+) -> None:
+    """A spare about to let the first woken waiter go ahead, handed the lock by the
+    next release meanwhile, keeps that hand-over rather than forget it and pause."""
+    lock = RedisLock(client, "spare-handed", ttl=30)
+    hub = wakeups.hub_for(lock.transport, lock.prefix)
+    waiter = hub.join()
+    try:
+        hub._deliver(f"{waiter.id}{SPARE_MARK}")
+        assert waiter.spare
+        assert not hub.rearm_spare(waiter)  # nothing handed: the spare pauses
+        assert not waiter.woken
+        hub._deliver(f"{waiter.id}{SPARE_MARK}")
+        hub._deliver(f"{waiter.id}{GRANT_MARK}42")
+        assert hub.rearm_spare(waiter)
+        assert waiter.fence == 42
+        assert waiter.woken
+    finally:
+        hub.leave(waiter)
 
 
 def test_a_wake_up_read_after_a_later_try_does_not_hand_over_the_lock(

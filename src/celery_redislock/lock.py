@@ -1153,8 +1153,8 @@ class RedisLock:
                                 pause_for = GRANT_MS / 1000
                             if ends is not None:
                                 pause_for = min(pause_for, max(0.0, ends - time.monotonic()))
-                            hub.rearm(waiter)
-                            hub.wait(waiter, pause_for)
+                            if not hub.rearm_spare(waiter):
+                                hub.wait(waiter, pause_for)
                         if waiter.fence is not None and self._keep_handed(waiter.fence):
                             acquired = True
                             return True

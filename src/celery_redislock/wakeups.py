@@ -154,6 +154,17 @@ class WakeHub:
         waiter.fence = None
         waiter.event.clear()
 
+    def rearm_spare(self, waiter: Waiter) -> bool:
+        """Forget the spare's wake-up that woke ``waiter``, before it lets the first
+        woken waiter go ahead; unless a later wake-up handed it the lock meanwhile
+        (True: it keeps that, and takes the lock rather than pause)."""
+        with self._guard:
+            if waiter.fence is not None:
+                return True
+            waiter.woken = waiter.spare = waiter.behind = False
+            waiter.event.clear()
+            return False
+
     def wait(self, waiter: Waiter, timeout: float) -> bool:
         """Block until a wake-up names ``waiter`` since :meth:`rearm` (True), or
         ``timeout`` seconds pass (False).
@@ -229,12 +240,12 @@ class WakeHub:
         waiter_id, granted, fence = message.removesuffix(BEHIND_MARK).partition(GRANT_MARK)
         with self._guard:
             waiter = self._waiters.get(waiter_id)
-        if waiter is not None:
-            waiter.spare = spare
-            waiter.behind = behind
-            waiter.fence = int(fence) if granted and fence.isdigit() else None
-            waiter.woken = True
-            waiter.event.set()
+            if waiter is not None:
+                waiter.spare = spare
+                waiter.behind = behind
+                waiter.fence = int(fence) if granted and fence.isdigit() else None
+                waiter.woken = True
+                waiter.event.set()
 
     def _broke(self, conn: Any, error: RedisError) -> None:
         """A reader found ``conn`` broken: have the hub's thread subscribe again,
