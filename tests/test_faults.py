@@ -475,6 +475,25 @@ def test_holder_extended_past_its_ttl_then_cut_off_knows_before_anyone_else_can_
     direct.close()
 
 
+def test_waiter_that_gives_up_unsure_whether_it_queued_leaves_the_queue(
+    proxy: FaultProxy, server: RedisServer, direct: redis.Redis
+) -> None:
+    """A waiter whose try queued it but whose answer was lost gives up without knowing
+    its place: it leaves the queue all the same (once the server can be reached), so
+    the next release does not hand the lock to a waiter that is gone."""
+    holder = RedisLock(server.url, "unsure-queue", ttl=30)
+    assert holder.acquire()
+    waiter = RedisLock(proxy.url, "unsure-queue", ttl=30, call_timeout=0.3)
+    assert waiter.acquire(timeout=0.2) is False  # subscribed, scripts loaded, left
+    assert direct.zcard(holder.queue_key) == 0
+    proxy.drop_replies()
+    with pytest.raises(LockBackendError):
+        waiter.acquire(timeout=0.5)
+    proxy.heal()
+    wait_for(lambda: direct.zcard(holder.queue_key) == 0, timeout=10, what="the waiter to leave")
+    holder.release()
+
+
 def test_local_deadline_is_seen_without_the_heartbeat(server: RedisServer) -> None:
     """With no heartbeat at all, lost turns true once the TTL has run out since the acquire
     was sent; a fresh acquire makes it false again."""

@@ -1114,6 +1114,9 @@ class RedisLock:
         failing_since: float | None = None
         pause = 0.01
         last_try = False
+        # Whether a try was sent: each carries the entry, and one whose answer was
+        # lost may have queued it without this waiter learning its position.
+        sent = False
         try:
             while True:
                 now = time.monotonic()
@@ -1121,6 +1124,7 @@ class RedisLock:
                     if not hub.wait_ready(self._call_deadline(ends)):
                         raise RedisTimeoutError("the wake-up subscription is not in place")
                     hub.rearm(waiter)
+                    sent = True
                     if self._try_acquire(self._call_deadline(ends), request, entry):
                         acquired = True
                         if found_held:
@@ -1177,7 +1181,7 @@ class RedisLock:
                 pause = min(0.5, pause * 2)
         finally:
             hub.leave(waiter)
-            if not acquired and self._position is not None:
+            if not acquired and (self._position is not None or sent):
                 self._leave_queue(entry)
             self._position = None
 
