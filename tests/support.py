@@ -79,7 +79,7 @@ def make_app(url: str, name: str = "t") -> Celery:
     return app
 
 
-def acquire_in_thread(lock: Any, timeout: float) -> tuple[list[bool], threading.Thread]:
+def acquire_in_thread(lock: Any, timeout: float | None) -> tuple[list[bool], threading.Thread]:
     """Start ``lock.acquire(timeout=timeout)`` in a thread: where its outcome lands, and
     the thread (join it to read the outcome)."""
     got: list[bool] = []

@@ -971,6 +971,28 @@ def test_a_waiter_that_leaves_gives_back_a_lock_handed_to_it(
     assert client.zcard(holder.queue_key) == 0
 
 
+def test_waiters_gone_ahead_of_a_live_one_hold_it_up_only_until_it_asks_again(
+    client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first two queued waiters are gone (a worker killed with them): the release
+    hands the lock to the first and wakes the second, neither of which answers. The
+    live waiter behind them, asleep until the holder's TTL it saw, asks again after
+    RECHECK at the latest and takes the lock, long before that TTL."""
+    monkeypatch.setattr(lock_module, "RECHECK", 0.5)
+    holder = RedisLock(client, "ghosts-ahead", ttl=60)
+    assert holder.acquire()
+    ghosts = {queue_entry(f"gone{n}.1", f"gone-owner-{n}", 30_000, "", ""): n + 1 for n in range(2)}
+    client.zadd(holder.queue_key, ghosts)
+    live = RedisLock(client, "ghosts-ahead", ttl=60)
+    got, thread = acquire_in_thread(live, None)  # no deadline: it asks only when it must
+    assert wait_until(lambda: queued(client, holder) == 3)
+    holder.release()
+    thread.join(20)
+    assert got == [True]
+    live.release()
+    client.delete(holder.queue_key)
+
+
 def test_a_spare_handed_the_lock_before_it_pauses_keeps_the_hand_over(
     client: redis.Redis,
 ) -> None:

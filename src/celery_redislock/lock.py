@@ -104,6 +104,14 @@ FENCE_TTL_MS = 3_600_000
 #: key, and the free key goes with the lock's TTL rather than after FENCE_TTL_MS.
 KEEP_EXPIRY_MARGIN = 1.0
 
+#: The longest, in seconds, a waiter waits for a wake-up before it asks again. A
+#: release wakes the first two queued waiters; should both be gone (a worker
+#: killed with several waiting tasks), their grants lapse and wake nobody, and the
+#: next waiter, asleep until the holder's TTL it last saw, would leave the lock
+#: free for as long. (A wake-up lost with a subscription that died unnoticed is
+#: made up for the same way.)
+RECHECK = 5.0
+
 #: How long, in seconds, the second waiter a release wakes (the spare, woken in
 #: case the first has gone) waits before it asks for the lock: the first, which
 #: usually takes it within a millisecond, does not have to race it.
@@ -1136,6 +1144,7 @@ class RedisLock:
                         report()
                     failing_since, pause = None, 0.01
                     wait = self._pttl / 1000 if self._pttl > 0 else 0.001
+                    wait = min(wait, RECHECK)
                     if ends is not None:
                         remaining = ends - time.monotonic()
                         if remaining <= 0 or last_try:
