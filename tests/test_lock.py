@@ -1109,12 +1109,13 @@ def test_waiter_takes_over_the_reading_from_one_that_gave_up(
     assert stayer.result is True
 
 
-def test_waiters_are_served_in_the_order_they_queued(client: redis.Redis) -> None:
-    """Waiters get the lock first come, first served, and a newcomer asking as the
-    lock is released does not jump the queue."""
-    holder = RedisLock(client, "fifo", ttl=60)
-    assert holder.acquire()
-    locks = [RedisLock(client, "fifo", ttl=60) for _ in range(5)]
+def serve_waiters(
+    client: redis.Redis, holder: RedisLock, count: int, one_by_one: bool
+) -> tuple[list[int], list[BaseException]]:
+    """Queue ``count`` waiters behind ``holder`` (``one_by_one``: each queued before
+    the next starts), release it, and let each take the lock and release it in turn:
+    the order they took it in, and what they raised."""
+    locks = [RedisLock(client, holder.name, ttl=60) for _ in range(count)]
     order: list[int] = []
     errors: list[BaseException] = []
 
@@ -1128,16 +1129,28 @@ def test_waiters_are_served_in_the_order_they_queued(client: redis.Redis) -> Non
             errors.append(exc)
 
     threads = []
-    for index in range(5):
+    for index in range(count):
         thread = threading.Thread(target=wait_then_release, args=(index,))
         thread.start()
         threads.append(thread)
-        assert wait_until(partial(lambda waiting: queued(client, holder) == waiting, index + 1))
+        if one_by_one:
+            assert wait_until(partial(lambda waiting: queued(client, holder) == waiting, index + 1))
+    assert wait_until(lambda: queued(client, holder) == count)
     holder.release()
-    newcomer = RedisLock(client, "fifo", ttl=60)
-    assert not newcomer.acquire(blocking=False)
+    if one_by_one:
+        newcomer = RedisLock(client, holder.name, ttl=60)
+        assert not newcomer.acquire(blocking=False)
     for thread in threads:
         thread.join(30)
+    return order, errors
+
+
+def test_waiters_are_served_in_the_order_they_queued(client: redis.Redis) -> None:
+    """Waiters get the lock first come, first served, and a newcomer asking as the
+    lock is released does not jump the queue."""
+    holder = RedisLock(client, "fifo", ttl=60)
+    assert holder.acquire()
+    order, errors = serve_waiters(client, holder, 5, one_by_one=True)
     assert errors == []
     assert order == list(range(5))
 
@@ -1146,25 +1159,7 @@ def test_many_waiters_each_get_it_once(client: redis.Redis) -> None:
     """Several blocked waiters are served one after another as each releases."""
     holder = RedisLock(client, "queue", ttl=60)
     assert holder.acquire()
-    locks = [RedisLock(client, "queue", ttl=60) for _ in range(5)]
-    order: list[int] = []
-    errors: list[BaseException] = []
-
-    def wait_then_release(index: int) -> None:
-        try:
-            if locks[index].acquire(timeout=30):
-                order.append(index)
-                locks[index].release()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=wait_then_release, args=(i,)) for i in range(5)]
-    for thread in threads:
-        thread.start()
-    assert wait_until(lambda: queued(client, holder) == 5)
-    holder.release()
-    for thread in threads:
-        thread.join(30)
+    order, errors = serve_waiters(client, holder, 5, one_by_one=False)
     assert errors == []
     assert sorted(order) == list(range(5))
     assert not holder.locked()
