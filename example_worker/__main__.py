@@ -192,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         except redis.ConnectionError as exc:
             print(
-                f"seckill: cannot reach Redis at {url_shown(os.environ['REDIS_URL'])}: {exc}", file=sys.stderr
+                f"seckill: cannot reach Redis at {url_shown(os.environ['REDIS_URL'])}: {exc}",
+                file=sys.stderr,
             )
             return 1
     except ServerNotFoundError as exc:
