@@ -13,7 +13,10 @@ defining its tasks, or between uses, works; the first of these that is set wins:
    (``master_name``, ``sentinel_kwargs``, as Celery's
    ``broker_transport_options``; they serve a task's own ``sentinel://``
    ``lock_url`` too);
-3. the broker URL, when it is one of those, with ``broker_transport_options``.
+3. the broker URL (the first, of a list of failover URLs), when it is one of
+   those, with the Sentinel and connection options of
+   ``broker_transport_options`` (not the transport's own, such as
+   ``visibility_timeout``).
 """
 
 from __future__ import annotations
