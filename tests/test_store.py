@@ -390,6 +390,17 @@ def test_tls_url(redislock_tls_server: TLSServer) -> None:
     close_app(app)
 
 
+def test_tls_url_in_kombus_spelling(redislock_tls_server: TLSServer) -> None:
+    """A rediss:// URL that spells the certificate requirement as kombu does
+    (``ssl_cert_reqs=CERT_REQUIRED``, as a broker URL may) locks over TLS too."""
+    url = redislock_tls_server.url.replace("ssl_cert_reqs=required", "ssl_cert_reqs=CERT_REQUIRED")
+    assert "CERT_REQUIRED" in url
+    app = make("tls-kombu", redislock_url=url)
+    _token, held = job_of(app).apply((uuid.uuid4().hex,)).get()
+    assert held
+    close_app(app)
+
+
 def test_sentinel_options_reach_redis_py(redislock_sentinel: SentinelDeployment) -> None:
     """sentinel_kwargs go to the Sentinel connections, other transport options and the
     URL's password to the master's."""

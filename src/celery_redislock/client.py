@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -103,9 +104,22 @@ def get_client(url: str, transport_options: Mapping[str, Any] | None = None) -> 
                 if url.startswith("sentinel://"):
                     client = _sentinel_master(url, options)
                 else:
-                    client = redis.Redis.from_url(url, health_check_interval=30, **_TIMEOUTS)
+                    client = redis.Redis.from_url(
+                        _as_redis_py_url(url), health_check_interval=30, **_TIMEOUTS
+                    )
                 _clients[cache_key] = client
     return client
+
+
+#: kombu's spelling of a certificate requirement in a ``rediss://`` URL
+#: (``ssl_cert_reqs=CERT_REQUIRED``), which redis-py spells ``required``.
+_KOMBU_CERT_REQS = re.compile(r"(?i)(\bssl_cert_reqs=)CERT_(REQUIRED|OPTIONAL|NONE)\b")
+
+
+def _as_redis_py_url(url: str) -> str:
+    """``url`` with kombu's spellings of its settings turned into redis-py's: the
+    broker URL Celery takes serves as the lock store's."""
+    return _KOMBU_CERT_REQS.sub(lambda found: found[1] + found[2].lower(), url)
 
 
 def _stable(options: Mapping[str, Any]) -> str:
