@@ -22,7 +22,6 @@ through :func:`backend_errors`, the one place where they are translated.
 from __future__ import annotations
 
 import atexit
-import collections
 import importlib.util
 import logging
 import os
@@ -403,10 +402,9 @@ class Transport:
             return None
         broken: RedisError | None = None
         raised: BaseException | None = None
-        left = collections.deque(owed)
+        handed = 0
         try:
-            while left:
-                count, handler, _sent = left[0]
+            for count, handler, _sent in owed:
                 result: list[Any] | RedisError
                 if broken is None:
                     try:
@@ -415,16 +413,16 @@ class Transport:
                         broken = result = exc
                 else:
                     result = broken
-                left.popleft()
+                handed += 1
                 try:
                     _hand_over(handler, result)
                 except BaseException as exc:
                     raised = raised or exc
         finally:
-            if left:
+            if handed < len(owed):
                 link.close()
                 error = RedisConnectionError("interrupted before its reply was read")
-                for _count, handler, _sent in left:
+                for _count, handler, _sent in owed[handed:]:
                     _hand_over(handler, error)
         if raised is not None:
             raise raised
