@@ -67,6 +67,10 @@ STAND_INS: dict[str, str] = {
     "redis://:PASSWORD@redis.internal:6379": "password_server",
     "redis://locker:PASSWORD@redis.internal:6379": "acl_server",
     "rediss://redis.internal:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/ssl/ca.pem": "tls",
+    # A TLS broker without query parameters, and the CA file its broker_use_ssl names
+    # (after the URL above, which names the same file).
+    "rediss://redis.internal:6380/0": "tls_bare",
+    "/etc/ssl/ca.pem": "tls_ca",
     "sentinel://sentinel-1:26379;sentinel://sentinel-2:26379": "sentinel",
     'host="redis-cluster", port=6379': "cluster",
 }
@@ -264,6 +268,14 @@ class Deployments:
     def _start_tls(self) -> str:
         url: str = self._fixture("redislock_tls_server").url
         return url
+
+    def _start_tls_bare(self) -> str:
+        server = self._fixture("redislock_tls_server")
+        return f"rediss://{server.host}:{server.port}/0"
+
+    def _start_tls_ca(self) -> str:
+        path: str = self._fixture("redislock_tls_server").ca_path
+        return path
 
     def _start_sentinel(self) -> str:
         url: str = self._fixture("redislock_sentinel").sentinel_url

@@ -4,6 +4,7 @@ broker as a fallback, and SingletonTask end to end on Cluster, Sentinel and TLS.
 from __future__ import annotations
 
 import os
+import ssl
 import uuid
 from multiprocessing.connection import Connection
 from typing import Any
@@ -127,6 +128,28 @@ def test_store_is_resolved_again_only_when_its_settings_change(
     assert isinstance(again, redis.Redis)
     assert again.connection_pool.connection_kwargs["db"] == 3
     assert len(resolved) == 2
+    close_app(app)
+
+
+def test_config_from_object_after_first_use_is_picked_up(redislock_server: RedisServer) -> None:
+    """``config_from_object()`` on an app whose store was already resolved makes a new
+    configuration: the next use resolves the store from it."""
+
+    class First:
+        broker_url = "memory://"
+        redislock_url = redislock_server.url
+
+    class Second(First):
+        redislock_url = redislock_server.url.replace("/0", "/5")
+
+    app = Celery("from-object", set_as_current=False)
+    app.config_from_object(First)
+    first = lock_store(app)
+    assert first.connection_pool.connection_kwargs["db"] == 0  # type: ignore[union-attr]
+    app.config_from_object(Second)
+    again = lock_store(app)
+    assert again.connection_pool.connection_kwargs["db"] == 5  # type: ignore[union-attr]
+    assert lock_store(app) is again
     close_app(app)
 
 
@@ -398,6 +421,33 @@ def test_tls_url_in_kombus_spelling(redislock_tls_server: TLSServer) -> None:
     app = make("tls-kombu", redislock_url=url)
     _token, held = job_of(app).apply((uuid.uuid4().hex,)).get()
     assert held
+    close_app(app)
+
+
+@pytest.mark.parametrize("scheme", ["rediss", "redis"])
+def test_broker_use_ssl_reaches_the_lock_store(
+    redislock_tls_server: TLSServer, scheme: str
+) -> None:
+    """A broker URL without TLS options of its own, with ``broker_use_ssl`` as Celery's
+    Redis transport takes it (``ssl.CERT_REQUIRED``), locks over TLS: a ``redis://``
+    URL too, as kombu turns it into TLS."""
+    server = redislock_tls_server
+    app = make(
+        f"broker-ssl-{scheme}",
+        broker_url=f"{scheme}://{server.host}:{server.port}/0",
+        broker_use_ssl={"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": server.ca_path},
+    )
+    _token, held = job_of(app).apply((uuid.uuid4().hex,)).get()
+    assert held
+    assert describe_store(app).startswith("rediss://")
+    close_app(app)
+
+
+def test_broker_use_ssl_with_other_options_says_what_to_set() -> None:
+    """``broker_use_ssl`` options the lock store cannot take are refused by name."""
+    app = make("broker-ssl-bad", broker_url="redis://127.0.0.1:1/0", broker_use_ssl={"cert": "x"})
+    with pytest.raises(ValueError, match=r"broker_use_ssl.*not cert.*redislock_url"):
+        lock_store(app)
     close_app(app)
 
 

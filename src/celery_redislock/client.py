@@ -88,14 +88,16 @@ def get_client(url: str, transport_options: Mapping[str, Any] | None = None) -> 
     Arguments:
         url: a lock store URL (see the module docstring).
         transport_options: for a ``sentinel://`` URL, ``master_name`` (required),
-            ``sentinel_kwargs`` and any further keyword for the master's client.
+            ``sentinel_kwargs`` and any further keyword for the master's client;
+            for any other URL, keywords for its connections (the ``ssl_*`` options
+            of Celery's ``broker_use_ssl``, say).
 
     Raises:
         ValueError: the URL is not a Redis URL, or a Sentinel URL lacks ``master_name``.
     """
     check_url(url)
     options = dict(transport_options or {})
-    cache_key = url if not url.startswith("sentinel://") else f"{url}\0{_stable(options)}"
+    cache_key = f"{url}\0{_stable(options)}" if options else url
     client = _clients.get(cache_key)
     if client is None:
         with _guard:
@@ -105,7 +107,8 @@ def get_client(url: str, transport_options: Mapping[str, Any] | None = None) -> 
                     client = _sentinel_master(url, options)
                 else:
                     client = redis.Redis.from_url(
-                        _as_redis_py_url(url), health_check_interval=30, **_TIMEOUTS
+                        _as_redis_py_url(url),
+                        **{"health_check_interval": 30, **_TIMEOUTS, **options},
                     )
                 _clients[cache_key] = client
     return client

@@ -16,7 +16,10 @@ defining its tasks, or between uses, works; the first of these that is set wins:
 3. the broker URL (the first, of a list of failover URLs), when it is one of
    those, with the Sentinel and connection options of
    ``broker_transport_options`` (not the transport's own, such as
-   ``visibility_timeout``).
+   ``visibility_timeout``) and, for a ``redis://`` or ``rediss://`` broker, the
+   TLS options of ``broker_use_ssl`` (a dict of ``ssl_cert_reqs``,
+   ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, as Celery's Redis
+   transport takes it: then the locks, like the broker's messages, go over TLS).
 """
 
 from __future__ import annotations
@@ -91,9 +94,30 @@ def store_url(app: Any) -> tuple[str, Mapping[str, Any]]:
     options = check_transport_options(
         app.conf.get("broker_transport_options"), "app.conf.broker_transport_options"
     )
-    # The broker's options are the transport's (visibility_timeout, ...): only those
-    # that name the Sentinels' master and connect to it apply to the lock store.
-    return broker, sentinel_options(options, "app.conf.broker_transport_options")
+    if broker.startswith("sentinel://"):
+        # The broker's options are the transport's (visibility_timeout, ...): only
+        # those that name the Sentinels' master and connect to it apply here.
+        return broker, sentinel_options(options, "app.conf.broker_transport_options")
+    return _with_tls(broker, app.conf.get("broker_use_ssl"))
+
+
+def _with_tls(broker: str, use_ssl: object) -> tuple[str, Mapping[str, Any]]:
+    """The broker URL ``broker`` and the connection options that make the lock
+    store's connections what the broker's are, by ``broker_use_ssl``: a dict of
+    ``ssl_*`` options turns a ``redis://`` URL into a TLS one (as kombu does)."""
+    if not use_ssl or broker.startswith("unix://"):
+        return broker, {}
+    if not isinstance(use_ssl, Mapping):
+        # ``True``: kombu adds nothing; a rediss:// URL carries its own options.
+        return broker, {}
+    unknown = sorted(str(key) for key in use_ssl if not str(key).startswith("ssl_"))
+    if unknown:
+        raise ValueError(
+            f"app.conf.broker_use_ssl: the lock store takes only ssl_* options "
+            f"(ssl_cert_reqs, ssl_ca_certs, ssl_certfile, ssl_keyfile), not {', '.join(unknown)}; "
+            "or set app.conf.redislock_url to a rediss:// URL of its own"
+        )
+    return "rediss://" + broker.split("://", 1)[1], dict(use_ssl)
 
 
 #: The settings a lock store is resolved from. Each task execution needs the
@@ -106,8 +130,9 @@ _STORE_SETTINGS = (
     "redislock_transport_options",
     "broker_url",
     "broker_transport_options",
+    "broker_use_ssl",
 )
-_resolved: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], Client]] = (
+_resolved: weakref.WeakKeyDictionary[Any, tuple[Any, tuple[Any, ...], Client]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -126,18 +151,21 @@ def lock_store(app: Any, url: str | None = None) -> Client:
             )
         return get_client(url)
     known, settings = _resolved.get(app), _settings(app)
-    # The very same values as when it was resolved (compared by identity).
+    # The very same configuration, with the very same values as when it was
+    # resolved (compared by identity): ``config_from_object()`` on a configured
+    # app makes a new one.
     if (
         known is not None
         and settings
-        and len(known[0]) == len(settings)
-        and all(map(operator.is_, known[0], settings))
+        and known[0] is app.conf
+        and len(known[1]) == len(settings)
+        and all(map(operator.is_, known[1], settings))
     ):
-        return known[1]
+        return known[2]
     client = _resolve(app)
     # Read after resolving, which may have loaded the app's configuration (it
     # replaces the pending one until then).
-    _resolved[app] = (_settings(app), client)
+    _resolved[app] = (app.conf, _settings(app), client)
     return client
 
 
@@ -155,7 +183,7 @@ def _resolve(app: Any) -> Client:
     source = app.conf.get("redislock_client")
     if source is None:
         store, options = store_url(app)
-        return get_client(store, options if store.startswith("sentinel://") else None)
+        return get_client(store, options)
     check_client_source(source)
     if isinstance(source, redis.Redis | RedisCluster):
         return source
