@@ -47,6 +47,8 @@ class _Link:
         self.client = client
         self.stop_requested = False
         self.reset_requested = False
+        # A black hole of this connection's own (see FaultProxy.silence_open).
+        self.silenced = False
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="fault-proxy-link", daemon=True)
 
@@ -62,6 +64,11 @@ class _Link:
         finally:
             upstream.close()
             self.done.set()
+
+    @property
+    def dark(self) -> bool:
+        """Whether this connection forwards nothing now."""
+        return self.proxy.blackholed or self.silenced
 
     def _forward(self, upstream: socket.socket) -> None:
         """Move bytes both ways until a side closes, a fault resets, or the proxy stops."""
@@ -81,7 +88,7 @@ class _Link:
             # A side that hung up ends the link once what it sent is delivered; a
             # black hole hides the server's close from the client.
             if (not client_open and not to_server) or (
-                not upstream_open and not to_client and not proxy.blackholed
+                not upstream_open and not to_client and not self.dark
             ):
                 client.close()
                 return
@@ -97,7 +104,7 @@ class _Link:
                 if client in ready:
                     data = client.recv(65536)
                     client_open = bool(data)
-                    if data and not proxy.blackholed:
+                    if data and not self.dark:
                         to_server.append((time.monotonic() + proxy.latency, data))
                 if upstream in ready:
                     data = upstream.recv(65536)
@@ -106,7 +113,7 @@ class _Link:
                         # The reply exists, so the server ran the command: lose it.
                         _reset(client)
                         return
-                    if data and not proxy.blackholed:
+                    if data and not self.dark:
                         to_client.append((time.monotonic() + proxy.latency, data))
                 self._flush(to_server, upstream, to_server=True)
                 self._flush(to_client, client, to_server=False)
@@ -120,7 +127,7 @@ class _Link:
         """Send every chunk of ``queue`` that is due; a black hole discards them instead."""
         while queue and queue[0][0] <= time.monotonic():
             _, data = queue.popleft()
-            if self.proxy.blackholed:
+            if self.dark:
                 continue
             sock.sendall(data)
             if to_server:
@@ -136,7 +143,9 @@ class FaultProxy:
     * :meth:`reset_all` resets every open connection once;
     * :meth:`drop_replies` lets requests through but loses replies and resets;
     * :meth:`refuse` resets new connections as soon as they are accepted;
-    * :meth:`blackhole` forwards nothing and closes nothing.
+    * :meth:`blackhole` forwards nothing and closes nothing;
+    * :meth:`silence_open` does that to the connections open now only, as a
+      middlebox that forgot them would: new connections work.
     """
 
     host = "127.0.0.1"
@@ -286,6 +295,14 @@ class FaultProxy:
         their own timeouts. A server closing its side is not passed on either.
         """
         self.blackholed = True
+
+    def silence_open(self) -> int:
+        """Forward nothing either way on the connections open now, for good, and
+        close nothing; new connections work. Returns how many were silenced."""
+        links = self._open_links()
+        for link in links:
+            link.silenced = True
+        return len(links)
 
     def heal(self) -> None:
         """Clear every fault: no latency, no drops, no refusing, no black hole.

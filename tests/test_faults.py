@@ -531,6 +531,41 @@ def test_waiter_whose_subscription_is_reset_still_wakes_on_release(
     waiter.release()
 
 
+def test_a_subscription_that_went_silent_is_replaced(
+    proxy: FaultProxy, server: RedisServer, direct: redis.Redis
+) -> None:
+    """A middlebox forgets the waiter's connections (nothing passes, nothing is
+    closed; new connections work): the waiter's PING goes unanswered, its process
+    subscribes again, and the next release reaches the next waiter by a wake-up."""
+    holder = RedisLock(server.url, "silent", ttl=60)
+    assert holder.acquire()
+    waiter = RedisLock(redis.Redis.from_url(proxy.url), "silent", ttl=10)
+    got, thread = acquire_in_thread(waiter, 60)
+    hub = hub_for(waiter.transport, waiter.prefix)
+    wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
+    wait_for(lambda: hub.subscribed, what="the wake-up subscription")
+    subscriptions = hub.subscriptions
+    assert proxy.silence_open() >= 1
+    wait_for(
+        lambda: hub.subscribed and hub.subscriptions > subscriptions, what="the new subscription"
+    )
+    holder.release()
+    thread.join(30)
+    assert got == [True]
+    # Waiting again, on the new subscription: a release wakes it.
+    assert holder.acquire(blocking=False) is False
+    waiter.release()
+    assert holder.acquire(blocking=False)
+    got, thread = acquire_in_thread(waiter, 60)
+    wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter queued again")
+    received = hub.received
+    holder.release()
+    thread.join(30)
+    assert got == [True]
+    assert hub.received > received
+    waiter.release()
+
+
 def test_restart_while_held_and_waited_for(server: RedisServer, direct: redis.Redis) -> None:
     """A server restart (all data lost) while a lock is held and waited for: the holder
     finds its lock lost, the waiter gets it with a larger fencing token."""

@@ -19,6 +19,12 @@ sent in between would be lost: :meth:`WakeHub.wait_ready` blocks until it is.
 When a reader finds the subscription broken, the hub wakes every waiter (each
 then re-checks the lock and waits for the hub to be subscribed again) and
 subscribes again.
+
+A subscription can also die without a word: a firewall or load balancer that
+forgets an idle connection passes nothing on and closes nothing, and the server
+keeps a subscriber that no message reaches. So a reader that has heard nothing
+for :data:`PING_AFTER` seconds sends a ``PING`` down the subscription, and one
+that hears nothing for :data:`PONG_WAIT` seconds more takes it for broken.
 """
 
 from __future__ import annotations
@@ -53,6 +59,14 @@ IDLE_EXIT = 30.0
 #: How often a reader looks up from reading, and the hub's thread checks on the
 #: subscription, in seconds.
 _POLL = 0.5
+
+#: Seconds of silence on the subscription, while someone waits, after which a
+#: reader sends a ``PING`` to learn whether it still works.
+PING_AFTER = 1.0
+
+#: Seconds a reader waits for anything after its ``PING`` before it takes the
+#: subscription for broken (and the hub subscribes again).
+PONG_WAIT = 2.0
 
 _process = secrets.token_hex(8)
 _counter = itertools.count(1)
@@ -104,8 +118,13 @@ class WakeHub:
         self._conn: Any = None
         self._unread = b""
         self._reading = threading.Lock()
-        #: Wake-up messages received, for tests and benchmarks.
+        # When the subscription was last heard from, and when a PING was sent
+        # down it since (None: not since); kept by whoever holds the reading.
+        self._heard = 0.0
+        self._pinged: float | None = None
+        #: Wake-up messages received, and subscriptions made, for tests and benchmarks.
         self.received = 0
+        self.subscriptions = 0
 
     @property
     def subscribed(self) -> bool:
@@ -211,14 +230,39 @@ class WakeHub:
                 self.transport.bound(conn, min(remaining, _POLL))
                 data = _receive(conn)
             except RedisTimeoutError:
+                try:
+                    self._check_silence(conn)
+                except RedisError as exc:
+                    self._broke(conn, exc)
+                    return
                 continue
             except RedisError as exc:
                 self._broke(conn, exc)
                 return
+            self._heard, self._pinged = time.monotonic(), None
             replies, self._unread = parse_replies(self._unread + data)
             for reply in replies:
                 if isinstance(reply, list) and reply[:1] == [b"message"]:
                     self._deliver(reply[2].decode())
+
+    def _check_silence(self, conn: Any) -> None:
+        """After a read that got nothing: send a ``PING`` down ``conn`` once it has
+        been silent for :data:`PING_AFTER` seconds.
+
+        Raises:
+            redis.RedisError: nothing came for :data:`PONG_WAIT` seconds after the
+                ``PING``, or sending it failed: the subscription is broken.
+        """
+        now = time.monotonic()
+        if self._pinged is not None:
+            if now - self._pinged >= PONG_WAIT:
+                raise RedisTimeoutError(
+                    f"no answer to a PING on the wake-up subscription in {PONG_WAIT:g} s"
+                )
+        elif now - self._heard >= PING_AFTER:
+            self.transport.bound(conn, PONG_WAIT)
+            conn.send_command("PING", check_health=False)
+            self._pinged = now
 
     def _hand_over(self, leaving: Waiter) -> None:
         """Ring one waiter that follows (waits without reading) and is not woken yet,
@@ -287,6 +331,8 @@ class WakeHub:
                 pause = 0.05
                 with self._guard:
                     self._conn, self._unread = conn, rest
+                    self._heard, self._pinged = time.monotonic(), None
+                    self.subscriptions += 1
                 self._set_state(True)
                 if self._watch(conn):
                     return
