@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, bootsteps
+from celery import Celery, bootsteps, current_app
 from celery.worker import state as worker_state
 
 from celery_redislock import LockLostError, RedisLock, SingletonTask, is_skipped
@@ -106,6 +106,20 @@ def test_run_worker_returns_after_its_running_task_finished(
         assert not [thread.name for thread in pool_threads + ran_on if thread.is_alive()]
         assert_no_locks(redislock_client)
         assert result.get(timeout=10) is True
+    finally:
+        close_app(app)
+
+
+def test_run_worker_puts_the_current_app_back(redislock_server: RedisServer) -> None:
+    """Celery makes a worker's app the current and the default one: after the block,
+    the app that was current before is current again."""
+    before = current_app._get_current_object()
+    app = configure_app(Celery("kit-current", set_as_current=False), redislock_server.url)
+    app.conf.task_default_queue = "kit-current-queue"
+    try:
+        with run_worker(app):
+            assert current_app._get_current_object() is app
+        assert current_app._get_current_object() is before
     finally:
         close_app(app)
 

@@ -73,6 +73,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery import _state as celery_state
 from celery.contrib.testing.worker import TestWorkController, start_worker
 
 from celery_redislock.admin import LockInfo, glob_escape, list_locks, read_lock
@@ -257,7 +258,8 @@ def run_worker(
     A threads-pool worker consumes the app's default queue, executes tasks
     (locks, heartbeat, revokes and all) and answers remote-control commands;
     it stops, after the tasks it runs have finished, when the block ends, and
-    the root logger's level, which Celery sets for the worker, is put back.
+    what Celery changes for the worker is put back: the root logger's level, and
+    the current and default app (Celery makes ``app`` both).
     ``options`` go to Celery's ``start_worker`` (``hostname=``, ``queues=``…).
 
     Raises:
@@ -270,6 +272,7 @@ def run_worker(
     # is logged after the worker stopped must not depend on it.
     root = logging.getLogger()
     level = root.level
+    current, default = getattr(celery_state._tls, "current_app", None), celery_state.default_app
     try:
         worker_cm = start_worker(
             app,
@@ -294,6 +297,8 @@ def run_worker(
                 gc.collect()
     finally:
         root.setLevel(level)
+        celery_state._set_current_app(current)
+        celery_state.set_default_app(default)
 
 
 class _Worker(TestWorkController):  # type: ignore[misc]
