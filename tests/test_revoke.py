@@ -137,8 +137,14 @@ def revoke_by_control(app: Celery, result: Any) -> None:
     app.control.revoke(result.id)
 
 
-REVOKES = [revoke_by_result, revoke_by_control]
-REVOKE_IDS = ["AsyncResult.revoke", "app.control.revoke"]
+def revoke_by_terminate_command(app: Celery, result: Any) -> None:
+    """Revoke through the ``terminate`` control command (``celery control terminate``),
+    which Celery handles apart from ``revoke``."""
+    app.control.broadcast("terminate", arguments={"signal": "SIGTERM", "task_id": result.id})
+
+
+REVOKES = [revoke_by_result, revoke_by_control, revoke_by_terminate_command]
+REVOKE_IDS = ["AsyncResult.revoke", "app.control.revoke", "celery control terminate"]
 
 
 def test_singleton_task_adds_the_consumer_step(app: Celery) -> None:

@@ -1,7 +1,8 @@
 """Free the ``until_*`` lock of a task revoked while its message still waits.
 
-``AsyncResult.revoke()`` and ``app.control.revoke()`` both broadcast Celery's
-``revoke`` remote-control command to every running worker. Celery itself only
+``AsyncResult.revoke()``, ``app.control.revoke()`` and ``app.control.terminate()``
+broadcast Celery's ``revoke`` remote-control command to every running worker
+(``celery control terminate`` its ``terminate`` command, which revokes too). Celery itself only
 drops a revoked message when a worker gets to it — at its ETA, or once a busy
 worker has a free slot — and the ``task_revoked`` handler frees the lock then.
 Until that moment the lock taken by ``apply_async`` would keep the key, and a
@@ -10,8 +11,8 @@ Until that moment the lock taken by ``apply_async`` would keep the key, and a
 :class:`RevokedLockRelease` is a consumer bootstep that a SingletonTask adds to
 ``app.steps["consumer"]`` when it is bound to the app, so every worker of an app
 with singleton tasks runs it, in the process that handles control commands (the
-prefork pool's parent). It gives its worker's remote-control node a ``revoke``
-handler that runs Celery's own and then, for each revoked task id, frees the
+prefork pool's parent). It gives its worker's remote-control node ``revoke``
+and ``terminate`` handlers that run Celery's own and then, for each revoked task id, frees the
 ``until_*`` lock still held for the task's message:
 
 * a request this worker holds and has not started (waiting for its ETA or a
@@ -287,12 +288,33 @@ def _text(value: bytes | str | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
+#: The remote-control commands that revoke tasks by id.
+REVOKING_COMMANDS = ("revoke", "terminate")
+
+
+def _then_sweep(original: Any, sweeper: RevokeSweeper) -> Any:
+    """A control handler that runs ``original``, then has ``sweeper`` free the
+    locks of the task ids it revoked."""
+
+    def handler(state: Any, **arguments: Any) -> Any:
+        reply = original(state, **arguments)
+        try:
+            sweeper.revoked(maybe_list(arguments.get("task_id")) or [])
+        except Exception as exc:  # the control command's reply must not change
+            logger.warning("could not free the locks of revoked tasks: %s", exc)
+        return reply
+
+    handler.redislock_wrapped = True  # type: ignore[attr-defined]
+    return handler
+
+
 class RevokedLockRelease(bootsteps.StartStopStep):  # type: ignore[misc]
     """Consumer bootstep: after Celery's ``revoke``, free the ``until_*`` locks of revoked tasks.
 
     Added to ``app.steps["consumer"]`` when a SingletonTask is bound to the app.
-    It wraps the ``revoke`` handler of this worker's own remote-control node
-    (the shared registry of commands, ``Panel.data``, is left as it is).
+    It wraps the ``revoke`` and ``terminate`` handlers of this worker's own
+    remote-control node (the shared registry of commands, ``Panel.data``, is left
+    as it is).
     """
 
     requires = ("celery.worker.consumer.control:Control",)
@@ -303,26 +325,22 @@ class RevokedLockRelease(bootsteps.StartStopStep):  # type: ignore[misc]
         self.sweeper: RevokeSweeper | None = None
 
     def start(self, c: Any) -> None:
-        """Wrap the node's ``revoke`` handler (once: a consumer restart starts steps again)."""
+        """Wrap the node's ``revoke`` and ``terminate`` handlers (once: a consumer
+        restart starts steps again). ``terminate`` (``celery control terminate``)
+        calls Celery's revoke function itself, not the node's ``revoke`` handler."""
         control = c.blueprint.steps.get(CONTROL_STEP)
         node = getattr(getattr(control, "box", None), "node", None)
         if node is None:
             return
-        original = node.handlers.get("revoke")
-        if original is None or getattr(original, "redislock_wrapped", False):
-            return
-        sweeper = self.sweeper = RevokeSweeper(c.app)
-
-        def revoke(state: Any, **arguments: Any) -> Any:
-            reply = original(state, **arguments)
-            try:
-                sweeper.revoked(maybe_list(arguments.get("task_id")) or [])
-            except Exception as exc:  # the control command's reply must not change
-                logger.warning("could not free the locks of revoked tasks: %s", exc)
-            return reply
-
-        revoke.redislock_wrapped = True  # type: ignore[attr-defined]
-        node.handlers = {**node.handlers, "revoke": revoke}
+        handlers = dict(node.handlers)
+        for command in REVOKING_COMMANDS:
+            original = handlers.get(command)
+            if original is None or getattr(original, "redislock_wrapped", False):
+                continue
+            if self.sweeper is None:
+                self.sweeper = RevokeSweeper(c.app)
+            handlers[command] = _then_sweep(original, self.sweeper)
+        node.handlers = handlers
 
     def shutdown(self, c: Any) -> None:
         """Stop the sweeper thread when the worker shuts down."""
