@@ -400,6 +400,36 @@ def test_ping(redislock_server: RedisServer) -> None:
     assert f"lock store {redislock_server.url}: ok (server " in result.stdout
 
 
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl", "noeviction"])
+def test_ping_warns_about_a_server_that_evicts_locks(
+    redislock_server: RedisServer, redislock_server_factory: Callable[..., RedisServer], policy: str
+) -> None:
+    """`ping` warns on stderr about a lock store with a memory limit enforced by
+    evicting keys (lock keys all have an expiry, so volatile-* evicts them too),
+    and not about noeviction; it succeeds either way."""
+    store = redislock_server_factory()
+    store.client().config_set("maxmemory", "100mb")
+    store.client().config_set("maxmemory-policy", policy)
+    result = celery(redislock_server.url, "ping", REDISLOCK_TEST_LOCK_URL=store.url)
+    assert result.returncode == 0, result.stderr
+    assert f"lock store {store.url}: ok (server " in result.stdout
+    warned = f"maxmemory-policy {policy} evicts keys" in result.stderr
+    assert warned is (policy != "noeviction"), result.stderr
+    if warned:
+        assert "set maxmemory-policy noeviction" in result.stderr
+
+
+def test_ping_does_not_warn_without_a_memory_limit(
+    redislock_server: RedisServer, redislock_server_factory: Callable[..., RedisServer]
+) -> None:
+    """Without maxmemory the server evicts nothing, whatever its policy says."""
+    store = redislock_server_factory()
+    store.client().config_set("maxmemory-policy", "allkeys-lru")
+    result = celery(redislock_server.url, "ping", REDISLOCK_TEST_LOCK_URL=store.url)
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr
+
+
 def test_unreachable_store_is_one_line_without_password(redislock_server: RedisServer) -> None:
     """With the lock store down, a command prints one line naming the store (password
     hidden) and why, and exits non-zero: no traceback."""

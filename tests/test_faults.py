@@ -566,6 +566,40 @@ def test_a_subscription_that_went_silent_is_replaced(
     waiter.release()
 
 
+def test_a_lock_evicted_by_the_server_is_lost_and_fenced(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """A server short of memory under an eviction policy drops a held lock's key:
+    the holder's next renewal finds it gone (``on_lost``), its release raises
+    LockLostError, and the next holder gets a larger fencing token (seeded from
+    the server clock, as for an expired key)."""
+    lost: list[RedisLock] = []
+    holder = RedisLock(server.url, "evicted", ttl=3, on_lost=lost.append)
+    assert holder.acquire()
+    assert direct.exists(holder.key)
+    used = int(direct.info("memory")["used_memory"])
+    direct.config_set("maxmemory-policy", "allkeys-random")
+    direct.config_set("maxmemory", used + 1_000_000)
+    try:
+        for i in range(200_000):
+            direct.set(f"fill:{i}", "x" * 1000)
+            if i % 100 == 0 and not direct.exists(holder.key):
+                break
+        assert not direct.exists(holder.key), "the lock key was never evicted"
+        wait_for(lambda: lost == [holder], what="the holder told of its loss")
+    finally:
+        direct.config_set("maxmemory", 0)
+        direct.flushall()
+    with pytest.raises(LockLostError):
+        holder.release()
+    successor = RedisLock(server.url, "evicted", ttl=10)
+    assert successor.acquire(blocking=False)
+    assert successor.token is not None
+    assert holder.token is not None
+    assert successor.token > holder.token
+    successor.release()
+
+
 def test_restart_while_held_and_waited_for(server: RedisServer, direct: redis.Redis) -> None:
     """A server restart (all data lost) while a lock is held and waited for: the holder
     finds its lock lost, the waiter gets it with a larger fencing token."""

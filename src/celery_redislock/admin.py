@@ -892,24 +892,68 @@ def is_cluster(client: Client) -> bool:
     return isinstance(client, RedisCluster)
 
 
-def server_versions(client: Client, timeout: float = DEFAULT_CALL_TIMEOUT) -> list[str]:
-    """The server version of each primary of the lock store (``INFO server``).
+#: The ``maxmemory-policy`` values under which the server never drops a key to
+#: make room: ``noeviction`` refuses writes instead.
+SAFE_MEMORY_POLICIES = ("noeviction",)
+
+
+class ServerFacts(NamedTuple):
+    """What ``celery redislock ping`` reports of one primary of the lock store."""
+
+    #: The server's version (``redis_version``, or ``valkey_version`` for Valkey).
+    version: str
+    #: Its memory limit in bytes (``maxmemory``; 0: none).
+    maxmemory: int
+    #: What it does when the limit is reached (``maxmemory-policy``).
+    policy: str
+
+    @property
+    def evicts_locks(self) -> bool:
+        """Whether the server may drop a held lock's key to make room: every lock
+        key has an expiry, so the ``volatile-*`` policies evict them as the
+        ``allkeys-*`` ones do."""
+        return self.maxmemory > 0 and self.policy not in SAFE_MEMORY_POLICIES
+
+
+def server_facts(client: Client, timeout: float = DEFAULT_CALL_TIMEOUT) -> list[ServerFacts]:
+    """The version and memory settings of each primary of the lock store
+    (``INFO server`` and ``INFO memory``, in one round trip per primary).
 
     Raises:
         LockBackendError: the store could not be reached.
     """
-    versions = []
+    facts = []
     with backend_errors("reach the lock store"):
         for transport in Router(client).transports():
-            (reply,) = run(transport, [("INFO", "server")], Deadline.after(timeout))
-            if isinstance(reply, Exception):
-                raise reply
-            text = _text(reply) or ""
-            fields = dict(
-                line.split(":", 1) for line in text.splitlines() if ":" in line and line[0] != "#"
+            commands = [("INFO", "server"), ("INFO", "memory")]
+            fields: dict[str, str] = {}
+            for reply in run(transport, commands, Deadline.after(timeout)):
+                if isinstance(reply, Exception):
+                    raise reply
+                text = _text(reply) or ""
+                for line in text.splitlines():
+                    name, colon, value = line.partition(":")
+                    if colon and not name.startswith("#"):
+                        fields[name] = value
+            version = fields.get("valkey_version") or fields.get("redis_version") or "?"
+            limit = fields.get("maxmemory", "0")
+            facts.append(
+                ServerFacts(
+                    version=version,
+                    maxmemory=int(limit) if limit.isdigit() else 0,
+                    policy=fields.get("maxmemory_policy", "noeviction"),
+                )
             )
-            versions.append(fields.get("valkey_version") or fields.get("redis_version") or "?")
-    return versions
+    return facts
+
+
+def server_versions(client: Client, timeout: float = DEFAULT_CALL_TIMEOUT) -> list[str]:
+    """The server version of each primary of the lock store.
+
+    Raises:
+        LockBackendError: the store could not be reached.
+    """
+    return [facts.version for facts in server_facts(client, timeout)]
 
 
 def short_reason(exc: BaseException) -> str:

@@ -45,7 +45,7 @@ from celery_redislock.admin import (
     list_locks,
     lock_stats,
     read_lock,
-    server_versions,
+    server_facts,
     short_reason,
     worker_activity,
 )
@@ -205,13 +205,23 @@ def redislock(ctx: click.Context) -> None:
 @click.pass_context
 @one_line_errors
 def ping(ctx: click.Context) -> None:
-    """Check that the lock store answers, and show its server version."""
+    """Check that the lock store answers, and show its server version.
+
+    Warns (on stderr) about a server whose memory limit is enforced by evicting
+    keys: a held lock evicted is a lock lost.
+    """
     for store in _stores_of(ctx):
-        versions = server_versions(store.client)
-        primaries = f"{len(versions)} primaries, " if len(versions) > 1 else ""
-        click.echo(
-            f"lock store {store.description}: ok ({primaries}server {', '.join(sorted(set(versions)))})"
-        )
+        facts = server_facts(store.client)
+        versions = sorted({fact.version for fact in facts})
+        primaries = f"{len(facts)} primaries, " if len(facts) > 1 else ""
+        click.echo(f"lock store {store.description}: ok ({primaries}server {', '.join(versions)})")
+        for policy in sorted({fact.policy for fact in facts if fact.evicts_locks}):
+            click.echo(
+                f"warning: lock store {store.description}: maxmemory-policy {policy} evicts keys "
+                "when the memory limit is reached, held locks included (a lock evicted is "
+                "lost); set maxmemory-policy noeviction on the lock store",
+                err=True,
+            )
 
 
 def _collect(
