@@ -35,6 +35,7 @@ from celery_redislock.lock import lock_keys, release_lease
 from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import Client, transport_for
+from celery_redislock.wakeups import PROBE_AFTER, PROBE_WAIT, hub_for
 from tests.proxy import FaultProxy
 from tests.support import fields, wait_for, write_fields
 
@@ -642,6 +643,26 @@ def test_minimal_acl_is_enough(redislock_acl_server_factory: Callable[..., AclUs
     user = redislock_acl_server_factory(MINIMAL_ACL)
     assert exercise(user) is None
     assert refusals(user.server) == []
+
+
+def test_the_wake_up_probe_needs_no_more_than_the_minimal_acl(
+    redislock_acl_server_factory: Callable[..., AclUser],
+) -> None:
+    """A waiter that hears nothing for PROBE_AFTER seconds probes its subscription
+    (subscribes again, which MINIMAL_ACL allows): the server answers, nothing is
+    refused, and the subscription is kept."""
+    user = redislock_acl_server_factory(MINIMAL_ACL)
+    holder = RedisLock(user.url, "probed", ttl=10)
+    assert holder.acquire()
+    waiter = RedisLock(user.url, "probed", ttl=10)
+    assert not waiter.acquire(timeout=PROBE_AFTER + PROBE_WAIT)
+    admin = user.server.client()
+    subscribes = admin.info("commandstats")["cmdstat_subscribe"]["calls"]
+    admin.close()
+    assert subscribes >= 2
+    assert hub_for(waiter.transport, waiter.prefix).subscriptions == 1
+    assert refusals(user.server) == []
+    holder.release()
 
 
 @pytest.mark.parametrize("rule", [rule for rule in MINIMAL_ACL if rule != "-@all"])

@@ -3,6 +3,7 @@ replies, black holes, dropped lock objects (see the fault table of docs/guarante
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -535,7 +536,7 @@ def test_a_subscription_that_went_silent_is_replaced(
     proxy: FaultProxy, server: RedisServer, direct: redis.Redis
 ) -> None:
     """A middlebox forgets the waiter's connections (nothing passes, nothing is
-    closed; new connections work): the waiter's PING goes unanswered, its process
+    closed; new connections work): the waiter's probe goes unanswered, its process
     subscribes again, and the next release reaches the next waiter by a wake-up."""
     holder = RedisLock(server.url, "silent", ttl=60)
     assert holder.acquire()
@@ -598,6 +599,89 @@ def test_a_lock_evicted_by_the_server_is_lost_and_fenced(
     assert holder.token is not None
     assert successor.token > holder.token
     successor.release()
+
+
+@contextlib.contextmanager
+def out_of_memory(client: redis.Redis) -> Iterator[None]:
+    """The server refuses every write that needs memory (``maxmemory`` below what
+    it uses, ``noeviction``), as a server that ran out does, until the block ends."""
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)
+    try:
+        yield
+    finally:
+        client.config_set("maxmemory", 0)
+
+
+def test_out_of_memory_acquire_fails_saying_so_and_writes_nothing(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """A server out of memory refuses a new lock: the acquire raises
+    LockBackendError saying what ran out and what to do, and no key is written."""
+    lock = RedisLock(server.url, "oom-new", ttl=30)
+    with out_of_memory(direct), pytest.raises(LockBackendError) as raised:
+        lock.acquire(blocking=False)
+    message = str(raised.value)
+    assert "out of memory" in message
+    assert "maxmemory" in message
+    assert not direct.exists(lock.key)
+    assert lock.acquire(blocking=False)
+    lock.release()
+
+
+def test_out_of_memory_a_held_lock_is_renewed_and_released(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """Holds taken before the server ran out of memory are still renewed (an
+    expiry needs no memory) and released: the key is deleted rather than left
+    to its TTL, so the next holder need not wait; its fencing token is larger
+    (seeded from the server clock, as after an expiry)."""
+    lock = RedisLock(server.url, "oom-held", ttl=30)
+    assert lock.acquire()
+    first = lock.token
+    with out_of_memory(direct):
+        lock.extend()
+        assert direct.pttl(lock.key) > 25_000
+        lock.release()
+        assert not direct.exists(lock.key)
+    assert lock.acquire(blocking=False)
+    assert lock.token is not None
+    assert first is not None
+    assert lock.token > first
+    lock.release()
+
+
+def test_out_of_memory_release_with_a_waiter_wakes_it(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """A release on a server out of memory cannot hand the lock to a queued waiter
+    (that is a write); it frees the lock and wakes the waiter, whose own try then
+    fails, saying why, long before its timeout."""
+    holder = RedisLock(server.url, "oom-wait", ttl=30)
+    assert holder.acquire()
+    waiter = RedisLock(server.url, "oom-wait", ttl=30)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            waiter.acquire(timeout=120)
+        except LockBackendError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
+    hub = hub_for(waiter.transport, waiter.prefix)
+    received = hub.received
+    with out_of_memory(direct):
+        holder.release()
+        assert not direct.exists(holder.key)
+        thread.join(30)
+        assert not thread.is_alive()
+    assert hub.received > received
+    assert len(errors) == 1
+    assert "out of memory" in str(errors[0])
+    direct.delete(holder.queue_key)
 
 
 def test_restart_while_held_and_waited_for(server: RedisServer, direct: redis.Redis) -> None:

@@ -46,7 +46,8 @@ is always written whole, with its expiry in the same ``SET`` (``PX``, or
 and one write. A free lock keeps its fence (and the releases it remembers), so
 the fencing counter needs no second key. When the key has expired, or the server
 lost its data, the next token is seeded from the server clock in microseconds,
-so tokens keep increasing.
+so tokens keep increasing. (A server out of memory refuses the write that frees
+a lock: the release then deletes the key, which needs no memory.)
 
 Waiters queue in a sorted set beside the lock key (score: when they first queued;
 member: the waiter's :func:`queue_entry`), and a release that frees the lock wakes
@@ -322,7 +323,10 @@ end
 -- Write the lock's fields (strings) as its key's value, with an expiry of ``ms``,
 -- or the key's own expiry for nil (only for a key that exists: else it would have
 -- none). The empty fields at the end are left out; the others are filled in.
-local function write(lock, ms)
+-- With ``or_delete``, a write the server refuses for want of memory (``OOM``)
+-- deletes the key instead (an expiry of 0, which needs no memory), and returns
+-- false.
+local function write(lock, ms, or_delete)
     local last = lock.tail and $TASK - 1 or $FIELD_COUNT
     while not lock.tail and last > 0 and (lock[last] or '') == '' do last = last - 1 end
     for place = 1, last do
@@ -330,8 +334,15 @@ local function write(lock, ms)
     end
     local raw = table.concat(lock, $SEPARATOR, 1, last)
     if lock.tail then raw = raw .. $SEPARATOR .. lock.tail end
-    if ms then return redis.call('SET', KEYS[1], raw, 'PX', ms) end
-    return redis.call('SET', KEYS[1], raw, 'KEEPTTL')
+    local set = or_delete and redis.pcall or redis.call
+    local reply
+    if ms then reply = set('SET', KEYS[1], raw, 'PX', ms) else reply = set('SET', KEYS[1], raw, 'KEEPTTL') end
+    if type(reply) == 'table' and reply.err then
+        if string.sub(reply.err, 1, 4) ~= 'OOM ' then error(reply) end
+        redis.call('PEXPIRE', KEYS[1], 0)
+        return false
+    end
+    return reply
 end
 """)
 
@@ -403,7 +414,12 @@ local function free(lock)
     -- it asks only if the grant runs out first).
     if #woken > 1 then messages[2] = woken[2] .. (grant and $BEHIND or '') .. $SPARE end
     if #next > 0 then new[$QUEUED] = '1' end
-    write(new, ms)
+    if not write(new, ms, true) then
+        -- Out of memory, the key deleted: nothing was handed over or kept for
+        -- the woken, who are woken to ask (and fail while memory is short).
+        messages[1] = woken[1]
+        if #woken > 1 then messages[2] = woken[2] .. $SPARE end
+    end
     if #next > 0 then
         -- Only the first leaves the queue: the second (the spare) leaves it only
         -- by taking the lock, so while it lets the first go ahead the next

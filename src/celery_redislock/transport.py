@@ -41,6 +41,7 @@ from redis.exceptions import (
     AskError,
     MovedError,
     NoPermissionError,
+    OutOfMemoryError,
     ReadOnlyError,
     RedisError,
     ResponseError,
@@ -1035,6 +1036,11 @@ def describe_error(exc: BaseException) -> str:
         return (
             f"{exc} (the Redis user lacks a permission the locks need: see the "
             "ACL section of the documentation's Deployments page)"
+        )
+    if isinstance(exc, OutOfMemoryError) or str(exc).startswith("OOM "):
+        return (
+            f"{exc} (the lock store is out of memory: it takes no new lock until memory "
+            "is freed or its maxmemory raised; held locks are still renewed and freed)"
         )
     if isinstance(exc, RedisTimeoutError):
         return f"timed out ({exc})"

@@ -23,8 +23,10 @@ subscribes again.
 A subscription can also die without a word: a firewall or load balancer that
 forgets an idle connection passes nothing on and closes nothing, and the server
 keeps a subscriber that no message reaches. So a reader that has heard nothing
-for :data:`PING_AFTER` seconds sends a ``PING`` down the subscription, and one
-that hears nothing for :data:`PONG_WAIT` seconds more takes it for broken.
+for :data:`PROBE_AFTER` seconds asks the server for a word: it subscribes to its
+channel again, which the server confirms (a subscribed connection can send
+little else, and ``PING`` would need a permission the locks' ACL does not give);
+one that hears nothing for :data:`PROBE_WAIT` seconds more takes it for broken.
 """
 
 from __future__ import annotations
@@ -61,12 +63,12 @@ IDLE_EXIT = 30.0
 _POLL = 0.5
 
 #: Seconds of silence on the subscription, while someone waits, after which a
-#: reader sends a ``PING`` to learn whether it still works.
-PING_AFTER = 1.0
+#: reader subscribes again (a probe the server answers) to learn whether it works.
+PROBE_AFTER = 1.0
 
-#: Seconds a reader waits for anything after its ``PING`` before it takes the
-#: subscription for broken (and the hub subscribes again).
-PONG_WAIT = 2.0
+#: Seconds a reader waits for anything after its probe before it takes the
+#: subscription for broken (and the hub subscribes again on a new connection).
+PROBE_WAIT = 2.0
 
 _process = secrets.token_hex(8)
 _counter = itertools.count(1)
@@ -118,10 +120,10 @@ class WakeHub:
         self._conn: Any = None
         self._unread = b""
         self._reading = threading.Lock()
-        # When the subscription was last heard from, and when a PING was sent
+        # When the subscription was last heard from, and when a probe was sent
         # down it since (None: not since); kept by whoever holds the reading.
         self._heard = 0.0
-        self._pinged: float | None = None
+        self._probed: float | None = None
         #: Wake-up messages received, and subscriptions made, for tests and benchmarks.
         self.received = 0
         self.subscriptions = 0
@@ -239,30 +241,30 @@ class WakeHub:
             except RedisError as exc:
                 self._broke(conn, exc)
                 return
-            self._heard, self._pinged = time.monotonic(), None
+            self._heard, self._probed = time.monotonic(), None
             replies, self._unread = parse_replies(self._unread + data)
             for reply in replies:
                 if isinstance(reply, list) and reply[:1] == [b"message"]:
                     self._deliver(reply[2].decode())
 
     def _check_silence(self, conn: Any) -> None:
-        """After a read that got nothing: send a ``PING`` down ``conn`` once it has
-        been silent for :data:`PING_AFTER` seconds.
+        """After a read that got nothing: probe ``conn`` once it has been silent
+        for :data:`PROBE_AFTER` seconds (see the module docstring).
 
         Raises:
-            redis.RedisError: nothing came for :data:`PONG_WAIT` seconds after the
-                ``PING``, or sending it failed: the subscription is broken.
+            redis.RedisError: nothing came for :data:`PROBE_WAIT` seconds after the
+                probe, or sending it failed: the subscription is broken.
         """
         now = time.monotonic()
-        if self._pinged is not None:
-            if now - self._pinged >= PONG_WAIT:
+        if self._probed is not None:
+            if now - self._probed >= PROBE_WAIT:
                 raise RedisTimeoutError(
-                    f"no answer to a PING on the wake-up subscription in {PONG_WAIT:g} s"
+                    f"the wake-up subscription answered nothing in {PROBE_WAIT:g} s"
                 )
-        elif now - self._heard >= PING_AFTER:
-            self.transport.bound(conn, PONG_WAIT)
-            conn.send_command("PING", check_health=False)
-            self._pinged = now
+        elif now - self._heard >= PROBE_AFTER:
+            self.transport.bound(conn, PROBE_WAIT)
+            conn.send_command("SUBSCRIBE", self.channel, check_health=False)
+            self._probed = now
 
     def _hand_over(self, leaving: Waiter) -> None:
         """Ring one waiter that follows (waits without reading) and is not woken yet,
@@ -331,7 +333,7 @@ class WakeHub:
                 pause = 0.05
                 with self._guard:
                     self._conn, self._unread = conn, rest
-                    self._heard, self._pinged = time.monotonic(), None
+                    self._heard, self._probed = time.monotonic(), None
                     self.subscriptions += 1
                 self._set_state(True)
                 if self._watch(conn):
