@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redislock import LockBackendError, LockLostError, RedisLock
+from celery_redislock import LockBackendError, LockLostError, RedisLock, SingletonTask
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import lock_keys, release_lease, wake_channel_prefix
 from celery_redislock.scripts import ACQUIRE, EXTEND, FENCE_FIELD, RELEASE
@@ -22,7 +22,15 @@ from celery_redislock.server import RedisServer
 from celery_redislock.transport import pack, transport_for
 from celery_redislock.wakeups import hub_for
 from tests.proxy import FaultProxy
-from tests.support import acquire_in_thread, field, held, wait_for, wait_until
+from tests.support import (
+    acquire_in_thread,
+    close_app,
+    field,
+    held,
+    make_app,
+    wait_for,
+    wait_until,
+)
 from tests.support import hold_count as stored_hold_count
 
 
@@ -649,6 +657,35 @@ def test_out_of_memory_a_held_lock_is_renewed_and_released(
     assert first is not None
     assert lock.token > first
     lock.release()
+
+
+@pytest.mark.parametrize("mode", ["fail", "run"])
+def test_out_of_memory_task_follows_lock_on_redis_error(
+    server: RedisServer, direct: redis.Redis, mode: str
+) -> None:
+    """A task whose lock the server, out of memory, refuses meets it as any lock
+    store failure: ``lock_on_redis_error="fail"`` fails it without running the
+    body, ``"run"`` runs the body unlocked."""
+    app = make_app(server.url, f"oom-{mode}")
+    # The results would go to the same server, which takes nothing.
+    app.conf.task_store_eager_result = False
+    ran: list[bool] = []
+
+    @app.task(base=SingletonTask, shared=False, name=f"oom.{mode}", lock_on_redis_error=mode)
+    def job() -> str:
+        ran.append(True)
+        return "ran"
+
+    with out_of_memory(direct):
+        result = job.apply()
+    if mode == "fail":
+        assert isinstance(result.result, LockBackendError)
+        assert "out of memory" in str(result.result)
+        assert ran == []
+    else:
+        assert result.get() == "ran"
+        assert ran == [True]
+    close_app(app)
 
 
 def test_out_of_memory_release_with_a_waiter_wakes_it(
