@@ -230,26 +230,35 @@ def _text_digest(values: Sequence[Any], order: Sequence[tuple[int, str]]) -> str
     is then ASCII, so it is built as text and encoded once. ``None`` for any other
     value, which takes the general path."""
     parts = []
-    for position, form in order:
-        value = values[position]
-        kind = type(value)
-        if kind is str:
-            if not value.isascii():
+    try:
+        for position, form in order:
+            value = values[position]
+            kind = type(value)
+            if kind is str:
+                if not value.isascii():
+                    return None
+                parts.append(f"{form}s{_LENGTHS[len(value)]}:{value}")
+                continue
+            # (str() and repr() of exactly an int or a float are the plain number.)
+            if kind is int:
+                if value.bit_length() > _MAX_DECIMAL_BITS:
+                    return None
+                text = str(value)
+                parts.append(f"{form}i{_LENGTHS[len(text)]}:{text}")
+                continue
+            if kind is not float:
                 return None
-            parts.append(f"{form}s{len(value)}:{value}")
-            continue
-        if kind is int:
-            if value.bit_length() > _MAX_DECIMAL_BITS:
-                return None
-            text = int.__repr__(value)
-            parts.append(f"{form}i{len(text)}:{text}")
-            continue
-        if kind is not float:
-            return None
-        text = float.__repr__(value)
-        parts.append(f"{form}f{len(text)}:{text}")
+            text = repr(value)
+            parts.append(f"{form}f{_LENGTHS[len(text)]}:{text}")
+    except IndexError:  # a value longer than the table of lengths
+        return None
     body = "".join(parts)
     return _sha256(f"d{len(body)}:{body}".encode()).hexdigest()[:32]
+
+
+#: The digits of the lengths :func:`_text_digest` writes, ready-made: formatting
+#: a number costs several times a lookup.
+_LENGTHS = tuple(str(n) for n in range(1024))
 
 
 class KeyBuilder:

@@ -273,11 +273,26 @@ def check_settings(app: Any) -> list[str]:
     return unknown
 
 
+#: ``".000"`` to ``".999"``: the fraction :func:`since_now` ends with, ready-made
+#: (formatting a number costs more than the rest of the description).
+_MILLISECONDS = tuple(f".{n:03d}" for n in range(1000))
+
+# The whole second since_now() last wrote, and its digits: one pair, replaced
+# whole, so that a thread reads either the old pair or the new one.
+_last_second: tuple[int, str] = (-1, "")
+
+
 def since_now() -> str:
     """Now, as a holder description's ``since`` has it: seconds since the epoch
     to the millisecond, cut rather than rounded, so never later than now."""
+    global _last_second
     ms = time.time_ns() // 1_000_000
-    return f"{ms // 1000}.{ms % 1000:03d}"
+    second = ms // 1000
+    known, digits = _last_second
+    if second != known:
+        digits = str(second)
+        _last_second = (second, digits)
+    return digits + _MILLISECONDS[ms % 1000]
 
 
 def retry_countdown(base: float, retries: int) -> float:

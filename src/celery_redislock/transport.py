@@ -708,6 +708,10 @@ def parse_replies(data: bytes) -> tuple[list[Any], bytes]:
     return replies, data[at:]
 
 
+#: The small numbers of replies by their digits (``b"-1"`` to ``b"1023"``).
+_SMALL_INTS = {str(n).encode(): n for n in range(-1, 1024)}
+
+
 def _parse(data: bytes, at: int) -> tuple[Any, int]:
     """One RESP2 reply from ``data[at:]``, and where it ends.
 
@@ -721,17 +725,20 @@ def _parse(data: bytes, at: int) -> tuple[Any, int]:
     if end < 0:
         raise _Incomplete
     kind, line, at = data[start], data[start + 1 : end], end + 2
+    # Most numbers in replies are small (a script's outcome, a length): looked
+    # up, not parsed, they cost a fraction of int().
+    number = _SMALL_INTS.get(line)
     if kind == 0x3A:  # ':' integer
-        return int(line), at
+        return (int(line) if number is None else number), at
     if kind == 0x24:  # '$' bulk string
-        size = int(line)
+        size = int(line) if number is None else number
         if size < 0:
             return None, at
         if len(data) < at + size + 2:
             raise _Incomplete
         return data[at : at + size], at + size + 2
     if kind == 0x2A:  # '*' array
-        size = int(line)
+        size = int(line) if number is None else number
         if size < 0:
             return None, at
         items: list[Any] = []
@@ -742,7 +749,9 @@ def _parse(data: bytes, at: int) -> tuple[Any, int]:
                 end = data.find(b"\r\n", at)
                 if end < 0:
                     raise _Incomplete
-                items.append(int(data[at + 1 : end]))
+                line = data[at + 1 : end]
+                number = _SMALL_INTS.get(line)
+                items.append(int(line) if number is None else number)
                 at = end + 2
             else:
                 item, at = _parse(data, at)
@@ -782,7 +791,7 @@ def pack(commands: Sequence[Sequence[Any]]) -> bytes:
                 if kind is not str:
                     if kind is not int:
                         return _pack_any(commands)
-                    arg = int.__repr__(arg)
+                    arg = str(arg)  # (an int's digits: its type is int itself)
                 append(_LENGTHS[len(arg)])
                 append(arg)
     except IndexError:  # a longer argument, or more of them, than the tables hold
