@@ -850,9 +850,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         if overrides:
             # The worker applies them too: they travel with the message.
             options["headers"] = {**(options.get("headers") or {}), _OVERRIDES_HEADER: overrides}
-        options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
         if opts.strategy == WHILE_EXECUTING or skip_lock:
-            return super().apply_async(args, kwargs, task_id, **options)
+            return super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+        options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
         task_id = task_id or uuid()
         key = self.lock_name(args, kwargs)
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
@@ -905,8 +907,26 @@ class SingletonTask(Task):  # type: ignore[misc]
                 logger.warning("could not free %s after a failed send: %s", key, exc)
             raise
 
-    def apply(
+    def apply(self, *args: Any, **options: Any) -> Any:
+        """Run the task here and now (Celery's ``apply``, with its arguments), locked
+        as in a worker.
+
+        ``lock_options={...}`` overrides lock options for this call, as with
+        :meth:`apply_async`; a bad one raises here, naming it.
+
+        Celery's parameters are not named here but passed on as given: binding a
+        call's keyword options to a list of named parameters twice, here and in
+        Celery's ``apply``, costs a comparison of each option with each name.
+        """
+        overrides = options.pop(CALL_OPTIONS, None)
+        if overrides:
+            self.options_for_call(overrides)
+            return self._apply_overridden(overrides, *args, **options)
+        return super().apply(*args, **options)
+
+    def _apply_overridden(
         self,
+        overrides: object,
         args: Iterable[Any] | None = None,
         kwargs: Mapping[str, Any] | None = None,
         link: Any = None,
@@ -919,15 +939,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         headers: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> Any:
-        """Run the task here and now (Celery's ``apply``), locked as in a worker.
-
-        ``lock_options={...}`` overrides lock options for this call, as with
-        :meth:`apply_async`; a bad one raises here, naming it.
-        """
-        overrides = options.pop(CALL_OPTIONS, None)
-        if overrides:
-            self.options_for_call(overrides)
-            headers = {**(headers or {}), _OVERRIDES_HEADER: overrides}
+        """:meth:`apply` with the checked ``lock_options`` of the call, which travel
+        in its headers as in a message."""
+        headers = {**(headers or {}), _OVERRIDES_HEADER: overrides}
         return super().apply(
             args,
             kwargs,
