@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from celery_redislock import LockBackendError, LockLostError, RedisLock, SingletonTask
 from celery_redislock.heartbeat import get_heartbeat
@@ -719,6 +721,44 @@ def test_out_of_memory_release_with_a_waiter_wakes_it(
     assert len(errors) == 1
     assert "out of memory" in str(errors[0])
     direct.delete(holder.queue_key)
+
+
+@pytest.mark.slow
+def test_a_server_loading_its_data_is_waited_for_within_the_deadline(
+    redislock_server_factory: Callable[..., RedisServer], tmp_path: Any
+) -> None:
+    """A server restarting with its data answers every request with LOADING until
+    it has read it: a call waits for it, within its deadline, rather than fail
+    after its few quick tries."""
+    server = redislock_server_factory(
+        extra_args=("--enable-debug-command", "yes", "--dir", str(tmp_path), "--save", "")
+    )
+    admin = server.client()
+    admin.execute_command("DEBUG", "POPULATE", 3_000_000, "filler", 10)  # type: ignore[no-untyped-call]
+    admin.save()
+    admin.close()
+    restarting = threading.Thread(target=server.restart, daemon=True)
+    restarting.start()
+
+    def loading() -> bool:
+        probe = redis.Redis(
+            host=server.host, port=server.port, socket_timeout=1, retry=Retry(NoBackoff(), 0)
+        )
+        try:
+            probe.ping()
+        except redis.BusyLoadingError:
+            return True
+        except redis.ConnectionError:
+            return False
+        finally:
+            probe.close()
+        return False
+
+    wait_for(loading, what="the server loading its data")
+    lock = RedisLock(server.url, "loading", ttl=10, call_timeout=60)
+    assert lock.acquire(blocking=False)
+    restarting.join(60)
+    lock.release()
 
 
 def test_restart_while_held_and_waited_for(server: RedisServer, direct: redis.Redis) -> None:

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -190,6 +191,30 @@ def test_restart_keeps_port_and_loses_data(
     # The pool notices its closed connection and opens a new one before sending.
     assert client.get("k") is None
     assert client.ping()
+
+
+def test_a_server_started_from_a_thread_outlives_the_thread(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """A server (re)started from a thread that then ends keeps running: Linux's
+    parent-death signal follows the thread that forked, so servers are not forked
+    from such a thread."""
+    server = redislock_server_factory()
+    for start in (server.restart, RedisServer().start):
+        outcome: list[RedisServer] = []
+        thread = threading.Thread(target=lambda run=start, into=outcome: into.append(run()))
+        thread.start()
+        thread.join(30)
+        (started,) = outcome
+        try:
+            # The signal is sent when the thread ends: give it time to arrive.
+            time.sleep(0.5)
+            assert started.process is not None
+            assert started.process.poll() is None
+            assert no_retry_client(started, 5.0).ping()
+        finally:
+            if started is not server:
+                started.stop()
 
 
 def test_restart_of_a_paused_server(

@@ -30,8 +30,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +120,38 @@ def _die_with_parent() -> None:
 
 
 _PR_SET_PDEATHSIG = 1
+
+
+# Linux sends the parent-death signal when the *thread* that forked the child
+# ends, not the process: a server started from a thread that then ends (a
+# restart() run in a thread of its own) would be killed with it. So servers are
+# started from the main thread, or from one thread kept for it as long as the
+# process lives.
+_spawner: tuple[int, ThreadPoolExecutor] | None = None
+_spawner_guard = threading.Lock()
+
+
+def _spawn(command: Sequence[str]) -> subprocess.Popen[bytes]:
+    """Start a server process running ``command``, from a thread that outlives it."""
+    global _spawner
+    if threading.current_thread() is threading.main_thread():
+        return _popen(command)
+    with _spawner_guard:
+        if _spawner is None or _spawner[0] != os.getpid():
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redislock-spawner")
+            _spawner = (os.getpid(), executor)
+        executor = _spawner[1]
+    return executor.submit(_popen, command).result()
+
+
+def _popen(command: Sequence[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -296,7 +330,7 @@ class RedisServer:
                 self.port = free_port(self.host)
             self._dir = tempfile.TemporaryDirectory(prefix="redislock-server-")
             listen = self.tls.server_args(self.port) if self.tls else ("--port", str(self.port))
-            self.process = subprocess.Popen(
+            self.process = _spawn(
                 [
                     self.binary,
                     *((self.config_file,) if self.config_file else ()),
@@ -314,11 +348,7 @@ class RedisServer:
                     "--loglevel",
                     "warning",
                     *self.extra_args,
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
+                ]
             )
             other = self._wait_ready()
             if other is None:
@@ -369,14 +399,17 @@ class RedisServer:
         try:
             while time.monotonic() < deadline:
                 assert self.process is not None
-                if self.process.poll() is not None:
-                    return 0
+                exited = self.process.poll() is not None
                 try:
                     if probe.ping():
                         answered = int(probe.info("server")["process_id"])
                         return None if self._is_ours(answered) else answered
                 except redis.RedisError:
-                    time.sleep(0.02)
+                    pass
+                if exited:
+                    # (Ours may have exited, unable to bind, before the other answered.)
+                    return 0
+                time.sleep(0.02)
             return 0
         finally:
             probe.close()

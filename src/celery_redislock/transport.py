@@ -39,6 +39,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import (
     AskError,
+    BusyLoadingError,
     MovedError,
     NoPermissionError,
     OutOfMemoryError,
@@ -66,6 +67,10 @@ ATTEMPTS = 3
 
 #: Pause before the second and third try, in seconds (cut short by the deadline).
 BACKOFF = (0.0, 0.02, 0.1)
+
+#: Pause, in seconds, between the tries of a request the server refused because
+#: it is still loading its data (``LOADING``): those are made until the deadline.
+LOADING_PAUSE = 0.05
 
 #: Errors after which the request may be sent again: the connection broke, the
 #: reply did not come in time, the server is still loading its data, or it was
@@ -1011,7 +1016,8 @@ def run(
     Raises:
         redis.RedisError: the last error, once the attempts or the time ran out.
     """
-    for attempt in range(attempts):
+    attempt = 0
+    while True:
         try:
             replies = transport.execute(commands, deadline)
         except TRANSIENT as exc:
@@ -1027,14 +1033,19 @@ def run(
                 return replies
             error = reply
             transport.reset()
-        pause = BACKOFF[min(attempt + 1, len(BACKOFF) - 1)]
-        if attempt + 1 == attempts or deadline.remaining() <= pause:
+        if isinstance(error, BusyLoadingError):
+            # Refused unrun while the server reads its data: asked again until
+            # the deadline, however long that takes, rather than counted as a try.
+            pause = LOADING_PAUSE
+        else:
+            attempt += 1
+            pause = BACKOFF[min(attempt, len(BACKOFF) - 1)]
+        if attempt == attempts or deadline.remaining() <= pause:
             # What it failed within, for Router.redirected() (a cluster's refresh).
             setattr(error, _DEADLINE, deadline)
             raise error
         if pause:
             time.sleep(pause)
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def describe_error(exc: BaseException) -> str:
