@@ -139,6 +139,11 @@ MIN_TTL = 0.001
 #: (nearly) up, in seconds: a last check still gets a fair chance to answer.
 MIN_CALL = 0.05
 
+#: How long, in seconds, a waiter that gives up waits for the server to take it
+#: out of the queue before it returns (and leaves the queue in the background):
+#: past its timeout, so short.
+LEAVE_WAIT = 0.2
+
 #: What a ``release(wait=False)`` turned out to do: freed or dropped a hold, found
 #: the lock already lost, failed for good, or is being retried in the background.
 ReleaseOutcome = Literal["released", "lost", "failed", "retrying"]
@@ -611,7 +616,9 @@ class RedisLock:
             timeout: with ``blocking``, give up after this many seconds
                 (``None``: wait as long as it takes). It also bounds the round
                 trips, so a stalled server costs at most this long (at least
-                :data:`MIN_CALL`).
+                :data:`MIN_CALL`), and :data:`LEAVE_WAIT` more for a waiter
+                that gives up to leave the queue (then it leaves it in the
+                background).
 
         Raises:
             LockBackendError: Redis could not be reached (after retries within the
@@ -1239,7 +1246,7 @@ class RedisLock:
             [self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, entry],
         )
         try:
-            self._run(call, Deadline.after(min(self.call_timeout, MIN_CALL * 4)))
+            self._run(call, Deadline.after(min(self.call_timeout, LEAVE_WAIT)))
         except RedisError:
             self._beat().retry_in_background(
                 self,
