@@ -663,11 +663,12 @@ def test_out_of_memory_a_held_lock_is_renewed_and_released(
 
 @pytest.mark.parametrize("mode", ["fail", "run"])
 def test_out_of_memory_task_follows_lock_on_redis_error(
-    server: RedisServer, direct: redis.Redis, mode: str
+    server: RedisServer, direct: redis.Redis, mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A task whose lock the server, out of memory, refuses meets it as any lock
     store failure: ``lock_on_redis_error="fail"`` fails it without running the
-    body, ``"run"`` runs the body unlocked."""
+    body, ``"run"`` runs the body unlocked, with a warning that says why."""
+    caplog.set_level(logging.WARNING, logger="celery_redislock")
     app = make_app(server.url, f"oom-{mode}")
     # The results would go to the same server, which takes nothing.
     app.conf.task_store_eager_result = False
@@ -687,6 +688,8 @@ def test_out_of_memory_task_follows_lock_on_redis_error(
     else:
         assert result.get() == "ran"
         assert ran == [True]
+        assert "out of memory" in caplog.text
+        assert "running oom.run" in caplog.text
     close_app(app)
 
 

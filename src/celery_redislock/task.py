@@ -868,11 +868,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
         try:
             acquired = lock.acquire(blocking=False)
-        except LockBackendError:
+        except LockBackendError as exc:
             if opts.on_redis_error == "run":
-                logger.warning(
-                    "lock store unreachable; enqueuing %s[%s] unlocked", self.name, task_id
-                )
+                logger.warning("%s; enqueuing %s[%s] unlocked", exc, self.name, task_id)
                 return super().apply_async(args, kwargs, task_id, **options)
             raise
         if not acquired:
@@ -1044,12 +1042,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             if opts.strategy == UNTIL_EXECUTING:
                 try:
                     release_lease(self.lock_client, key, task_id, opts.prefix)
-                except LockBackendError:
+                except LockBackendError as exc:
                     if opts.on_redis_error != "run":
                         raise
-                    logger.warning(
-                        "lock store unreachable; %s[%s] could not free %s", self.name, task_id, key
-                    )
+                    logger.warning("%s; %s[%s] runs all the same", exc, self.name, task_id)
                 return self.run(*args, **kwargs)
             check_name(task_id, "task id")
             lock = self._execution_lock(key, task_id, opts, request)
@@ -1075,13 +1071,11 @@ class SingletonTask(Task):  # type: ignore[misc]
                     acquired = lock._acquire(True, check_timeout(opts.wait), held)
                 else:
                     acquired = lock.acquire(blocking=False)
-            except LockBackendError:
+            except LockBackendError as exc:
                 # Only a first try that failed runs the task unlocked, not a wait.
                 if waiting or opts.on_redis_error != "run":
                     raise
-                logger.warning(
-                    "lock store unreachable; running %s[%s] unlocked", self.name, task_id
-                )
+                logger.warning("%s; running %s[%s] unlocked", exc, self.name, task_id)
                 request.redislock = LockHandle(key, None, opts)
                 return self.run(*args, **kwargs)
             if waiting:
