@@ -102,6 +102,22 @@ def test_lost_lock_is_counted(
     assert value(registry, "celery_redislock_lost_total", task="metrics.fragile") == 1
 
 
+def test_a_lock_store_that_fails_is_counted(app: Celery, registry: CollectorRegistry) -> None:
+    """A task whose lock store cannot be reached counts as unavailable, by action."""
+    app.conf.redislock_url = f"redis://127.0.0.1:{free_port()}/0"
+    app.conf.task_store_eager_result = False
+
+    @app.task(base=SingletonTask, shared=False, name="metrics.down", lock_on_redis_error="run")
+    def down() -> bool:
+        return True
+
+    assert down.apply().get() is True
+    assert (
+        value(registry, "celery_redislock_unavailable_total", task="metrics.down", action="run")
+        == 1
+    )
+
+
 def test_enable_is_idempotent() -> None:
     """Enabling twice on one registry counts each signal once."""
     registry = CollectorRegistry()

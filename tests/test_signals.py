@@ -10,9 +10,9 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redislock import RedisLock, SingletonTask, signals, wakeups
+from celery_redislock import LockBackendError, RedisLock, SingletonTask, signals, wakeups
 from celery_redislock.scripts import OWNER_FIELD
-from celery_redislock.server import RedisServer
+from celery_redislock.server import RedisServer, free_port
 from celery_redislock.transport import flush
 from tests.support import close_app, make_app, wait_for, write_fields
 
@@ -160,6 +160,47 @@ def test_lost(
     wait_for(lambda: any(n == "lock_released" for n, _ in sent), what="lock_released")
 
 
+@pytest.mark.parametrize("mode", ["fail", "run"])
+def test_unavailable_reports_the_error_and_what_the_task_does(
+    app: Celery, sent: list[tuple[str, dict[str, Any]]], mode: str
+) -> None:
+    """A lock store that cannot be reached sends lock_unavailable, with the error and
+    what the task does about it: fail, or run without its lock; at execution, and
+    from apply_async for a lock taken as the task is sent."""
+    app.conf.redislock_url = f"redis://127.0.0.1:{free_port()}/0"
+    # Nothing to store the outcome in but the broker's server: keep it out of this.
+    app.conf.task_store_eager_result = False
+
+    @app.task(
+        base=SingletonTask, shared=False, name=f"signals.down-{mode}", lock_on_redis_error=mode
+    )
+    def job() -> str:
+        return "ran"
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        name="signals.down-sent",
+        lock_strategy="until_executed",
+        lock_on_redis_error="fail",
+    )
+    def sent_job() -> None: ...
+
+    result = job.apply()
+    assert [name for name, _ in sent] == ["lock_unavailable"]
+    reported = sent[0][1]
+    assert reported["action"] == mode
+    assert reported["task_id"] == result.id
+    assert reported["name"] == job.lock_name((), {})
+    assert isinstance(reported["error"], LockBackendError)
+    assert (result.get() == "ran") if mode == "run" else isinstance(result.result, LockBackendError)
+    with pytest.raises(LockBackendError):
+        sent_job.apply_async()
+    assert [name for name, _ in sent] == ["lock_unavailable"] * 2
+    assert sent[1][1]["action"] == "fail"
+    assert sent[1][1]["name"] == sent_job.lock_name((), {})
+
+
 def test_signals_send_the_name_under_both_spellings(
     app: Celery, redislock_client: redis.Redis, sent: list[tuple[str, dict[str, Any]]]
 ) -> None:
@@ -186,7 +227,7 @@ def test_signals_nobody_listens_to_are_not_sent(
     """With no receiver connected, a run does not even call a signal's ``send``
     (which builds its arguments and walks its receivers on every task)."""
     called: list[str] = []
-    for name in ("lock_acquired", "lock_conflict", "lock_released", "lock_lost"):
+    for name in signals.__all__:
         signal = getattr(signals, name)
         # Nobody listens here, whatever other tests left connected.
         monkeypatch.setattr(signal, "receivers", [])

@@ -25,6 +25,9 @@ Metrics (label ``task`` is the task name):
 ``celery_redislock_lost_total``             counter    locks a running task lost (heartbeat)
 ``celery_redislock_heartbeat_total``        counter    renewals by ``result``: renewed, failed
                                                        (no answer), lost; label ``server``
+``celery_redislock_unavailable_total``      counter    tasks whose lock store failed as they
+                                                       asked for their lock, by ``action``: fail,
+                                                       run (without the lock)
 ==========================================  =========  =====================================
 
 **Prefork workers.** Tasks run in pool child processes, each with metrics of its
@@ -109,6 +112,12 @@ class LockMetrics:
             ["task"],
             registry=registry,
         )
+        self.unavailable = Counter(
+            "celery_redislock_unavailable",
+            "Tasks whose lock store failed as they asked for their lock, by what they did.",
+            ["task", "action"],
+            registry=registry,
+        )
         self._uid = f"celery_redislock.metrics:{id(self)}"
         self.heartbeat = Counter(
             "celery_redislock_heartbeat",
@@ -144,6 +153,9 @@ class LockMetrics:
     def _on_lost(self, sender: Any = None, **_: Any) -> None:
         self.lost.labels(_task_name(sender)).inc()
 
+    def _on_unavailable(self, sender: Any = None, action: str = "unknown", **_: Any) -> None:
+        self.unavailable.labels(_task_name(sender), str(action)).inc()
+
     def connect(self) -> None:
         """Start counting (done on creation)."""
         signals.lock_acquired.connect(self._on_acquired, weak=False, dispatch_uid=self._uid)
@@ -151,6 +163,7 @@ class LockMetrics:
         signals.lock_released.connect(self._on_released, weak=False, dispatch_uid=self._uid)
         signals.lock_lost.connect(self._on_lost, weak=False, dispatch_uid=self._uid)
         signals.heartbeat_round.connect(self._on_heartbeat, weak=False, dispatch_uid=self._uid)
+        signals.lock_unavailable.connect(self._on_unavailable, weak=False, dispatch_uid=self._uid)
 
     def disconnect(self) -> None:
         """Stop counting; the metrics stay in the registry with their values."""
@@ -159,6 +172,7 @@ class LockMetrics:
         signals.lock_released.disconnect(self._on_released, dispatch_uid=self._uid)
         signals.lock_lost.disconnect(self._on_lost, dispatch_uid=self._uid)
         signals.heartbeat_round.disconnect(self._on_heartbeat, dispatch_uid=self._uid)
+        signals.lock_unavailable.disconnect(self._on_unavailable, dispatch_uid=self._uid)
 
 
 _enabled: dict[int, LockMetrics] = {}

@@ -24,7 +24,14 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["heartbeat_round", "lock_acquired", "lock_conflict", "lock_lost", "lock_released"]
+__all__ = [
+    "heartbeat_round",
+    "lock_acquired",
+    "lock_conflict",
+    "lock_lost",
+    "lock_released",
+    "lock_unavailable",
+]
 
 #: The lock was taken. ``name``, ``task_id``, ``token`` (fencing token) and
 #: ``waited`` (seconds spent waiting for it, 0.0 when free at once).
@@ -48,6 +55,15 @@ lock_lost = Signal(name="lock_lost", providing_args={"task_id", "name", "key"})
 #: ``"failed"`` (no answer: retried in the background, else it expires by its TTL).
 lock_released = Signal(
     name="lock_released", providing_args={"task_id", "name", "key", "held", "outcome"}
+)
+
+#: The lock store failed when a task (or its ``apply_async``) asked for its lock:
+#: unreachable, timed out, out of memory, refused by its ACL. ``error`` is the
+#: :class:`~celery_redislock.LockBackendError`; ``action`` is what the task does:
+#: ``"fail"`` (the error is raised: the task fails, or is not sent) or ``"run"``
+#: (``lock_on_redis_error="run"``: it runs, or is sent, without its lock).
+lock_unavailable = Signal(
+    name="lock_unavailable", providing_args={"task_id", "name", "key", "error", "action"}
 )
 
 #: A heartbeat round ended on one server (sender: the server, ``"host:port"``;

@@ -869,6 +869,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         try:
             acquired = lock.acquire(blocking=False)
         except LockBackendError as exc:
+            self._unavailable(key, task_id, exc, opts)
             if opts.on_redis_error == "run":
                 logger.warning("%s; enqueuing %s[%s] unlocked", exc, self.name, task_id)
                 return super().apply_async(args, kwargs, task_id, **options)
@@ -1043,6 +1044,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 try:
                     release_lease(self.lock_client, key, task_id, opts.prefix)
                 except LockBackendError as exc:
+                    self._unavailable(key, task_id, exc, opts)
                     if opts.on_redis_error != "run":
                         raise
                     logger.warning("%s; %s[%s] runs all the same", exc, self.name, task_id)
@@ -1073,6 +1075,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     acquired = lock.acquire(blocking=False)
             except LockBackendError as exc:
                 # Only a first try that failed runs the task unlocked, not a wait.
+                self._unavailable(key, task_id, exc, opts, unlocked=not waiting)
                 if waiting or opts.on_redis_error != "run":
                     raise
                 logger.warning("%s; running %s[%s] unlocked", exc, self.name, task_id)
@@ -1154,6 +1157,20 @@ class SingletonTask(Task):  # type: ignore[misc]
             held=held,
             outcome="failed" if outcome == "retrying" else outcome,
         )
+
+    def _unavailable(
+        self,
+        key: str,
+        task_id: str,
+        error: LockBackendError,
+        opts: LockOptions,
+        unlocked: bool = True,
+    ) -> None:
+        """Send :data:`~celery_redislock.signals.lock_unavailable` for lock ``key``:
+        the task runs (or is sent) without it when ``lock_on_redis_error`` is
+        ``"run"`` and ``unlocked`` allows it, and fails otherwise."""
+        action = "run" if unlocked and opts.on_redis_error == "run" else "fail"
+        _send(signals.lock_unavailable, self, key, task_id=task_id, error=error, action=action)
 
     def _wait_begins(self, lock: RedisLock, key: str, request: Any, opts: LockOptions) -> float:
         """Report that the lock is held and the task waits for it (``on_conflict="wait"``);
