@@ -13,6 +13,7 @@ import pytest
 import redis
 from celery import Celery
 from redis.cluster import RedisCluster
+from redis.sentinel import SentinelManagedSSLConnection
 
 from celery_redislock import SingletonTask
 from celery_redislock import store as store_module
@@ -324,6 +325,35 @@ def test_broker_url_given_as_a_list_locks_on_the_first(redislock_server: RedisSe
     close_app(other)
 
 
+def test_broker_url_given_as_a_string_of_failover_urls_locks_on_the_first(
+    redislock_server: RedisServer,
+) -> None:
+    """Failover URLs in one string, separated by ";" (as kombu takes them too): the
+    locks live on the first, its database included."""
+    first = redislock_server.url.replace("/0", "/4")
+    app = make("broker-failover-string", broker_url=f"{first};redis://127.0.0.1:1/4")
+    assert store_url(app)[0] == first
+    _token, held = job_of(app).apply((uuid.uuid4().hex,)).get()
+    assert held
+    assert lock_store(app).connection_pool.connection_kwargs["db"] == 4  # type: ignore[union-attr]
+    close_app(app)
+
+
+def test_a_plain_redislock_url_takes_no_sentinel_options(redislock_server: RedisServer) -> None:
+    """``redislock_transport_options`` name a Sentinel master: with a ``redis://``
+    ``redislock_url`` (development beside a Sentinel production setting) they are
+    left out, not handed to redis-py."""
+    app = make(
+        "plain-with-sentinel-options",
+        redislock_url=redislock_server.url,
+        redislock_transport_options={"master_name": "mymaster", "sentinel_kwargs": {}},
+    )
+    assert store_url(app)[1] == {}
+    _token, held = job_of(app).apply((uuid.uuid4().hex,)).get()
+    assert held
+    close_app(app)
+
+
 def _store_in_child(app: Celery, conn: Connection) -> None:
     conn.send(lock_store(app).ping())
     conn.close()
@@ -368,6 +398,25 @@ def test_sentinel_broker_is_the_fallback(redislock_sentinel: SentinelDeployment)
     assert client.connection_pool.service_name == options["master_name"]  # type: ignore[union-attr]
     _token, held = job_of(app).apply((uuid.uuid4().hex,)).get()
     assert held
+    close_app(app)
+
+
+def test_sentinel_broker_takes_broker_use_ssl_for_the_master(
+    redislock_sentinel: SentinelDeployment,
+) -> None:
+    """A Sentinel broker's ``broker_use_ssl`` makes the lock store's connections to
+    the master TLS ones, as kombu's are (the kombu spelling of the certificate
+    requirement included)."""
+    app = make(
+        "sentinel-broker-tls",
+        broker_url=redislock_sentinel.sentinel_url,
+        broker_transport_options=redislock_sentinel.transport_options,
+        broker_use_ssl={"ssl_cert_reqs": "CERT_REQUIRED", "ssl_ca_certs": "/etc/ssl/ca.pem"},
+    )
+    pool: Any = lock_store(app).connection_pool  # type: ignore[union-attr]
+    assert pool.connection_class is SentinelManagedSSLConnection
+    assert pool.connection_kwargs["ssl_cert_reqs"] == "required"
+    assert pool.connection_kwargs["ssl_ca_certs"] == "/etc/ssl/ca.pem"
     close_app(app)
 
 
@@ -424,18 +473,19 @@ def test_tls_url_in_kombus_spelling(redislock_tls_server: TLSServer) -> None:
     close_app(app)
 
 
+@pytest.mark.parametrize("required", [ssl.CERT_REQUIRED, "CERT_REQUIRED"])
 @pytest.mark.parametrize("scheme", ["rediss", "redis"])
 def test_broker_use_ssl_reaches_the_lock_store(
-    redislock_tls_server: TLSServer, scheme: str
+    redislock_tls_server: TLSServer, scheme: str, required: object
 ) -> None:
     """A broker URL without TLS options of its own, with ``broker_use_ssl`` as Celery's
-    Redis transport takes it (``ssl.CERT_REQUIRED``), locks over TLS: a ``redis://``
-    URL too, as kombu turns it into TLS."""
+    Redis transport takes it (``ssl.CERT_REQUIRED``, or kombu's spelling of it as
+    text), locks over TLS: a ``redis://`` URL too, as kombu turns it into TLS."""
     server = redislock_tls_server
     app = make(
-        f"broker-ssl-{scheme}",
+        f"broker-ssl-{scheme}-{required}",
         broker_url=f"{scheme}://{server.host}:{server.port}/0",
-        broker_use_ssl={"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": server.ca_path},
+        broker_use_ssl={"ssl_cert_reqs": required, "ssl_ca_certs": server.ca_path},
     )
     _token, held = job_of(app).apply((uuid.uuid4().hex,)).get()
     assert held

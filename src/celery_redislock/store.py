@@ -79,12 +79,20 @@ def store_url(app: Any) -> tuple[str, Mapping[str, Any]]:
     url = app.conf.get("redislock_url")
     if url:
         check_url(url, "app.conf.redislock_url")
-        options = app.conf.get("redislock_transport_options")
-        return url, check_transport_options(options, "app.conf.redislock_transport_options")
+        options = check_transport_options(
+            app.conf.get("redislock_transport_options"), "app.conf.redislock_transport_options"
+        )
+        # They name a Sentinel master: a plain URL (a development setting beside
+        # a Sentinel production one, say) takes none of them.
+        return url, options if url.startswith("sentinel://") else {}
     broker = app.conf.broker_url or ""
     if isinstance(broker, list | tuple) and broker:
         # Failover URLs, as kombu takes them: the locks live on the first.
         broker = broker[0]
+    elif isinstance(broker, str) and ";" in broker and not broker.startswith("sentinel://"):
+        # The same, as one string of URLs separated by ";" (a Sentinel URL is
+        # written that way too, but names the Sentinels of one master).
+        broker = broker.split(";", 1)[0].strip()
     if not isinstance(broker, str) or not broker.startswith(URL_SCHEMES):
         shown = url_shown(broker) if isinstance(broker, str) else type(broker).__name__
         raise ValueError(
@@ -94,22 +102,31 @@ def store_url(app: Any) -> tuple[str, Mapping[str, Any]]:
     options = check_transport_options(
         app.conf.get("broker_transport_options"), "app.conf.broker_transport_options"
     )
+    tls = _tls_options(app.conf.get("broker_use_ssl"))
     if broker.startswith("sentinel://"):
         # The broker's options are the transport's (visibility_timeout, ...): only
-        # those that name the Sentinels' master and connect to it apply here.
-        return broker, sentinel_options(options, "app.conf.broker_transport_options")
-    return _with_tls(broker, app.conf.get("broker_use_ssl"))
+        # those that name the Sentinels' master and connect to it apply here,
+        # with broker_use_ssl's for the master's connections (as kombu does).
+        kept = sentinel_options(options, "app.conf.broker_transport_options")
+        if tls:
+            kept.update(tls, ssl=True)
+        return broker, kept
+    if not tls or broker.startswith("unix://"):
+        return broker, {}
+    # A redis:// broker with TLS options speaks TLS, as kombu has it.
+    return "rediss://" + broker.split("://", 1)[1], tls
 
 
-def _with_tls(broker: str, use_ssl: object) -> tuple[str, Mapping[str, Any]]:
-    """The broker URL ``broker`` and the connection options that make the lock
-    store's connections what the broker's are, by ``broker_use_ssl``: a dict of
-    ``ssl_*`` options turns a ``redis://`` URL into a TLS one (as kombu does)."""
-    if not use_ssl or broker.startswith("unix://"):
-        return broker, {}
-    if not isinstance(use_ssl, Mapping):
-        # ``True``: kombu adds nothing; a rediss:// URL carries its own options.
-        return broker, {}
+def _tls_options(use_ssl: object) -> dict[str, Any]:
+    """The connection options of ``broker_use_ssl``: its dict of ``ssl_*`` options
+    (``True`` has none: a ``rediss://`` URL carries its own), with kombu's spelling
+    of a certificate requirement (``"CERT_REQUIRED"``) as redis-py's.
+
+    Raises:
+        ValueError: a key the lock store cannot take, named.
+    """
+    if not use_ssl or not isinstance(use_ssl, Mapping):
+        return {}
     unknown = sorted(str(key) for key in use_ssl if not str(key).startswith("ssl_"))
     if unknown:
         raise ValueError(
@@ -117,7 +134,11 @@ def _with_tls(broker: str, use_ssl: object) -> tuple[str, Mapping[str, Any]]:
             f"(ssl_cert_reqs, ssl_ca_certs, ssl_certfile, ssl_keyfile), not {', '.join(unknown)}; "
             "or set app.conf.redislock_url to a rediss:// URL of its own"
         )
-    return "rediss://" + broker.split("://", 1)[1], dict(use_ssl)
+    options = dict(use_ssl)
+    required = options.get("ssl_cert_reqs")
+    if isinstance(required, str) and required.upper().startswith("CERT_"):
+        options["ssl_cert_reqs"] = required[len("CERT_") :].lower()
+    return options
 
 
 #: The settings a lock store is resolved from. Each task execution needs the
