@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, Task
 
 from celery_redislock import (
     LockBackendError,
@@ -66,6 +66,35 @@ def test_a_task_id_with_the_field_separator_fails_the_task_naming_it(
     assert "task id" in str(result.result)
     assert ran == []
     assert redislock_client.keys("redislock:*") == []
+
+
+def test_a_cooperative_base_class_between_it_and_celerys_task_is_called(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """A base class placed between SingletonTask and Celery's Task, whose
+    ``apply_async`` names fewer parameters than Celery's and passes the rest on,
+    is called by SingletonTask's on every strategy's path."""
+    seen: list[str] = []
+
+    class Traced(Task):  # type: ignore[misc]
+        def apply_async(
+            self, args: Any = None, kwargs: Any = None, task_id: Any = None, **options: Any
+        ) -> Any:
+            seen.append(self.name)
+            return super().apply_async(args, kwargs, task_id, **options)
+
+    class Both(SingletonTask, Traced):
+        pass
+
+    app.conf.task_always_eager = True
+    for strategy in ("while_executing", "until_executed"):
+
+        @app.task(base=Both, shared=False, name=f"face.traced-{strategy}", lock_strategy=strategy)
+        def add(x: int, y: int) -> int:
+            return x + y
+
+        assert add.apply_async((1, 2)).get() == 3
+    assert seen == ["face.traced-while_executing", "face.traced-until_executed"]
 
 
 def test_lock_outside_an_execution_raises(app: Celery) -> None:

@@ -850,11 +850,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         if overrides:
             # The worker applies them too: they travel with the message.
             options["headers"] = {**(options.get("headers") or {}), _OVERRIDES_HEADER: overrides}
-        if opts.strategy == WHILE_EXECUTING or skip_lock:
-            return super().apply_async(
-                args, kwargs, task_id, producer, link, link_error, shadow, **options
-            )
         options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
+        if opts.strategy == WHILE_EXECUTING or skip_lock:
+            # By name: a base class between this one and Celery's may name fewer.
+            return super().apply_async(args, kwargs, task_id, **options)
         task_id = task_id or uuid()
         key = self.lock_name(args, kwargs)
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
