@@ -338,7 +338,13 @@ local function write(lock, ms, or_delete)
     local reply
     if ms then reply = set('SET', KEYS[1], raw, 'PX', ms) else reply = set('SET', KEYS[1], raw, 'KEEPTTL') end
     if type(reply) == 'table' and reply.err then
-        if string.sub(reply.err, 1, 4) ~= 'OOM ' then error(reply) end
+        -- (Redis 6.2 puts where it was raised first: '<source>: <line>: -OOM ...'.)
+        if string.sub(reply.err, 1, 4) ~= 'OOM ' and not string.find(reply.err, ': -OOM ', 1, true) then
+            -- Any other refusal is raised as redis.call raises it (an error() of the
+            -- reply would lose it on Redis 6.2): the same write, again.
+            if ms then return redis.call('SET', KEYS[1], raw, 'PX', ms) end
+            return redis.call('SET', KEYS[1], raw, 'KEEPTTL')
+        end
         redis.call('PEXPIRE', KEYS[1], 0)
         return false
     end

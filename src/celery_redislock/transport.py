@@ -1057,11 +1057,14 @@ def describe_error(exc: BaseException) -> str:
             f"{exc} (the Redis user lacks a permission the locks need: see the "
             "ACL section of the documentation's Deployments page)"
         )
-    if isinstance(exc, OutOfMemoryError) or str(exc).startswith("OOM "):
+    if isinstance(exc, OutOfMemoryError) or "OOM command not allowed" in str(exc):
         return (
             f"{exc} (the lock store is out of memory: it takes no new lock until memory "
-            "is freed or its maxmemory raised; held locks are still renewed and freed)"
+            "is freed or its maxmemory raised; held locks are still renewed, and freed by their "
+            "last release)"
         )
+    if isinstance(exc, BusyLoadingError):
+        return f"the server is still loading its data ({exc})"
     if isinstance(exc, RedisTimeoutError):
         return f"timed out ({exc})"
     if isinstance(exc, RedisConnectionError):
