@@ -22,7 +22,7 @@ from celery_redislock.lock import lock_keys, release_lease, wake_channel_prefix
 from celery_redislock.scripts import ACQUIRE, EXTEND, FENCE_FIELD, RELEASE
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import pack, transport_for
-from celery_redislock.wakeups import hub_for
+from celery_redislock.wakeups import PROBE_AFTER, hub_for
 from tests.proxy import FaultProxy
 from tests.support import (
     acquire_in_thread,
@@ -558,7 +558,9 @@ def test_a_subscription_that_went_silent_is_replaced(
     subscriptions = hub.subscriptions
     assert proxy.silence_open() >= 1
     wait_for(
-        lambda: hub.subscribed and hub.subscriptions > subscriptions, what="the new subscription"
+        lambda: hub.subscribed and hub.subscriptions > subscriptions,
+        timeout=30,
+        what="the new subscription",
     )
     holder.release()
     thread.join(30)
@@ -609,6 +611,30 @@ def test_a_lock_evicted_by_the_server_is_lost_and_fenced(
     assert holder.token is not None
     assert successor.token > holder.token
     successor.release()
+
+
+def test_a_server_busy_for_a_moment_keeps_the_subscription(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """A server that answers nothing for longer than PROBE_AFTER but less than a call
+    timeout (a slow command; here CLIENT PAUSE) is busy, not a lost subscription:
+    the waiter's probe is answered late and the subscription is kept."""
+    holder = RedisLock(server.url, "busy", ttl=60)
+    assert holder.acquire()
+    waiter = RedisLock(server.url, "busy", ttl=10)
+    got, thread = acquire_in_thread(waiter, 60)
+    hub = hub_for(waiter.transport, waiter.prefix)
+    wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
+    wait_for(lambda: hub.subscribed, what="the wake-up subscription")
+    subscriptions = hub.subscriptions
+    direct.client_pause(int((PROBE_AFTER + 2.0) * 1000), all=True)
+    time.sleep(PROBE_AFTER + 2.5)
+    assert hub.subscriptions == subscriptions
+    holder.release()
+    thread.join(30)
+    assert got == [True]
+    assert hub.subscriptions == subscriptions
+    waiter.release()
 
 
 @contextlib.contextmanager

@@ -124,6 +124,36 @@ def test_server_dies_with_killed_parent() -> None:
         time.sleep(0.05)
 
 
+_OUTLIVES_MAIN = """
+import threading, time
+from celery_redislock.server import RedisServer
+
+def work():
+    server = RedisServer().start()
+    started.set()
+    time.sleep(1.0)  # the main thread has returned by now
+    print("alive" if server.process.poll() is None and server.client().ping() else "dead")
+    server.restart()
+    print("restarted" if server.client().ping() else "not restarted")
+    server.stop()
+
+started = threading.Event()
+threading.Thread(target=work).start()
+started.wait()
+"""
+
+
+def test_a_server_started_from_a_thread_outlives_the_main_thread() -> None:
+    """A server started from a non-main thread keeps running after the main thread
+    returns (the interpreter waits for that thread), and restarts; a server still
+    dies with its process (``test_server_dies_with_killed_parent``)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _OUTLIVES_MAIN], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["alive", "restarted"]
+
+
 def no_retry_client(server: RedisServer, timeout: float) -> redis.Redis:
     """A client of ``server`` that gives up after one try of ``timeout`` seconds."""
     return server.client(

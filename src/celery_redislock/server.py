@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -33,7 +34,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,10 +125,21 @@ _PR_SET_PDEATHSIG = 1
 # Linux sends the parent-death signal when the *thread* that forked the child
 # ends, not the process: a server started from a thread that then ends (a
 # restart() run in a thread of its own) would be killed with it. So servers are
-# started from the main thread, or from one thread kept for it as long as the
-# process lives.
-_spawner: tuple[int, ThreadPoolExecutor] | None = None
+# started from the main thread, or from one daemon thread kept for it as long as
+# the process lives (a thread pool's would be ended at interpreter exit before
+# the other threads, taking their servers with it).
+_spawner: tuple[int, queue.SimpleQueue[_SpawnRequest]] | None = None
 _spawner_guard = threading.Lock()
+
+
+class _SpawnRequest:
+    """A server process to start on the spawner thread, and its outcome."""
+
+    def __init__(self, command: Sequence[str]) -> None:
+        self.command = command
+        self.done = threading.Event()
+        self.process: subprocess.Popen[bytes] | None = None
+        self.error: BaseException | None = None
 
 
 def _spawn(command: Sequence[str]) -> subprocess.Popen[bytes]:
@@ -138,10 +149,30 @@ def _spawn(command: Sequence[str]) -> subprocess.Popen[bytes]:
         return _popen(command)
     with _spawner_guard:
         if _spawner is None or _spawner[0] != os.getpid():
-            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redislock-spawner")
-            _spawner = (os.getpid(), executor)
-        executor = _spawner[1]
-    return executor.submit(_popen, command).result()
+            requests: queue.SimpleQueue[_SpawnRequest] = queue.SimpleQueue()
+            threading.Thread(
+                target=_serve_spawns, args=(requests,), name="redislock-spawner", daemon=True
+            ).start()
+            _spawner = (os.getpid(), requests)
+        requests = _spawner[1]
+    request = _SpawnRequest(command)
+    requests.put(request)
+    request.done.wait()
+    if request.process is None:
+        raise request.error or RuntimeError("the server process was not started")
+    return request.process
+
+
+def _serve_spawns(requests: queue.SimpleQueue[_SpawnRequest]) -> None:
+    """The spawner thread: start each requested process, for ever."""
+    while True:
+        request = requests.get()
+        try:
+            request.process = _popen(request.command)
+        except BaseException as exc:  # handed to the caller, who raises it
+            request.error = exc
+        finally:
+            request.done.set()
 
 
 def _popen(command: Sequence[str]) -> subprocess.Popen[bytes]:

@@ -67,8 +67,10 @@ _POLL = 0.5
 PROBE_AFTER = 1.0
 
 #: Seconds a reader waits for anything after its probe before it takes the
-#: subscription for broken (and the hub subscribes again on a new connection).
-PROBE_WAIT = 2.0
+#: subscription for broken (and the hub subscribes again on a new connection):
+#: as long as any call waits for an answer, so that a server busy for a moment
+#: (a slow command, a fork) is not taken for a lost subscription.
+PROBE_WAIT = DEFAULT_CALL_TIMEOUT
 
 _process = secrets.token_hex(8)
 _counter = itertools.count(1)
