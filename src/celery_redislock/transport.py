@@ -69,8 +69,9 @@ ATTEMPTS = 3
 BACKOFF = (0.0, 0.02, 0.1)
 
 #: Pause, in seconds, between the tries of a request the server refused because
-#: it is still loading its data (``LOADING``): those are made until the deadline.
-LOADING_PAUSE = 0.05
+#: it is still loading its data (``LOADING``): those are made until the deadline,
+#: each on a new connection (the refusal closes the one it came on).
+LOADING_PAUSE = 0.1
 
 #: Errors after which the request may be sent again: the connection broke, the
 #: reply did not come in time, the server is still loading its data, or it was
