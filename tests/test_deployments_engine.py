@@ -512,6 +512,90 @@ def test_cluster_locks_keep_working_after_a_primary_fails(
         client.close()
 
 
+def _command(node: RedisServer, *command: Any) -> Any:
+    """Run ``command`` on ``node`` (a cluster node, as a server of its own)."""
+    admin = node.client()
+    try:
+        return admin.execute_command(*command)  # type: ignore[no-untyped-call]
+    finally:
+        admin.close()
+
+
+def _node_id(node: RedisServer) -> str:
+    """``node``'s cluster node id."""
+    node_id = _command(node, "CLUSTER", "MYID")
+    return node_id.decode() if isinstance(node_id, bytes) else str(node_id)
+
+
+def _migrating(cluster: ClusterDeployment, slot: int) -> tuple[RedisServer, RedisServer]:
+    """Start moving ``slot`` to another primary, as ``redis-cli --cluster reshard``
+    does (IMPORTING on the target, MIGRATING on the source); return both."""
+    source = cluster.primary_for_slot(slot)
+    target = next(node for node in cluster.primaries() if node is not source)
+    source_id, target_id = (_node_id(node) for node in (source, target))
+    _command(target, "CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    _command(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    return source, target
+
+
+def _migrate_keys(source: RedisServer, target: RedisServer, slot: int) -> None:
+    """Move the keys of ``slot`` from ``source`` to ``target``."""
+    keys = _command(source, "CLUSTER", "GETKEYSINSLOT", slot, 1000)
+    if keys:
+        _command(source, "MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", *keys)
+
+
+def _settle(cluster: ClusterDeployment, slot: int, target: RedisServer) -> None:
+    """End the migration of ``slot``: every primary learns that ``target`` serves it."""
+    target_id = _node_id(target)
+    for node in [target, *(n for n in cluster.primaries() if n is not target)]:
+        _command(node, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+
+def test_cluster_locks_follow_their_slot_through_a_migration(
+    redislock_cluster_factory: Callable[..., ClusterDeployment],
+) -> None:
+    """A slot moved to another primary while its lock is held (resharding): half-way
+    (the key moved, the slot not yet: ASK), the holder's calls follow the key to
+    its new primary, and a request about both of the name's keys waits for the
+    slot to settle (TRYAGAIN); once the slot has moved (MOVED), the heartbeat
+    renews the held lock there, and it is released there. Nothing is reported
+    lost."""
+    cluster = redislock_cluster_factory(masters=3)
+    client = cluster.client()
+    try:
+        held = RedisLock(client, "migrating", ttl=3)
+        assert held.acquire(blocking=False)
+        slot = client.keyslot(held.key)  # type: ignore[no-untyped-call]
+        source, target = _migrating(cluster, slot)
+        _migrate_keys(source, target, slot)
+        held.extend()
+        assert held.locked()
+        # A request about both of the name's keys (the lock and its waiter queue)
+        # meets TRYAGAIN while they may be split between the two primaries: it is
+        # sent again until the slot has moved.
+        other = RedisLock(client, "migrating", ttl=3)
+        taken: list[bool] = []
+        trying = threading.Thread(target=lambda: taken.append(other.acquire(blocking=False)))
+        trying.start()
+        time.sleep(0.3)
+        _settle(cluster, slot, target)
+        trying.join(10)
+        assert taken == [False]
+        admin = target.client()
+        assert_renewed_there(admin, held)
+        admin.close()
+        held.release()
+        assert other.acquire(blocking=False)
+        assert other.token is not None
+        assert held.token is not None
+        assert other.token > held.token
+        other.release()
+        assert not held.lost
+    finally:
+        client.close()
+
+
 # Sentinel: a Sentinel that does not answer.
 
 

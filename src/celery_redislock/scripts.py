@@ -87,13 +87,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Mapping, Sequence
 from enum import IntEnum
 from string import Template
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import AskError, NoScriptError, RedisError, TryAgainError
 
 from celery_redislock.ids import REQUEST_ID_DIGITS
 from celery_redislock.transport import ATTEMPTS, Deadline, Router, Transport, run
@@ -851,6 +852,12 @@ def run_calls(
     return replies
 
 
+#: Pause, in seconds, before sending again a request the server answered with
+#: ``TRYAGAIN``: its keys are split between two primaries by a slot's migration,
+#: which moves the rest shortly. Sent again until the deadline.
+TRYAGAIN_PAUSE = 0.05
+
+
 def send(
     router: Router,
     key: str,
@@ -862,32 +869,53 @@ def send(
 
     With ``then``, those commands follow in the same round trip and every reply
     comes back, as a list. On a cluster, a redirection or a failed primary
-    updates the slot map and the request goes again to the key's owner now.
+    updates the slot map and the request goes again to the key's owner now; a
+    slot being migrated sends it, after an ``ASKING``, to the primary its key has
+    moved to (``ASK``), or again after a pause while its keys are split
+    (``TRYAGAIN``).
 
     Raises:
         redis.RedisError: the request failed for good (connection, timeout, or
             an error reply).
     """
-    for attempt in range(ATTEMPTS):
-        transport = router.single or router.transport(key)
+    # The primary an ASK named, for the next try (the slot map still says the old).
+    asked: Transport | None = None
+    attempt = 0
+    while True:
+        transport = asked or router.single or router.transport(key)
+        head: list[Sequence[Any]] = [_ASKING] if asked is not None else []
         try:
             if isinstance(call, Call):
                 # run_calls() for one call, inline: this is every acquire's path.
-                replies = run(transport, [call.by_sha(), *then], deadline)
+                replies = run(transport, [*head, call.by_sha(), *then], deadline)[len(head) :]
                 if isinstance(replies[0], NoScriptError):
-                    replies = run(transport, [call.by_text(), *then], deadline)
+                    replies = run(transport, [*head, call.by_text(), *then], deadline)[len(head) :]
                 if not isinstance(replies[0], NoScriptError):
                     transport.scripts.add(call.script.sha)
             else:
-                replies = run(transport, [call, *then], deadline)
+                replies = run(transport, [*head, call, *then], deadline)[len(head) :]
             if isinstance(replies[0], Exception):
                 raise replies[0]
             return replies if then else replies[0]
+        except TryAgainError:
+            if deadline.remaining() <= TRYAGAIN_PAUSE:
+                raise
+            time.sleep(TRYAGAIN_PAUSE)
+            continue
+        except AskError as exc:
+            asked = router.asked(exc)
+            if asked is None or attempt + 1 == ATTEMPTS or deadline.expired():
+                raise
         except RedisError as exc:
+            asked = None
             last = attempt + 1 == ATTEMPTS or deadline.expired()
             if last or not router.redirected(exc):
                 raise
-    raise AssertionError("unreachable")  # pragma: no cover
+        attempt += 1
+
+
+#: What a request to the primary an ``ASK`` named starts with.
+_ASKING = ("ASKING",)
 
 
 class Acquired(IntEnum):

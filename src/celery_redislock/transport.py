@@ -915,6 +915,19 @@ class Router:
         primaries = client.get_primaries()  # type: ignore[no-untyped-call]
         return [transport_for(client.get_redis_connection(n)) for n in primaries]
 
+    def asked(self, exc: AskError) -> Transport | None:
+        """The transport of the primary an ``ASK`` reply names: the one a slot half-way
+        through a migration (resharding) has already moved the key to. Requests sent
+        there must follow an ``ASKING``. ``None`` for a node the cluster client does
+        not know (the caller's error then stands)."""
+        if self.single is not None:
+            return None
+        client = cast(RedisCluster, self.client)
+        node = client.get_node(host=exc.host, port=exc.port)  # type: ignore[no-untyped-call]
+        if node is None:
+            return None
+        return transport_for(client.get_redis_connection(node))
+
     def redirected(self, exc: BaseException, deadline: Deadline | None = None) -> bool:
         """Learn from ``exc`` where keys live now; return whether a new try may help.
 
