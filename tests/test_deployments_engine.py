@@ -596,6 +596,37 @@ def test_cluster_locks_follow_their_slot_through_a_migration(
         client.close()
 
 
+def test_cluster_release_read_later_follows_its_moving_slot(
+    redislock_cluster_factory: Callable[..., ClusterDeployment],
+) -> None:
+    """A release whose answer is read later (a task's), written to the old primary
+    while its slot moves (ASK), is sent again in the background and lands where
+    the key is now, freeing the lock, rather than leave it to its TTL."""
+    cluster = redislock_cluster_factory(masters=3)
+    client = cluster.client()
+    try:
+        held = RedisLock(client, "migrating-release", ttl=60)
+        assert held.acquire(blocking=False)
+        slot = client.keyslot(held.key)  # type: ignore[no-untyped-call]
+        source, target = _migrating(cluster, slot)
+        _migrate_keys(source, target, slot)
+        held.release(wait=False)
+        time.sleep(0.3)
+        _settle(cluster, slot, target)
+        admin = target.client()
+        wait_for(
+            lambda: OWNER_FIELD not in fields(admin, held.key),
+            timeout=20,
+            what="the release to land on the new primary",
+        )
+        admin.close()
+        again = RedisLock(client, "migrating-release", ttl=10)
+        assert again.acquire(blocking=False)
+        again.release()
+    finally:
+        client.close()
+
+
 # Sentinel: a Sentinel that does not answer.
 
 

@@ -33,9 +33,9 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
-from redis.exceptions import AskError, RedisError
+from redis.exceptions import AskError, MovedError, RedisError, TryAgainError
 
 from celery_redislock import signals
 from celery_redislock.scripts import EXTEND_SCRIPT, Call, Released, run_calls
@@ -101,13 +101,28 @@ class _Entry(weakref.ref["Renewable"]):
 _Renewal = tuple[Renewable, _Entry | None]
 
 
+#: Replies that say a request went to a primary that no longer (or not alone)
+#: holds its key's slot: sent again, it follows the key.
+_REDIRECTS = (AskError, MovedError, TryAgainError)
+
+
 class _Pending:
     """A request the lane keeps sending until it lands or ``until`` passes."""
 
-    __slots__ = ("call", "next_try", "pause", "quiet", "until", "what")
+    __slots__ = ("call", "next_try", "pause", "quiet", "redirect", "until", "what")
 
-    def __init__(self, call: Call, until: float, what: str, now: float, quiet: bool) -> None:
+    def __init__(
+        self,
+        call: Call,
+        until: float,
+        what: str,
+        now: float,
+        quiet: bool,
+        redirect: Callable[[Call, Deadline], Any] | None,
+    ) -> None:
         self.call = call
+        #: Sends the call to wherever its key lives now (see _Lane._send_pending).
+        self.redirect = redirect
         self.until = until
         self.what = what
         self.quiet = quiet
@@ -170,9 +185,16 @@ class _Lane:
                 return True
         return False
 
-    def add_pending(self, call: Call, until: float, what: str, quiet: bool) -> None:
+    def add_pending(
+        self,
+        call: Call,
+        until: float,
+        what: str,
+        quiet: bool,
+        redirect: Callable[[Call, Deadline], Any] | None = None,
+    ) -> None:
         with self.cond:
-            self.pending.append(_Pending(call, until, what, self.clock(), quiet))
+            self.pending.append(_Pending(call, until, what, self.clock(), quiet, redirect))
             self._wake(self.clock())
 
     def drain_later(self) -> bool:
@@ -433,6 +455,14 @@ class _Lane:
             results = run_calls(self.transport, [p.call for p in due], Deadline.after(budget))
         except RedisError as exc:
             results = [exc] * len(due)
+        for at, (item, result) in enumerate(zip(due, results, strict=True)):
+            if isinstance(result, _REDIRECTS) and item.redirect is not None:
+                # A cluster slot moved, or is moving: this lane's server is no
+                # longer the key's, so the request follows the key on its own.
+                try:
+                    results[at] = item.redirect(item.call, Deadline.after(budget))
+                except RedisError as exc:
+                    results[at] = exc
         after = self.clock()
         done = []
         for item, result in zip(due, results, strict=True):
@@ -511,7 +541,10 @@ class Heartbeat:
         logs, where a release that found the lock not held is a warning unless
         ``quiet``."""
         self._stopping = False
-        self._lane(lock.transport).add_pending(call, until, what, quiet)
+        # A lock that can send a request wherever its key lives (RedisLock._run)
+        # has its background requests follow a moving cluster slot.
+        redirect = getattr(lock, "_run", None)
+        self._lane(lock.transport).add_pending(call, until, what, quiet, redirect)
 
     def drain_later(self, transport: Transport) -> None:
         """Have ``transport``'s owed replies read soon, if no request reads them first."""

@@ -45,8 +45,15 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, NamedTuple, NoReturn
 
+from redis.exceptions import (
+    AskError,
+    MovedError,
+    NoScriptError,
+    ReadOnlyError,
+    RedisError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_redislock.client import as_client
@@ -1314,8 +1321,9 @@ _NOT_RUN = (NoScriptError, RedisConnectionError, RedisTimeoutError)
 
 #: Errors after which a failed release is sent again in the background: it may
 #: not have run, or (a replica answering after a failover) may land once the
-#: connection reaches the new primary.
-_SEND_AGAIN = (*_NOT_RUN, ReadOnlyError)
+#: connection reaches the new primary, or (a cluster slot moving) once it goes
+#: where its key is now.
+_SEND_AGAIN = (*_NOT_RUN, ReadOnlyError, AskError, MovedError, TryAgainError)
 
 
 class SentAcquire:
