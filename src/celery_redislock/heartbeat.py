@@ -458,9 +458,11 @@ class _Lane:
         for at, (item, result) in enumerate(zip(due, results, strict=True)):
             if isinstance(result, _REDIRECTS) and item.redirect is not None:
                 # A cluster slot moved, or is moving: this lane's server is no
-                # longer the key's, so the request follows the key on its own.
+                # longer the key's, so the request follows the key on its own,
+                # holding up the lane's renewals no longer than a retry's pause.
                 try:
-                    results[at] = item.redirect(item.call, Deadline.after(budget))
+                    deadline = Deadline.after(min(budget, RENEW_RETRY))
+                    results[at] = item.redirect(item.call, deadline)
                 except RedisError as exc:
                     results[at] = exc
         after = self.clock()
