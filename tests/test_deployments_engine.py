@@ -552,6 +552,19 @@ def _settle(cluster: ClusterDeployment, slot: int, target: RedisServer) -> None:
         _command(node, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
 
 
+def _held_half_moved(
+    cluster: ClusterDeployment, client: RedisCluster, name: str, ttl: float
+) -> tuple[RedisLock, int, RedisServer]:
+    """A lock taken, then its slot half-way moved to another primary: its keys are
+    there, the slot is not yet. Returns the lock, its slot and the new primary."""
+    held = RedisLock(client, name, ttl=ttl)
+    assert held.acquire(blocking=False)
+    slot = client.keyslot(held.key)  # type: ignore[no-untyped-call]
+    source, target = _migrating(cluster, slot)
+    _migrate_keys(source, target, slot)
+    return held, slot, target
+
+
 def test_cluster_locks_follow_their_slot_through_a_migration(
     redislock_cluster_factory: Callable[..., ClusterDeployment],
 ) -> None:
@@ -564,11 +577,7 @@ def test_cluster_locks_follow_their_slot_through_a_migration(
     cluster = redislock_cluster_factory(masters=3)
     client = cluster.client()
     try:
-        held = RedisLock(client, "migrating", ttl=3)
-        assert held.acquire(blocking=False)
-        slot = client.keyslot(held.key)  # type: ignore[no-untyped-call]
-        source, target = _migrating(cluster, slot)
-        _migrate_keys(source, target, slot)
+        held, slot, target = _held_half_moved(cluster, client, "migrating", ttl=3)
         held.extend()
         assert held.locked()
         # A request about both of the name's keys (the lock and its waiter queue)
@@ -605,11 +614,7 @@ def test_cluster_release_read_later_follows_its_moving_slot(
     cluster = redislock_cluster_factory(masters=3)
     client = cluster.client()
     try:
-        held = RedisLock(client, "migrating-release", ttl=60)
-        assert held.acquire(blocking=False)
-        slot = client.keyslot(held.key)  # type: ignore[no-untyped-call]
-        source, target = _migrating(cluster, slot)
-        _migrate_keys(source, target, slot)
+        held, slot, target = _held_half_moved(cluster, client, "migrating-release", ttl=60)
         held.release(wait=False)
         time.sleep(0.3)
         _settle(cluster, slot, target)
