@@ -605,6 +605,27 @@ def test_cluster_locks_follow_their_slot_through_a_migration(
         client.close()
 
 
+def test_cluster_renewals_follow_a_key_whose_slot_is_moving(
+    redislock_cluster_factory: Callable[..., ClusterDeployment],
+) -> None:
+    """While its slot is half-way moved (the key on the new primary, the slot not
+    yet: ASK), the heartbeat renews the lock there: held through several TTLs of
+    the move, it is not lost."""
+    cluster = redislock_cluster_factory(masters=3)
+    client = cluster.client()
+    try:
+        held, slot, target = _held_half_moved(cluster, client, "migrating-renewed", ttl=1.5)
+        time.sleep(3 * held.ttl)
+        assert not held.lost
+        _settle(cluster, slot, target)
+        admin = target.client()
+        assert fields(admin, held.key).get(OWNER_FIELD) == held.owner
+        admin.close()
+        held.release()
+    finally:
+        client.close()
+
+
 def test_cluster_release_read_later_follows_its_moving_slot(
     redislock_cluster_factory: Callable[..., ClusterDeployment],
 ) -> None:

@@ -385,6 +385,15 @@ class _Lane:
             )
             results = [exc] * len(live)
             live[0][0]._redirected(exc)
+        for at, ((lock, _entry), result) in enumerate(zip(live, results, strict=True)):
+            redirect = getattr(lock, "_run", None)
+            if isinstance(result, AskError) and redirect is not None:
+                # Its slot is moving, its key already on the new primary: the
+                # renewal follows it there (until the slot has moved).
+                try:
+                    results[at] = redirect(calls[at], Deadline.after(min(budget, RENEW_RETRY)))
+                except RedisError as exc:
+                    results[at] = exc
         after = self.clock()
         renewed = failed = 0
         lost = len(renewals) - len(live)
