@@ -22,6 +22,7 @@ from celery_redislock.deployments import ClusterDeployment, SentinelDeployment, 
 from celery_redislock.scripts import OWNER_FIELD, SEPARATOR
 from celery_redislock.server import RedisServer
 from celery_redislock.store import describe_store, lock_store, store_url
+from celery_redislock.task import lock_store_url
 from celery_redislock.transport import router_for
 from tests.support import close_app, field, in_forked_child
 
@@ -336,6 +337,21 @@ def test_broker_url_given_as_a_string_of_failover_urls_locks_on_the_first(
     _token, held = job_of(app).apply((uuid.uuid4().hex,)).get()
     assert held
     assert lock_store(app).connection_pool.connection_kwargs["db"] == 4  # type: ignore[union-attr]
+    close_app(app)
+
+
+def test_lock_store_url_is_the_url_the_store_is_made_from(redislock_server: RedisServer) -> None:
+    """``lock_store_url`` reads the settings at each call: ``redislock_url``, else
+    the broker's (made ``rediss://`` by ``broker_use_ssl``); a bad one is refused
+    naming the setting."""
+    app = make("store-url", broker_url="redis://127.0.0.1:1/0")
+    app.conf.broker_use_ssl = {"ssl_cert_reqs": "required"}
+    assert lock_store_url(app) == "rediss://127.0.0.1:1/0"
+    app.conf.redislock_url = redislock_server.url
+    assert lock_store_url(app) == redislock_server.url
+    app.conf.redislock_url = "http://nowhere"
+    with pytest.raises(ValueError, match=r"app\.conf\.redislock_url"):
+        lock_store_url(app)
     close_app(app)
 
 

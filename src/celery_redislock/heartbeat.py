@@ -106,6 +106,16 @@ _Renewal = tuple[Renewable, _Entry | None]
 _REDIRECTS = (AskError, MovedError, TryAgainError)
 
 
+def _follow(redirect: Callable[[Call, Deadline], Any], call: Call, budget: float) -> Any:
+    """``call`` sent by ``redirect`` to wherever its key lives now (a lock's
+    ``_run``), holding up the lane's other work no longer than a retry's pause:
+    its reply, or the error it met."""
+    try:
+        return redirect(call, Deadline.after(min(budget, RENEW_RETRY)))
+    except RedisError as exc:
+        return exc
+
+
 class _Pending:
     """A request the lane keeps sending until it lands or ``until`` passes."""
 
@@ -390,16 +400,11 @@ class _Lane:
             if isinstance(result, AskError) and redirect is not None:
                 # Its slot is moving, its key already on the new primary: the
                 # renewal follows it there (until the slot has moved).
-                try:
-                    results[at] = redirect(calls[at], Deadline.after(min(budget, RENEW_RETRY)))
-                except RedisError as exc:
-                    results[at] = exc
+                results[at] = _follow(redirect, calls[at], budget)
         after = self.clock()
         renewed = failed = 0
         lost = len(renewals) - len(live)
         for (lock, entry), result in zip(live, results, strict=True):
-            if isinstance(result, AskError):
-                lock._redirected(result)
             if isinstance(result, Exception) and lock.transport is not self.transport:
                 # A cluster slot moved: the lane of the lock's new primary takes it.
                 self._move(lock, entry, after)
@@ -467,13 +472,8 @@ class _Lane:
         for at, (item, result) in enumerate(zip(due, results, strict=True)):
             if isinstance(result, _REDIRECTS) and item.redirect is not None:
                 # A cluster slot moved, or is moving: this lane's server is no
-                # longer the key's, so the request follows the key on its own,
-                # holding up the lane's renewals no longer than a retry's pause.
-                try:
-                    deadline = Deadline.after(min(budget, RENEW_RETRY))
-                    results[at] = item.redirect(item.call, deadline)
-                except RedisError as exc:
-                    results[at] = exc
+                # longer the key's, so the request follows the key on its own.
+                results[at] = _follow(item.redirect, item.call, budget)
         after = self.clock()
         done = []
         for item, result in zip(due, results, strict=True):

@@ -507,7 +507,9 @@ def resolve_options(task_class: type[SingletonTask], app: Any) -> LockOptions:
 
 def lock_store_url(app: Any) -> str:
     """The URL of ``app``'s lock store: ``redislock_url``, else the broker URL if it
-    is a Redis one (``redislock_client``, when set, takes precedence over both).
+    is a Redis one (``redislock_client``, when set, takes precedence over both), as
+    :func:`~celery_redislock.store.store_url` gives it (a broker made TLS by
+    ``broker_use_ssl`` as ``rediss://``, without those options).
 
     Read at each use, so that configuring the app after defining its tasks works.
 
@@ -515,9 +517,6 @@ def lock_store_url(app: Any) -> str:
         ValueError, TypeError: ``redislock_url`` is not a Redis URL, or it is unset
             and the broker URL is not one either; the message says what to set.
     """
-    url = app.conf.get("redislock_url")
-    if url:
-        return check_redis_url(url, "app.conf.redislock_url")
     return store_url(app)[0]
 
 
