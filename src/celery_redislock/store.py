@@ -13,13 +13,13 @@ defining its tasks, or between uses, works; the first of these that is set wins:
    (``master_name``, ``sentinel_kwargs``, as Celery's
    ``broker_transport_options``; they serve a task's own ``sentinel://``
    ``lock_url`` too);
-3. the broker URL (the first, of a list of failover URLs), when it is one of
-   those, with the Sentinel and connection options of
+3. the broker URL (the first of several failover URLs, a list or separated by
+   ``;``), when it is one of those, with the Sentinel and connection options of
    ``broker_transport_options`` (not the transport's own, such as
-   ``visibility_timeout``) and, for a ``redis://`` or ``rediss://`` broker, the
-   TLS options of ``broker_use_ssl`` (a dict of ``ssl_cert_reqs``,
-   ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, as Celery's Redis
-   transport takes it: then the locks, like the broker's messages, go over TLS).
+   ``visibility_timeout``) and the TLS options of ``broker_use_ssl`` (a dict of
+   ``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, as
+   Celery's Redis transport takes it: then the locks, like the broker's
+   messages, go over TLS; for a Sentinel broker, to its master).
 """
 
 from __future__ import annotations
