@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -750,6 +751,132 @@ def test_out_of_memory_release_with_a_waiter_wakes_it(
     assert len(errors) == 1
     assert "out of memory" in str(errors[0])
     direct.delete(holder.queue_key)
+
+
+@contextlib.contextmanager
+def refusing_writes(client: redis.Redis, why: str) -> Iterator[None]:
+    """The server refuses every write until the block ends, as one does that
+    cannot save to disk (``why="disk"``: ``MISCONF``) or has fewer replicas than
+    ``min-replicas-to-write`` (``why="replicas"``: ``NOREPLICAS``)."""
+    if why == "replicas":
+        client.config_set("min-replicas-to-write", 1)
+        try:
+            yield
+        finally:
+            client.config_set("min-replicas-to-write", 0)
+        return
+    # A server that must save (it has a save point) whose snapshot failed refuses
+    # writes until one succeeds: its working directory removed, the next fails.
+    workdir = str(client.config_get("dir")["dir"])
+    client.config_set("save", "3600 1")
+    os.rmdir(workdir)
+    try:
+        client.bgsave()
+        wait_for(
+            lambda: client.info("persistence")["rdb_last_bgsave_status"] == "err",
+            what="a failed snapshot",
+        )
+        yield
+    finally:
+        client.config_set("save", "")
+        os.mkdir(workdir)
+
+
+@pytest.mark.parametrize(
+    ("why", "says"), [("disk", "cannot save its data to disk"), ("replicas", "fewer replicas")]
+)
+def test_a_server_refusing_writes_for_a_while_keeps_held_locks_and_frees_them_after(
+    server: RedisServer,
+    direct: redis.Redis,
+    why: str,
+    says: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server that refuses writes for a while (it cannot save to disk, or too few
+    replicas are connected) takes no new lock, saying why, and writes nothing. The
+    renewals of a held lock it refuses are logged and retried, and the lock is
+    renewed again, never lost, once it writes again within the TTL; a release it
+    refuses is sent again in the background and lands then, long before the TTL,
+    whether its caller waited for its answer or (as a task's) not."""
+    caplog.set_level(logging.WARNING, logger="celery_redislock")
+    renewed = RedisLock(server.url, f"refused-{why}-renewed", ttl=6)
+    released = RedisLock(server.url, f"refused-{why}-released", ttl=600, heartbeat=False)
+    unread = RedisLock(server.url, f"refused-{why}-unread", ttl=600, heartbeat=False)
+    new = RedisLock(server.url, f"refused-{why}-new", ttl=30)
+    for lock in (renewed, released, unread):
+        assert lock.acquire(blocking=False)
+    with refusing_writes(direct, why):
+        with pytest.raises(LockBackendError) as refused:
+            new.acquire(blocking=False)
+        assert says in str(refused.value)
+        assert not direct.exists(new.key)
+        with pytest.raises(LockBackendError, match="retried in the background"):
+            released.release()
+        assert hold_count(direct, released) == 1
+        unread.release(wait=False)
+        wait_for(lambda: "could not renew 1 lock(s)" in caplog.text, what="a refused renewal")
+        assert hold_count(direct, unread) == 1
+        assert says in caplog.text
+        refused_at = direct.pttl(renewed.key)
+    wait_for(lambda: direct.pttl(renewed.key) > refused_at, what="the renewals resumed")
+    assert not renewed.lost
+    for lock in (released, unread):
+        wait_for(lambda: hold_count(direct, lock) == 0, what="the release sent again landed")
+        assert direct.pttl(lock.key) > 500_000
+    renewed.release()
+    assert new.acquire(blocking=False)
+    new.release()
+
+
+def test_a_server_busy_running_a_script_is_waited_for_within_the_deadline(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """A server running a script past its busy-reply-threshold answers BUSY to all
+    else until the script ends: a call asks again, within its deadline, and
+    succeeds once the script is stopped, instead of failing at once; a release
+    whose deadline passes first is sent again in the background, and lands then."""
+    direct.config_set("lua-time-limit", 50)
+    held = RedisLock(server.url, "busy-held", ttl=600, heartbeat=False, call_timeout=0.3)
+    assert held.acquire(blocking=False)
+    spinner = server.client()
+
+    def spin() -> None:
+        with contextlib.suppress(redis.ResponseError):
+            spinner.eval("while true do end", 0)
+
+    def busy() -> bool:
+        try:
+            direct.exists("anything")
+        except redis.ResponseError as exc:
+            return str(exc).startswith("BUSY")
+        return False
+
+    lock = RedisLock(server.url, "busy-script", ttl=30)
+    outcome: list[object] = []
+
+    def take() -> None:
+        try:
+            outcome.append(lock.acquire(blocking=False))
+        except LockBackendError as exc:
+            outcome.append(exc)
+
+    spinning = threading.Thread(target=spin, daemon=True)
+    spinning.start()
+    try:
+        wait_for(busy, what="the server busy with the script")
+        taking = threading.Thread(target=take, daemon=True)
+        taking.start()
+        with pytest.raises(LockBackendError, match="retried in the background"):
+            held.release()
+    finally:
+        direct.script_kill()
+        spinning.join(10)
+        spinner.close()
+    taking.join(10)
+    assert outcome == [True]
+    lock.release()
+    wait_for(lambda: hold_count(direct, held) == 0, what="the release sent again landed")
+    assert direct.pttl(held.key) > 500_000
 
 
 @pytest.mark.slow

@@ -384,6 +384,9 @@ class _Lane:
         budget = min(lock._expires_at() for lock, _ in live) - now
         budget = min(max(budget, MIN_ROUND_TRIP), max(lock.renew_interval for lock, _ in live))
         calls = [Call(EXTEND_SCRIPT, [lock.key], [lock.owner, lock.ttl_ms]) for lock, _ in live]
+        # The round trip's own failure (logged here), else none: renewals that
+        # fail one by one (refused by the server) are logged after the round.
+        raised: BaseException | None = None
         try:
             results = run_calls(self.transport, calls, Deadline.after(budget))
         except RedisError as exc:
@@ -394,6 +397,7 @@ class _Lane:
                 describe_error(exc),
             )
             results = [exc] * len(live)
+            raised = exc
             live[0][0]._redirected(exc)
         for at, ((lock, _entry), result) in enumerate(zip(live, results, strict=True)):
             redirect = getattr(lock, "_run", None)
@@ -403,6 +407,7 @@ class _Lane:
                 results[at] = _follow(redirect, calls[at], budget)
         after = self.clock()
         renewed = failed = 0
+        refused: list[Exception] = []
         lost = len(renewals) - len(live)
         for (lock, entry), result in zip(live, results, strict=True):
             if isinstance(result, Exception) and lock.transport is not self.transport:
@@ -414,6 +419,8 @@ class _Lane:
                 self._reschedule(entry, now + lock.renew_interval)
             elif isinstance(result, Exception):
                 failed += 1
+                if result is not raised:
+                    refused.append(result)
                 if lock._expires_at() <= after:
                     lost += 1
                     self._lose(lock, entry)
@@ -422,6 +429,13 @@ class _Lane:
             else:
                 lost += 1
                 self._lose(lock, entry)
+        if refused:
+            logger.warning(
+                "celery_redislock: could not renew %d lock(s) on %s: %s",
+                len(refused),
+                self.transport.describe(),
+                describe_error(refused[0]),
+            )
         signals.heartbeat_round.send(
             sender=self.transport.describe(), renewed=renewed, failed=failed, lost=lost
         )

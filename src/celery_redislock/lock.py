@@ -94,6 +94,7 @@ from celery_redislock.transport import (
     Transport,
     backend_errors,
     describe_error,
+    held_off,
     router_for,
 )
 from celery_redislock.wakeups import hub_for
@@ -788,7 +789,7 @@ class RedisLock:
             if result is not reply and not isinstance(reply, NoScriptError):
                 # It ran, so the server has the script now: the next goes by digest.
                 transport.scripts.add(RELEASE_SCRIPT.sha)
-            if isinstance(reply, _SEND_AGAIN):
+            if _send_again(reply):
                 # Not run, not known to have run, or refused by a replica: send it
                 # again (it is recognised if it did run).
                 self._beat().retry_in_background(
@@ -1266,8 +1267,10 @@ class RedisLock:
     def _release_failed(self, call: Call, exc: RedisError) -> NoReturn:
         """A release failed: stop renewing and raise. One that may not have run,
         or may land later (no answer, no script, a replica answering after a
-        failover), is retried in the background; one the server refused (an ACL,
-        a key of another kind) would only be refused again."""
+        failover) or that the server refused for now (it cannot write: a disk,
+        missing replicas, a long script) is retried in the background; one the
+        server refused for good (an ACL, a key of another kind) would only be
+        refused again."""
         # Whether it landed is not known.
         self._last_change = None
         with self._state:
@@ -1279,7 +1282,7 @@ class RedisLock:
         else:
             # An inner hold: the outer one stays renewed, so keep trying a while.
             until = time.monotonic() + self.ttl
-        again = isinstance(exc, _SEND_AGAIN)
+        again = _send_again(exc)
         if again:
             # An inner release sent again may find the hold changed since, and
             # then changes nothing: not worth a warning.
@@ -1324,6 +1327,13 @@ _NOT_RUN = (NoScriptError, RedisConnectionError, RedisTimeoutError)
 #: connection reaches the new primary, or (a cluster slot moving) once it goes
 #: where its key is now.
 _SEND_AGAIN = (*_NOT_RUN, ReadOnlyError, AskError, MovedError, TryAgainError)
+
+
+def _send_again(exc: object) -> bool:
+    """Whether a release that failed with ``exc`` is sent again in the background:
+    one of :data:`_SEND_AGAIN`, or refused by a server that takes it once it can
+    write again (:func:`~celery_redislock.transport.held_off`)."""
+    return isinstance(exc, _SEND_AGAIN) or held_off(exc) is not None
 
 
 class SentAcquire:

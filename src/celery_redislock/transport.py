@@ -73,6 +73,14 @@ BACKOFF = (0.0, 0.02, 0.1)
 #: each on a new connection (the refusal closes the one it came on).
 LOADING_PAUSE = 0.1
 
+#: Codes of the errors by which a server refuses a request, none of which it ran,
+#: for a state it leaves on its own or by an operator's hand: busy running a
+#: script or function past ``busy-reply-threshold`` (``BUSY``), or refusing writes
+#: because it cannot save to disk (``MISCONF``, under
+#: ``stop-writes-on-bgsave-error``) or has fewer replicas than
+#: ``min-replicas-to-write`` (``NOREPLICAS``).
+HELD_OFF = ("BUSY", "MISCONF", "NOREPLICAS")
+
 #: Errors after which the request may be sent again: the connection broke, the
 #: reply did not come in time, the server is still loading its data, or it was
 #: demoted to a replica by a failover (a fresh connection finds the new primary).
@@ -1041,15 +1049,17 @@ def run(
                 transport.close_idle()
         else:
             for reply in replies:
-                if isinstance(reply, ReadOnlyError):
+                if isinstance(reply, ReadOnlyError) or held_off(reply) == "BUSY":
                     break
             else:
                 return replies
             error = reply
-            transport.reset()
-        if isinstance(error, BusyLoadingError):
-            # Refused unrun while the server reads its data: asked again until
-            # the deadline, however long that takes, rather than counted as a try.
+            if isinstance(error, ReadOnlyError):
+                transport.reset()
+        if isinstance(error, BusyLoadingError) or held_off(error) == "BUSY":
+            # Refused unrun while the server reads its data or runs a long
+            # script: asked again until the deadline, however long that takes,
+            # rather than counted as a try (the server is stalled, not lost).
             pause = LOADING_PAUSE
         else:
             attempt += 1
@@ -1060,6 +1070,28 @@ def run(
             raise error
         if pause:
             time.sleep(pause)
+
+
+#: What a server that refuses writes for now means for the locks.
+_NO_WRITES = (
+    "Until then no lock is taken, renewed or released: held locks are kept (their "
+    "renewals retried), and those released meanwhile freed once it writes again, "
+    "unless their TTL runs out first"
+)
+
+
+def held_off(exc: object) -> str | None:
+    """The code (one of :data:`HELD_OFF`) of the refusal ``exc`` is, if the server
+    refused a request for a state it may leave: nothing of the request ran, and it
+    may be sent again later. ``None`` for any other error, or a reply."""
+    if not isinstance(exc, ResponseError):
+        return None
+    text = str(exc)
+    for code in HELD_OFF:
+        # Redis 6.2 reports an error raised in a script after where it was raised.
+        if text.startswith(code + " ") or f": -{code} " in text:
+            return code
+    return None
 
 
 def describe_error(exc: BaseException) -> str:
@@ -1079,6 +1111,23 @@ def describe_error(exc: BaseException) -> str:
         )
     if isinstance(exc, BusyLoadingError):
         return f"the server is still loading its data ({exc})"
+    code = held_off(exc)
+    if code == "MISCONF":
+        return (
+            f"{exc} (the lock store refuses writes because it cannot save its data to "
+            f"disk: fix its disk or its persistence settings, as its log says. {_NO_WRITES})"
+        )
+    if code == "NOREPLICAS":
+        return (
+            f"{exc} (the lock store refuses writes because fewer replicas than its "
+            f"min-replicas-to-write are connected: bring them back. {_NO_WRITES})"
+        )
+    if code == "BUSY":
+        return (
+            f"{exc} (the lock store is busy running a script or function past its "
+            "busy-reply-threshold: it answers again once that ends, or is stopped with "
+            "SCRIPT KILL or FUNCTION KILL)"
+        )
     if isinstance(exc, RedisTimeoutError):
         return f"timed out ({exc})"
     if isinstance(exc, RedisConnectionError):
