@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -821,7 +822,7 @@ def test_a_server_refusing_writes_for_a_while_keeps_held_locks_and_frees_them_af
     wait_for(lambda: direct.pttl(renewed.key) > refused_at, what="the renewals resumed")
     assert not renewed.lost
     for lock in (released, unread):
-        wait_for(lambda: hold_count(direct, lock) == 0, what="the release sent again landed")
+        wait_for(partial(lambda one: hold_count(direct, one) == 0, lock), what="a release landed")
         assert direct.pttl(lock.key) > 500_000
     renewed.release()
     assert new.acquire(blocking=False)
