@@ -19,8 +19,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_redislock import RedisLock
+from celery_redislock import LockBackendError, RedisLock
 from celery_redislock import transport as transport_module
+from celery_redislock.deployments import TLSServer
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import (
     Deadline,
@@ -190,6 +191,70 @@ def test_the_handshake_as_a_whole_ends_by_the_deadline(redislock_server: RedisSe
         conn = transport.connection(Deadline.after(30))
         conn.disconnect()
         client.close()
+
+
+class _StalledResolver:
+    """The system's resolver as a DNS server that does not answer makes it, for one
+    made-up name (standing for the lock store's): a lookup of ``name`` blocks until
+    :meth:`answer`, then finds 127.0.0.1. Every other lookup goes to the real one."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+        self.name = name
+        self.answered = threading.Event()
+        self.lookups = 0
+        real = socket.getaddrinfo
+
+        def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+            if host == self.name:
+                self.lookups += 1
+                self.answered.wait()
+                host = "127.0.0.1"
+            return real(host, *args, **kwargs)
+
+        monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+    def answer(self) -> None:
+        self.answered.set()
+
+
+def test_a_resolver_that_does_not_answer_holds_up_a_call_only_until_its_deadline(
+    redislock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock store named by a host name whose lookup hangs: a call fails when its
+    deadline passes, saying what it waited for, rather than when the resolver gives
+    up. Callers meanwhile share the lookup under way; once it answers, a call goes
+    through."""
+    resolver = _StalledResolver(monkeypatch, "lock-store.example")
+    url = f"redis://lock-store.example:{redislock_server.port}"
+    first = RedisLock(url, "looked-up", ttl=30, call_timeout=0.3)
+    second = RedisLock(url, "looked-up-too", ttl=30, call_timeout=0.3)
+    with pytest.raises(LockBackendError, match=r"looking up the address of .lock-store\.example"):
+        first.acquire(blocking=False)
+    with pytest.raises(LockBackendError, match="timed out"):
+        second.acquire(blocking=False)
+    assert resolver.lookups == 1
+    resolver.answer()
+    assert first.acquire(blocking=False)
+    first.release()
+
+
+def test_a_looked_up_tls_server_is_checked_against_its_name(
+    redislock_tls_server: TLSServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock connects to the address it looked up, but checks the server's
+    certificate against the name it was given: a name the certificate lists
+    connects, another resolving to the same address is refused."""
+    resolver = _StalledResolver(monkeypatch, "elsewhere.example")
+    resolver.answer()
+    named = redislock_tls_server.url.replace("127.0.0.1", "localhost")
+    lock = RedisLock(named, "tls-named", ttl=30)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    other = RedisLock(named.replace("localhost", "elsewhere.example"), "tls-other", ttl=30)
+    with pytest.raises(LockBackendError, match=r"elsewhere\.example") as refused:
+        other.acquire(blocking=False)
+    assert "certificate" in str(refused.value)
+    assert resolver.lookups
 
 
 class _SystemCalls:

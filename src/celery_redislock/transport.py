@@ -57,6 +57,7 @@ from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, SentinelManagedConnection
 
 from celery_redislock.errors import LockBackendError
+from celery_redislock.lookup import is_address, resolve
 
 #: Deadline, in seconds, of a round trip whose caller set none of its own
 #: (a non-blocking acquire, a release, an extend, a read).
@@ -549,17 +550,52 @@ class _BoundedHandshake:
         cast(Any, super()).send_command(*args, **kwargs)
 
 
+class _LookedUp(redis.connection.Connection):
+    """Mixed in under a TCP connection class (see :func:`_bounded_handshake`).
+
+    While a connect is bounded by :attr:`_BoundedHandshake.handshake_deadline`,
+    the host name is looked up by :func:`~celery_redislock.lookup.resolve` within
+    it, and the TCP connection made to each address found in turn, each with the
+    time left. A TLS layer above still checks the server's certificate against the
+    name.
+    """
+
+    def _connect(self) -> socket.socket:
+        connect: Callable[[], socket.socket] = super()._connect
+        deadline: Deadline | None = getattr(self, "handshake_deadline", None)
+        name = self.host
+        if deadline is None or is_address(name):
+            return connect()
+        error: OSError = TimeoutError(f"no time left to connect to {name}")
+        for address in resolve(name, self.port, deadline.remaining()):
+            remaining = deadline.remaining()
+            if remaining <= 0:
+                break
+            self.host, self.socket_connect_timeout = address, remaining
+            try:
+                return connect()
+            except OSError as exc:
+                error = exc
+            finally:
+                self.host = name
+        raise error
+
+
 _bounded_classes: dict[type[Any], type[Any]] = {}
 
 
 def _bounded_handshake(connection_class: type[Any]) -> type[Any]:
-    """``connection_class`` with :class:`_BoundedHandshake` mixed in (one per class)."""
+    """``connection_class`` with :class:`_BoundedHandshake` mixed in, and for a TCP
+    one :class:`_LookedUp` under its own ``_connect`` (one class per class)."""
     bounded = _bounded_classes.get(connection_class)
     if bounded is None:
         name = f"Bounded{connection_class.__name__}"
-        bounded = _bounded_classes.setdefault(
-            connection_class, type(name, (_BoundedHandshake, connection_class), {})
-        )
+        bases: tuple[type[Any], ...] = (_BoundedHandshake, connection_class)
+        if connection_class is redis.connection.Connection:
+            bases = (_BoundedHandshake, _LookedUp)
+        elif issubclass(connection_class, redis.connection.Connection):
+            bases += (_LookedUp,)
+        bounded = _bounded_classes.setdefault(connection_class, type(name, bases, {}))
     return bounded
 
 
