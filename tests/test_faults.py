@@ -796,7 +796,8 @@ def test_a_server_refusing_writes_for_a_while_keeps_held_locks_and_frees_them_af
     """A server that refuses writes for a while (it cannot save to disk, or too few
     replicas are connected) takes no new lock, saying why, and writes nothing. The
     renewals of a held lock it refuses are logged and retried, and the lock is
-    renewed again, never lost, once it writes again within the TTL; a release it
+    renewed again, never lost, once it writes again within the TTL (one whose TTL
+    runs out first is lost); a release it
     refuses is sent again in the background and lands then, long before the TTL,
     whether its caller waited for its answer or (as a task's) not."""
     caplog.set_level(logging.WARNING, logger="celery_redislock")
@@ -804,7 +805,8 @@ def test_a_server_refusing_writes_for_a_while_keeps_held_locks_and_frees_them_af
     released = RedisLock(server.url, f"refused-{why}-released", ttl=600, heartbeat=False)
     unread = RedisLock(server.url, f"refused-{why}-unread", ttl=600, heartbeat=False)
     new = RedisLock(server.url, f"refused-{why}-new", ttl=30)
-    for lock in (renewed, released, unread):
+    short = RedisLock(server.url, f"refused-{why}-short", ttl=1)
+    for lock in (renewed, released, unread, short):
         assert lock.acquire(blocking=False)
     with refusing_writes(direct, why):
         with pytest.raises(LockBackendError) as refused:
@@ -815,8 +817,10 @@ def test_a_server_refusing_writes_for_a_while_keeps_held_locks_and_frees_them_af
             released.release()
         assert hold_count(direct, released) == 1
         unread.release(wait=False)
-        wait_for(lambda: "could not renew 1 lock(s)" in caplog.text, what="a refused renewal")
+        wait_for(lambda: "could not renew" in caplog.text, what="a refused renewal")
         assert hold_count(direct, unread) == 1
+        # A lock whose TTL runs out before the server writes again is lost.
+        wait_for(lambda: short.lost, what="the short lock lost")
         assert says in caplog.text
         refused_at = direct.pttl(renewed.key)
     wait_for(lambda: direct.pttl(renewed.key) > refused_at, what="the renewals resumed")
@@ -878,6 +882,52 @@ def test_a_server_busy_running_a_script_is_waited_for_within_the_deadline(
     lock.release()
     wait_for(lambda: hold_count(direct, held) == 0, what="the release sent again landed")
     assert direct.pttl(held.key) > 500_000
+
+
+def test_a_waiter_whose_subscription_meets_a_busy_server_keeps_waiting(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """A waiter's subscription breaks as the server turns busy with a script (it
+    answers BUSY to the new subscription): the waiter keeps waiting, as after any
+    break, rather than fail; once the script is stopped and the lock released, it
+    takes the lock."""
+    direct.config_set("lua-time-limit", 50)
+    holder = RedisLock(server.url, "busy-waited", ttl=60)
+    assert holder.acquire()
+    waiter = RedisLock(server.url, "busy-waited", ttl=60)
+    outcome: list[object] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(waiter.acquire(timeout=60))
+        except LockBackendError as exc:
+            outcome.append(exc)
+
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    hub = hub_for(waiter.transport, waiter.prefix)
+    wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
+    wait_for(lambda: hub.subscribed, what="the wake-up subscription")
+    spinner = server.client()
+
+    def spin() -> None:
+        with contextlib.suppress(redis.ResponseError):
+            spinner.eval("while true do end", 0)
+
+    spinning = threading.Thread(target=spin, daemon=True)
+    try:
+        direct.client_kill_filter(_type="pubsub")
+        spinning.start()
+        waiting.join(1.5)
+        assert outcome == []
+    finally:
+        direct.script_kill()
+        spinning.join(10)
+        spinner.close()
+    holder.release()
+    waiting.join(30)
+    assert outcome == [True]
+    waiter.release()
 
 
 @pytest.mark.slow

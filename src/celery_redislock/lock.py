@@ -87,7 +87,6 @@ from celery_redislock.scripts import (
 )
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
-    TRANSIENT,
     Client,
     Deadline,
     Router,
@@ -95,6 +94,7 @@ from celery_redislock.transport import (
     backend_errors,
     describe_error,
     held_off,
+    is_transient,
     router_for,
 )
 from celery_redislock.wakeups import hub_for
@@ -1194,8 +1194,9 @@ class RedisLock:
                     error.__cause__ = exc
                 except LockBackendError as exc:
                     error = exc
-                # Only a broken connection or a timeout is worth another try.
-                if not isinstance(error.__cause__, TRANSIENT):
+                # Only a broken connection, a timeout or a busy server is worth
+                # another try.
+                if not is_transient(error.__cause__):
                     raise error
                 failing_since = now if failing_since is None else failing_since
                 out_of_time = ends is not None and time.monotonic() + pause >= ends

@@ -1110,9 +1110,8 @@ def run(
 
 #: What a server that refuses writes for now means for the locks.
 _NO_WRITES = (
-    "Until then no lock is taken, renewed or released: held locks are kept (their "
-    "renewals retried), and those released meanwhile freed once it writes again, "
-    "unless their TTL runs out first"
+    "Until then no lock can be taken, renewed or released, and a held lock whose "
+    "TTL runs out meanwhile is lost"
 )
 
 
@@ -1128,6 +1127,12 @@ def held_off(exc: object) -> str | None:
         if text.startswith(code + " ") or f": -{code} " in text:
             return code
     return None
+
+
+def is_transient(exc: object) -> bool:
+    """Whether another try may soon cure ``exc``: one of :data:`TRANSIENT`, or a
+    server busy running a script (``BUSY``)."""
+    return isinstance(exc, TRANSIENT) or held_off(exc) == "BUSY"
 
 
 def describe_error(exc: BaseException) -> str:
@@ -1161,8 +1166,8 @@ def describe_error(exc: BaseException) -> str:
     if code == "BUSY":
         return (
             f"{exc} (the lock store is busy running a script or function past its "
-            "busy-reply-threshold: it answers again once that ends, or is stopped with "
-            "SCRIPT KILL or FUNCTION KILL)"
+            "busy-reply-threshold, lua-time-limit before Redis 7: it answers again once "
+            "that ends, or is stopped with SCRIPT KILL or FUNCTION KILL)"
         )
     if isinstance(exc, RedisTimeoutError):
         return f"timed out ({exc})"

@@ -46,10 +46,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from celery_redislock.scripts import BEHIND_MARK, GRANT_MARK, SPARE_MARK
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
-    TRANSIENT,
     Deadline,
     Transport,
     describe_error,
+    is_transient,
     parse_replies,
 )
 
@@ -162,7 +162,7 @@ class WakeHub:
         with self._guard:
             while not self._subscribed:
                 failure = self._failure
-                if failure is not None and not isinstance(failure, TRANSIENT):
+                if failure is not None and not is_transient(failure):
                     raise failure
                 remaining = deadline.remaining()
                 if remaining <= 0:
