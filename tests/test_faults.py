@@ -821,6 +821,10 @@ def test_a_server_refusing_writes_for_a_while_keeps_held_locks_and_frees_them_af
         assert hold_count(direct, unread) == 1
         # A lock whose TTL runs out before the server writes again is lost.
         wait_for(lambda: short.lost, what="the short lock lost")
+        # Its renewal failed round after round, but was logged once: at most one
+        # warning every RENEW_WARNING_EVERY seconds.
+        warnings = [r for r in caplog.records if "could not renew" in r.getMessage()]
+        assert len(warnings) == 1
         assert says in caplog.text
         refused_at = direct.pttl(renewed.key)
     wait_for(lambda: direct.pttl(renewed.key) > refused_at, what="the renewals resumed")

@@ -52,6 +52,10 @@ MIN_ROUND_TRIP = 0.05
 #: Pause between retries of a failed renewal, at most (seconds).
 RENEW_RETRY = 0.5
 
+#: While renewals keep failing, a lane logs the failure at most this often
+#: (seconds); the warnings in between are counted in the next one.
+RENEW_WARNING_EVERY = 10.0
+
 #: How long a reply owed on an idle connection waits for the connection's next
 #: request before the lane reads it itself, in seconds: at least this long, at
 #: most twice (see :meth:`_Lane.drain_later`).
@@ -171,6 +175,9 @@ class _Lane:
         self.collected: deque[_Entry] = deque()
         self._collect = self.collected.append
         self.pid = _pid
+        # When the last renewal failure was logged, and the failures since.
+        self.warned_at = -math.inf
+        self.unwarned = 0
 
     # Called from any thread.
     def register(self, lock: Renewable, due: float | None = None) -> None:
@@ -390,12 +397,7 @@ class _Lane:
         try:
             results = run_calls(self.transport, calls, Deadline.after(budget))
         except RedisError as exc:
-            logger.warning(
-                "celery_redislock: could not renew %d lock(s) on %s: %s",
-                len(live),
-                self.transport.describe(),
-                describe_error(exc),
-            )
+            self._warn_renewals(len(live), exc)
             results = [exc] * len(live)
             raised = exc
             live[0][0]._redirected(exc)
@@ -430,14 +432,31 @@ class _Lane:
                 lost += 1
                 self._lose(lock, entry)
         if refused:
-            logger.warning(
-                "celery_redislock: could not renew %d lock(s) on %s: %s",
-                len(refused),
-                self.transport.describe(),
-                describe_error(refused[0]),
-            )
+            self._warn_renewals(len(refused), refused[0])
+        elif failed == 0:
+            self.warned_at, self.unwarned = -math.inf, 0
         signals.heartbeat_round.send(
             sender=self.transport.describe(), renewed=renewed, failed=failed, lost=lost
+        )
+
+    def _warn_renewals(self, count: int, error: BaseException) -> None:
+        """Log that ``count`` renewals failed with ``error``: the first failure
+        after a round that renewed all it sent, then at most once every
+        :data:`RENEW_WARNING_EVERY` seconds while failures go on."""
+        now = self.clock()
+        if now - self.warned_at < RENEW_WARNING_EVERY:
+            self.unwarned += 1
+            return
+        since = (
+            f" ({self.unwarned} more failed rounds since the last warning)" if self.unwarned else ""
+        )
+        self.warned_at, self.unwarned = now, 0
+        logger.warning(
+            "celery_redislock: could not renew %d lock(s) on %s: %s%s",
+            count,
+            self.transport.describe(),
+            describe_error(error),
+            since,
         )
 
     def _move(self, lock: Renewable, entry: _Entry | None, due: float) -> None:
