@@ -19,7 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_redislock import LockBackendError, RedisLock
+from celery_redislock import LockBackendError, RedisLock, lookup
 from celery_redislock import transport as transport_module
 from celery_redislock.deployments import TLSServer
 from celery_redislock.server import RedisServer
@@ -116,10 +116,13 @@ def fake_server(marker: bytes, then: Callable[[socket.socket], object]) -> Itera
     def serve() -> None:
         conn, _ = listener.accept()
         with conn:
+            tail = b""
             while True:
                 data = conn.recv(65536)
-                if not data or marker in data:
+                # (The marker may come split between two reads.)
+                if not data or marker in tail + data:
                     break
+                tail = data[-len(marker) :]
                 conn.sendall(b"+OK\r\n" * data.count(b"*"))
             then(conn)
 
@@ -196,20 +199,26 @@ def test_the_handshake_as_a_whole_ends_by_the_deadline(redislock_server: RedisSe
 class _StalledResolver:
     """The system's resolver as a DNS server that does not answer makes it, for one
     made-up name (standing for the lock store's): a lookup of ``name`` blocks until
-    :meth:`answer`, then finds 127.0.0.1. Every other lookup goes to the real one."""
+    :meth:`answer`, then finds ``addresses`` (127.0.0.1). Every other lookup goes to
+    the real one."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        name: str,
+        addresses: tuple[str, ...] = ("127.0.0.1",),
+    ) -> None:
         self.name = name
         self.answered = threading.Event()
         self.lookups = 0
         real = socket.getaddrinfo
 
         def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
-            if host == self.name:
-                self.lookups += 1
-                self.answered.wait()
-                host = "127.0.0.1"
-            return real(host, *args, **kwargs)
+            if host != self.name:
+                return real(host, *args, **kwargs)
+            self.lookups += 1
+            self.answered.wait()
+            return [info for address in addresses for info in real(address, *args, **kwargs)]
 
         monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
@@ -236,6 +245,39 @@ def test_a_resolver_that_does_not_answer_holds_up_a_call_only_until_its_deadline
     resolver.answer()
     assert first.acquire(blocking=False)
     first.release()
+    # Nothing is kept of a lookup: the next new connection looks the name up again.
+    first.transport.close_idle()
+    assert first.acquire(blocking=False)
+    assert resolver.lookups == 2
+    first.release()
+
+
+def test_each_address_looked_up_is_tried_in_turn(
+    redislock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A name with several addresses: an address where nothing listens (it refuses
+    the connection) is passed over for the next."""
+    resolver = _StalledResolver(monkeypatch, "two.example", ("127.0.0.2", "127.0.0.1"))
+    resolver.answer()
+    assert lookup.resolve("two.example", redislock_server.port, 5) == ["127.0.0.2", "127.0.0.1"]
+    lock = RedisLock(f"redis://two.example:{redislock_server.port}", "two-addresses", ttl=30)
+    assert lock.acquire(blocking=False)
+    lock.release()
+
+
+def _look_up_in_child(port: int, conn: Connection) -> None:
+    conn.send(lookup.resolve("localhost", port, 5))
+
+
+def test_a_child_forked_while_a_lookup_starts_looks_names_up_itself(
+    redislock_server: RedisServer,
+) -> None:
+    """A process forked while another of its threads held the lookups' guard (as it
+    starts a lookup): the child's lookups neither wait for that guard nor for a
+    lookup thread it does not have."""
+    with lookup._guard:
+        found = in_forked_child(_look_up_in_child, redislock_server.port)
+    assert "127.0.0.1" in found
 
 
 def test_a_looked_up_tls_server_is_checked_against_its_name(

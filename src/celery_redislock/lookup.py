@@ -24,25 +24,28 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 class _Lookup:
     """One name's lookup under way, in a daemon thread."""
 
-    __slots__ = ("addresses", "done", "error", "key", "pid")
+    __slots__ = ("addresses", "done", "error", "key")
 
     def __init__(self, key: tuple[str, int]) -> None:
         self.key = key
-        self.pid = os.getpid()
         self.done = threading.Event()
         self.addresses: list[str] = []
-        self.error: OSError | None = None
-        threading.Thread(target=self._run, name="redislock-lookup", daemon=True).start()
+        self.error: Exception | None = None
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="celery-redislock-lookup", daemon=True).start()
 
     def _run(self) -> None:
         host, port = self.key
         try:
             found = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
-        except OSError as exc:
+        except Exception as exc:
+            # Not only OSError: a name IDNA cannot encode raises UnicodeError.
             self.error = exc
         else:
-            # The addresses in the resolver's order of preference, each once.
-            self.addresses = list(dict.fromkeys(str(info[4][0]) for info in found))
+            # The addresses in the resolver's order of preference, each once; a
+            # scoped IPv6 address (link-local) keeps its scope.
+            self.addresses = list(dict.fromkeys(_numeric(info[4]) for info in found))
         finally:
             with _guard:
                 if _lookups.get(self.key) is self:
@@ -50,9 +53,28 @@ class _Lookup:
             self.done.set()
 
 
+def _numeric(address: tuple[object, ...]) -> str:
+    """The host part of a socket address, as a numeric address to connect to."""
+    host = str(address[0])
+    if len(address) == 4 and address[3]:
+        return f"{host}%{address[3]}"
+    return host
+
+
 #: Lookups under way, by host and port.
 _lookups: dict[tuple[str, int], _Lookup] = {}
 _guard = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    # A forked child has none of its parent's lookup threads, and the guard may
+    # have been held by another thread of the parent as it forked.
+    global _guard
+    _guard = threading.Lock()
+    _lookups.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def is_address(host: str) -> bool:
@@ -78,9 +100,12 @@ def resolve(host: str, port: int, timeout: float) -> list[str]:
     key = (host, port)
     with _guard:
         lookup = _lookups.get(key)
-        if lookup is None or lookup.pid != os.getpid():
-            # (A forked child has no thread of its parent's lookup: it starts its own.)
+        new = lookup is None
+        if lookup is None:
             lookup = _lookups[key] = _Lookup(key)
+    if new:
+        # Started outside the guard: starting a thread waits for it to run.
+        lookup.start()
     if not lookup.done.wait(max(0.0, timeout)):
         raise RedisTimeoutError(
             f"timed out looking up the address of {host!r} (the system's resolver, "

@@ -571,7 +571,10 @@ class _LookedUp(redis.connection.Connection):
             remaining = deadline.remaining()
             if remaining <= 0:
                 break
-            self.host, self.socket_connect_timeout = address, remaining
+            # The TCP connect and what follows it on the socket (a TLS handshake)
+            # get what is left after the lookup.
+            self.host = address
+            self.socket_connect_timeout = self.socket_timeout = remaining
             try:
                 return connect()
             except OSError as exc:
