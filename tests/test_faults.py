@@ -837,16 +837,12 @@ def test_a_server_refusing_writes_for_a_while_keeps_held_locks_and_frees_them_af
     new.release()
 
 
-def test_a_server_busy_running_a_script_is_waited_for_within_the_deadline(
-    server: RedisServer, direct: redis.Redis
-) -> None:
-    """A server running a script past its busy-reply-threshold answers BUSY to all
-    else until the script ends: a call asks again, within its deadline, and
-    succeeds once the script is stopped, instead of failing at once; a release
-    whose deadline passes first is sent again in the background, and lands then."""
+@contextlib.contextmanager
+def busy_with_a_script(server: RedisServer, direct: redis.Redis) -> Iterator[None]:
+    """The server runs a script that never ends, past its busy-reply-threshold
+    (``lua-time-limit``, 50 ms), so it answers BUSY to everything else, until the
+    block ends and the script is stopped (``SCRIPT KILL``)."""
     direct.config_set("lua-time-limit", 50)
-    held = RedisLock(server.url, "busy-held", ttl=600, heartbeat=False, call_timeout=0.3)
-    assert held.acquire(blocking=False)
     spinner = server.client()
 
     def spin() -> None:
@@ -860,27 +856,47 @@ def test_a_server_busy_running_a_script_is_waited_for_within_the_deadline(
             return str(exc).startswith("BUSY")
         return False
 
-    lock = RedisLock(server.url, "busy-script", ttl=30)
-    outcome: list[object] = []
-
-    def take() -> None:
-        try:
-            outcome.append(lock.acquire(blocking=False))
-        except LockBackendError as exc:
-            outcome.append(exc)
-
     spinning = threading.Thread(target=spin, daemon=True)
     spinning.start()
     try:
         wait_for(busy, what="the server busy with the script")
-        taking = threading.Thread(target=take, daemon=True)
-        taking.start()
-        with pytest.raises(LockBackendError, match="retried in the background"):
-            held.release()
+        yield
     finally:
         direct.script_kill()
         spinning.join(10)
         spinner.close()
+
+
+def outcome_in_thread(call: Callable[[], bool]) -> tuple[list[object], threading.Thread]:
+    """Start ``call`` in a thread: where its outcome (its answer, or the
+    ``LockBackendError`` it raised) lands, and the thread."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except LockBackendError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return outcome, thread
+
+
+def test_a_server_busy_running_a_script_is_waited_for_within_the_deadline(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """A server running a script past its busy-reply-threshold answers BUSY to all
+    else until the script ends: a call asks again, within its deadline, and
+    succeeds once the script is stopped, instead of failing at once; a release
+    whose deadline passes first is sent again in the background, and lands then."""
+    held = RedisLock(server.url, "busy-held", ttl=600, heartbeat=False, call_timeout=0.3)
+    assert held.acquire(blocking=False)
+    lock = RedisLock(server.url, "busy-script", ttl=30)
+    with busy_with_a_script(server, direct):
+        outcome, taking = outcome_in_thread(lambda: lock.acquire(blocking=False))
+        with pytest.raises(LockBackendError, match="retried in the background"):
+            held.release()
     taking.join(10)
     assert outcome == [True]
     lock.release()
@@ -891,43 +907,23 @@ def test_a_server_busy_running_a_script_is_waited_for_within_the_deadline(
 def test_a_waiter_whose_subscription_meets_a_busy_server_keeps_waiting(
     server: RedisServer, direct: redis.Redis
 ) -> None:
-    """A waiter's subscription breaks as the server turns busy with a script (it
+    """A waiter's subscription breaks while the server is busy with a script (it
     answers BUSY to the new subscription): the waiter keeps waiting, as after any
     break, rather than fail; once the script is stopped and the lock released, it
     takes the lock."""
-    direct.config_set("lua-time-limit", 50)
     holder = RedisLock(server.url, "busy-waited", ttl=60)
     assert holder.acquire()
     waiter = RedisLock(server.url, "busy-waited", ttl=60)
-    outcome: list[object] = []
-
-    def wait() -> None:
-        try:
-            outcome.append(waiter.acquire(timeout=60))
-        except LockBackendError as exc:
-            outcome.append(exc)
-
-    waiting = threading.Thread(target=wait, daemon=True)
-    waiting.start()
+    outcome, waiting = outcome_in_thread(lambda: waiter.acquire(timeout=60))
     hub = hub_for(waiter.transport, waiter.prefix)
     wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
     wait_for(lambda: hub.subscribed, what="the wake-up subscription")
-    spinner = server.client()
-
-    def spin() -> None:
-        with contextlib.suppress(redis.ResponseError):
-            spinner.eval("while true do end", 0)
-
-    spinning = threading.Thread(target=spin, daemon=True)
-    try:
-        direct.client_kill_filter(_type="pubsub")
-        spinning.start()
+    # (The server refuses CLIENT KILL once busy: the subscription breaks first,
+    # and its new one meets the busy server.)
+    direct.client_kill_filter(_type="pubsub")
+    with busy_with_a_script(server, direct):
         waiting.join(1.5)
         assert outcome == []
-    finally:
-        direct.script_kill()
-        spinning.join(10)
-        spinner.close()
     holder.release()
     waiting.join(30)
     assert outcome == [True]
