@@ -22,7 +22,7 @@ from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.scripts import EXTEND, OWNER_FIELD, Call
 from celery_redislock.scripts import run_calls as real_run_calls
 from celery_redislock.server import RedisServer
-from celery_redislock.transport import Deadline, Transport
+from celery_redislock.transport import Deadline, Transport, transport_for
 from tests.support import field, held, in_forked_child, wait_until
 
 #: Forking a process that runs threads warns on Python >= 3.12; the fork test
@@ -682,3 +682,20 @@ def test_release_without_waiting_in_a_forked_child_still_reads_its_answer(
     assert in_forked_child(_release_inherited, lock) == ["released"]
     assert not held(client, lock.key)
     lock.detach()
+
+
+def test_renewal_failures_going_on_are_warned_about_once_every_interval(
+    redislock_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While renewals keep failing, a lane warns at the first failure, then once every
+    RENEW_WARNING_EVERY seconds, counting the failed rounds it did not warn about."""
+    now = [0.0]
+    lane = Heartbeat(clock=lambda: now[0])._lane(transport_for(redislock_client))
+    caplog.set_level("WARNING", logger="celery_redislock")
+    for at in (0.0, 1.0, 2.0, heartbeat_module.RENEW_WARNING_EVERY + 0.5):
+        now[0] = at
+        lane._warn_renewals(3, redis.TimeoutError("stalled"))
+    warnings = [r.getMessage() for r in caplog.records if "could not renew" in r.getMessage()]
+    assert len(warnings) == 2
+    assert "could not renew 3 lock(s)" in warnings[0]
+    assert "2 more failed rounds since the last warning" in warnings[1]
