@@ -143,6 +143,7 @@ class FaultProxy:
     * :meth:`reset_all` resets every open connection once;
     * :meth:`drop_replies` lets requests through but loses replies and resets;
     * :meth:`refuse` resets new connections as soon as they are accepted;
+    * :meth:`close_port` stops listening, so the system refuses new connections;
     * :meth:`blackhole` forwards nothing and closes nothing;
     * :meth:`silence_open` does that to the connections open now only, as a
       middlebox that forgot them would: new connections work.
@@ -156,6 +157,7 @@ class FaultProxy:
         self.blackholed = False
         self.refusing = False
         self._drops_left: int | None = 0  # None: drop every reply until heal()
+        self._close_after_drops = False
         self._guard = threading.Lock()
         self._links: list[_Link] = []
         self._accepted = 0
@@ -168,11 +170,13 @@ class FaultProxy:
     # -- lifecycle -------------------------------------------------------
 
     def start(self) -> FaultProxy:
-        """Listen on a free port and start accepting connections."""
+        """Listen on a free port (the same as before, once it had one) and start
+        accepting connections."""
         if self._listener is not None:
             return self
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind((self.host, 0))
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.host, self.port))
         listener.listen(64)
         self._listener = listener
         self.port = listener.getsockname()[1]
@@ -183,19 +187,22 @@ class FaultProxy:
 
     def stop(self) -> None:
         """Stop listening, close every connection and join every thread."""
-        self._stopping.set()
-        if self._acceptor is not None:
-            self._acceptor.join(_IO_TIMEOUT)
-            self._acceptor = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        self._close_port()
         with self._guard:
             links, self._links = self._links, []
         for link in links:
             link.stop_requested = True
         for link in links:
             link.thread.join(_IO_TIMEOUT * 2)
+
+    def _close_port(self) -> None:
+        self._stopping.set()
+        acceptor, self._acceptor = self._acceptor, None
+        if acceptor is not None and acceptor is not threading.current_thread():
+            acceptor.join(_IO_TIMEOUT)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def __enter__(self) -> FaultProxy:
         return self.start()
@@ -258,7 +265,7 @@ class FaultProxy:
         for link in links:
             link.done.wait(timeout)
 
-    def drop_replies(self, count: int | None = None) -> None:
+    def drop_replies(self, count: int | None = None, then_close_port: bool = False) -> None:
         """Lose server replies: requests still reach the server and run, replies never arrive.
 
         The proxy reads what the server sent (so the command has run), discards
@@ -267,26 +274,38 @@ class FaultProxy:
         as one dropped reply; after ``count`` of them forwarding is normal
         again (``None``: keep dropping until :meth:`heal`). A reply to a
         connection handshake (such as ``CLIENT SETINFO``) counts too, so open
-        the client's connection before calling this.
+        the client's connection before calling this. With ``then_close_port``,
+        the last of the ``count`` drops does :meth:`close_port` before the client
+        learns of it: its next tries cannot connect.
         """
         if count is not None and count < 0:
             raise ValueError("count cannot be negative")
         with self._guard:
             self._drops_left = count
+            self._close_after_drops = then_close_port
 
     def take_drop(self) -> bool:
         """Whether the reply just read from the server is to be dropped (uses up one drop)."""
         with self._guard:
             if self._drops_left is None:
                 return True
-            if self._drops_left > 0:
-                self._drops_left -= 1
-                return True
-            return False
+            if self._drops_left == 0:
+                return False
+            self._drops_left -= 1
+            close = self._drops_left == 0 and self._close_after_drops
+        if close:
+            self._close_port()
+        return True
 
     def refuse(self) -> None:
         """Reset each new connection right after accepting it; open ones keep working."""
         self.refusing = True
+
+    def close_port(self) -> None:
+        """Stop listening: the system refuses new connections, as when nothing
+        listens on the port; open ones keep working. :meth:`heal` listens again
+        on the same port."""
+        self._close_port()
 
     def blackhole(self) -> None:
         """Forward nothing either way, on open and new connections, and close nothing.
@@ -314,9 +333,11 @@ class FaultProxy:
         """
         with self._guard:
             self._drops_left = 0
+            self._close_after_drops = False
         self.latency = 0.0
         self.refusing = False
         self.blackholed = False
+        self.start()
 
     # -- counters --------------------------------------------------------
 

@@ -374,6 +374,64 @@ def test_unconfirmed_acquire_is_undone(
     client.close()
 
 
+def sent_in_background(lock: RedisLock) -> list[str]:
+    """What the heartbeat is still sending about ``lock`` in the background."""
+    return [
+        p.what
+        for lane in get_heartbeat()._lanes.values()
+        for p in lane.pending
+        if lock.key in p.call.keys
+    ]
+
+
+def test_an_acquire_that_could_not_connect_leaves_nothing_to_undo(proxy: FaultProxy) -> None:
+    """An acquire whose every try failed before it was written (no connection could
+    be opened) cannot have taken the lock: nothing is sent afterwards to undo it."""
+    lock = RedisLock(proxy.url, "never-sent", ttl=60, call_timeout=1)
+    assert lock.acquire()
+    lock.release()
+    proxy.reset_all()
+    proxy.close_port()
+    with pytest.raises(LockBackendError, match="could not acquire"):
+        lock.acquire(blocking=False)
+    assert sent_in_background(lock) == []
+
+
+def test_an_acquire_whose_first_try_may_have_run_is_undone_though_its_retries_could_not_connect(
+    proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """Whether an acquire may have taken the lock is decided over all its tries: the
+    first ran and lost its reply, the next could not connect, and the hold the first
+    made is undone."""
+    lock = RedisLock(proxy.url, "sent-once", ttl=60, call_timeout=1)
+    assert lock.acquire()
+    lock.release()
+    proxy.drop_replies(1, then_close_port=True)
+    with pytest.raises(LockBackendError, match="could not acquire"):
+        lock.acquire(blocking=False)
+    assert held(direct, lock.key)
+    assert sent_in_background(lock) != []
+    proxy.heal()
+    wait_for(lambda: not held(direct, lock.key), what="the undo of the acquire that ran")
+
+
+def test_a_waiter_that_never_reached_the_server_has_no_queue_to_leave(
+    proxy: FaultProxy, server: RedisServer
+) -> None:
+    """A waiter that gives up before any try reached the server sends nothing
+    afterwards to leave the queue it never joined."""
+    holder = RedisLock(server.url, "never-queued", ttl=30)
+    assert holder.acquire()
+    waiter = RedisLock(proxy.url, "never-queued", ttl=30, call_timeout=0.5)
+    assert waiter.acquire(timeout=0.2) is False  # subscribed, scripts loaded, left
+    proxy.reset_all()
+    proxy.close_port()
+    with pytest.raises(LockBackendError):
+        waiter.acquire(timeout=1)
+    assert sent_in_background(waiter) == []
+    holder.release()
+
+
 # One sick server never harms locks on a healthy one.
 
 

@@ -95,6 +95,7 @@ from celery_redislock.transport import (
     describe_error,
     held_off,
     is_transient,
+    may_have_run,
     router_for,
 )
 from celery_redislock.wakeups import hub_for
@@ -155,9 +156,6 @@ LEAVE_WAIT = 0.2
 #: What a ``release(wait=False)`` turned out to do: freed or dropped a hold, found
 #: the lock already lost, failed for good, or is being retried in the background.
 ReleaseOutcome = Literal["released", "lost", "failed", "retrying"]
-
-#: Errors after which a request may have run on the server although no reply came.
-_AMBIGUOUS = (RedisConnectionError, RedisTimeoutError)
 
 
 def check_ttl(value: object, argument: str = "ttl", expiry: bool = True) -> float:
@@ -960,7 +958,7 @@ class RedisLock:
             raw = send(self._router, self.key, call, deadline, wait)
             reply = AcquireReply.parse(raw[0] if wait else raw)
         except RedisError as exc:
-            if isinstance(exc, _AMBIGUOUS) and self._unconfirmed is None:
+            if self._unconfirmed is None and may_have_run(exc):
                 self._unconfirmed = sent
             raise LockBackendError(
                 f"could not acquire lock {self.name!r}: {describe_error(exc)}"
@@ -1054,7 +1052,7 @@ class RedisLock:
                 ahead.transport.scripts.add(ACQUIRE_SCRIPT.sha)
                 acquired = self._record(AcquireReply.parse(reply), ahead.sent, ahead.request)
                 return acquired
-            if isinstance(reply, _AMBIGUOUS) and ahead.written:
+            if ahead.written and may_have_run(reply):
                 self._unconfirmed = ahead.sent
             if isinstance(reply, RedisTimeoutError) and deadline.remaining() < MIN_CALL:
                 # The server did not answer in the time the call had: what is left
@@ -1110,6 +1108,8 @@ class RedisLock:
             ),
             sent + self.ttl,
             f"undoing the unconfirmed acquire of lock {self.name!r}",
+            # Finding nothing to undo is as expected as undoing a hold.
+            quiet=True,
         )
 
     def _wait(
@@ -1137,9 +1137,6 @@ class RedisLock:
         failing_since: float | None = None
         pause = 0.01
         last_try = False
-        # Whether a try was sent: each carries the entry, and one whose answer was
-        # lost may have queued it without this waiter learning its position.
-        sent = False
         try:
             while True:
                 now = time.monotonic()
@@ -1147,7 +1144,6 @@ class RedisLock:
                     if not hub.wait_ready(self._call_deadline(ends)):
                         raise RedisTimeoutError("the wake-up subscription is not in place")
                     hub.rearm(waiter)
-                    sent = True
                     if self._try_acquire(self._call_deadline(ends), request, entry):
                         acquired = True
                         if found_held:
@@ -1206,7 +1202,9 @@ class RedisLock:
                 pause = min(0.5, pause * 2)
         finally:
             hub.leave(waiter)
-            if not acquired and (self._position is not None or sent):
+            # A try whose answer was lost (still unconfirmed) may have queued the
+            # entry without this waiter learning its position.
+            if not acquired and (self._position is not None or self._unconfirmed is not None):
                 self._leave_queue(entry)
             self._position = None
 

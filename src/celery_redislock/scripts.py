@@ -97,7 +97,15 @@ from typing import Any, NamedTuple
 from redis.exceptions import AskError, NoScriptError, RedisError, TryAgainError
 
 from celery_redislock.ids import REQUEST_ID_DIGITS
-from celery_redislock.transport import ATTEMPTS, Deadline, Router, Transport, run
+from celery_redislock.transport import (
+    ATTEMPTS,
+    Deadline,
+    Router,
+    Transport,
+    ended,
+    may_have_run,
+    run,
+)
 
 #: Highest TTL a script accepts, in ms (about 10 years; see ``lock.MAX_SECONDS``).
 MAX_TTL_MS = 315_360_000_000
@@ -881,6 +889,8 @@ def send(
     # The primary an ASK named, for the next try (the slot map still says the old).
     asked: Transport | None = None
     attempt = 0
+    # Whether a try so far may have run (see may_have_run()).
+    ran = False
     while True:
         transport = asked or router.single or router.transport(key)
         head: list[Sequence[Any]] = [_ASKING] if asked is not None else []
@@ -897,20 +907,23 @@ def send(
             if isinstance(replies[0], Exception):
                 raise replies[0]
             return replies if then else replies[0]
-        except TryAgainError:
-            if deadline.remaining() <= TRYAGAIN_PAUSE:
-                raise
-            time.sleep(TRYAGAIN_PAUSE)
-            continue
-        except AskError as exc:
-            asked = router.asked(exc)
-            if asked is None or attempt + 1 == ATTEMPTS or deadline.expired():
-                raise
         except RedisError as exc:
-            asked = None
+            ran = ran or may_have_run(exc)
+            ended(exc, ran)
+            if isinstance(exc, TryAgainError):
+                if deadline.remaining() <= TRYAGAIN_PAUSE:
+                    raise
+                time.sleep(TRYAGAIN_PAUSE)
+                continue
             last = attempt + 1 == ATTEMPTS or deadline.expired()
-            if last or not router.redirected(exc):
-                raise
+            if isinstance(exc, AskError):
+                asked = router.asked(exc)
+                if asked is None or last:
+                    raise
+            else:
+                asked = None
+                if last or not router.redirected(exc):
+                    raise
         attempt += 1
 
 

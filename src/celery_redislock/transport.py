@@ -31,7 +31,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import redis
 from redis._parsers.base import BaseParser
@@ -220,12 +220,7 @@ class Transport:
             redis.ConnectionError, redis.TimeoutError: the request could not be
                 written (nothing was sent, or not all of it).
         """
-        link = self._checkout(deadline, settle=False)
-        try:
-            link.io("sendall", pack(commands), deadline, self)
-        except BaseException:
-            self._checkin(link, False)
-            raise
+        link = self._write(commands, deadline)
         self.sends += 1
         return link
 
@@ -268,12 +263,7 @@ class Transport:
         """
         # Replies owed on the link from before stay owed: they come first in the
         # stream, and the read that takes this request's reply takes them too.
-        link = self._checkout(deadline, settle=False)
-        try:
-            link.io("sendall", pack(commands), deadline, self)
-        except BaseException:
-            self._checkin(link, False)
-            raise
+        link = self._write(commands, deadline)
         with self._guard:
             self.sends += 1
             self._owed.setdefault(link, []).append((len(commands), handler, self.sends))
@@ -369,6 +359,25 @@ class Transport:
                 conn.connect()
         finally:
             conn.handshake_deadline = None
+
+    def _write(self, commands: Sequence[Sequence[Any]], deadline: Deadline) -> _Link:
+        """Write ``commands`` whole on a connection (its owed replies left unread)
+        and return it; an error raised says the request did not run (see
+        :func:`may_have_run`): a server drops a command cut short by a broken
+        connection."""
+        try:
+            link = self._checkout(deadline, settle=False)
+        except RedisError as exc:
+            ended(exc, ran=False)
+            raise
+        try:
+            link.io("sendall", pack(commands), deadline, self)
+        except BaseException as exc:
+            self._checkin(link, False)
+            if isinstance(exc, RedisError):
+                ended(exc, ran=False)
+            raise
+        return link
 
     def _checkout(self, deadline: Deadline, settle: bool = True) -> _Link:
         """An idle connection (or a new one); with ``settle``, the replies it owes
@@ -1078,10 +1087,16 @@ def run(
         redis.RedisError: the last error, once the attempts or the time ran out.
     """
     attempt = 0
+    # Whether a try so far may have run: the error that ends the call says so.
+    ran = False
     while True:
         try:
             replies = transport.execute(commands, deadline)
-        except TRANSIENT as exc:
+        except RedisError as exc:
+            ran = ran or may_have_run(exc)
+            if not isinstance(exc, TRANSIENT):
+                ended(exc, ran)
+                raise
             error: RedisError = exc
             if type(exc) is RedisConnectionError:
                 # Lost (not refused: a server loading its data, a bad password).
@@ -1106,7 +1121,7 @@ def run(
         if attempt == attempts or deadline.remaining() <= pause:
             # What it failed within, for Router.redirected() (a cluster's refresh).
             setattr(error, _DEADLINE, deadline)
-            raise error
+            raise ended(error, ran)
         if pause:
             time.sleep(pause)
 
@@ -1116,6 +1131,35 @@ _NO_WRITES = (
     "Until then no lock can be taken, renewed or released, and a held lock whose "
     "TTL runs out meanwhile is lost"
 )
+
+
+#: The attribute of an error that ended a request: whether a try of it may have
+#: run (see :func:`may_have_run`).
+_MAY_HAVE_RUN = "_celery_redislock_may_have_run"
+
+_Error = TypeVar("_Error", bound=RedisError)
+
+
+def ended(exc: _Error, ran: bool) -> _Error:
+    """Mark ``exc``, the error that ends a request, with whether a try of it may
+    have run (``ran``), for :func:`may_have_run`; return it."""
+    setattr(exc, _MAY_HAVE_RUN, ran)
+    return exc
+
+
+def may_have_run(exc: BaseException) -> bool:
+    """Whether a request that failed with ``exc`` may have run on the server all
+    the same: one of its tries was written whole, and its reply was lost to a
+    broken connection or a timeout.
+
+    No when every try failed before its request was written (a refused
+    connection, a name that could not be looked up, a write cut short) or was
+    refused unrun. An error not marked by :func:`ended` is judged by its type.
+    """
+    ran = getattr(exc, _MAY_HAVE_RUN, None)
+    if ran is None:
+        return isinstance(exc, (RedisConnectionError, RedisTimeoutError))
+    return bool(ran)
 
 
 def held_off(exc: object) -> str | None:
