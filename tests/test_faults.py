@@ -19,9 +19,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from celery_redislock import LockBackendError, LockLostError, RedisLock, SingletonTask
-from celery_redislock.heartbeat import get_heartbeat
+from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.lock import lock_keys, release_lease, wake_channel_prefix
-from celery_redislock.scripts import ACQUIRE, EXTEND, FENCE_FIELD, RELEASE
+from celery_redislock.scripts import ACQUIRE, EXTEND, FENCE_FIELD, RELEASE, Call
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import pack, transport_for
 from celery_redislock.wakeups import PROBE_AFTER, hub_for
@@ -233,6 +233,82 @@ def test_inner_release_sent_again_after_the_holder_reentered_drops_one_hold(
     assert not held(direct, lock.key)
 
 
+class HeldBack(Heartbeat):
+    """A heartbeat whose requests sent again in the background wait until let go,
+    as on a network slow to take them: the lock's later requests go first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[tuple[Any, ...]] = []
+
+    def retry_in_background(
+        self, lock: Any, call: Call, until: float, what: str, quiet: bool = False
+    ) -> None:
+        self.kept.append((lock, call, until, what, quiet))
+
+    def let_go(self) -> None:
+        kept, self.kept = self.kept, []
+        for args in kept:
+            super().retry_in_background(*args)
+
+
+@pytest.fixture
+def held_back() -> Iterator[HeldBack]:
+    beat = HeldBack()
+    yield beat
+    beat.stop()
+
+
+def an_inner_release_that_never_landed(proxy: FaultProxy, lock: RedisLock) -> None:
+    """Take ``lock`` twice, then release the inner hold while nothing reaches the
+    server: it fails and is to be sent again."""
+    assert lock.acquire()
+    assert lock.acquire()
+    proxy.blackhole()
+    with pytest.raises(LockBackendError, match="retried in the background"):
+        lock.release()
+    proxy.heal()
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["waited-for", "not-waited-for"])
+def test_an_inner_release_still_to_be_sent_again_goes_ahead_of_the_outer_one(
+    proxy: FaultProxy, direct: redis.Redis, held_back: HeldBack, wait: bool
+) -> None:
+    """An inner release that failed, and is to be sent again, goes ahead of the outer
+    release in its round trip: the outer one frees the lock rather than drop the hold
+    the inner one still had to drop, and the late resend changes nothing."""
+    lock = RedisLock(proxy.url, "inner-late", ttl=30, call_timeout=0.5, _heartbeat=held_back)
+    an_inner_release_that_never_landed(proxy, lock)
+    assert held_back.kept
+    assert hold_count(direct, lock) == 2
+    lock.release(wait=wait)
+    wait_for(lambda: not held(direct, lock.key), what="the outer release to free the lock")
+    rival = RedisLock(direct, "inner-late", ttl=30)
+    assert rival.acquire(blocking=False)
+    held_back.let_go()
+    wait_for(lambda: not sent_in_background(lock, held_back), what="the late resend to land")
+    assert rival.owned()
+    rival.release()
+
+
+def test_an_inner_release_still_to_be_sent_again_goes_ahead_of_a_new_hold(
+    proxy: FaultProxy, direct: redis.Redis, held_back: HeldBack
+) -> None:
+    """Taken once more before the failed inner release is sent again, the lock counts
+    what its holder counts: the inner release goes first, in the acquire's round trip,
+    and two releases free it."""
+    lock = RedisLock(proxy.url, "inner-then-again", ttl=30, call_timeout=0.5, _heartbeat=held_back)
+    an_inner_release_that_never_landed(proxy, lock)
+    assert lock.acquire()
+    assert hold_count(direct, lock) == 2
+    lock.release()
+    lock.release()
+    assert not held(direct, lock.key)
+    held_back.let_go()
+    wait_for(lambda: not sent_in_background(lock, held_back), what="the late resend to land")
+    assert not held(direct, lock.key)
+
+
 def test_retried_final_release_reports_success(
     proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
 ) -> None:
@@ -374,11 +450,12 @@ def test_unconfirmed_acquire_is_undone(
     client.close()
 
 
-def sent_in_background(lock: RedisLock) -> list[str]:
-    """What the heartbeat is still sending about ``lock`` in the background."""
+def sent_in_background(lock: RedisLock, beat: Heartbeat | None = None) -> list[str]:
+    """What the heartbeat (the process's, unless given) is still sending about
+    ``lock`` in the background."""
     return [
         p.what
-        for lane in get_heartbeat()._lanes.values()
+        for lane in (beat or get_heartbeat())._lanes.values()
         for p in lane.pending
         if lock.key in p.call.keys
     ]
@@ -841,6 +918,25 @@ def refusing_writes(client: redis.Redis, why: str) -> Iterator[None]:
         os.mkdir(workdir)
 
 
+def test_releases_a_server_refused_free_a_re_entered_lock_in_order_once_it_writes(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """Both releases of a re-entered lock refused by a server that cannot write for
+    now are sent again in the background, the inner one going ahead of the outer one
+    even once it backs off for longer: the lock is freed when the server writes again,
+    not at the end of its TTL."""
+    lock = RedisLock(server.url, "refused-twice", ttl=60, call_timeout=1)
+    assert lock.acquire()
+    assert lock.acquire()
+    with refusing_writes(direct, "replicas"):
+        with pytest.raises(LockBackendError, match="retried in the background"):
+            lock.release()
+        time.sleep(1.0)  # the fault lasts: the inner release backs off between tries
+        with pytest.raises(LockBackendError, match="retried in the background"):
+            lock.release()
+    wait_for(lambda: not held(direct, lock.key), what="the lock to be freed")
+
+
 @pytest.mark.parametrize(
     ("why", "says"), [("disk", "cannot save its data to disk"), ("replicas", "fewer replicas")]
 )
@@ -994,12 +1090,19 @@ def test_a_server_loading_its_data_is_waited_for_within_the_deadline(
 ) -> None:
     """A server restarting with its data answers every request with LOADING until
     it has read it: a call waits for it, within its deadline, rather than fail
-    after its few quick tries."""
+    after its few quick tries, and asks again on the connection it has. One whose
+    deadline comes first raises, and sends nothing afterwards to undo what was
+    refused unrun."""
     server = redislock_server_factory(
-        extra_args=("--enable-debug-command", "yes", "--dir", str(tmp_path), "--save", "")
+        extra_args=(
+            *("--enable-debug-command", "yes", "--dir", str(tmp_path), "--save", ""),
+            # Each key read slowly (in microseconds): the load lasts seconds, and
+            # requests are answered (LOADING) every kilobyte read.
+            *("--key-load-delay", "100", "--loading-process-events-interval-bytes", "1024"),
+        )
     )
     admin = server.client()
-    admin.execute_command("DEBUG", "POPULATE", 3_000_000, "filler", 10)  # type: ignore[no-untyped-call]
+    admin.execute_command("DEBUG", "POPULATE", 50_000, "filler", 10)  # type: ignore[no-untyped-call]
     admin.save()
     admin.close()
     restarting = threading.Thread(target=server.restart, daemon=True)
@@ -1020,10 +1123,16 @@ def test_a_server_loading_its_data_is_waited_for_within_the_deadline(
         return False
 
     wait_for(loading, what="the server loading its data")
-    lock = RedisLock(server.url, "loading", ttl=10, call_timeout=60)
-    assert lock.acquire(blocking=False)
-    restarting.join(60)
-    lock.release()
+    with FaultProxy(server.host, server.port) as proxy:
+        hasty = RedisLock(proxy.url, "loading", ttl=10, call_timeout=0.5)
+        with pytest.raises(LockBackendError, match="loading"):
+            hasty.acquire(blocking=False)
+        assert proxy.connections_accepted == 1
+        assert sent_in_background(hasty) == []
+        lock = RedisLock(server.url, "loading", ttl=10, call_timeout=60)
+        assert lock.acquire(blocking=False)
+        restarting.join(60)
+        lock.release()
 
 
 def test_restart_while_held_and_waited_for(server: RedisServer, direct: redis.Redis) -> None:

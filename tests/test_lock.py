@@ -495,12 +495,12 @@ def test_hold_taken_again_while_the_last_release_goes_is_renewed(client: redis.R
     assert lock.acquire(blocking=False)
     run = lock._run
 
-    def reenter_first(call: Any, deadline: Any, then: Any = ()) -> Any:
+    def reenter_first(call: Any, deadline: Any, then: Any = (), before: Any = ()) -> Any:
         if getattr(call, "script", None) is RELEASE_SCRIPT:
             other = threading.Thread(target=lambda: lock.acquire(blocking=False))
             other.start()
             other.join(10)
-        return run(call, deadline, then)
+        return run(call, deadline, then, before)
 
     lock._run = reenter_first  # type: ignore[method-assign]
     lock.release()

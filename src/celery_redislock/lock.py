@@ -386,6 +386,11 @@ class RedisLock:
     # only if it still is, so that one sent again after the holder re-entered
     # the lock does not drop a second hold (see scripts.RELEASE, ARGV[5]).
     _last_change: str | None = None
+    # The inner releases that failed and are sent again in the background, with
+    # when they give up: until one has landed, a later release of the hold it
+    # dropped would drop another instead, so the next request that changes the
+    # lock sends them first, in its own round trip (see _ahead()).
+    _behind: tuple[tuple[Call, float], ...] = ()
     # Whether extend() gave the hold more than the lock's TTL since the last
     # renewal: the next renewal cuts it back, and the local deadline with it.
     _extended = False
@@ -729,10 +734,13 @@ class RedisLock:
             # The last hold: off the heartbeat before the release lands, so that a
             # renewal answered after it cannot report this lock lost.
             self._stop_renewal()
+        ahead = self._ahead()
         try:
-            result = Released(self._run(call, self._call_deadline(None)))
+            result = Released(self._run(call, self._call_deadline(None), before=ahead))
         except RedisError as exc:
             self._release_failed(self._release_call(resend), exc)
+        if ahead:
+            self._landed(ahead)
         if result is Released.NOT_OWNED:
             was_held = self._forget()
             if was_held:
@@ -780,22 +788,22 @@ class RedisLock:
             # The count is 0 already: renewal stops now, whatever the send does.
             self._stop_renewal()
         transport = self._router.single or self.transport
+        ahead = self._ahead()
 
         def answered(result: list[Any] | RedisError) -> None:
-            reply = result if isinstance(result, RedisError) else result[0]
+            reply = result if isinstance(result, RedisError) else result[len(ahead)]
             outcome: ReleaseOutcome = "released"
-            if result is not reply and not isinstance(reply, NoScriptError):
-                # It ran, so the server has the script now: the next goes by digest.
-                transport.scripts.add(RELEASE_SCRIPT.sha)
+            if result is not reply:
+                if ahead:
+                    self._landed(ahead)
+                if not isinstance(reply, NoScriptError):
+                    # It ran, so the server has the script now: the next goes by digest.
+                    transport.scripts.add(RELEASE_SCRIPT.sha)
             if _send_again(reply):
                 # Not run, not known to have run, or refused by a replica: send it
                 # again (it is recognised if it did run).
-                self._beat().retry_in_background(
-                    self,
-                    self._release_call(resend),
-                    max(until, time.monotonic() + MIN_CALL),
-                    f"releasing lock {self.name!r}",
-                    quiet=not last,
+                self._send_later(
+                    self._release_call(resend), max(until, time.monotonic() + MIN_CALL), last
                 )
                 outcome = "retrying"
             elif isinstance(reply, Exception):
@@ -825,7 +833,9 @@ class RedisLock:
             command = ("EVAL", RELEASE_SCRIPT.text, 2, self.key, self.queue_key, *args)
         try:
             transport.send_deferred(
-                [command], Deadline(time.monotonic() + self.call_timeout), answered
+                [*(call.by_text() for call, _until in ahead), command] if ahead else [command],
+                Deadline(time.monotonic() + self.call_timeout),
+                answered,
             )
         except RedisError as exc:
             with self._state:
@@ -924,9 +934,12 @@ class RedisLock:
         call: Call | tuple[Any, ...],
         deadline: Deadline,
         then: Sequence[tuple[Any, ...]] = (),
+        before: Sequence[tuple[Call, float]] = (),
     ) -> Any:
-        """:func:`~celery_redislock.scripts.send` for this lock's key."""
-        return send(self._router, self.key, call, deadline, then)
+        """:func:`~celery_redislock.scripts.send` for this lock's key (``before``:
+        what :meth:`_ahead` gave)."""
+        calls = [c for c, _ in before] if before else ()
+        return send(self._router, self.key, call, deadline, then, calls)
 
     def _acquire_call(self, request: str, entry: str = "") -> Call:
         """The ACQUIRE script call of one try (a waiter with this queue ``entry``
@@ -954,8 +967,10 @@ class RedisLock:
         wait = self._replica_wait(deadline) if self.min_replicas else ()
         sent = self._tried = time.monotonic()
         self._held_fence = None
+        ahead = self._ahead()
         try:
-            raw = send(self._router, self.key, call, deadline, wait)
+            before = [c for c, _ in ahead] if ahead else ()
+            raw = send(self._router, self.key, call, deadline, wait, before)
             reply = AcquireReply.parse(raw[0] if wait else raw)
         except RedisError as exc:
             if self._unconfirmed is None and may_have_run(exc):
@@ -966,6 +981,8 @@ class RedisLock:
         # Any reply settles an earlier try of the same request: it either
         # shows the hold it made or proves it made none.
         self._unconfirmed = None
+        if ahead:
+            self._landed(ahead)
         if wait and reply.outcome is Acquired.TAKEN:
             self._check_replicas(raw[1], request)
         return self._record(reply, sent, request)
@@ -1016,7 +1033,7 @@ class RedisLock:
         that came in long since.
         """
         transport = self._router.single
-        if transport is None or self.min_replicas:
+        if transport is None or self.min_replicas or self._behind:
             return None
         ahead = SentAcquire(self, transport, request_id())
         call = self._acquire_call(ahead.request)
@@ -1283,11 +1300,7 @@ class RedisLock:
             until = time.monotonic() + self.ttl
         again = _send_again(exc)
         if again:
-            # An inner release sent again may find the hold changed since, and
-            # then changes nothing: not worth a warning.
-            self._beat().retry_in_background(
-                self, call, until, f"releasing lock {self.name!r}", quiet=not last
-            )
+            self._send_later(call, until, last)
         if last:
             then = "it is no longer renewed and expires by its TTL"
             if again:
@@ -1297,6 +1310,39 @@ class RedisLock:
         raise LockBackendError(
             f"could not release lock {self.name!r}: {describe_error(exc)}; {then}"
         ) from exc
+
+    def _send_later(self, call: Call, until: float, last: bool) -> None:
+        """Send a release that failed (``last``: of the last hold) again in the
+        background until ``until``, behind the inner releases still sent again:
+        copies of those are due with it, so they go ahead of it, in its round
+        trip. One of an inner hold joins them, for the next request to send first."""
+        beat = self._beat()
+        what = f"releasing lock {self.name!r}"
+        for earlier, ends in self._ahead():
+            beat.retry_in_background(self, earlier, ends, what, quiet=True)
+        # An inner release sent again may find the hold changed since, and then
+        # changes nothing: not worth a warning.
+        beat.retry_in_background(self, call, until, what, quiet=not last)
+        if not last:
+            with self._state:
+                self._behind = (*self._behind, (call, until))
+
+    def _ahead(self) -> tuple[tuple[Call, float], ...]:
+        """The inner releases still sent again in the background (with when they
+        give up), to go ahead of the next request that changes the lock. Sent again
+        twice, a release changes nothing the second time."""
+        if not self._behind:
+            return ()
+        now = time.monotonic()
+        with self._state:
+            self._behind = tuple(item for item in self._behind if item[1] > now)
+            return self._behind
+
+    def _landed(self, ahead: tuple[tuple[Call, float], ...]) -> None:
+        """Forget the releases ``ahead`` of a request that was answered: each has
+        landed, or found nothing left to change."""
+        with self._state:
+            self._behind = tuple(item for item in self._behind if item not in ahead)
 
     def _beat(self) -> Heartbeat:
         return self._heartbeat or get_heartbeat()

@@ -872,11 +872,15 @@ def send(
     call: Call | Sequence[Any],
     deadline: Deadline,
     then: Sequence[Sequence[Any]] = (),
+    before: Sequence[Call] = (),
 ) -> Any:
     """Send one script call (or plain command) about ``key``; raise an error reply.
 
     With ``then``, those commands follow in the same round trip and every reply
-    comes back, as a list. On a cluster, a redirection or a failed primary
+    comes back, as a list. The ``before`` calls (about the same key) go ahead of
+    it in that round trip, and their replies are dropped: how requests sent again
+    in the background keep their place ahead of a later one. On a cluster, a
+    redirection or a failed primary
     updates the slot map and the request goes again to the key's owner now; a
     slot being migrated sends it, after an ``ASKING``, to the primary its key has
     moved to (``ASK``), or again after a pause while its keys are split
@@ -895,7 +899,10 @@ def send(
         transport = asked or router.single or router.transport(key)
         head: list[Sequence[Any]] = [_ASKING] if asked is not None else []
         try:
-            if isinstance(call, Call):
+            if before:
+                assert isinstance(call, Call)
+                replies = _run_behind(transport, asked is not None, before, call, then, deadline)
+            elif isinstance(call, Call):
                 # run_calls() for one call, inline: this is every acquire's path.
                 replies = run(transport, [*head, call.by_sha(), *then], deadline)[len(head) :]
                 if isinstance(replies[0], NoScriptError):
@@ -929,6 +936,31 @@ def send(
 
 #: What a request to the primary an ``ASK`` named starts with.
 _ASKING = ("ASKING",)
+
+
+def _run_behind(
+    transport: Transport,
+    asked: bool,
+    before: Sequence[Call],
+    call: Call,
+    then: Sequence[Sequence[Any]],
+    deadline: Deadline,
+) -> list[Any]:
+    """The replies of ``call`` and ``then``, sent in one round trip behind the
+    ``before`` calls (by text: they are rare; each after an ``ASKING`` if
+    ``asked``), for :func:`send`."""
+    commands: list[Sequence[Any]] = []
+    for each in before:
+        commands += [_ASKING, each.by_text()] if asked else [each.by_text()]
+    if asked:
+        commands.append(_ASKING)
+    skip = len(commands)
+    replies = run(transport, [*commands, call.by_sha(), *then], deadline)[skip:]
+    if isinstance(replies[0], NoScriptError):
+        replies = run(transport, [*commands, call.by_text(), *then], deadline)[skip:]
+    if not isinstance(replies[0], NoScriptError):
+        transport.scripts.add(call.script.sha)
+    return replies
 
 
 class Acquired(IntEnum):

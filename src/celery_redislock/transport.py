@@ -71,7 +71,7 @@ BACKOFF = (0.0, 0.02, 0.1)
 
 #: Pause, in seconds, between the tries of a request the server refused because
 #: it is still loading its data (``LOADING``): those are made until the deadline,
-#: each on a new connection (the refusal closes the one it came on).
+#: on the connection the refusal came on.
 LOADING_PAUSE = 0.1
 
 #: Codes of the errors by which a server refuses a request, none of which it ran,
@@ -243,6 +243,10 @@ class Transport:
             replies = link.read(count, deadline, self, ready)
             healthy = True
             return replies
+        except BusyLoadingError:
+            # Refused while the server loads its data: the connection is sound.
+            healthy = True
+            raise
         finally:
             self._checkin(link, healthy)
 
@@ -727,9 +731,12 @@ class _Link:
         Raises:
             redis.ConnectionError, redis.TimeoutError: the replies did not all
                 come in time, or the connection broke (it is then closed); also an
-                error reply of the connection kind (the server is loading, ...).
+                error reply of the connection kind (a refused password, too many
+                clients: the connection is closed; the server still loading its
+                data: it stays open, every reply read).
         """
         replies: list[Any] = []
+        loading: BusyLoadingError | None = None
         # Parsed from an offset, and the rest kept once: many replies in one read
         # (a heartbeat round's) cost linear time, not a copy of the rest per reply.
         data, at = self.unread, 0
@@ -742,8 +749,14 @@ class _Link:
                     pass
                 else:
                     if isinstance(reply, RedisError) and not isinstance(reply, ResponseError):
-                        self.close()
-                        raise reply
+                        # Refused: the request did not run.
+                        ended(reply, ran=False)
+                        if not isinstance(reply, BusyLoadingError):
+                            self.close()
+                            raise reply
+                        # The connection stays in step, and serves once the data
+                        # is in: the request's other replies are read too.
+                        loading = reply
                     replies.append(reply)
                     continue
             received = self.io("recv", 65536, deadline, transport, ready)
@@ -753,6 +766,8 @@ class _Link:
                 raise RedisConnectionError(f"{transport.describe()} closed the connection")
             data, at = data[at:] + received, 0
         self.unread = data[at:]
+        if loading is not None:
+            raise loading
         return replies
 
 
