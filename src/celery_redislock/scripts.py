@@ -431,9 +431,16 @@ local function free(lock)
     if #next > 0 then new[$QUEUED] = '1' end
     if not write(new, ms, true) then
         -- Out of memory, the key deleted: nothing was handed over or kept for
-        -- the woken, who are woken to ask (and fail while memory is short).
+        -- the woken, who are woken to ask (and fail while memory is short), and
+        -- so is every other waiter, rather than at its next re-check.
         messages[1] = woken[1]
-        if #woken > 1 then messages[2] = woken[2] .. $SPARE end
+        if #woken > 1 then
+            messages[2] = woken[2] .. $SPARE
+            for _, member in ipairs(redis.call('ZRANGE', KEYS[2], 2, -1)) do
+                woken[#woken + 1] = entry(member)
+                messages[#woken] = woken[#woken]
+            end
+        end
     end
     if #next > 0 then
         -- Only the first leaves the queue: the second (the spare) leaves it only
