@@ -19,8 +19,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from celery_redislock import LockBackendError, LockLostError, RedisLock, SingletonTask
-from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock import lock as lock_module
+from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.lock import lock_keys, release_lease, wake_channel_prefix
 from celery_redislock.scripts import ACQUIRE, EXTEND, FENCE_FIELD, RELEASE, Call
 from celery_redislock.server import RedisServer
@@ -462,6 +462,26 @@ def sent_in_background(lock: RedisLock, beat: Heartbeat | None = None) -> list[s
     ]
 
 
+def test_an_undo_that_finds_nothing_to_undo_warns_of_nothing(
+    proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """An acquire that got no answer, because its request never reached the server,
+    is undone in the background all the same; finding nothing to undo is expected,
+    and logged below a warning."""
+    lock = RedisLock(proxy.url, "swallowed", ttl=60, call_timeout=0.5)
+    assert lock.acquire()
+    lock.release()
+    with heartbeat_warnings() as seen:
+        proxy.blackhole()
+        with pytest.raises(LockBackendError, match="could not acquire"):
+            lock.acquire(blocking=False)
+        assert sent_in_background(lock) != []
+        proxy.heal()
+        wait_for(lambda: sent_in_background(lock) == [], what="the undo to be done")
+    assert not held(direct, lock.key)
+    assert seen == []
+
+
 def test_an_acquire_that_could_not_connect_leaves_nothing_to_undo(proxy: FaultProxy) -> None:
     """An acquire whose every try failed before it was written (no connection could
     be opened) cannot have taken the lock: nothing is sent afterwards to undo it."""
@@ -537,9 +557,9 @@ def test_stalled_server_does_not_delay_renewals_on_a_healthy_one(
 # A lock nobody references is not kept alive.
 
 
-def test_dropped_lock_is_no_longer_renewed(direct: redis.Redis, server: RedisServer) -> None:
-    """A held lock dropped without release() leaves the heartbeat, is logged, and expires
-    by its TTL instead of being renewed for the life of the process."""
+@contextlib.contextmanager
+def heartbeat_warnings() -> Iterator[list[str]]:
+    """The warnings the heartbeat logs while the block runs."""
     seen: list[str] = []
 
     class Catch(logging.Handler):
@@ -554,6 +574,17 @@ def test_dropped_lock_is_no_longer_renewed(direct: redis.Redis, server: RedisSer
     target.setLevel(logging.WARNING)
     target.disabled = False
     try:
+        yield seen
+    finally:
+        target.removeHandler(handler)
+        target.setLevel(saved[0])
+        target.disabled = saved[1]
+
+
+def test_dropped_lock_is_no_longer_renewed(direct: redis.Redis, server: RedisServer) -> None:
+    """A held lock dropped without release() leaves the heartbeat, is logged, and expires
+    by its TTL instead of being renewed for the life of the process."""
+    with heartbeat_warnings() as seen:
         lock = RedisLock(server.url, "dropped", ttl=1.0)
         assert lock.acquire()
         key = lock.key
@@ -564,10 +595,6 @@ def test_dropped_lock_is_no_longer_renewed(direct: redis.Redis, server: RedisSer
             lambda: any("dropped without release()" in message for message in seen),
             what="the log of the drop",
         )
-    finally:
-        target.removeHandler(handler)
-        target.setLevel(saved[0])
-        target.disabled = saved[1]
     assert all(held_lock.key != key for held_lock in get_heartbeat().held())
 
 
@@ -923,23 +950,75 @@ def refusing_writes(client: redis.Redis, why: str) -> Iterator[None]:
         os.mkdir(workdir)
 
 
+@pytest.mark.parametrize("wait", [True, False], ids=["waited-for", "not-waited-for"])
 def test_releases_a_server_refused_free_a_re_entered_lock_in_order_once_it_writes(
-    server: RedisServer, direct: redis.Redis
+    server: RedisServer, direct: redis.Redis, wait: bool
 ) -> None:
     """Both releases of a re-entered lock refused by a server that cannot write for
     now are sent again in the background, the inner one going ahead of the outer one
-    even once it backs off for longer: the lock is freed when the server writes again,
-    not at the end of its TTL."""
-    lock = RedisLock(server.url, "refused-twice", ttl=60, call_timeout=1)
+    (waited for or not) even once it backs off for longer: the lock is freed when the
+    server writes again, not at the end of its TTL."""
+    lock = RedisLock(server.url, f"refused-twice-{wait}", ttl=60, call_timeout=1)
     assert lock.acquire()
     assert lock.acquire()
+    outcomes: list[str] = []
     with refusing_writes(direct, "replicas"):
         with pytest.raises(LockBackendError, match="retried in the background"):
             lock.release()
-        time.sleep(1.0)  # the fault lasts: the inner release backs off between tries
-        with pytest.raises(LockBackendError, match="retried in the background"):
-            lock.release()
+        time.sleep(1.5)  # the fault lasts: the inner release backs off between tries
+        if wait:
+            with pytest.raises(LockBackendError, match="retried in the background"):
+                lock.release()
+        else:
+            lock.release(wait=False, then=outcomes.append)
+            wait_for(lambda: outcomes == ["retrying"], what="the outer release refused")
     wait_for(lambda: not held(direct, lock.key), what="the lock to be freed")
+
+
+@pytest.mark.slow
+def test_a_reply_refused_while_the_server_reloads_keeps_the_connection_in_step(
+    redislock_server_factory: Callable[..., RedisServer], tmp_path: Any
+) -> None:
+    """A release written without waiting, refused while the server reloads its data
+    (``LOADING``), is answered on the connection the next request takes: that
+    request reads its own reply after it, as every later one does, and the refused
+    release is sent again and lands."""
+    server = redislock_server_factory(
+        extra_args=(
+            *("--enable-debug-command", "yes", "--dir", str(tmp_path), "--save", ""),
+            *("--key-load-delay", "100", "--loading-process-events-interval-bytes", "1024"),
+        )
+    )
+    admin = server.client()
+    admin.execute_command("DEBUG", "POPULATE", 30_000, "filler", 10)  # type: ignore[no-untyped-call]
+    client = redis.Redis.from_url(server.url)
+    first = RedisLock(client, "reloaded-first", ttl=60, call_timeout=30)
+    second = RedisLock(client, "reloaded-second", ttl=60, call_timeout=30)
+    assert first.acquire(blocking=False)
+    reloading = threading.Thread(
+        target=lambda: server.client().execute_command("DEBUG", "RELOAD"),  # type: ignore[no-untyped-call]
+        daemon=True,
+    )
+    reloading.start()
+
+    def loading() -> bool:
+        try:
+            admin.ping()
+        except redis.BusyLoadingError:
+            return True
+        return False
+
+    wait_for(loading, what="the server reloading its data")
+    first.release(wait=False)
+    # On the connection that owes the release's answer: it reads that first.
+    assert second.acquire(blocking=False)
+    reloading.join(60)
+    assert second.owned()
+    second.release()
+    assert not held(admin, second.key)
+    wait_for(lambda: not held(admin, first.key), what="the refused release sent again")
+    admin.close()
+    client.close()
 
 
 @pytest.mark.parametrize(

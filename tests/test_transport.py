@@ -22,6 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from celery_redislock import LockBackendError, RedisLock, lookup
 from celery_redislock import transport as transport_module
 from celery_redislock.deployments import TLSServer
+from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import (
     Deadline,
@@ -232,13 +233,16 @@ def test_a_resolver_that_does_not_answer_holds_up_a_call_only_until_its_deadline
     """The lock store named by a host name whose lookup hangs: a call fails when its
     deadline passes, saying what it waited for, rather than when the resolver gives
     up. Callers meanwhile share the lookup under way; once it answers, a call goes
-    through."""
+    through. An acquire that failed so was never sent: nothing is sent afterwards to
+    undo it."""
     resolver = _StalledResolver(monkeypatch, "lock-store.example")
     url = f"redis://lock-store.example:{redislock_server.port}"
     first = RedisLock(url, "looked-up", ttl=30, call_timeout=0.3)
     second = RedisLock(url, "looked-up-too", ttl=30, call_timeout=0.3)
     with pytest.raises(LockBackendError, match=r"looking up the address of .lock-store\.example"):
         first.acquire(blocking=False)
+    lanes = get_heartbeat()._lanes.values()
+    assert not [p for lane in lanes for p in lane.pending if first.key in p.call.keys]
     with pytest.raises(LockBackendError, match="timed out"):
         second.acquire(blocking=False)
     assert resolver.lookups == 1

@@ -793,13 +793,14 @@ class RedisLock:
         def answered(result: list[Any] | RedisError) -> None:
             reply = result if isinstance(result, RedisError) else result[len(ahead)]
             outcome: ReleaseOutcome = "released"
+            again = _send_again(reply)
             if result is not reply:
-                if ahead:
+                if ahead and not again:
                     self._landed(ahead)
                 if not isinstance(reply, NoScriptError):
                     # It ran, so the server has the script now: the next goes by digest.
                     transport.scripts.add(RELEASE_SCRIPT.sha)
-            if _send_again(reply):
+            if again:
                 # Not run, not known to have run, or refused by a replica: send it
                 # again (it is recognised if it did run).
                 self._send_later(
@@ -1154,13 +1155,18 @@ class RedisLock:
         failing_since: float | None = None
         pause = 0.01
         last_try = False
+        # Whether a try whose answer was lost may have queued the entry without
+        # this waiter learning its position.
+        unsure = False
         try:
             while True:
                 now = time.monotonic()
+                trying = False
                 try:
                     if not hub.wait_ready(self._call_deadline(ends)):
                         raise RedisTimeoutError("the wake-up subscription is not in place")
                     hub.rearm(waiter)
+                    trying = True
                     if self._try_acquire(self._call_deadline(ends), request, entry):
                         acquired = True
                         if found_held:
@@ -1207,6 +1213,8 @@ class RedisLock:
                     error.__cause__ = exc
                 except LockBackendError as exc:
                     error = exc
+                cause = error.__cause__
+                unsure = unsure or (trying and cause is not None and may_have_run(cause))
                 # Only a broken connection, a timeout or a busy server is worth
                 # another try.
                 if not is_transient(error.__cause__):
@@ -1219,9 +1227,7 @@ class RedisLock:
                 pause = min(0.5, pause * 2)
         finally:
             hub.leave(waiter)
-            # A try whose answer was lost (still unconfirmed) may have queued the
-            # entry without this waiter learning its position.
-            if not acquired and (self._position is not None or self._unconfirmed is not None):
+            if not acquired and (self._position is not None or unsure):
                 self._leave_queue(entry)
             self._position = None
 
@@ -1325,6 +1331,13 @@ class RedisLock:
         beat.retry_in_background(self, call, until, what, quiet=not last)
         if not last:
             with self._state:
+                if self._behind and not call.args[4]:
+                    # Sent right behind the one before it, it acts only once that
+                    # one has: sent twice (a try whose answer was lost), it changes
+                    # nothing the second time, as one that knows its hold's last
+                    # change does.
+                    earlier = self._behind[-1][0].args[2]
+                    call = call._replace(args=(*call.args[:4], earlier, *call.args[5:]))
                 self._behind = (*self._behind, (call, until))
 
     def _ahead(self) -> tuple[tuple[Call, float], ...]:

@@ -955,16 +955,16 @@ def _run_behind(
 ) -> list[Any]:
     """The replies of ``call`` and ``then``, sent in one round trip behind the
     ``before`` calls (by text: they are rare; each after an ``ASKING`` if
-    ``asked``), for :func:`send`."""
+    ``asked``), for :func:`send`. A ``call`` the server has no script for goes
+    again by text, alone: the ``before`` calls ran."""
     commands: list[Sequence[Any]] = []
     for each in before:
         commands += [_ASKING, each.by_text()] if asked else [each.by_text()]
-    if asked:
-        commands.append(_ASKING)
-    skip = len(commands)
-    replies = run(transport, [*commands, call.by_sha(), *then], deadline)[skip:]
+    head = [_ASKING] if asked else []
+    skip = len(commands) + len(head)
+    replies = run(transport, [*commands, *head, call.by_sha(), *then], deadline)[skip:]
     if isinstance(replies[0], NoScriptError):
-        replies = run(transport, [*commands, call.by_text(), *then], deadline)[skip:]
+        replies = run(transport, [*head, call.by_text(), *then], deadline)[len(head) :]
     if not isinstance(replies[0], NoScriptError):
         transport.scripts.add(call.script.sha)
     return replies

@@ -239,7 +239,11 @@ class Transport:
             # nothing while the server works on it.
             broken = self._settle(link, deadline) if self._owed else None
             if broken is not None:
-                raise broken
+                # This request was written: it may have run, whatever the
+                # earlier one's error says of that one.
+                raise RedisConnectionError(
+                    f"connection lost before the reply was read: {broken}"
+                ) from broken
             replies = link.read(count, deadline, self, ready)
             healthy = True
             return replies
@@ -366,9 +370,9 @@ class Transport:
 
     def _write(self, commands: Sequence[Sequence[Any]], deadline: Deadline) -> _Link:
         """Write ``commands`` whole on a connection (its owed replies left unread)
-        and return it; an error raised says the request did not run (see
-        :func:`may_have_run`): a server drops a command cut short by a broken
-        connection."""
+        and return it. A connection that could not be opened, or a write refused
+        before its first byte, did not run the request (see :func:`may_have_run`);
+        a write cut short may have run the commands it sent whole."""
         try:
             link = self._checkout(deadline, settle=False)
         except RedisError as exc:
@@ -376,10 +380,8 @@ class Transport:
             raise
         try:
             link.io("sendall", pack(commands), deadline, self)
-        except BaseException as exc:
+        except BaseException:
             self._checkin(link, False)
-            if isinstance(exc, RedisError):
-                ended(exc, ran=False)
             raise
         return link
 
@@ -438,6 +440,9 @@ class Transport:
                 if broken is None:
                     try:
                         result = link.read(count, deadline, self, ready=True)
+                    except BusyLoadingError as exc:
+                        # That request's answer, every reply of it read.
+                        result = exc
                     except RedisError as exc:
                         broken = result = exc
                 else:
@@ -683,6 +688,8 @@ class _Link:
             redis.ConnectionError, redis.TimeoutError: it failed or ran out of
                 time (the connection is then closed).
         """
+        # Whether the write failing now sends no byte: the request did not run.
+        unsent = False
         try:
             # bound()'s test of the timeout kept, inline: this runs on every request.
             remaining = deadline.at - time.monotonic()
@@ -691,10 +698,12 @@ class _Link:
             sock = self.conn._sock
             if type(sock) is _PLAIN_SOCKET:
                 if method == "sendall":
+                    unsent = True
                     try:
                         written = os.write(sock.fileno(), argument)
                     except BlockingIOError:
                         written = 0
+                    unsent = False
                     if written == len(argument):
                         return None
                     argument = memoryview(argument)[written:]
@@ -712,9 +721,10 @@ class _Link:
             raise RedisTimeoutError(f"timed out {_DOING[method]} {transport.describe()}") from None
         except (OSError, AttributeError) as exc:
             self.close()
-            raise RedisConnectionError(
+            error = RedisConnectionError(
                 f"error while {_DOING[method]} {transport.describe()}: {exc}"
-            ) from None
+            )
+            raise (ended(error, ran=False) if unsent else error) from None
 
     def close(self) -> None:
         self.unread = b""
@@ -737,6 +747,8 @@ class _Link:
         """
         replies: list[Any] = []
         loading: BusyLoadingError | None = None
+        # Whether a command of the request was not refused so: it may have run.
+        ran = False
         # Parsed from an offset, and the rest kept once: many replies in one read
         # (a heartbeat round's) cost linear time, not a copy of the rest per reply.
         data, at = self.unread, 0
@@ -749,14 +761,15 @@ class _Link:
                     pass
                 else:
                     if isinstance(reply, RedisError) and not isinstance(reply, ResponseError):
-                        # Refused: the request did not run.
-                        ended(reply, ran=False)
+                        # Refused: this command did not run.
                         if not isinstance(reply, BusyLoadingError):
                             self.close()
-                            raise reply
+                            raise ended(reply, ran)
                         # The connection stays in step, and serves once the data
                         # is in: the request's other replies are read too.
-                        loading = reply
+                        loading = loading or reply
+                    else:
+                        ran = True
                     replies.append(reply)
                     continue
             received = self.io("recv", 65536, deadline, transport, ready)
@@ -767,7 +780,8 @@ class _Link:
             data, at = data[at:] + received, 0
         self.unread = data[at:]
         if loading is not None:
-            raise loading
+            # (The data came in while the commands were read: some ran.)
+            raise ended(loading, ran)
         return replies
 
 
