@@ -995,24 +995,18 @@ def test_a_reply_refused_while_the_server_reloads_keeps_the_connection_in_step(
     first = RedisLock(client, "reloaded-first", ttl=60, call_timeout=30)
     second = RedisLock(client, "reloaded-second", ttl=60, call_timeout=30)
     assert first.acquire(blocking=False)
+    reloader = redis.Redis(host=server.host, port=server.port, socket_timeout=120)
     reloading = threading.Thread(
-        target=lambda: server.client().execute_command("DEBUG", "RELOAD"),  # type: ignore[no-untyped-call]
+        target=lambda: reloader.execute_command("DEBUG", "RELOAD"),  # type: ignore[no-untyped-call]
         daemon=True,
     )
     reloading.start()
-
-    def loading() -> bool:
-        try:
-            admin.ping()
-        except redis.BusyLoadingError:
-            return True
-        return False
-
-    wait_for(loading, what="the server reloading its data")
+    wait_for(partial(answers_loading, server), what="the server reloading its data")
     first.release(wait=False)
     # On the connection that owes the release's answer: it reads that first.
     assert second.acquire(blocking=False)
     reloading.join(60)
+    reloader.close()
     assert second.owned()
     second.release()
     assert not held(admin, second.key)
@@ -1168,6 +1162,22 @@ def test_a_waiter_whose_subscription_meets_a_busy_server_keeps_waiting(
     waiter.release()
 
 
+def answers_loading(server: RedisServer) -> bool:
+    """Whether ``server`` answers a request of one try with ``LOADING`` now."""
+    probe = redis.Redis(
+        host=server.host, port=server.port, socket_timeout=1, retry=Retry(NoBackoff(), 0)
+    )
+    try:
+        probe.ping()
+    except redis.BusyLoadingError:
+        return True
+    except redis.ConnectionError:
+        return False
+    finally:
+        probe.close()
+    return False
+
+
 @pytest.mark.slow
 def test_a_server_loading_its_data_is_waited_for_within_the_deadline(
     redislock_server_factory: Callable[..., RedisServer], tmp_path: Any
@@ -1192,21 +1202,7 @@ def test_a_server_loading_its_data_is_waited_for_within_the_deadline(
     restarting = threading.Thread(target=server.restart, daemon=True)
     restarting.start()
 
-    def loading() -> bool:
-        probe = redis.Redis(
-            host=server.host, port=server.port, socket_timeout=1, retry=Retry(NoBackoff(), 0)
-        )
-        try:
-            probe.ping()
-        except redis.BusyLoadingError:
-            return True
-        except redis.ConnectionError:
-            return False
-        finally:
-            probe.close()
-        return False
-
-    wait_for(loading, what="the server loading its data")
+    wait_for(partial(answers_loading, server), what="the server loading its data")
     with FaultProxy(server.host, server.port) as proxy:
         hasty = RedisLock(proxy.url, "loading", ttl=10, call_timeout=0.5)
         with pytest.raises(LockBackendError, match="loading"):
