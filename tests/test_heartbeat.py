@@ -254,14 +254,15 @@ def test_lost_when_key_deleted(client: redis.Redis, private_heartbeat: Heartbeat
 
 
 def test_lost_when_taken_over(client: redis.Redis, private_heartbeat: Heartbeat) -> None:
-    """When another owner of the same lease takes the lock over, the old holder's heartbeat
-    marks it lost; the new holder keeps it."""
+    """When the lock is taken over (handed to another owner of its lease in the
+    holder's name), the old holder's heartbeat marks it lost; the new holder keeps it."""
     on_lost = LostCalls()
     old = RedisLock(
         client, "taken", ttl=1, lease="task-1", on_lost=on_lost, _heartbeat=private_heartbeat
     )
     assert old.acquire()
     new = RedisLock(client, "taken", ttl=30, lease="task-1", heartbeat=False)
+    new._handed_from = old.owner
     assert new.acquire(blocking=False)
 
     assert wait_until(lambda: old.lost, timeout=5)

@@ -50,6 +50,7 @@ from celery_redislock.scripts import (
     RELEASE_SCRIPT,
     RELEASED_FIELD,
     REQUEST_FIELD,
+    RESERVATION_SUFFIX,
     SPARE_MARK,
     Acquired,
     Call,
@@ -550,9 +551,10 @@ def test_another_thread_can_release(client: redis.Redis) -> None:
 
 
 def test_lease_takeover(client: redis.Redis, cleanup: list[RedisLock]) -> None:
-    """A new owner of the same lease takes the lock over with a larger token; the old
-    owner's release raises LockLostError (a LockNotOwnedError) and frees nothing."""
-    old = RedisLock(client, "lease", ttl=30, lease="task-1")
+    """A hold reserved for a lease (owner ``<lease>:queued``) is taken over by another
+    owner of the lease with a larger token; the old owner's release raises
+    LockLostError (a LockNotOwnedError) and frees nothing."""
+    old = RedisLock(client, "lease", ttl=30, owner="task-1" + RESERVATION_SUFFIX, lease="task-1")
     assert old.acquire(blocking=False)
     new = RedisLock(client, "lease", ttl=30, lease="task-1")
     cleanup.append(new)
@@ -569,6 +571,53 @@ def test_lease_takeover(client: redis.Redis, cleanup: list[RedisLock]) -> None:
     assert new.owned()
     assert new.holder_lease() == "task-1"
     assert field(client, new.key, FENCE_FIELD) == str(new.token)
+
+
+def test_two_owners_of_one_lease_exclude_each_other(client: redis.Redis) -> None:
+    """Two owners of the same lease, neither its reservation, exclude each other like
+    any two owners: a message delivered twice never holds its lock twice at once."""
+    first = RedisLock(client, "lease-twice", ttl=30, lease="task-1")
+    assert first.acquire(blocking=False)
+    second = RedisLock(client, "lease-twice", ttl=30, lease="task-1")
+
+    assert not second.acquire(blocking=False)
+
+    assert second.blocked_by == "task-1"
+    assert first.owned()
+    first.release()
+    assert second.acquire(blocking=False)
+    second.release()
+
+
+def test_a_hold_is_handed_over_only_in_its_holders_name(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """A hold of a lease goes to another owner of it (the reservation a task hands
+    its lock to as it sends its own retry) only if the acquire names the holder's
+    owner token; the lease's next owner takes it from the reservation."""
+    running = RedisLock(client, "handed", ttl=30, lease="task-1", holder_info={"state": "running"})
+    assert running.acquire(blocking=False)
+    owner = "task-1" + RESERVATION_SUFFIX
+    reservation = RedisLock(
+        client, "handed", ttl=30, owner=owner, lease="task-1", holder_info={"state": "queued"}
+    )
+    assert not reservation.acquire(blocking=False)
+    reservation._handed_from = "somebody-else"
+    assert not reservation.acquire(blocking=False)
+    other_lease = RedisLock(client, "handed", ttl=30, lease="task-2", holder_info={"state": "x"})
+    other_lease._handed_from = running.owner
+    assert not other_lease.acquire(blocking=False)
+    assert running.owned()
+
+    reservation._handed_from = running.owner
+    assert reservation.acquire(blocking=False)
+
+    assert not running.owned()
+    retry = RedisLock(client, "handed", ttl=30, lease="task-1")
+    cleanup.append(retry)
+    assert retry.acquire(blocking=False)
+    assert not reservation.owned()
+    assert not RedisLock(client, "handed", ttl=30, lease="task-2").acquire(blocking=False)
 
 
 def test_other_lease_cannot_take_over(client: redis.Redis) -> None:

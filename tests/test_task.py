@@ -29,9 +29,9 @@ from celery_redislock import (
     is_skipped,
 )
 from celery_redislock.heartbeat import get_heartbeat
-from celery_redislock.scripts import FENCE_FIELD, LEASE_FIELD
+from celery_redislock.scripts import FENCE_FIELD, LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer, free_port
-from celery_redislock.task import OPTIONS, LockOptions
+from celery_redislock.task import OPTIONS, LockOptions, queued_owner
 from tests.support import (
     client_left_clean,
     close_app,
@@ -577,13 +577,19 @@ class TestEnqueueStrategies:
         self, tasks: SimpleNamespace, locks: redis.Redis
     ) -> None:
         """An until_executed task rejected with requeue=True keeps its lock, for the
-        message that comes back (same task id): its lease is still the task's."""
+        message that comes back (same task id): handed to the message's reservation,
+        which its next delivery takes over at once and nobody else can."""
         name = unique("uerej")
         result = tasks.until_executed_rejects.apply((name,))
-        key = f"redislock:{{{tasks.until_executed_rejects.lock_name((name,), {})}}}"
+        lock_name = tasks.until_executed_rejects.lock_name((name,), {})
+        key = f"redislock:{{{lock_name}}}"
         assert held(locks, key)
         assert field(locks, key, LEASE_FIELD) == result.id
-        locks.delete(key)
+        assert field(locks, key, OWNER_FIELD) == queued_owner(result.id)
+        assert not RedisLock(locks, lock_name, ttl=5, lease="another").acquire(blocking=False)
+        redelivery = RedisLock(locks, lock_name, ttl=5, lease=result.id, heartbeat=False)
+        assert redelivery.acquire(blocking=False)
+        redelivery.release()
 
     def test_a_chain_whose_last_step_is_queued_already_resolves(
         self, tasks: SimpleNamespace, locks: redis.Redis

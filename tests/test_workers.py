@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+from billiard.exceptions import WorkerLostError
 
 from celery_redislock.server import RedisServer
 from tests.support import close_app, held, lock_keys, wait_for, waiter_queues
@@ -179,20 +180,63 @@ def test_heartbeat_keeps_long_task_locked(
 
 
 def test_acks_late_redelivery_runs(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
-    """An acks_late task whose worker died is redelivered and runs despite the stale lock."""
+    """An acks_late task whose worker died is redelivered and runs once the dead
+    worker's lock has expired: it waits it out rather than take it over, and is not
+    skipped."""
     mod, client, launch = env
     doomed = launch("late1", concurrency=1)
     result = mod.late.delay("r", 60)
     wait_for(lambda: records(client, "late"), what="the first run")
     key = f"redislock:{{{mod.late.lock_name(('r', 60), {})}}}"
-    assert client.pttl(key) > 10_000  # the stale lock outlives the redelivery delay
+    left = client.pttl(key)
+    assert left > 6_000  # the stale lock outlives the redelivery delay
+    killed = time.time()
     doomed.kill_all()
     launch("late2", concurrency=1)
     assert result.get(timeout=60) == "r"
     runs = records(client, "late_done")
     assert [r["run"] for r in runs] == [2]
-    assert {r["id"] for r in records(client, "late")} == {result.id}
+    first, second = records(client, "late")
+    assert {first["id"], second["id"]} == {result.id}
+    # Not before the dead worker's hold ran out (a second of slack for the clocks).
+    assert second["start"] > killed + left / 1000 - 1
     wait_for(lambda: not held(client, key), what="the lock to be released")
+
+
+def test_a_dead_pool_childs_lock_is_freed_by_the_worker(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """A prefork child killed while it runs a task (as the out-of-memory killer
+    would) leaves no lock behind for its TTL: the worker sees the child gone and
+    frees the hold it still had."""
+    mod, client, launch = env
+    launch("oom", concurrency=1)
+    result = mod.late.delay("oom", 60)
+    wait_for(lambda: records(client, "late"), what="the task to start")
+    [started] = records(client, "late")
+    key = f"redislock:{{{mod.late.lock_name(('oom', 60), {})}}}"
+    assert client.pttl(key) > 9_000
+    os.kill(started["pid"], signal.SIGKILL)
+    wait_for(lambda: not held(client, key), timeout=6, what="the worker to free the lock")
+    with pytest.raises(WorkerLostError):
+        result.get(timeout=30)
+
+
+def test_a_message_delivered_again_while_it_runs_is_not_run_beside_it(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """An acks_late task that outlives the broker's visibility timeout is delivered
+    again while it runs: the copy waits, sees the first delivery renew the lock, and
+    is dropped; the task runs once, keeps its lock, and its result is its own."""
+    mod, client, launch = env
+    launch("vis", concurrency=2)
+    result = mod.delivered.delay("twice", 9)  # the visibility timeout is 4 s
+    assert result.get(timeout=60) == "twice"
+    assert [r["id"] for r in records(client, "delivered")] == [result.id]
+    [done] = records(client, "delivered_done")
+    assert not done["lost"]
+    assert {"task_id": result.id, "action": "redelivered"} in records(client, "conflict")
+    assert lock_keys(client) == []
 
 
 def test_soft_time_limit_releases(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:

@@ -84,15 +84,34 @@ def sleeper(self: Any, name: str, seconds: float) -> str:
     return name
 
 
-@app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=30, acks_late=True)
+@app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=12, acks_late=True)
 def late(self: Any, name: str, seconds: float) -> str:
     """An acks_late task: its first run sleeps (to be killed), a redelivery finishes."""
     run = store.incr(f"late-runs:{name}")
-    log("late", name=name, id=self.request.id, run=run, token=self.lock.token)
+    log(
+        "late", name=name, id=self.request.id, run=run, token=self.lock.token,
+        start=time.time(), pid=os.getpid(),
+    )  # fmt: skip
     if run == 1:
         time.sleep(seconds)
     log("late_done", name=name, id=self.request.id, run=run)
     return name
+
+
+@app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=2, acks_late=True)
+def delivered(self: Any, name: str, seconds: float) -> str:
+    """An acks_late task that runs past the broker's visibility timeout, so that its
+    message is delivered again while it runs."""
+    log("delivered", name=name, id=self.request.id, start=time.time(), token=self.lock.token)
+    time.sleep(seconds)
+    log("delivered_done", name=name, end=time.time(), lost=self.lock.lost)
+    return name
+
+
+@signals.lock_conflict.connect
+def log_conflict(sender: Any, task_id: str, action: str, **_: Any) -> None:
+    """Record every ``lock_conflict`` under ``log:conflict``."""
+    log("conflict", task_id=task_id, action=action)
 
 
 @app.task(base=SingletonTask, bind=True, shared=False, soft_time_limit=0.5, lock_ttl=30)

@@ -18,6 +18,13 @@ The acquire is kept for the task by the thread that runs it (a thread runs one
 task at a time). One written for a task that then never starts (its trace failed
 before the task was called) is given back as the worker records the failure, or
 at the latest when the thread accepts its next task, rather than left to its TTL.
+
+The request also frees the lock of a prefork child that died running the task
+(killed by the kernel's out-of-memory killer, a signal, a hard time limit): the
+parent sees the child gone, and frees the hold if it is still that child's (the
+task's id and the child's process id in its description, its fencing token in
+the release) before Celery records the failure or requeues the message
+(``task_reject_on_worker_lost``), so that a redelivery need not wait for the TTL.
 """
 
 from __future__ import annotations
@@ -26,13 +33,20 @@ import logging
 import os
 from typing import Any
 
+from billiard.einfo import ExceptionWithTraceback
+from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request as _CeleryRequest
 
+from celery_redislock.admin import force_release, read_lock
+from celery_redislock.errors import LockBackendError
 from celery_redislock.task import SingletonTask, take_written_ahead
 
 __all__ = ["Request"]
 
 logger = logging.getLogger(__name__)
+
+#: What a prefork parent reports for a task whose child process is gone.
+_PROCESS_GONE = (WorkerLostError, TimeLimitExceeded, SystemExit, KeyboardInterrupt)
 
 
 class Request(_CeleryRequest):  # type: ignore[misc]
@@ -64,7 +78,43 @@ class Request(_CeleryRequest):  # type: ignore[misc]
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
     ) -> None:
         self._give_back()
+        exc = getattr(exc_info, "exception", None)
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        if isinstance(exc, _PROCESS_GONE) and self.worker_pid not in (None, os.getpid()):
+            self._free_dead_child_lock()
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _free_dead_child_lock(self) -> None:
+        """Free the hold of the pool child that died running this task, if it is
+        still that child's (never one another delivery of the task took since)."""
+        task = self.task
+        if not isinstance(task, SingletonTask):
+            return
+        try:
+            options = task.lock_options
+            name = task.lock_name(self.args, self.kwargs)
+            client = task.lock_client
+            held = read_lock(client, name, options.prefix)
+            if held is None or held.holder != self.id or held.pid != self.worker_pid:
+                return
+            force_release(client, name, options.prefix, fence=held.fence)
+            logger.info(
+                "celery_redislock: freed lock %s of %s[%s], whose pool process %s died",
+                name,
+                task.name,
+                self.id,
+                self.worker_pid,
+            )
+        except (LockBackendError, TypeError, ValueError) as exc:
+            # Its TTL frees it all the same.
+            logger.warning(
+                "celery_redislock: could not free the lock of %s[%s], whose pool process "
+                "died (it expires by its TTL): %s",
+                task.name,
+                self.id,
+                exc,
+            )
 
     def _give_back(self) -> None:
         """Give back the hold of an acquire written ahead that the task never read."""

@@ -324,9 +324,12 @@ class RedisLock:
             holder's lock frees itself after at most this long.
         owner: the owner token. Default: 72 random bits in 12 characters. Two ``RedisLock``
             objects with the same owner are the same holder (re-entrant).
-        lease: an optional lease id (a Celery task id). A new owner of the same
-            lease takes the lock over instead of waiting, with a new fencing
-            token; the old owner's next renewal finds it lost.
+        lease: an optional lease id (a Celery task id). A hold whose owner is
+            the lease's reservation (``<lease>`` +
+            :data:`~celery_redislock.scripts.RESERVATION_SUFFIX`) is taken over by
+            the next owner of the lease instead of waiting, with a new fencing
+            token; the old owner's next renewal finds it lost. Two other owners
+            of one lease exclude each other like any two owners.
         heartbeat: renew the lock in the background while held (default on).
         heartbeat_interval: seconds between renewals; default ``ttl / 3``.
         on_lost: called with the lock, from the heartbeat thread, if it is lost.
@@ -396,6 +399,10 @@ class RedisLock:
     _extended = False
     # The heartbeat lane renewing the current hold, if any.
     _lane: _Lane | None = None
+    # The owner token of a hold of this lock's lease that its holder hands to this
+    # object: the next acquire takes it over (see scripts.ACQUIRE, ARGV[8]). Sent
+    # only by a lock with a holder description.
+    _handed_from = ""
 
     # The state set by _fill() (every lock has all of it).
     #: The lock's name, and the Redis keys of its value and of its waiter queue.
@@ -897,9 +904,8 @@ class RedisLock:
     def detach(self) -> None:
         """Stop renewing and forget the hold locally, leaving Redis untouched.
 
-        The lock then lives until its TTL runs out, unless another owner of the
-        same lease takes it over first (how a retried Celery task keeps its lock
-        across the retry).
+        The lock then lives until its TTL runs out, unless the holder handed it
+        over first (how a retried Celery task keeps its lock across the retry).
         """
         self._forget()
 
@@ -945,7 +951,7 @@ class RedisLock:
     def _acquire_call(self, request: str, entry: str = "") -> Call:
         """The ACQUIRE script call of one try (a waiter with this queue ``entry``
         is queued if the lock is held)."""
-        args = (
+        args: tuple[str | int, ...] = (
             self.owner,
             max(1, int(self.ttl * 1000)),
             self.lease,
@@ -953,10 +959,13 @@ class RedisLock:
             entry,
             (self._position or "") if entry else "",
         )
-        # The description is left out, not sent empty, when there is none.
-        return Call(
-            ACQUIRE_SCRIPT, (self.key, self.queue_key), (*args, self._info) if self._info else args
-        )
+        # The description is left out, not sent empty, when there is none (and a
+        # hand-over, which follows it, with it).
+        if self._info:
+            args = (
+                (*args, self._info, self._handed_from) if self._handed_from else (*args, self._info)
+            )
+        return Call(ACQUIRE_SCRIPT, (self.key, self.queue_key), args)
 
     def _try_acquire(self, deadline: Deadline, request: str, entry: str = "") -> bool:
         """One acquire round trip; record the hold, or who holds the lock instead.

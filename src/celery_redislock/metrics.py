@@ -16,7 +16,8 @@ Metrics (label ``task`` is the task name):
 ==========================================  =========  =====================================
 ``celery_redislock_acquired_total``         counter    locks taken by tasks
 ``celery_redislock_conflicts_total``        counter    duplicates that met a held lock, by
-                                                       ``action``: skip, raise, retry, wait, dedup
+                                                       ``action``: skip, raise, retry, wait, dedup,
+                                                       redelivered
 ``celery_redislock_wait_seconds``           histogram  time a task waited for its lock (0 when free)
 ``celery_redislock_hold_seconds``           histogram  time a task held its lock
 ``celery_redislock_releases_total``         counter    releases by ``outcome``: released, lost

@@ -190,6 +190,15 @@ GRANT_MS = 2000
 #: its waiter: this, followed by the waiter id.
 GRANTED_TO = "g:"
 
+#: What follows the lease in the owner token of a hold that reserves the lock for
+#: that lease (a message sent but not yet started: ``<task id>:queued``). Such a
+#: hold is handed to the first other owner of the lease that asks. Any other
+#: hold changes owner only when its holder hands it over (an acquire that names
+#: the holder's owner token: a task handing its lock to its own retry); two
+#: owners of one lease exclude each other like any two owners, so that a message
+#: delivered twice never runs twice at once.
+RESERVATION_SUFFIX = ":queued"
+
 #: How many recent freeing releases a lock remembers, so that a retried release
 #: is recognised even if the lock was taken and freed again in between.
 RELEASES_REMEMBERED = 8
@@ -235,6 +244,7 @@ def _lua(text: str) -> str:
         BEHIND=f"'{BEHIND_MARK}'",
         GRANT=f"'{GRANT_MARK}'",
         GRANTED_TO=f"'{GRANTED_TO}'",
+        RESERVATION=f"'{RESERVATION_SUFFIX}'",
         GRANT_MS=GRANT_MS,
         RELEASE_HISTORY=RELEASES_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
     )
@@ -464,8 +474,9 @@ local function released_here(lock)
 end
 """)
 
-#: Take the lock, take it again (re-entrant), or take it over from an earlier
-#: execution of the same lease; a waiter that finds it held joins the queue.
+#: Take the lock, take it again (re-entrant), take over the reservation of the
+#: caller's lease (:data:`RESERVATION_SUFFIX`) or a hold of that lease its holder
+#: hands over; a waiter that finds it held joins the queue.
 #:
 #: KEYS[1] the lock key; KEYS[2] the waiter queue
 #: ARGV[1] owner token; ARGV[2] TTL in ms; ARGV[3] lease ("" for none);
@@ -475,7 +486,9 @@ end
 #: ARGV[6] the waiter's queue position from an earlier reply ("" the first time);
 #: ARGV[7] optionally, the holder's description, written with the hold: one value
 #: per HOLDER_FIELDS name, in that order, up to the last that is not empty, joined
-#: by SEPARATOR (absent, not empty, for none)
+#: by SEPARATOR (absent, not empty, for none); ARGV[8] optionally (after a
+#: description), the owner token of a hold of the same lease its holder hands to
+#: the caller
 #: Returns {1, fence, releases} when newly taken (or taken over, or a hold a release
 #: handed to this waiter confirmed; releases: the ids of the releases the lock
 #: remembers, absent for none), {2, fence} when re-entered,
@@ -555,7 +568,10 @@ end
 -- How long the caller can expect to wait: the holder's remaining TTL, or the
 -- time left to the waiters a release woke (a free lock is theirs for a moment).
 local wait_ms, holder = nil, ''
-if lock[$OWNER] and (ARGV[3] == '' or lock[$LEASE] ~= ARGV[3]) then
+-- Another owner's hold of the caller's lease is the caller's to take if it is
+-- the lease's reservation, or its holder hands it over (see RESERVATION_SUFFIX).
+if lock[$OWNER] and (ARGV[3] == '' or lock[$LEASE] ~= ARGV[3]
+        or (lock[$OWNER] ~= ARGV[3] .. $RESERVATION and lock[$OWNER] ~= ARGV[8])) then
     wait_ms, holder = redis.call('PTTL', KEYS[1]), lock[$LEASE] or ''
 elseif lock[$RESERVED]
         and not (waiter ~= '' and string.find(' ' .. lock[$RESERVED] .. ' ', ' ' .. waiter .. ' ', 1, true)) then
@@ -974,7 +990,7 @@ class Acquired(IntEnum):
     """What an acquire found."""
 
     HELD = 0  #: another owner holds the lock
-    TAKEN = 1  #: newly taken, or taken over from an earlier execution of the lease
+    TAKEN = 1  #: newly taken, or taken over (the lease's reservation, or handed over)
     REENTERED = 2  #: this owner held it already; one more hold counted
 
 

@@ -40,8 +40,10 @@ lock_acquired = Signal(
 )
 
 #: The lock was held by another task. ``action`` is what the duplicate does:
-#: ``"skip"``, ``"raise"``, ``"retry"``, ``"wait"`` (sent before waiting) or
-#: ``"dedup"`` (an ``until_*`` enqueue that published nothing).
+#: ``"skip"``, ``"raise"``, ``"retry"``, ``"wait"`` (sent before waiting),
+#: ``"dedup"`` (an ``until_*`` enqueue that published nothing) or
+#: ``"redelivered"`` (a copy of a message whose earlier delivery holds the lock:
+#: it waits for it, whatever ``on_conflict`` says; ``holder`` is its own task id).
 lock_conflict = Signal(
     name="lock_conflict", providing_args={"task_id", "name", "key", "holder", "action"}
 )

@@ -32,8 +32,9 @@ success, exception, soft time limit    released in the body's ``finally``
 ``self.retry()``                       released; ``until_executed`` hands it to the
                                        queued retry (same task id), TTL covering
                                        the countdown
-``Ignore``, ``Reject``                 released (``Reject(requeue=True)`` keeps an
-                                       ``until_executed`` lock for the redelivery)
+``Ignore``, ``Reject``                 released (``Reject(requeue=True)`` hands an
+                                       ``until_executed`` lock to the message's
+                                       reservation, for the redelivery)
 revoked while queued                   ``until_*``: freed by the workers as soon as
                                        the revoke reaches them
                                        (:mod:`celery_redislock.revoke`); also by
@@ -41,8 +42,14 @@ revoked while queued                   ``until_*``: freed by the workers as soon
                                        drops the message
 terminated while running               released by the worker's ``task_revoked``
                                        handler, by task id
-hard time limit, SIGKILL, lost worker  the heartbeat dies with the process and the
+a prefork pool process dies           freed by the worker as it sees the process
+                                       gone (:mod:`celery_redislock.early`)
+SIGKILL of the worker, machine lost    the heartbeat dies with the process and the
                                        TTL frees the lock
+the message delivered again meanwhile  the copy waits for the earlier delivery's
+                                       hold; dropped (``Ignore``) if a live
+                                       holder still renews it
+                                       (:meth:`SingletonTask._redelivered`)
 =====================================  ==========================================
 """
 
@@ -67,7 +74,7 @@ from typing import Any, ClassVar, Literal, NamedTuple, cast, get_args
 
 from celery import Task
 from celery import signals as celery_signals
-from celery.exceptions import Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 from celery.utils import uuid
 from celery.utils.dispatch import Signal
@@ -98,7 +105,7 @@ from celery_redislock.lock import (
     check_ttl,
     release_lease,
 )
-from celery_redislock.scripts import HOLDER_FIELDS, SEPARATOR
+from celery_redislock.scripts import HOLDER_FIELDS, RESERVATION_SUFFIX, SEPARATOR
 from celery_redislock.store import (
     check_client_source,
     check_transport_options,
@@ -134,6 +141,12 @@ MAX_RETRY_DELAY = 300.0
 #: reads several settings, which costs every execution several microseconds.)
 STORE_RECHECK = 1.0
 
+#: Seconds a copy of a message waits for the hold of an earlier delivery of it
+#: beyond the time that hold had left when first found: a holder that has died
+#: renews nothing, so its hold is gone by then; one still held is renewed by a
+#: holder alive (see :meth:`SingletonTask._redelivered`).
+REDELIVERY_GRACE = 1.0
+
 #: ``apply_async`` option with lock option overrides for one call.
 CALL_OPTIONS = "lock_options"
 
@@ -162,7 +175,7 @@ def queued_owner(task_id: str) -> str:
     an owner of its own; so a lock still owned by this token belongs to a message
     nobody has started yet.
     """
-    return f"{task_id}:queued"
+    return task_id + RESERVATION_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -864,6 +877,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             heartbeat=False,
             opts=opts,
         )
+        running = self._own_hold(task_id, key)
+        if running is not None:
+            # Its own retry: the running execution hands its hold to the reservation.
+            lock._handed_from = running.owner
         try:
             acquired = lock.acquire(blocking=False)
         except LockBackendError as exc:
@@ -957,6 +974,15 @@ class SingletonTask(Task):  # type: ignore[misc]
         """Whether sending ``task_id`` is ``self.retry()`` of the running execution."""
         request = self.request
         return not request.called_directly and request.id == task_id
+
+    def _own_hold(self, task_id: str, name: str) -> RedisLock | None:
+        """The running execution's hold of lock ``name``, when sending ``task_id`` is
+        its own retry (which it hands the hold to)."""
+        if not self._own_retry(task_id):
+            return None
+        handle = getattr(self.request, "redislock", None)
+        lock = handle._lock if handle is not None else None
+        return lock if lock is not None and lock.name == name and lock.holding else None
 
     # Execution side.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -1079,7 +1105,12 @@ class SingletonTask(Task):  # type: ignore[misc]
                 logger.warning("%s; running %s[%s] unlocked", exc, self.name, task_id)
                 request.redislock = LockHandle(key, None, opts)
                 return self.run(*args, **kwargs)
-            if waiting:
+            if not acquired and lock.blocked_by == task_id:
+                # Another delivery of this very message: whether it is alive decides.
+                outcome = self._redelivered(lock, key, request, opts, waiting)
+                if outcome is not None:
+                    return outcome
+            elif waiting:
                 self._waited(lock, key, request, opts, waiting[0], acquired)
             elif not acquired:
                 outcome = self._conflict(lock, key, request, opts, waiting)
@@ -1108,9 +1139,34 @@ class SingletonTask(Task):  # type: ignore[misc]
         finally:
             if lock.holding:
                 if keep:
+                    if not retrying:
+                        self._reserve(lock, opts)
                     lock.detach()
                 else:
                     self._release(lock, time.monotonic() - taken, retrying)
+
+    def _reserve(self, lock: RedisLock, opts: LockOptions) -> None:
+        """Hand an execution's hold to its message's reservation, for the same
+        message coming back (``Reject(requeue=True)`` of an ``until_executed``
+        task): the redelivery takes it over at once, while nobody else can. (A
+        ``self.retry()`` did this as it sent the retry.) If the lock store fails,
+        the hold stays as it is, and the redelivery waits until it expires."""
+        reservation = self._new_lock(
+            lock.name, lock.lease, queued_owner(lock.lease), opts.enqueue_ttl,
+            heartbeat=False, opts=opts,
+        )  # fmt: skip
+        reservation._handed_from = lock.owner
+        try:
+            reservation.acquire(blocking=False)
+        except LockBackendError as exc:
+            logger.warning(
+                "could not keep lock %s for the redelivery of %s[%s]; it waits for the "
+                "lock to expire: %s",
+                lock.name,
+                self.name,
+                lock.lease,
+                exc,
+            )
 
     def _release(self, lock: RedisLock, held: float, taken_over_ok: bool = False) -> None:
         """Release without waiting for the answer: the request is written before the
@@ -1219,6 +1275,54 @@ class SingletonTask(Task):  # type: ignore[misc]
             holder,
             f"lock {key!r} is still held by task {holder!r} after waiting {opts.wait:g} s",
         )
+
+    def _redelivered(
+        self, lock: RedisLock, key: str, request: Any, opts: LockOptions, waiting: list[float]
+    ) -> Any:
+        """Wait out the hold of an earlier delivery of this execution's own message
+        (same task id): a message the broker delivered again while it still ran (a
+        Redis broker's visibility timeout, a broker connection lost under
+        ``acks_late``), or a retry whose predecessor has not released yet.
+
+        Whatever ``on_conflict`` says, the two never run at once, and this copy is
+        not dropped while the earlier one may be dead: it waits as long as that
+        hold had left (plus :data:`REDELIVERY_GRACE`), during which a dead
+        holder's hold expires and a live one's is renewed. Freed or expired in
+        that time, the lock is taken (the wait's start is added to ``waiting``)
+        and ``None`` returned: the task runs. Still held, its holder is alive and
+        runs the message: this copy raises ``Ignore`` (its message is
+        acknowledged, and no state is stored over the running one's). Taken by
+        another task meanwhile, it meets ``on_conflict`` (see :meth:`_conflict`).
+        """
+        started = time.monotonic()
+        limit = max(0, lock._pttl) / 1000 + REDELIVERY_GRACE
+        _send(
+            signals.lock_conflict, self, key, task_id=lock.lease, holder=lock.lease,
+            action="redelivered",
+        )  # fmt: skip
+        logger.info(
+            "%s[%s]: an earlier delivery of this message holds lock %s; waiting up to "
+            "%.1f s for it to end",
+            self.name,
+            request.id,
+            key,
+            limit,
+        )
+        if lock.acquire(blocking=True, timeout=limit):
+            waiting.append(started)
+            return None
+        if lock.blocked_by != lock.lease:
+            # Freed by the earlier delivery and taken by another task meanwhile.
+            waiting.clear()
+            return self._conflict(lock, key, request, opts, waiting)
+        logger.warning(
+            "%s[%s] dropped: this message was delivered again while an earlier delivery, "
+            "still renewing lock %s, runs it",
+            self.name,
+            request.id,
+            key,
+        )
+        raise Ignore()
 
     def _conflict(
         self, lock: RedisLock, key: str, request: Any, opts: LockOptions, waiting: list[float]

@@ -87,6 +87,7 @@ from celery_redislock.deployments import (
 )
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import DEFAULT_PREFIX, RedisLock
+from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.task import SingletonTask, since_now
 from celery_redislock.transport import Client
@@ -491,11 +492,12 @@ def steal_lock(task: SingletonTask, /, *args: Any, **kwargs: Any) -> Iterator[Re
     options = task.lock_options
     client = task.lock_client
     probe = RedisLock(client, name, heartbeat=False, prefix=options.prefix)
-    victim = probe.holder_lease()
+    held = probe._read()
+    victim = held.get(LEASE_FIELD) if OWNER_FIELD in held else None
     if victim is None:
         raise AssertionError(f"lock {name!r} is not held by a task: nothing to steal")
-    # Same lease, new owner: the script takes it over atomically, with a new
-    # fence, and no waiter can slip in between.
+    # Handed over in the holder's name: the script takes it over atomically, with a
+    # new fence, and no waiter can slip in between.
     thief = RedisLock(
         client,
         name,
@@ -504,6 +506,7 @@ def steal_lock(task: SingletonTask, /, *args: Any, **kwargs: Any) -> Iterator[Re
         holder_info=_holder(task, "running", "test@steal_lock"),
         prefix=options.prefix,
     )
+    thief._handed_from = held[OWNER_FIELD]
     if not thief.acquire(blocking=False):
         raise AssertionError(f"could not take lock {name!r} over from {victim!r}")
     beat = get_heartbeat()
