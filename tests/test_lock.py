@@ -621,7 +621,7 @@ def test_a_hold_is_handed_over_only_in_its_holders_name(
 
 
 def test_other_lease_cannot_take_over(client: redis.Redis) -> None:
-    """Only the same lease takes over; another lease, or none, has to wait."""
+    """Another lease, or none, never takes a held lock over: it has to wait."""
     holder = RedisLock(client, "lease-only", ttl=30, lease="task-1")
     assert holder.acquire(blocking=False)
     assert not RedisLock(client, "lease-only", ttl=30, lease="task-2").acquire(blocking=False)

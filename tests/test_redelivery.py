@@ -169,3 +169,76 @@ def test_a_send_with_the_id_of_a_running_until_executed_task_publishes_nothing(
     release.set()
     running.join(30)
     assert [result.get() for result in results] == ["ran"]
+
+
+def test_a_second_send_of_a_queued_message_publishes_nothing(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """Sending an ``until_executed`` message again with the id of one still queued
+    (its reservation holds the lock) is a duplicate: nothing is published, and the
+    reservation keeps one hold, which revoking the message frees."""
+    from celery_redislock.revoke import free_queued
+
+    @app.task(base=SingletonTask, shared=False, lock_strategy="until_executed")
+    def job() -> str:
+        return "ran"
+
+    name = job.lock_name((), {})
+    key = lock_keys(name).lock
+    first = job.apply_async(task_id="message-6")
+    again = job.apply_async(task_id="message-6")
+
+    assert again.id == first.id
+    assert field(redislock_client, key, "n") is None  # one hold, not two
+    assert free_queued(redislock_client, name, "message-6", "redislock")
+    assert field(redislock_client, key, OWNER_FIELD) is None
+
+
+def test_an_eager_retry_of_an_until_executed_task_is_handed_its_lock(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """``self.retry()`` of an ``until_executed`` task run eagerly (``apply()``, which
+    runs the retry at once without sending it) hands the lock to the retry: it runs
+    without waiting for the first execution's hold to expire."""
+    tokens: list[int] = []
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=20, max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> int:
+        tokens.append(self.lock.fence)
+        if len(tokens) == 1:
+            raise self.retry(countdown=0)
+        return len(tokens)
+
+    conflicts: list[str] = []
+
+    def receive(sender: Any, action: str, **_: Any) -> None:
+        conflicts.append(action)
+
+    signals.lock_conflict.connect(receive, weak=False)
+    try:
+        assert job.apply(task_id="message-7").get() == 2
+    finally:
+        signals.lock_conflict.disconnect(receive)
+    assert conflicts == []
+    assert tokens[1] > tokens[0]
+
+
+def test_a_waiting_copy_of_a_message_waits_as_long_as_the_hold_had_left(
+    app: Celery, redislock_client: redis.Redis, conflicts: list[tuple[str, str]]
+) -> None:
+    """With ``on_conflict="wait"``, a copy of a running message does not wait
+    ``lock_wait`` for its own task id: it reports ``redelivered``, not ``wait``."""
+
+    @app.task(base=SingletonTask, shared=False, on_conflict="wait", lock_wait=20, lock_ttl=1)
+    def job() -> None: ...
+
+    first = RedisLock(redislock_client, job.lock_name((), {}), ttl=1, lease="message-8")
+    assert first.acquire(blocking=False)
+    try:
+        assert job.apply(task_id="message-8").state == "IGNORED"
+    finally:
+        first.release()
+    assert [action for task_id, action in conflicts if task_id == "message-8"] == ["redelivered"]

@@ -20,33 +20,35 @@ before the task was called) is given back as the worker records the failure, or
 at the latest when the thread accepts its next task, rather than left to its TTL.
 
 The request also frees the lock of a prefork child that died running the task
-(killed by the kernel's out-of-memory killer, a signal, a hard time limit): the
-parent sees the child gone, and frees the hold if it is still that child's (the
-task's id and the child's process id in its description, its fencing token in
-the release) before Celery records the failure or requeues the message
-(``task_reject_on_worker_lost``), so that a redelivery need not wait for the TTL.
+(killed by the kernel's out-of-memory killer or a signal, or exited): the parent
+sees the child gone, and frees the hold in a thread of its own if it is still
+that child's (the task's id, the worker's node and the child's process id in its
+description, its fencing token in the release), so that a redelivery
+(``task_reject_on_worker_lost``) need not wait for the TTL. A hard time limit is
+reported while the child may still run, so its lock is left to its TTL.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
-from billiard.exceptions import TimeLimitExceeded, WorkerLostError
+from billiard.exceptions import WorkerLostError
 from celery.worker.request import Request as _CeleryRequest
 
 from celery_redislock.admin import force_release, read_lock
-from celery_redislock.errors import LockBackendError
 from celery_redislock.task import SingletonTask, take_written_ahead
 
 __all__ = ["Request"]
 
 logger = logging.getLogger(__name__)
 
-#: What a prefork parent reports for a task whose child process is gone.
-_PROCESS_GONE = (WorkerLostError, TimeLimitExceeded, SystemExit, KeyboardInterrupt)
+#: What a prefork parent reports for a task whose child process is gone (not a
+#: hard time limit: reported before the child is killed).
+_PROCESS_GONE = (WorkerLostError, SystemExit, KeyboardInterrupt)
 
 
 class Request(_CeleryRequest):  # type: ignore[misc]
@@ -82,12 +84,16 @@ class Request(_CeleryRequest):  # type: ignore[misc]
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
         if isinstance(exc, _PROCESS_GONE) and self.worker_pid not in (None, os.getpid()):
-            self._free_dead_child_lock()
+            # Off the worker's event loop: the lock store may be slow to answer.
+            threading.Thread(
+                target=self._free_dead_child_lock, name="celery_redislock-lost", daemon=True
+            ).start()
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def _free_dead_child_lock(self) -> None:
         """Free the hold of the pool child that died running this task, if it is
-        still that child's (never one another delivery of the task took since)."""
+        still that child's (never one another delivery of the task took since: the
+        node and process id must match, and the release names the hold's token)."""
         task = self.task
         if not isinstance(task, SingletonTask):
             return
@@ -96,7 +102,12 @@ class Request(_CeleryRequest):  # type: ignore[misc]
             name = task.lock_name(self.args, self.kwargs)
             client = task.lock_client
             held = read_lock(client, name, options.prefix)
-            if held is None or held.holder != self.id or held.pid != self.worker_pid:
+            if (
+                held is None
+                or held.holder != self.id
+                or held.pid != self.worker_pid
+                or held.node != self.hostname
+            ):
                 return
             force_release(client, name, options.prefix, fence=held.fence)
             logger.info(
@@ -106,7 +117,7 @@ class Request(_CeleryRequest):  # type: ignore[misc]
                 self.id,
                 self.worker_pid,
             )
-        except (LockBackendError, TypeError, ValueError) as exc:
+        except Exception as exc:
             # Its TTL frees it all the same.
             logger.warning(
                 "celery_redislock: could not free the lock of %s[%s], whose pool process "

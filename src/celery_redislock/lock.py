@@ -400,8 +400,7 @@ class RedisLock:
     # The heartbeat lane renewing the current hold, if any.
     _lane: _Lane | None = None
     # The owner token of a hold of this lock's lease that its holder hands to this
-    # object: the next acquire takes it over (see scripts.ACQUIRE, ARGV[8]). Sent
-    # only by a lock with a holder description.
+    # object: the next acquire takes it over (see scripts.ACQUIRE, ARGV[8]).
     _handed_from = ""
 
     # The state set by _fill() (every lock has all of it).
@@ -959,12 +958,12 @@ class RedisLock:
             entry,
             (self._position or "") if entry else "",
         )
-        # The description is left out, not sent empty, when there is none (and a
-        # hand-over, which follows it, with it).
-        if self._info:
-            args = (
-                (*args, self._info, self._handed_from) if self._handed_from else (*args, self._info)
-            )
+        # The description is left out, not sent empty, when there is none (unless
+        # a hand-over follows it).
+        if self._handed_from:
+            args = (*args, self._info, self._handed_from)
+        elif self._info:
+            args = (*args, self._info)
         return Call(ACQUIRE_SCRIPT, (self.key, self.queue_key), args)
 
     def _try_acquire(self, deadline: Deadline, request: str, entry: str = "") -> bool:

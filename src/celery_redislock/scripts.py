@@ -486,9 +486,8 @@ end
 #: ARGV[6] the waiter's queue position from an earlier reply ("" the first time);
 #: ARGV[7] optionally, the holder's description, written with the hold: one value
 #: per HOLDER_FIELDS name, in that order, up to the last that is not empty, joined
-#: by SEPARATOR (absent, not empty, for none); ARGV[8] optionally (after a
-#: description), the owner token of a hold of the same lease its holder hands to
-#: the caller
+#: by SEPARATOR (absent or empty for none); ARGV[8] optionally, the owner token
+#: of a hold of the same lease its holder hands to the caller
 #: Returns {1, fence, releases} when newly taken (or taken over, or a hold a release
 #: handed to this waiter confirmed; releases: the ids of the releases the lock
 #: remembers, absent for none), {2, fence} when re-entered,
@@ -524,13 +523,14 @@ if ARGV[5] == '' and type(current) ~= 'table' and not check_ttl(ARGV[2]) then
             fence = tonumber(digits)
         end
         local value = ARGV[1] .. $SEPARATOR .. digits .. $SEPARATOR .. ARGV[4]
-        if #ARGV > 6 or released then
+        local info = ARGV[7] ~= '' and ARGV[7]
+        if info or released then
             -- The lease, no count, the queued flag, the releases; then, after the
             -- reservation's two fields, the holder's description.
             value = value .. $SEPARATOR .. ARGV[3] .. $SEPARATOR .. $SEPARATOR .. (queued or '') ..
                 $SEPARATOR .. (released or '')
-            if #ARGV > 6 then
-                value = value .. string.rep($SEPARATOR, $TASK - $RELEASED) .. ARGV[7]
+            if info then
+                value = value .. string.rep($SEPARATOR, $TASK - $RELEASED) .. info
             end
         elseif ARGV[3] ~= '' then
             value = value .. $SEPARATOR .. ARGV[3]
@@ -560,6 +560,10 @@ if lock[$OWNER] == ARGV[1] then
     if lock[$REQ] == ARGV[4] then
         redis.call('PEXPIRE', KEYS[1], ARGV[2])
         return {count == 1 and 1 or 2, fence, lock[$RELEASED]}
+    end
+    if ARGV[1] == ARGV[3] .. $RESERVATION then
+        -- A lease's reservation stands for one message: a second is a duplicate.
+        return {0, redis.call('PTTL', KEYS[1]), ARGV[3], '', fence}
     end
     lock[$COUNT], lock[$REQ] = tostring(count + 1), ARGV[4]
     write(lock, ARGV[2])
@@ -604,7 +608,7 @@ end
 local fence = next_fence(lock[$FENCE])
 local new = {[$OWNER] = ARGV[1], [$FENCE] = digits(fence), [$REQ] = ARGV[4],
              [$LEASE] = ARGV[3], [$QUEUED] = lock[$QUEUED], [$RELEASED] = lock[$RELEASED]}
-new.tail = ARGV[7]
+new.tail = ARGV[7] ~= '' and ARGV[7] or nil
 if ARGV[5] ~= '' then
     bad = denied('zrem', KEYS[2], 'w')
     if bad then return bad end

@@ -44,8 +44,8 @@ terminated while running               released by the worker's ``task_revoked``
                                        handler, by task id
 a prefork pool process dies           freed by the worker as it sees the process
                                        gone (:mod:`celery_redislock.early`)
-SIGKILL of the worker, machine lost    the heartbeat dies with the process and the
-                                       TTL frees the lock
+hard time limit, SIGKILL of the        the heartbeat dies with the process and the
+worker, machine lost                   TTL frees the lock
 the message delivered again meanwhile  the copy waits for the earlier delivery's
                                        hold; dropped (``Ignore``) if a live
                                        holder still renews it
@@ -146,6 +146,12 @@ STORE_RECHECK = 1.0
 #: renews nothing, so its hold is gone by then; one still held is renewed by a
 #: holder alive (see :meth:`SingletonTask._redelivered`).
 REDELIVERY_GRACE = 1.0
+
+
+class _OwnDelivery(Exception):
+    """A waiting task found its own task id holding the lock (another delivery of
+    its message): it stops ``lock_wait``'s wait for :meth:`SingletonTask._redelivered`."""
+
 
 #: ``apply_async`` option with lock option overrides for one call.
 CALL_OPTIONS = "lock_options"
@@ -1077,7 +1083,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             lock = self._execution_lock(key, task_id, opts, request)
             asked = time.monotonic()
         taken = asked
-        keep = retrying = False
+        keep = retrying = reserve = False
         # When it began to wait (on_conflict="wait"), once it found the lock held.
         waiting: list[float] = []
         # One try from the acquire on: an exception raised asynchronously (a soft
@@ -1090,11 +1096,17 @@ class SingletonTask(Task):  # type: ignore[misc]
                 elif opts.on_conflict == "wait":
 
                     def held() -> None:
+                        if lock.blocked_by == task_id:
+                            # Another delivery of this message: not lock_wait's wait.
+                            raise _OwnDelivery
                         waiting.append(self._wait_begins(lock, key, request, opts))
 
                     # A first try that can queue (see RedisLock._acquire): no
                     # second request when the lock is held.
-                    acquired = lock._acquire(True, check_timeout(opts.wait), held)
+                    try:
+                        acquired = lock._acquire(True, check_timeout(opts.wait), held)
+                    except _OwnDelivery:
+                        acquired = False
                 else:
                     acquired = lock.acquire(blocking=False)
             except LockBackendError as exc:
@@ -1128,18 +1140,21 @@ class SingletonTask(Task):  # type: ignore[misc]
                     waited=taken - waiting[0] if waiting else 0.0,
                 )
             return self.run(*args, **kwargs)
-        except Retry:
-            # The queued retry (same task id) may already have taken the lock over.
+        except Retry as exc:
+            # The queued retry (same task id) may already have taken the lock over:
+            # it was handed the hold as it was sent. One run eagerly (apply(),
+            # task_always_eager) is not sent: it is handed the hold here.
             retrying = True
             keep = opts.strategy == UNTIL_EXECUTED
+            reserve = keep and bool(getattr(exc, "is_eager", False))
             raise
         except Reject as exc:
-            keep = opts.strategy == UNTIL_EXECUTED and bool(exc.requeue)
+            keep = reserve = opts.strategy == UNTIL_EXECUTED and bool(exc.requeue)
             raise
         finally:
             if lock.holding:
                 if keep:
-                    if not retrying:
+                    if reserve:
                         self._reserve(lock, opts)
                     lock.detach()
                 else:
@@ -1148,9 +1163,11 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _reserve(self, lock: RedisLock, opts: LockOptions) -> None:
         """Hand an execution's hold to its message's reservation, for the same
         message coming back (``Reject(requeue=True)`` of an ``until_executed``
-        task): the redelivery takes it over at once, while nobody else can. (A
-        ``self.retry()`` did this as it sent the retry.) If the lock store fails,
-        the hold stays as it is, and the redelivery waits until it expires."""
+        task, or an eager ``self.retry()``): the redelivery takes it over at once,
+        while nobody else can. (A retry that is sent was handed the hold as it was
+        sent.) If the lock store fails, the hold stays as it is and the
+        redelivery waits until it expires, or (a hand-over whose answer was lost)
+        the lock is freed."""
         reservation = self._new_lock(
             lock.name, lock.lease, queued_owner(lock.lease), opts.enqueue_ttl,
             heartbeat=False, opts=opts,
@@ -1313,7 +1330,6 @@ class SingletonTask(Task):  # type: ignore[misc]
             return None
         if lock.blocked_by != lock.lease:
             # Freed by the earlier delivery and taken by another task meanwhile.
-            waiting.clear()
             return self._conflict(lock, key, request, opts, waiting)
         logger.warning(
             "%s[%s] dropped: this message was delivered again while an earlier delivery, "
