@@ -28,6 +28,7 @@ from celery_redislock import (
     TaskSkippedError,
     is_skipped,
 )
+from celery_redislock.admin import force_release
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.scripts import FENCE_FIELD, LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer, free_port
@@ -573,6 +574,27 @@ class TestEnqueueStrategies:
         gate(f"{name}:1").set()
         assert first.get(timeout=TIMEOUT) == 1
 
+    def test_an_own_retry_is_sent_whatever_lock_on_duplicate_says(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """An until_executed task's self.retry(), whose lock another task holds by
+        then, is sent all the same, with lock_on_duplicate="raise" too: it meets
+        on_conflict as it starts rather than be lost."""
+        name = unique("ueown")
+        first = tasks.until_executed.apply_async(
+            (name, 3.0), lock_options={"on_duplicate": "raise"}
+        )
+        lock_name = tasks.until_executed.lock_name((name, 3.0), {})
+        wait_for(lambda: running("until_executed", name))
+        force_release(locks, lock_name)
+        intruder = RedisLock(locks, lock_name, ttl=30, lease="intruder")
+        assert intruder.acquire(blocking=False)
+        gate(f"{name}:0").set()
+        wait_for(lambda: first.state == "RETRY", what="the retry")
+        intruder.release()
+        gate(f"{name}:1").set()
+        assert first.get(timeout=TIMEOUT) == 1
+
     def test_reject_with_requeue_keeps_the_lock_for_the_redelivery(
         self, tasks: SimpleNamespace, locks: redis.Redis
     ) -> None:
@@ -586,6 +608,8 @@ class TestEnqueueStrategies:
         assert held(locks, key)
         assert field(locks, key, LEASE_FIELD) == result.id
         assert field(locks, key, OWNER_FIELD) == queued_owner(result.id)
+        # For lock_ttl, as the hold it replaced: no redelivery may come at all.
+        assert 0 < locks.pttl(key) <= tasks.until_executed_rejects.lock_options.ttl * 1000
         assert not RedisLock(locks, lock_name, ttl=5, lease="another").acquire(blocking=False)
         redelivery = RedisLock(locks, lock_name, ttl=5, lease=result.id, heartbeat=False)
         assert redelivery.acquire(blocking=False)

@@ -222,6 +222,23 @@ def test_a_dead_pool_childs_lock_is_freed_by_the_worker(
         result.get(timeout=30)
 
 
+def test_a_task_sent_again_after_its_pool_process_died_runs(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """An until_executed task that Celery sends again when its pool process dies
+    (``retry_on_worker_lost``) finds its lock freed by the worker first: the copy is
+    sent, not taken for a duplicate of the dead run, and runs."""
+    mod, client, launch = env
+    launch("lost", concurrency=1)
+    result = mod.lost_once.delay("again")
+    wait_for(lambda: records(client, "lost_once"), what="the first run")
+    [first] = records(client, "lost_once")
+    os.kill(first["pid"], signal.SIGKILL)
+    assert result.get(timeout=30) == "again"
+    assert [r["run"] for r in records(client, "lost_once")] == [1, 2]
+    wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
+
+
 def test_a_message_delivered_again_while_it_runs_is_not_run_beside_it(
     env: tuple[Any, redis.Redis, Callable[..., Worker]],
 ) -> None:

@@ -108,6 +108,25 @@ def delivered(self: Any, name: str, seconds: float) -> str:
     return name
 
 
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    shared=False,
+    lock_strategy="until_executed",
+    lock_ttl=30,
+    retry_on_worker_lost=True,
+    default_retry_delay=0,
+)
+def lost_once(self: Any, name: str) -> str:
+    """An until_executed task whose first run sleeps (to have its pool process
+    killed) and that Celery sends again when it loses that process."""
+    run = store.incr(f"lost-runs:{name}")
+    log("lost_once", name=name, run=run, pid=os.getpid())
+    if run == 1:
+        time.sleep(60)
+    return name
+
+
 @signals.lock_conflict.connect
 def log_conflict(sender: Any, task_id: str, action: str, **_: Any) -> None:
     """Record every ``lock_conflict`` under ``log:conflict``."""

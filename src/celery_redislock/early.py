@@ -21,10 +21,12 @@ at the latest when the thread accepts its next task, rather than left to its TTL
 
 The request also frees the lock of a prefork child that died running the task
 (killed by the kernel's out-of-memory killer or a signal, or exited): the parent
-sees the child gone, and frees the hold in a thread of its own if it is still
-that child's (the task's id, the worker's node and the child's process id in its
-description, its fencing token in the release), so that a redelivery
-(``task_reject_on_worker_lost``) need not wait for the TTL. A hard time limit is
+sees the child gone, and frees the hold if it is still that child's (the task's
+id, the worker's node and the child's process id in its description, its
+fencing token in the release), before Celery records the failure or sends the
+task again (``task_reject_on_worker_lost``, ``task_retry_on_worker_lost``), so
+that the copy need not wait for the TTL. (Two round trips, each bounded by the
+lock store's call timeout, on the worker's event loop.) A hard time limit is
 reported while the child may still run, so its lock is left to its TTL.
 """
 
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
@@ -40,7 +41,7 @@ from billiard.exceptions import WorkerLostError
 from celery.worker.request import Request as _CeleryRequest
 
 from celery_redislock.admin import force_release, read_lock
-from celery_redislock.task import SingletonTask, take_written_ahead
+from celery_redislock.task import SingletonTask, _shown, take_written_ahead
 
 __all__ = ["Request"]
 
@@ -84,10 +85,11 @@ class Request(_CeleryRequest):  # type: ignore[misc]
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
         if isinstance(exc, _PROCESS_GONE) and self.worker_pid not in (None, os.getpid()):
-            # Off the worker's event loop: the lock store may be slow to answer.
-            threading.Thread(
-                target=self._free_dead_child_lock, name="celery_redislock-lost", daemon=True
-            ).start()
+            # Before Celery's own handling, which may send the task again at once
+            # (task_retry_on_worker_lost, task_reject_on_worker_lost): the copy it
+            # sends must find the lock free, or an until_* send takes it for a
+            # duplicate.
+            self._free_dead_child_lock()
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def _free_dead_child_lock(self) -> None:
@@ -106,7 +108,7 @@ class Request(_CeleryRequest):  # type: ignore[misc]
                 held is None
                 or held.holder != self.id
                 or held.pid != self.worker_pid
-                or held.node != self.hostname
+                or held.node != _shown(str(self.hostname))
             ):
                 return
             force_release(client, name, options.prefix, fence=held.fence)

@@ -897,8 +897,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise
         if not acquired:
             holder = lock.blocked_by
-            if opts.on_duplicate == "return" and (
-                _in_workflow(options) or self._own_retry(task_id)
+            if self._own_retry(task_id) or (
+                opts.on_duplicate == "return" and _in_workflow(options)
             ):
                 # Somebody waits for this message's own id: a workflow (a group's
                 # member, a chain's next step), or the caller of the task that
@@ -1154,9 +1154,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         finally:
             if lock.holding:
                 if keep:
+                    # Renewed no more before it changes hands: no renewal finds it lost.
+                    lock.detach()
                     if reserve:
                         self._reserve(lock, opts)
-                    lock.detach()
                 else:
                     self._release(lock, time.monotonic() - taken, retrying)
 
@@ -1168,8 +1169,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         sent.) If the lock store fails, the hold stays as it is and the
         redelivery waits until it expires, or (a hand-over whose answer was lost)
         the lock is freed."""
+        # For lock_ttl, as the hold it replaces: the redelivery, if one comes,
+        # comes at once.
         reservation = self._new_lock(
-            lock.name, lock.lease, queued_owner(lock.lease), opts.enqueue_ttl,
+            lock.name, lock.lease, queued_owner(lock.lease), opts.ttl,
             heartbeat=False, opts=opts,
         )  # fmt: skip
         reservation._handed_from = lock.owner
