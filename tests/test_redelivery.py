@@ -242,3 +242,25 @@ def test_a_waiting_copy_of_a_message_waits_as_long_as_the_hold_had_left(
     finally:
         first.release()
     assert [action for task_id, action in conflicts if task_id == "message-8"] == ["redelivered"]
+
+
+def test_a_retry_with_other_arguments_leaves_no_lock_behind(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """An ``until_executed`` task that retries with other arguments (another lock)
+    hands its own lock to nobody: it is released, not left held for its TTL."""
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=60, max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask, step: int) -> int:
+        if step == 0:
+            raise self.retry(args=(1,), countdown=0)
+        return step
+
+    assert job.apply((0,), task_id="message-9").get() == 1
+    for step in (0, 1):
+        assert (
+            field(redislock_client, lock_keys(job.lock_name((step,), {})).lock, OWNER_FIELD) is None
+        )

@@ -222,6 +222,19 @@ def define_tasks(app: Celery) -> SimpleNamespace:
     def until_executed_rejects(self: Any, name: str) -> None:
         raise Reject("again later", requeue=True)
 
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        bind=True,
+        name="t.until_executed_other_args",
+        lock_strategy="until_executed",
+        lock_ttl=60,
+    )
+    def until_executed_other_args(self: Any, name: str) -> str:
+        if not name.endswith("-again"):
+            raise self.retry(args=(f"{name}-again",), countdown=0)
+        return name
+
     @app.task(base=SingletonTask, shared=False, bind=True, name="t.ends")
     def ends(self: Any, how: str) -> str:
         if how == "ignore":
@@ -271,7 +284,7 @@ def define_tasks(app: Celery) -> SimpleNamespace:
     return SimpleNamespace(**{t.__name__: t for t in [
         hold, hold_raise, hold_wait, short_wait, hold_retry, retry_exhausted, self_retry,
         until_executed, until_executing, ends, lose, add, plain_hold, recurse, note_error,
-        until_executing_retry, until_executed_rejects,
+        until_executing_retry, until_executed_rejects, until_executed_other_args,
     ]})  # fmt: skip
 
 
@@ -594,6 +607,17 @@ class TestEnqueueStrategies:
         intruder.release()
         gate(f"{name}:1").set()
         assert first.get(timeout=TIMEOUT) == 1
+
+    def test_a_sent_retry_with_other_arguments_frees_the_first_lock(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """An until_executed task whose self.retry() goes out with other arguments
+        (another lock) releases its own lock: nobody was handed it."""
+        name = unique("ueargs")
+        first = tasks.until_executed_other_args.delay(name)
+        assert first.get(timeout=TIMEOUT) == f"{name}-again"
+        key = f"redislock:{{{tasks.until_executed_other_args.lock_name((name,), {})}}}"
+        wait_for(lambda: not held(locks, key), what="the first lock to be released")
 
     def test_reject_with_requeue_keeps_the_lock_for_the_redelivery(
         self, tasks: SimpleNamespace, locks: redis.Redis

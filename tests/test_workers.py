@@ -239,6 +239,27 @@ def test_a_task_sent_again_after_its_pool_process_died_runs(
     wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
 
 
+def test_a_message_rejected_with_requeue_keeps_its_lock_while_it_waits_again(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """An acks_late until_executed task that rejects its message with requeue=True
+    hands its lock to the message's reservation for lock_enqueue_ttl, as a message
+    just sent (not lock_ttl): a duplicate sent while it waits in the queue again
+    publishes nothing, and the message runs when its turn comes."""
+    mod, client, launch = env
+    launch("rej", concurrency=1)
+    result = mod.rejects_once.delay("r")
+    mod.occupy.delay("rej-gate")  # queued behind it, so the message comes back behind
+    wait_for(lambda: records(client, "occupy"), what="the slot to be taken")
+    assert [r["run"] for r in records(client, "rejects_once")] == [1]
+    key = f"redislock:{{{mod.rejects_once.lock_name(('r',), {})}}}"
+    assert client.pttl(key) > 1_000  # lock_ttl is 1 s
+    assert mod.rejects_once.delay("r").id == result.id
+    client.set("release:rej-gate", "1")
+    assert result.get(timeout=30) == "r"
+    assert [r["run"] for r in records(client, "rejects_once")] == [1, 2]
+
+
 def test_a_message_delivered_again_while_it_runs_is_not_run_beside_it(
     env: tuple[Any, redis.Redis, Callable[..., Worker]],
 ) -> None:

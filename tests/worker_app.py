@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import redis
+from celery.exceptions import Reject
 
 from celery_redislock import SingletonTask, signals
 from tests.support import make_app
@@ -124,6 +125,23 @@ def lost_once(self: Any, name: str) -> str:
     log("lost_once", name=name, run=run, pid=os.getpid())
     if run == 1:
         time.sleep(60)
+    return name
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    shared=False,
+    lock_strategy="until_executed",
+    lock_ttl=1,
+    acks_late=True,
+)
+def rejects_once(self: Any, name: str) -> str:
+    """An until_executed task whose first run sends its message back to the queue."""
+    run = store.incr(f"reject-runs:{name}")
+    log("rejects_once", name=name, run=run)
+    if run == 1:
+        raise Reject("again later", requeue=True)
     return name
 
 

@@ -25,8 +25,8 @@ sees the child gone, and frees the hold if it is still that child's (the task's
 id, the worker's node and the child's process id in its description, its
 fencing token in the release), before Celery records the failure or sends the
 task again (``task_reject_on_worker_lost``, ``task_retry_on_worker_lost``), so
-that the copy need not wait for the TTL. (Two round trips, each bounded by the
-lock store's call timeout, on the worker's event loop.) A hard time limit is
+that the copy need not wait for the TTL. (Two round trips on the worker's event
+loop, of 5 s at most each: ``DEFAULT_CALL_TIMEOUT``.) A hard time limit is
 reported while the child may still run, so its lock is left to its TTL.
 """
 

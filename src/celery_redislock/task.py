@@ -173,6 +173,10 @@ _NO_ENQUEUE_LOCK = "redislock_no_enqueue_lock"
 #: the task from its own body then runs as a plain function call.
 _ENTERED = "redislock_entered"
 
+#: Request attribute set once an execution has handed its hold to the retry it
+#: sent (``until_executed``): the hold is then the retry's, not to be released.
+_HANDED = "redislock_handed"
+
 
 def queued_owner(task_id: str) -> str:
     """The owner token of the lock ``apply_async`` takes for a message it sends.
@@ -889,6 +893,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             lock._handed_from = running.owner
         try:
             acquired = lock.acquire(blocking=False)
+            if acquired and running is not None:
+                setattr(self.request, _HANDED, True)
         except LockBackendError as exc:
             self._unavailable(key, task_id, exc, opts)
             if opts.on_redis_error == "run":
@@ -1141,12 +1147,15 @@ class SingletonTask(Task):  # type: ignore[misc]
                 )
             return self.run(*args, **kwargs)
         except Retry as exc:
-            # The queued retry (same task id) may already have taken the lock over:
-            # it was handed the hold as it was sent. One run eagerly (apply(),
-            # task_always_eager) is not sent: it is handed the hold here.
             retrying = True
-            keep = opts.strategy == UNTIL_EXECUTED
-            reserve = keep and bool(getattr(exc, "is_eager", False))
+            if opts.strategy == UNTIL_EXECUTED:
+                if getattr(exc, "is_eager", False):
+                    # Run at once by apply(), not sent: handed the hold here, if
+                    # it is a retry of the same call (the same lock).
+                    keep = reserve = self._same_lock(exc.sig, key)
+                else:
+                    # Sent: handed the hold as it was sent, unless it could not be.
+                    keep = bool(getattr(request, _HANDED, False))
             raise
         except Reject as exc:
             keep = reserve = opts.strategy == UNTIL_EXECUTED and bool(exc.requeue)
@@ -1157,11 +1166,24 @@ class SingletonTask(Task):  # type: ignore[misc]
                     # Renewed no more before it changes hands: no renewal finds it lost.
                     lock.detach()
                     if reserve:
-                        self._reserve(lock, opts)
+                        # A message requeued waits in the queue like one just sent;
+                        # an eager retry, or a task without acks_late (whose message
+                        # Celery does not requeue), comes at once or never.
+                        requeued = not retrying and self.acks_late and not request.is_eager
+                        self._reserve(lock, opts, opts.enqueue_ttl if requeued else opts.ttl)
                 else:
                     self._release(lock, time.monotonic() - taken, retrying)
 
-    def _reserve(self, lock: RedisLock, opts: LockOptions) -> None:
+    def _same_lock(self, signature: Any, name: str) -> bool:
+        """Whether the call ``signature`` (a retry's) takes lock ``name``."""
+        try:
+            return (
+                signature is not None and self.lock_name(signature.args, signature.kwargs) == name
+            )
+        except Exception:
+            return False
+
+    def _reserve(self, lock: RedisLock, opts: LockOptions, ttl: float) -> None:
         """Hand an execution's hold to its message's reservation, for the same
         message coming back (``Reject(requeue=True)`` of an ``until_executed``
         task, or an eager ``self.retry()``): the redelivery takes it over at once,
@@ -1169,12 +1191,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         sent.) If the lock store fails, the hold stays as it is and the
         redelivery waits until it expires, or (a hand-over whose answer was lost)
         the lock is freed."""
-        # For lock_ttl, as the hold it replaces: the redelivery, if one comes,
-        # comes at once.
         reservation = self._new_lock(
-            lock.name, lock.lease, queued_owner(lock.lease), opts.ttl,
-            heartbeat=False, opts=opts,
-        )  # fmt: skip
+            lock.name, lock.lease, queued_owner(lock.lease), ttl, heartbeat=False, opts=opts
+        )
         reservation._handed_from = lock.owner
         try:
             reservation.acquire(blocking=False)
