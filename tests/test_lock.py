@@ -57,7 +57,7 @@ from celery_redislock.scripts import (
     Released,
     queue_entry,
 )
-from celery_redislock.server import RedisServer, available_server_binaries
+from celery_redislock.server import RedisServer, available_server_binaries, free_port
 from tests.support import acquire_in_thread, field, fields, hold_count, wait_until, write_fields
 from tests.support import lock_keys as lock_keys_held
 
@@ -618,6 +618,66 @@ def test_a_hold_is_handed_over_only_in_its_holders_name(
     assert retry.acquire(blocking=False)
     assert not reservation.owned()
     assert not RedisLock(client, "handed", ttl=30, lease="task-2").acquire(blocking=False)
+
+
+def test_a_retrys_reservation_goes_only_to_an_acquire_that_names_it(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """A retry's reservation (owner ``<lease>:<retries>:queued``) is not taken over by
+    any owner of the lease, as the message's first reservation is: only by one that
+    names it. The holder's owner token is told to owners of its lease that find it
+    held, and to nobody else; a second hold of the reservation is a duplicate."""
+    owner = "task-1:1" + RESERVATION_SUFFIX
+    reservation = RedisLock(client, "retried", ttl=30, owner=owner, lease="task-1")
+    assert reservation.acquire(blocking=False)
+    assert not RedisLock(client, "retried", ttl=30, owner=owner, lease="task-1").acquire(
+        blocking=False
+    )
+    assert field(client, reservation.key, "n") is None  # one hold, not two
+    copy = RedisLock(client, "retried", ttl=30, lease="task-1")
+    stranger = RedisLock(client, "retried", ttl=30, lease="task-2")
+
+    assert not copy.acquire(blocking=False)
+    assert not stranger.acquire(blocking=False)
+
+    assert (copy.blocked_by, copy._blocked_owner) == ("task-1", owner)
+    assert (stranger.blocked_by, stranger._blocked_owner) == ("task-1", None)
+    retry = RedisLock(client, "retried", ttl=30, lease="task-1")
+    cleanup.append(retry)
+    retry._handed_from = owner
+    assert retry.acquire(blocking=False)
+    assert not reservation.owned()
+    assert reservation.token is not None
+    assert retry.token is not None
+    assert retry.token > reservation.token
+
+
+def test_a_hold_that_could_not_be_handed_over_is_renewed_still(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """A hand-over takes the hold off the heartbeat while it is under way; one that
+    did not move the hold (refused, or failed to reach the server) puts it back, so
+    the hold outlives its TTL, and one that moved it leaves it off."""
+    running = RedisLock(client, "handing", ttl=1, lease="task-1")
+    cleanup.append(running)
+    assert running.acquire(blocking=False)
+    other_lease = RedisLock(client, "handing", ttl=30, owner="task-2:1:queued", lease="task-2")
+    unreachable = RedisLock(
+        redis.Redis(port=free_port()), "handing", ttl=30, lease="task-1", call_timeout=0.3
+    )
+
+    assert not running._hand_over(other_lease)
+    with pytest.raises(LockBackendError):
+        running._hand_over(unreachable)
+    time.sleep(1.5)  # past the TTL: only renewals keep it
+
+    assert running.owned()
+    assert not running.lost
+    reservation = RedisLock(client, "handing", ttl=30, owner="task-1:1:queued", lease="task-1")
+    cleanup.append(reservation)
+    assert running._hand_over(reservation)
+    assert not running.holding
+    assert reservation.owned()
 
 
 def test_other_lease_cannot_take_over(client: redis.Redis) -> None:

@@ -10,13 +10,15 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.signals import before_task_publish
 
 from celery_redislock import RedisLock, SingletonTask, signals
+from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
-from celery_redislock.task import queued_owner
-from tests.support import close_app, field, make_app, wait_for
+from celery_redislock.task import queued_owner, skipped_result
+from tests.support import close_app, field, in_process_worker, make_app, wait_for
 
 
 @pytest.fixture
@@ -264,3 +266,176 @@ def test_a_retry_with_other_arguments_leaves_no_lock_behind(
         assert (
             field(redislock_client, lock_keys(job.lock_name((step,), {})).lock, OWNER_FIELD) is None
         )
+
+
+def test_a_retrys_reservation_goes_to_the_retry_not_to_a_copy_of_the_message(
+    app: Celery, redislock_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reservation an ``until_executed`` task hands its lock to as it sends its
+    retry is the retry's: a copy of the message's earlier delivery that finds it is
+    dropped (``IGNORED``) without running, and the retry takes it over."""
+    ran: list[int] = []
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed")
+    def job(self: SingletonTask) -> str:
+        ran.append(self.request.retries)
+        return "ran"
+
+    name = job.lock_name((), {})
+    reserved = RedisLock(
+        redislock_client, name, ttl=30, owner=queued_owner("message-10", 1), lease="message-10"
+    )
+    assert reserved.acquire(blocking=False)
+
+    with caplog.at_level("INFO", logger="celery_redislock.task"):
+        assert job.apply(task_id="message-10").state == "IGNORED"
+    assert "was sent again as its retry 1" in caplog.text
+    assert reserved.owned()
+    assert job.apply(task_id="message-10", retries=1).get() == "ran"
+    assert ran == [1]
+    assert not reserved.owned()
+    assert field(redislock_client, lock_keys(name).lock, OWNER_FIELD) is None
+
+
+def test_a_copy_of_a_message_whose_retry_runs_is_dropped_at_once(
+    app: Celery, redislock_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A copy of a message's earlier delivery that finds a later retry of the message
+    running (its execution's hold) is dropped without waiting for it to end: the
+    retry has taken the message's place."""
+
+    @app.task(base=SingletonTask, shared=False, lock_ttl=30)
+    def job() -> None: ...
+
+    retry = RedisLock(
+        redislock_client, job.lock_name((), {}), ttl=30, owner="runningretry:2", lease="m-11"
+    )
+    assert retry.acquire(blocking=False)
+    results: list[Any] = []
+    try:
+        with caplog.at_level("INFO", logger="celery_redislock.task"):
+            copy = threading.Thread(
+                target=lambda: results.append(job.apply(task_id="m-11", retries=1))
+            )
+            copy.start()
+            copy.join(10)  # the hold had 30 s left: a copy that waited would still wait
+        assert not copy.is_alive()
+        assert [result.state for result in results] == ["IGNORED"]
+        assert "was sent again as its retry 2" in caplog.text
+        assert retry.owned()
+    finally:
+        retry.release()
+
+
+def test_a_copy_meets_on_conflict_as_soon_as_another_task_takes_the_lock(
+    app: Celery, redislock_client: redis.Redis, conflicts: list[tuple[str, str]]
+) -> None:
+    """A copy waiting for its message's first delivery to end stops waiting once the
+    lock goes to another task (queued ahead of it): it meets ``on_conflict`` then,
+    not at the end of the time the first hold had left."""
+
+    @app.task(base=SingletonTask, shared=False, lock_ttl=30)
+    def job() -> None: ...
+
+    name = job.lock_name((), {})
+    first = RedisLock(redislock_client, name, ttl=30, lease="m-12")
+    assert first.acquire(blocking=False)
+    other = RedisLock(redislock_client, name, ttl=30, lease="another-task")
+    queue = lock_keys(name).queue
+    taken: list[bool] = []
+    waiter = threading.Thread(target=lambda: taken.append(other.acquire(timeout=30)))
+    waiter.start()
+    wait_for(lambda: redislock_client.zcard(queue) == 1, what="the other task to queue")
+    results: list[Any] = []
+    copy = threading.Thread(target=lambda: results.append(job.apply(task_id="m-12")))
+    copy.start()
+    wait_for(lambda: redislock_client.zcard(queue) == 2, what="the copy to queue")
+    try:
+        first.release()
+        waiter.join(10)
+        copy.join(10)  # the first hold had 30 s left
+
+        assert not copy.is_alive()
+        assert taken == [True]
+        assert [result.get() for result in results] == [skipped_result(name, "another-task")]
+        assert ("m-12", "skip") in conflicts
+    finally:
+        other.release()
+    assert redislock_client.zcard(queue) == 0
+
+
+def test_a_copy_waiting_behind_a_task_that_retries_does_not_run_ahead_of_the_retry(
+    app: Celery, redislock_client: redis.Redis, conflicts: list[tuple[str, str]]
+) -> None:
+    """A real worker runs an ``until_executed`` task; a copy of its message (same id,
+    as a broker delivers it again) waits behind it. The task then retries with a
+    countdown, handing its lock to the retry's reservation: the copy finds that and
+    is dropped, instead of taking the reservation and running the message again
+    ahead of the retry. The retry runs; nothing stays locked."""
+    go = threading.Event()
+    runs: list[int] = []
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=2, max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> int:
+        runs.append(self.request.retries)
+        if self.request.retries == 0:
+            go.wait(30)
+            # Longer than the copy waits before it looks again (the hold's TTL).
+            raise self.retry(countdown=3)
+        return len(runs)
+
+    with in_process_worker(app, concurrency=2):
+        result = job.delay()
+        wait_for(lambda: runs == [0], what="the first delivery")
+        app.send_task(job.name, task_id=result.id)
+        wait_for(lambda: (result.id, "redelivered") in conflicts, what="the copy to wait")
+        go.set()
+        assert result.get(timeout=30) == 2
+
+    assert runs == [0, 1]
+    assert field(redislock_client, lock_keys(job.lock_name((), {})).lock, OWNER_FIELD) is None
+    assert redislock_client.zcard(lock_keys(job.lock_name((), {})).queue) == 0
+
+
+def test_a_renewal_after_the_hand_over_to_a_sent_retry_reports_no_loss(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """An ``until_executed`` task that sends its retry hands its hold to the retry's
+    reservation: a renewal that comes after that, before the task has ended (here:
+    as the retry is published), does not find the hold gone and report it lost."""
+    holds: list[RedisLock] = []
+    lost: list[str] = []
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+        max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> int:
+        if self.request.retries == 0:
+            hold = self.lock._lock
+            assert hold is not None
+            holds.append(hold)
+            raise self.retry(countdown=0)
+        return int(self.request.retries)
+
+    def publishing(**_: Any) -> None:
+        if holds:
+            get_heartbeat().renew(holds)
+
+    def receive(sender: Any, task_id: str, **_: Any) -> None:
+        lost.append(task_id)
+
+    before_task_publish.connect(publishing, weak=False)
+    signals.lock_lost.connect(receive, weak=False)
+    try:
+        with in_process_worker(app):
+            assert job.delay().get(timeout=30) == 1
+    finally:
+        before_task_publish.disconnect(publishing)
+        signals.lock_lost.disconnect(receive)
+    assert len(holds) == 1
+    assert lost == []
+    assert field(redislock_client, lock_keys(job.lock_name((), {})).lock, OWNER_FIELD) is None

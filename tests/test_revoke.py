@@ -26,6 +26,7 @@ from celery_redislock.transport import Client
 from tests.support import (
     client_left_clean,
     close_app,
+    field,
     gate,
     held,
     in_process_worker,
@@ -220,13 +221,40 @@ def test_revoking_a_running_task_keeps_its_lock(
     assert running.get(timeout=TIMEOUT) == "done"
 
 
-def _queued(client: Client, name: str, task_id: str, prefix: str = "redislock") -> RedisLock:
-    """Take lock ``name`` the way ``apply_async`` does for the message of ``task_id``."""
+@pytest.mark.usefixtures("worker")
+def test_a_retry_revoked_while_it_waits_for_a_slot_frees_its_reservation(
+    app: Celery, tasks: SimpleNamespace, locks: redis.Redis
+) -> None:
+    """A retry's reservation names its retry count: revoked while the worker holds it
+    behind busy slots, the retry's key is freed all the same."""
+    busy = [unique("busy") for _ in range(4)]
+    running = [tasks.hold.delay(name) for name in busy]
+    wait_for(lambda: all(ran("rv.hold", r.id) for r in running), what="the slots to fill")
+    name = unique("retry")
+    key = lock_key(tasks.once, name)
+    retry = tasks.once.apply_async((name,), retries=1)
+    assert field(locks, key, OWNER_FIELD) == queued_owner(retry.id, 1)
+    wait_for(lambda: retry.id in worker_state.requests, what="the worker to hold the retry")
+    app.control.revoke(retry.id)
+    wait_for(lambda: not held(locks, key), timeout=FREED_WITHIN, what="the key to be freed")
+    for gate_name in busy:
+        gate(gate_name).set()
+    assert [r.get(timeout=TIMEOUT) for r in running] == ["done"] * 4
+    # (The threads pool had taken the message already: Celery may run it all the same.)
+    wait_for(lambda: retry.state in ("SUCCESS", "REVOKED"), what="the retry to be settled")
+    wait_for(lambda: not held(locks, key), what="the key to stay free")
+
+
+def _queued(
+    client: Client, name: str, task_id: str, prefix: str = "redislock", retries: int = 0
+) -> RedisLock:
+    """Take lock ``name`` the way ``apply_async`` does for the message of ``task_id``
+    (``retries``: sent as that retry)."""
     lock = RedisLock(
         client,
         name,
         ttl=60,
-        owner=queued_owner(task_id),
+        owner=queued_owner(task_id, retries),
         lease=task_id,
         heartbeat=False,
         prefix=prefix,
@@ -247,6 +275,16 @@ def test_search_frees_only_locks_still_owned_by_the_message(
     assert wanted == {"id-unknown"}
     assert lock_keys(locks) == ["redislock:{t.job:running}"]
     running.release()
+
+
+def test_search_frees_a_retrys_reservation(locks: redis.Redis) -> None:
+    """A retry's reservation (which names its retry count) is the message's too: the
+    search frees it."""
+    _queued(locks, "t.job:retried", "id-retried", retries=2)
+    wanted = {"id-retried"}
+    find_and_free_queued(locks, "redislock", wanted)
+    assert wanted == set()
+    assert lock_keys(locks) == []
 
 
 def test_search_takes_the_prefix_literally(locks: redis.Redis) -> None:

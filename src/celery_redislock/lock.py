@@ -365,6 +365,9 @@ class RedisLock:
     #: The lease (task id) that held the lock when an acquire last failed;
     #: ``None`` if it had none. Saves a round trip to ask who is in the way.
     blocked_by: str | None = None
+    # The owner token of that hold, when it had this lock's lease (a reservation
+    # of it, or another delivery of the same task).
+    _blocked_owner: str | None = None
     _lost = False
     _holds = 0
     _expiry = 0.0
@@ -646,11 +649,18 @@ class RedisLock:
         return self._acquire(blocking, timeout)
 
     def _acquire(
-        self, blocking: bool, timeout: float | None, held: Callable[[], Any] | None = None
+        self,
+        blocking: bool,
+        timeout: float | None,
+        held: Callable[[], Any] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> bool:
         """:meth:`acquire` with a checked ``timeout``; ``held()`` is called once if
         the lock is found held, before it is waited for (or given up on, for a
-        ``timeout`` of 0): how a task reports the conflict it waits out."""
+        ``timeout`` of 0): how a task reports the conflict it waits out. After
+        each try that finds the lock held, the wait ends (``False``) if ``stop()``
+        says so: how a task stops waiting for a hold that is no longer the one it
+        waits out."""
         started = time.monotonic()
         ends = None if timeout is None or not blocking else started + timeout
         # Every try of this call sends the same request id: a try that landed
@@ -666,13 +676,13 @@ class RedisLock:
             if waits and hub_for(self.transport, self.prefix).subscribed:
                 # The process's wake-up subscription is in place: the first try
                 # can queue, and a lock found held needs no second.
-                acquired = self._wait(ends, request, held)
+                acquired = self._wait(ends, request, held, stop=stop)
             else:
                 acquired = self._try_acquire(deadline, request)
                 if not acquired and held is not None:
                     held()
-                if not acquired and waits:
-                    acquired = self._wait(ends, request, found_held=True)
+                if not acquired and waits and not (stop is not None and stop()):
+                    acquired = self._wait(ends, request, found_held=True, stop=stop)
             return acquired
         finally:
             if not acquired and self._unconfirmed is not None:
@@ -908,6 +918,33 @@ class RedisLock:
         """
         self._forget()
 
+    def _hand_over(self, to: RedisLock) -> bool:
+        """Move this object's hold to ``to``, another owner of its lease, in an
+        acquire of ``to`` that names this owner token (how a task hands its lock
+        to its own retry's reservation); return whether the hold moved.
+
+        The hold is off the heartbeat meanwhile, so that no renewal sent between
+        the move and its reply finds it gone and reports it lost. It is forgotten
+        once it moved, and renewed on its schedule again if not.
+
+        Raises:
+            LockBackendError: as :meth:`acquire` (the hold is renewed again).
+        """
+        to._handed_from = self.owner
+        renewed = self._lane is not None
+        self._stop_renewal()
+        moved = False
+        try:
+            moved = to.acquire(blocking=False)
+        finally:
+            if moved:
+                self._forget()
+            elif renewed and self.holding:
+                # When the renewal it missed was due.
+                due = self._expiry - self.ttl + self.renew_interval - time.monotonic()
+                self._lane = self._beat().register(self, max(0.0, due))
+        return moved
+
     def __enter__(self) -> RedisLock:
         if not self.acquire(blocking=True, timeout=self.blocking_timeout):
             raise LockTimeoutError(self.name, self.blocking_timeout)
@@ -1001,6 +1038,7 @@ class RedisLock:
         with the heartbeat), or who holds the lock instead; return whether it holds."""
         if reply.outcome is Acquired.HELD:
             self.blocked_by = reply.holder
+            self._blocked_owner = reply.owner
             self._pttl = reply.pttl
             self._held_fence = reply.last_fence
             self._position = reply.position or self._position
@@ -1144,10 +1182,12 @@ class RedisLock:
         request: str,
         held: Callable[[], Any] | None = None,
         found_held: bool = False,
+        stop: Callable[[], bool] | None = None,
     ) -> bool:
         """Queue for the lock and wait to be woken (or for the holder's TTL), until
-        ``ends``; ``held()`` is called once, after the first try that finds the
-        lock held (``found_held``: a try before this call found it so).
+        ``ends`` or until ``stop()`` is true after a try; ``held()`` is called once,
+        after the first try that finds the lock held (``found_held``: a try before
+        this call found it so).
 
         The process's wake-up subscription must be live before each try, or a
         wake-up could slip by between the try and the wait. A broken subscription
@@ -1184,6 +1224,8 @@ class RedisLock:
                     if held is not None:
                         report, held = held, None
                         report()
+                    if stop is not None and stop():
+                        return False
                     failing_since, pause = None, 0.01
                     wait = self._pttl / 1000 if self._pttl > 0 else 0.001
                     wait = min(wait, RECHECK)

@@ -52,7 +52,13 @@ from redis.cluster import RedisCluster
 from celery_redislock.errors import LockNotOwnedError
 from celery_redislock.lock import RedisLock, name_from_key, release_lease
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD, decode_lock
-from celery_redislock.task import WHILE_EXECUTING, SingletonTask, queued_owner
+from celery_redislock.task import (
+    WHILE_EXECUTING,
+    SingletonTask,
+    queued_owner,
+    queued_retries,
+    request_retries,
+)
 from celery_redislock.transport import Client
 
 logger = logging.getLogger(__name__)
@@ -73,6 +79,8 @@ class _Pending(NamedTuple):
     name: str
     task_id: str
     scheduled: bool
+    #: The message's retry count: a retry's reservation names it.
+    retries: int
 
 
 class RevokeSweeper:
@@ -108,7 +116,7 @@ class RevokeSweeper:
                 logger.warning("could not name the lock of revoked task %s: %s", task_id, exc)
                 continue
             scheduled = request in worker_state.scheduled_requests
-            pending.append(_Pending(task, name, task_id, scheduled))
+            pending.append(_Pending(task, name, task_id, scheduled, request_retries(request)))
         if pending or unknown:
             self._start()
             self._queue.put((pending, unknown))
@@ -158,7 +166,8 @@ class RevokeSweeper:
             try:
                 prefix = item.task.lock_options.prefix
                 client = item.task.lock_client
-                if not free_queued(client, item.name, item.task_id, prefix) and item.scheduled:
+                freed = free_queued(client, item.name, item.task_id, prefix, item.retries)
+                if not freed and item.scheduled:
                     # Waiting for its ETA here, so it cannot start any more: whatever
                     # holds its lease (a retry's lock) is free to go.
                     release_lease(client, item.name, item.task_id, prefix)
@@ -195,15 +204,15 @@ def _locks_while_queued(task: object) -> bool:
     return isinstance(task, SingletonTask) and task.lock_options.strategy != WHILE_EXECUTING
 
 
-def free_queued(client: Client, name: str, task_id: str, prefix: str) -> bool:
-    """Free lock ``name`` if the message of ``task_id`` still owns it; return whether it did.
+def free_queued(client: Client, name: str, task_id: str, prefix: str, retries: int = 0) -> bool:
+    """Free lock ``name`` if the message of ``task_id`` (``retries``: its retry
+    count) still owns it; return whether it did.
 
     The release compares the owner on the server: a lock an execution has taken
     over (with an owner of its own) is left alone.
     """
-    lock = RedisLock(
-        client, name, owner=queued_owner(task_id), lease=task_id, heartbeat=False, prefix=prefix
-    )
+    owner = queued_owner(task_id, retries)
+    lock = RedisLock(client, name, owner=owner, lease=task_id, heartbeat=False, prefix=prefix)
     try:
         lock.release()
     except LockNotOwnedError:
@@ -274,8 +283,9 @@ def _free_found(
         if lease is None or lease not in task_ids:
             continue
         task_ids.discard(lease)
-        if owner == queued_owner(lease):
-            free_queued(client, name_from_key(_text(key) or "", prefix), lease, prefix)
+        retries = queued_retries(owner, lease)
+        if retries is not None:
+            free_queued(client, name_from_key(_text(key) or "", prefix), lease, prefix, retries)
 
 
 def _glob_escape(text: str) -> str:

@@ -190,13 +190,15 @@ GRANT_MS = 2000
 #: its waiter: this, followed by the waiter id.
 GRANTED_TO = "g:"
 
-#: What follows the lease in the owner token of a hold that reserves the lock for
-#: that lease (a message sent but not yet started: ``<task id>:queued``). Such a
-#: hold is handed to the first other owner of the lease that asks. Any other
-#: hold changes owner only when its holder hands it over (an acquire that names
-#: the holder's owner token: a task handing its lock to its own retry); two
-#: owners of one lease exclude each other like any two owners, so that a message
-#: delivered twice never runs twice at once.
+#: What ends the owner token of a hold that reserves the lock for its lease (a
+#: message sent but not yet started). ``<task id>:queued`` is handed to the first
+#: other owner of the lease that asks. A retry's, ``<task id>:<retries>:queued``
+#: (see :func:`~celery_redislock.task.queued_owner`), goes only to an acquire that
+#: names it, as any other hold changes owner only when its holder hands it over
+#: (an acquire that names the holder's owner token: a task handing its lock to
+#: its own retry): a copy of an older delivery of the message does not take it.
+#: Two owners of one lease exclude each other like any two owners, so that a
+#: message delivered twice never runs twice at once.
 RESERVATION_SUFFIX = ":queued"
 
 #: How many recent freeing releases a lock remembers, so that a retried release
@@ -487,15 +489,17 @@ end
 #: ARGV[7] optionally, the holder's description, written with the hold: one value
 #: per HOLDER_FIELDS name, in that order, up to the last that is not empty, joined
 #: by SEPARATOR (absent or empty for none); ARGV[8] optionally, the owner token
-#: of a hold of the same lease its holder hands to the caller
+#: of a hold of the same lease the caller takes over (handed over by its holder,
+#: or a retry's reservation)
 #: Returns {1, fence, releases} when newly taken (or taken over, or a hold a release
 #: handed to this waiter confirmed; releases: the ids of the releases the lock
 #: remembers, absent for none), {2, fence} when re-entered,
-#: {0, ms to wait, holder lease, queue position, fence} when another owner holds it
-#: (or it was just freed for the waiters a release woke, and the caller is not one),
-#: where fence is the last token handed out for the name: a hold a release hands
-#: to the caller later gets a higher one. A retry of a request that already landed
-#: returns what the first arrival did.
+#: {0, ms to wait, holder lease, queue position, fence, holder owner} when another
+#: owner holds it (or it was just freed for the waiters a release woke, and the
+#: caller is not one), where fence is the last token handed out for the name (a
+#: hold a release hands to the caller later gets a higher one) and the holder's
+#: owner token is given only when it holds the caller's lease. A retry of a
+#: request that already landed returns what the first arrival did.
 ACQUIRE = (
     _CHECK_TTL
     + _lua("""
@@ -547,6 +551,14 @@ local bad = check_ttl(ARGV[2])
 if bad then return bad end
 -- The waiter id, the first element of its queue entry.
 local waiter = ARGV[5] ~= '' and (string.match(ARGV[5], '^%["([^"]+)"') or ARGV[5]) or ''
+-- Whether owner token ``owner`` reserves the lock for ``lease`` (a message's or a
+-- retry's reservation: see RESERVATION_SUFFIX).
+local function reservation(owner, lease)
+    if lease == '' then return false end
+    if owner == lease .. $RESERVATION then return true end
+    return string.sub(owner, 1, #lease + 1) == lease .. ':'
+        and string.match(string.sub(owner, #lease + 2), '^%d+' .. $RESERVATION .. '$$') ~= nil
+end
 local lock = parse(current)
 if lock[$OWNER] == ARGV[1] then
     local fence = tonumber(lock[$FENCE])
@@ -561,9 +573,9 @@ if lock[$OWNER] == ARGV[1] then
         redis.call('PEXPIRE', KEYS[1], ARGV[2])
         return {count == 1 and 1 or 2, fence, lock[$RELEASED]}
     end
-    if ARGV[1] == ARGV[3] .. $RESERVATION then
+    if reservation(ARGV[1], ARGV[3]) then
         -- A lease's reservation stands for one message: a second is a duplicate.
-        return {0, redis.call('PTTL', KEYS[1]), ARGV[3], '', fence}
+        return {0, redis.call('PTTL', KEYS[1]), ARGV[3], '', fence, ARGV[1]}
     end
     lock[$COUNT], lock[$REQ] = tostring(count + 1), ARGV[4]
     write(lock, ARGV[2])
@@ -571,12 +583,13 @@ if lock[$OWNER] == ARGV[1] then
 end
 -- How long the caller can expect to wait: the holder's remaining TTL, or the
 -- time left to the waiters a release woke (a free lock is theirs for a moment).
-local wait_ms, holder = nil, ''
+local wait_ms, holder, owner = nil, '', ''
 -- Another owner's hold of the caller's lease is the caller's to take if it is
--- the lease's reservation, or its holder hands it over (see RESERVATION_SUFFIX).
+-- the lease's reservation, or the caller names it (see RESERVATION_SUFFIX).
 if lock[$OWNER] and (ARGV[3] == '' or lock[$LEASE] ~= ARGV[3]
         or (lock[$OWNER] ~= ARGV[3] .. $RESERVATION and lock[$OWNER] ~= ARGV[8])) then
     wait_ms, holder = redis.call('PTTL', KEYS[1]), lock[$LEASE] or ''
+    if ARGV[3] ~= '' and holder == ARGV[3] then owner = lock[$OWNER] end
 elseif lock[$RESERVED]
         and not (waiter ~= '' and string.find(' ' .. lock[$RESERVED] .. ' ', ' ' .. waiter .. ' ', 1, true)) then
     local left = tonumber(lock[$RESERVED_UNTIL]) - now_ms()
@@ -584,7 +597,7 @@ elseif lock[$RESERVED]
 end
 if wait_ms then
     local fence = tonumber(lock[$FENCE]) or 0
-    if ARGV[5] == '' then return {0, wait_ms, holder, '', fence} end
+    if ARGV[5] == '' then return {0, wait_ms, holder, '', fence, owner} end
     local position = ARGV[6]
     if position == '' then
         local now = redis.call('TIME')
@@ -601,7 +614,7 @@ if wait_ms then
         lock[$QUEUED] = '1'
         write(lock)
     end
-    return {0, wait_ms, holder, position, fence}
+    return {0, wait_ms, holder, position, fence, owner}
 end
 -- Only what this hold needs: what an earlier holder left (a lease, a count, a
 -- reservation for the woken, a description) goes.
@@ -1020,6 +1033,9 @@ class AcquireReply(NamedTuple):
     #: only if it remembers any): the hold's release sends them back, so that it
     #: can free the lock in one write.
     released: str | None = None
+    #: The holder's owner token (only when held by another owner of the caller's
+    #: lease): whether that is a reservation, and whose.
+    owner: str | None = None
 
     @classmethod
     def parse(cls, raw: Sequence[Any]) -> AcquireReply:
@@ -1032,6 +1048,7 @@ class AcquireReply(NamedTuple):
                 _text(raw[2]) or None,
                 _text(raw[3]) or None,
                 int(raw[4]),
+                owner=(_text(raw[5]) or None) if len(raw) > 5 else None,
             )
         released = _text(raw[2]) if len(raw) > 2 else None
         return cls(outcome, int(raw[1]), 0, None, None, None, released)

@@ -173,19 +173,60 @@ _NO_ENQUEUE_LOCK = "redislock_no_enqueue_lock"
 #: the task from its own body then runs as a plain function call.
 _ENTERED = "redislock_entered"
 
-#: Request attribute set once an execution has handed its hold to the retry it
-#: sent (``until_executed``): the hold is then the retry's, not to be released.
-_HANDED = "redislock_handed"
 
-
-def queued_owner(task_id: str) -> str:
-    """The owner token of the lock ``apply_async`` takes for a message it sends.
+def queued_owner(task_id: str, retries: int = 0) -> str:
+    """The owner token of the lock ``apply_async`` takes for a message it sends
+    (``retries``: the message's retry count).
 
     Only that message's own execution (same task id, same lease) replaces it, with
     an owner of its own; so a lock still owned by this token belongs to a message
-    nobody has started yet.
+    nobody has started yet. A retry's reservation (``retries`` above 0) names its
+    retry count, and only a delivery with that count takes it over: a copy of an
+    earlier delivery of the message (delivered again by the broker) does not.
     """
+    if retries > 0:
+        return f"{task_id}:{retries}{RESERVATION_SUFFIX}"
     return task_id + RESERVATION_SUFFIX
+
+
+def queued_retries(owner: str | None, task_id: str) -> int | None:
+    """The retry count of the message whose reservation (:func:`queued_owner`) of
+    ``task_id`` owner token ``owner`` is; ``None`` if it is none of them."""
+    if owner is None or not owner.startswith(task_id) or not owner.endswith(RESERVATION_SUFFIX):
+        return None
+    middle = owner[len(task_id) : -len(RESERVATION_SUFFIX)]
+    if not middle:
+        return 0
+    return _count(middle)
+
+
+def _execution_owner(retries: int) -> str:
+    """A new owner token for an execution of a message with retry count ``retries``,
+    which a retry's (above 0) names, as its reservation does."""
+    return f"{owner_token()}:{retries}" if retries else owner_token()
+
+
+def _generation(owner: str | None, task_id: str) -> int:
+    """The retry count of the message behind a hold of lease ``task_id`` with owner
+    token ``owner``: its reservation's, or its execution's (0 if it names none)."""
+    queued = queued_retries(owner, task_id)
+    if queued is not None:
+        return queued
+    _, colon, count = (owner or "").rpartition(":")
+    return (_count(":" + count) or 0) if colon else 0
+
+
+def _count(text: str) -> int | None:
+    """The number in ``text`` written as ``:<digits>``; ``None`` if it is not that."""
+    count = text[1:]
+    if text[:1] != ":" or not (count.isascii() and count.isdigit()):
+        return None
+    return int(count)
+
+
+def _retries(value: object) -> int:
+    """A message's retry count as its request or options give it (0 if none)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -332,6 +373,15 @@ def _sent_overrides(request: Any) -> Any:
     if found is None:
         found = (getattr(request, "headers", None) or {}).get(_OVERRIDES_HEADER)
     return found
+
+
+def request_retries(request: Any) -> int:
+    """The retry count of the message behind ``request``: an execution's context,
+    or a worker request (which carries it in its message)."""
+    retries = getattr(request, "retries", None)
+    if retries is None:
+        retries = (getattr(request, "request_dict", None) or {}).get("retries")
+    return _retries(retries)
 
 
 def _send(signal: Signal, task: Task, name: str, **arguments: Any) -> None:
@@ -882,19 +932,15 @@ class SingletonTask(Task):  # type: ignore[misc]
         lock = self._new_lock(
             key,
             task_id,
-            queued_owner(task_id),
+            queued_owner(task_id, _retries(options.get("retries"))),
             opts.enqueue_ttl + delay,
             heartbeat=False,
             opts=opts,
         )
         running = self._own_hold(task_id, key)
-        if running is not None:
-            # Its own retry: the running execution hands its hold to the reservation.
-            lock._handed_from = running.owner
         try:
-            acquired = lock.acquire(blocking=False)
-            if acquired and running is not None:
-                setattr(self.request, _HANDED, True)
+            # Its own retry: the running execution hands its hold to the reservation.
+            acquired = lock.acquire(blocking=False) if running is None else running._hand_over(lock)
         except LockBackendError as exc:
             self._unavailable(key, task_id, exc, opts)
             if opts.on_redis_error == "run":
@@ -1028,13 +1074,18 @@ class SingletonTask(Task):  # type: ignore[misc]
                     prefix=opts.prefix,
                 )
             kept = self._lock_kind = (client, opts, _process.pid, shared, now + STORE_RECHECK)
-        return RedisLock._from_shared(
+        retries = request_retries(request)
+        lock = RedisLock._from_shared(
             kept[3],
             key,
-            owner_token(),
+            _execution_owner(retries),
             task_id,
             self._holder_text(running=True, request=request),
         )
+        if retries and opts.strategy == UNTIL_EXECUTED:
+            # A retry's delivery: the reservation its sender left is its own.
+            lock._handed_from = queued_owner(task_id, retries)
+        return lock
 
     def _acquire_ahead(self, message: Any) -> None:
         """Write the acquire of an execution the worker has just accepted, to be
@@ -1148,14 +1199,12 @@ class SingletonTask(Task):  # type: ignore[misc]
             return self.run(*args, **kwargs)
         except Retry as exc:
             retrying = True
-            if opts.strategy == UNTIL_EXECUTED:
-                if getattr(exc, "is_eager", False):
-                    # Run at once by apply(), not sent: handed the hold here, if
-                    # it is a retry of the same call (the same lock).
-                    keep = reserve = self._same_lock(exc.sig, key)
-                else:
-                    # Sent: handed the hold as it was sent, unless it could not be.
-                    keep = bool(getattr(request, _HANDED, False))
+            if opts.strategy == UNTIL_EXECUTED and getattr(exc, "is_eager", False):
+                # Run at once by apply(), not sent: handed the hold here, if it is
+                # a retry of the same call (the same lock). A retry that was sent
+                # was handed the hold as it was sent, if it could be (the lock is
+                # then no longer held here).
+                keep = reserve = self._same_lock(exc.sig, key)
             raise
         except Reject as exc:
             keep = reserve = opts.strategy == UNTIL_EXECUTED and bool(exc.requeue)
@@ -1331,7 +1380,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         and ``None`` returned: the task runs. Still held, its holder is alive and
         runs the message: this copy raises ``Ignore`` (its message is
         acknowledged, and no state is stored over the running one's). Taken by
-        another task meanwhile, it meets ``on_conflict`` (see :meth:`_conflict`).
+        another task meanwhile, it meets ``on_conflict`` (see :meth:`_conflict`)
+        as soon as it finds so.
+
+        A copy whose message was sent again since, as a retry, finding that retry
+        holding the lock (its reservation, or its execution), is superseded: it
+        raises ``Ignore`` too, at once, and the retry runs.
         """
         started = time.monotonic()
         limit = max(0, lock._pttl) / 1000 + REDELIVERY_GRACE
@@ -1339,18 +1393,36 @@ class SingletonTask(Task):  # type: ignore[misc]
             signals.lock_conflict, self, key, task_id=lock.lease, holder=lock.lease,
             action="redelivered",
         )  # fmt: skip
-        logger.info(
-            "%s[%s]: an earlier delivery of this message holds lock %s; waiting up to "
-            "%.1f s for it to end",
-            self.name,
-            request.id,
-            key,
-            limit,
-        )
-        if lock.acquire(blocking=True, timeout=limit):
-            waiting.append(started)
-            return None
-        if lock.blocked_by != lock.lease:
+        lease = lock.lease
+        if not self._superseded(lock, request):
+            logger.info(
+                "%s[%s]: an earlier delivery of this message holds lock %s; waiting up to "
+                "%.1f s for it to end",
+                self.name,
+                request.id,
+                key,
+                limit,
+            )
+
+            def stop() -> bool:
+                # No longer the earlier delivery's hold: another task's, or a retry's
+                # reservation. (No holder: freed for the waiters a release woke.)
+                taken = lock.blocked_by is not None and lock.blocked_by != lease
+                return taken or self._superseded(lock, request)
+
+            if lock._acquire(True, check_timeout(limit), stop=stop):
+                waiting.append(started)
+                return None
+        if self._superseded(lock, request):
+            logger.info(
+                "%s[%s] dropped: this message was sent again as its retry %d, which holds lock %s",
+                self.name,
+                request.id,
+                _generation(lock._blocked_owner, lease),
+                key,
+            )
+            raise Ignore()
+        if lock.blocked_by != lease:
             # Freed by the earlier delivery and taken by another task meanwhile.
             return self._conflict(lock, key, request, opts, waiting)
         logger.warning(
@@ -1361,6 +1433,14 @@ class SingletonTask(Task):  # type: ignore[misc]
             key,
         )
         raise Ignore()
+
+    @staticmethod
+    def _superseded(lock: RedisLock, request: Any) -> bool:
+        """Whether the hold of ``lock``'s lease its last try found is a later retry's
+        of the message (its reservation, or its execution) than ``request``'s."""
+        if lock._blocked_owner is None:
+            return False
+        return _generation(lock._blocked_owner, lock.lease or "") > request_retries(request)
 
     def _conflict(
         self, lock: RedisLock, key: str, request: Any, opts: LockOptions, waiting: list[float]
