@@ -5,6 +5,8 @@ accepting thread."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -19,7 +21,7 @@ from celery.contrib.testing.mocks import TaskMessage
 from celery.worker.state import task_ready
 
 from celery_redislock import LockBackendError, RedisLock, SingletonTask
-from celery_redislock.early import Request
+from celery_redislock.early import Request, _process_gone
 from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import LEASE_FIELD
 from celery_redislock.server import RedisServer
@@ -411,3 +413,20 @@ def test_a_task_the_tracer_skips_gives_its_lock_back(app: Celery, locks: redis.R
     request.on_success((False, None, 0.0))
     assert threading.get_ident() not in _written_ahead
     assert wait_until(lambda: not held(locks, key))
+
+
+def test_a_child_process_that_ended_is_seen_gone_before_it_is_reaped() -> None:
+    """What the worker looks for after killing a pool process for its hard time
+    limit: a child that has ended counts as gone even while it waits to be reaped
+    (a zombie); one that runs does not."""
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        assert wait_until(lambda: _process_gone(ended.pid))
+        assert ended.returncode is None  # not reaped yet
+        assert not _process_gone(running.pid)
+        assert not _process_gone(os.getpid())
+    finally:
+        running.kill()
+        running.wait()
+        ended.wait()

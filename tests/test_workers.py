@@ -288,6 +288,41 @@ def test_soft_time_limit_releases(env: tuple[Any, redis.Redis, Callable[..., Wor
     assert lock_keys(client) == []
 
 
+@pytest.mark.parametrize("deaf", [False, True], ids=["ends-on-sigterm", "killed"])
+def test_a_task_killed_for_its_hard_time_limit_leaves_no_lock_behind(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]], deaf: bool
+) -> None:
+    """Past its hard time limit, a task's pool process gets SIGTERM, then SIGKILL. A
+    task that ends on the SIGTERM releases its lock as it ends; the hold of one that
+    does not is freed by the worker once the process is gone, instead of being left
+    to its TTL (60 s)."""
+    from celery.exceptions import TimeLimitExceeded
+
+    mod, client, launch = env
+    launch("hard", concurrency=1)
+    result = mod.hard_limited.delay("h", deaf)
+    wait_for(lambda: records(client, "hard_limited"), what="the task to start")
+    [started] = records(client, "hard_limited")
+    key = f"redislock:{{{mod.hard_limited.lock_name(('h', deaf), {})}}}"
+    with pytest.raises(TimeLimitExceeded):
+        result.get(timeout=30)
+    wait_for(lambda: not held(client, key), timeout=10, what="the lock to be freed")
+
+    def released_by_the_task() -> list[dict[str, Any]]:
+        return [r for r in records(client, "released") if r["task_id"] == result.id]
+
+    if deaf:
+        assert released_by_the_task() == []
+    else:
+        wait_for(released_by_the_task, what="the task's own release")
+    # The next one with the same arguments runs, on a fresh pool process.
+    again = mod.hard_limited.delay("h", deaf)
+    wait_for(lambda: len(records(client, "hard_limited")) == 2, what="the next one to start")
+    assert records(client, "hard_limited")[1]["pid"] != started["pid"]
+    with pytest.raises(TimeLimitExceeded):
+        again.get(timeout=30)
+
+
 def test_revoke_terminate_releases(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
     """Revoking a running task with terminate=True frees its lock right away."""
     mod, client, launch = env

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -156,6 +157,17 @@ def overrun(self: Any, name: str) -> str:
     """Runs past its soft time limit."""
     log("overrun", name=name)
     time.sleep(5)
+    return name
+
+
+@app.task(base=SingletonTask, bind=True, shared=False, time_limit=1, lock_ttl=60)
+def hard_limited(self: Any, name: str, deaf: bool) -> str:
+    """Runs past its hard time limit; ``deaf`` to the SIGTERM the pool sends first
+    (as a task stuck in native code is), it is killed."""
+    if deaf:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    log("hard_limited", name=name, pid=os.getpid())
+    time.sleep(30)
     return name
 
 

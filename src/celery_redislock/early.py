@@ -27,20 +27,24 @@ fencing token in the release), before Celery records the failure or sends the
 task again (``task_reject_on_worker_lost``, ``task_retry_on_worker_lost``), so
 that the copy need not wait for the TTL. (Two round trips on the worker's event
 loop, of 5 s at most each: ``DEFAULT_CALL_TIMEOUT``.) A hard time limit is
-reported while the child may still run, so its lock is left to its TTL.
+reported while the child still runs, just before the pool kills it: the hold is
+freed in the same way once the child is gone, from a thread of its own that
+looks every :data:`GONE_POLL` seconds, for at most what the hold had left.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
 from celery.worker.request import Request as _CeleryRequest
 
-from celery_redislock.admin import force_release, read_lock
+from celery_redislock.admin import LockInfo, force_release, read_lock
 from celery_redislock.task import SingletonTask, _shown, take_written_ahead
 
 __all__ = ["Request"]
@@ -50,6 +54,36 @@ logger = logging.getLogger(__name__)
 #: What a prefork parent reports for a task whose child process is gone (not a
 #: hard time limit: reported before the child is killed).
 _PROCESS_GONE = (WorkerLostError, SystemExit, KeyboardInterrupt)
+
+#: How often, in seconds, the worker looks whether a pool process killed for its
+#: task's hard time limit is gone.
+GONE_POLL = 0.02
+
+#: Whether this system shows its processes under ``/proc`` (a zombie is told apart
+#: from a live process there).
+_PROC = os.path.isdir("/proc/self")
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether this process's child ``pid`` has ended (a zombie not yet reaped
+    counts as ended)."""
+    if _PROC:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                # The state follows the command name, which is in parentheses.
+                state = stat.read().rsplit(b")", 1)[-1].split()[:1]
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return state in ([b"Z"], [b"X"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 class Request(_CeleryRequest):  # type: ignore[misc]
@@ -92,26 +126,78 @@ class Request(_CeleryRequest):  # type: ignore[misc]
             self._free_dead_child_lock()
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
-    def _free_dead_child_lock(self) -> None:
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        super().on_timeout(soft, timeout)
+        pid = self.worker_pid
+        if not soft and pid not in (None, os.getpid()) and isinstance(self.task, SingletonTask):
+            # The pool kills the child right after this returns.
+            threading.Thread(
+                target=self._free_when_gone,
+                args=(pid,),
+                name="redislock-time-limit",
+                daemon=True,
+            ).start()
+
+    def _free_when_gone(self, pid: int) -> None:
+        """Free the hold of pool child ``pid``, killed for this task's hard time
+        limit, once the child is gone (and only that hold, by its token: read now,
+        while the child is being killed)."""
+        try:
+            held = self._childs_hold()
+        except Exception as exc:
+            logger.warning(
+                "celery_redislock: could not read the lock of %s[%s], whose pool process "
+                "is killed for its time limit (it expires by its TTL): %s",
+                self.task.name,
+                self.id,
+                exc,
+            )
+            return
+        if held is None:
+            return
+        # The child renews nothing once killed: by then the hold has expired.
+        until = time.monotonic() + max(0, held.ttl_ms) / 1000
+        while not _process_gone(pid):
+            if time.monotonic() >= until:
+                return
+            time.sleep(GONE_POLL)
+        self._free_dead_child_lock(held.fence)
+
+    def _childs_hold(self) -> LockInfo | None:
+        """This task's lock, if it is still held by the pool child that ran it (the
+        task's id, the worker's node and the child's process id in its description).
+
+        Raises:
+            LockBackendError: the lock store could not be reached.
+        """
+        task = self.task
+        held = read_lock(
+            task.lock_client, task.lock_name(self.args, self.kwargs), task.lock_options.prefix
+        )
+        if (
+            held is None
+            or held.holder != self.id
+            or held.pid != self.worker_pid
+            or held.node != _shown(str(self.hostname))
+        ):
+            return None
+        return held
+
+    def _free_dead_child_lock(self, fence: int | None = None) -> None:
         """Free the hold of the pool child that died running this task, if it is
         still that child's (never one another delivery of the task took since: the
-        node and process id must match, and the release names the hold's token)."""
+        node and process id must match, and the release names the hold's token,
+        which must be ``fence`` if given)."""
         task = self.task
         if not isinstance(task, SingletonTask):
             return
         try:
             options = task.lock_options
-            name = task.lock_name(self.args, self.kwargs)
-            client = task.lock_client
-            held = read_lock(client, name, options.prefix)
-            if (
-                held is None
-                or held.holder != self.id
-                or held.pid != self.worker_pid
-                or held.node != _shown(str(self.hostname))
-            ):
+            held = self._childs_hold()
+            if held is None or (fence is not None and held.fence != fence):
                 return
-            force_release(client, name, options.prefix, fence=held.fence)
+            name = held.name
+            force_release(task.lock_client, name, options.prefix, fence=held.fence)
             logger.info(
                 "celery_redislock: freed lock %s of %s[%s], whose pool process %s died",
                 name,
