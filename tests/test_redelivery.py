@@ -439,3 +439,40 @@ def test_a_renewal_after_the_hand_over_to_a_sent_retry_reports_no_loss(
     assert len(holds) == 1
     assert lost == []
     assert field(redislock_client, lock_keys(job.lock_name((), {})).lock, OWNER_FIELD) is None
+
+
+@pytest.mark.parametrize("deduplicate", [True, False])
+def test_a_copy_whose_first_delivery_succeeded_meanwhile_is_skipped_as_celery_would(
+    app: Celery,
+    redislock_client: redis.Redis,
+    conflicts: list[tuple[str, str]],
+    deduplicate: bool,
+) -> None:
+    """With Celery's ``worker_deduplicate_successful_tasks`` (an ``acks_late`` task, a
+    persistent result backend), a copy that takes the lock after its message's first
+    delivery succeeded is dropped, as Celery drops a redelivered message of a task
+    that succeeded before it starts; the stored result stays the first one's.
+    Without it, the copy runs: a broker delivers a message at least once."""
+    app.conf.worker_deduplicate_successful_tasks = deduplicate
+    ran: list[bool] = []
+
+    @app.task(base=SingletonTask, shared=False, acks_late=True, lock_ttl=30)
+    def job() -> str:
+        ran.append(True)
+        return "copy"
+
+    first = RedisLock(redislock_client, job.lock_name((), {}), ttl=30, lease="m-20")
+    assert first.acquire(blocking=False)
+    results: list[Any] = []
+    copy = threading.Thread(target=lambda: results.append(job.apply(task_id="m-20")))
+    copy.start()
+    wait_for(lambda: ("m-20", "redelivered") in conflicts, what="the copy to wait")
+    app.backend.mark_as_done("m-20", "first")
+    first.release()
+    copy.join(30)
+
+    assert [result.state for result in results] == ["IGNORED" if deduplicate else "SUCCESS"]
+    assert ran == ([] if deduplicate else [True])
+    if deduplicate:
+        assert app.AsyncResult("m-20").get(timeout=5) == "first"
+    assert field(redislock_client, lock_keys(job.lock_name((), {})).lock, OWNER_FIELD) is None

@@ -76,6 +76,7 @@ from celery import Task
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
+from celery.states import SUCCESS
 from celery.utils import uuid
 from celery.utils.dispatch import Signal
 
@@ -1385,7 +1386,10 @@ class SingletonTask(Task):  # type: ignore[misc]
 
         A copy whose message was sent again since, as a retry, finding that retry
         holding the lock (its reservation, or its execution), is superseded: it
-        raises ``Ignore`` too, at once, and the retry runs.
+        raises ``Ignore`` too, at once, and the retry runs. With Celery's
+        ``worker_deduplicate_successful_tasks``, a copy that takes the lock after
+        its first delivery succeeded raises ``Ignore`` as well (see
+        :meth:`_succeeded`).
         """
         started = time.monotonic()
         limit = max(0, lock._pttl) / 1000 + REDELIVERY_GRACE
@@ -1410,7 +1414,18 @@ class SingletonTask(Task):  # type: ignore[misc]
                 taken = lock.blocked_by is not None and lock.blocked_by != lease
                 return taken or self._superseded(lock, request)
 
+            waited_on = lock._blocked_owner
             if lock._acquire(True, check_timeout(limit), stop=stop):
+                if _generation(waited_on, lease) == request_retries(request) and (
+                    self._succeeded(request)
+                ):
+                    logger.info(
+                        "%s[%s] dropped: an earlier delivery of this message succeeded "
+                        "while it waited (worker_deduplicate_successful_tasks)",
+                        self.name,
+                        request.id,
+                    )
+                    raise Ignore()
                 waiting.append(started)
                 return None
         if self._superseded(lock, request):
@@ -1433,6 +1448,25 @@ class SingletonTask(Task):  # type: ignore[misc]
             key,
         )
         raise Ignore()
+
+    def _succeeded(self, request: Any) -> bool:
+        """Whether Celery's ``worker_deduplicate_successful_tasks`` applies to this
+        task (``acks_late``, a persistent result backend) and the execution of
+        ``request`` has succeeded already: Celery skips such a redelivered message
+        before it starts, and a copy that waited behind its first delivery is
+        skipped the same way once that has ended."""
+        app = self.app
+        if not (
+            (app.conf.task_acks_late or self.acks_late)
+            and app.conf.worker_deduplicate_successful_tasks
+            and getattr(self.backend, "persistent", False)
+        ):
+            return False
+        try:
+            return bool(self.AsyncResult(request.id).state == SUCCESS)
+        except Exception as exc:
+            logger.warning("could not read the state of %s[%s]: %s", self.name, request.id, exc)
+            return False
 
     @staticmethod
     def _superseded(lock: RedisLock, request: Any) -> bool:
