@@ -476,3 +476,33 @@ def test_a_copy_whose_first_delivery_succeeded_meanwhile_is_skipped_as_celery_wo
     if deduplicate:
         assert app.AsyncResult("m-20").get(timeout=5) == "first"
     assert field(redislock_client, lock_keys(job.lock_name((), {})).lock, OWNER_FIELD) is None
+
+
+def test_a_task_sent_again_as_a_retry_is_sent_whoever_holds_its_lock(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """A send of an ``until_executed`` message as a retry (a retry count above 0: the
+    worker sending again a task whose pool process died, with
+    ``task_retry_on_worker_lost``) is published even if its lock is still held, by the
+    dead run's hold the worker could not free or by another task: somebody waits for
+    its id, and it meets the hold as it starts. A first send is a duplicate."""
+    queue = redis.Redis.from_url(app.conf.broker_url)
+
+    @app.task(base=SingletonTask, shared=False, lock_strategy="until_executed", lock_ttl=30)
+    def job() -> None: ...
+
+    name = job.lock_name((), {})
+    dead = RedisLock(redislock_client, name, ttl=30, lease="m-21", heartbeat=False)
+    assert dead.acquire(blocking=False)
+    try:
+        assert job.apply_async(task_id="m-21", retries=1).id == "m-21"
+        assert queue.llen(app.conf.task_default_queue) == 1
+        assert job.apply_async(task_id="m-21").id == "m-21"
+        assert job.apply_async().id == "m-21"
+        assert queue.llen(app.conf.task_default_queue) == 1
+        # The dead run's hold is left as it was, for the retry to wait out.
+        assert field(redislock_client, lock_keys(name).lock, OWNER_FIELD) == dead.owner
+    finally:
+        queue.delete(app.conf.task_default_queue)
+        queue.close()
+        dead.release()

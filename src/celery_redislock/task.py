@@ -930,10 +930,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         task_id = task_id or uuid()
         key = self.lock_name(args, kwargs)
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
+        retries = _retries(options.get("retries"))
         lock = self._new_lock(
             key,
             task_id,
-            queued_owner(task_id, _retries(options.get("retries"))),
+            queued_owner(task_id, retries),
             opts.enqueue_ttl + delay,
             heartbeat=False,
             opts=opts,
@@ -950,12 +951,16 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise
         if not acquired:
             holder = lock.blocked_by
-            if self._own_retry(task_id) or (
-                opts.on_duplicate == "return" and _in_workflow(options)
+            if (
+                retries
+                or self._own_retry(task_id)
+                or (opts.on_duplicate == "return" and _in_workflow(options))
             ):
                 # Somebody waits for this message's own id: a workflow (a group's
-                # member, a chain's next step), or the caller of the task that
-                # retries. Sent all the same, it meets on_conflict as it starts.
+                # member, a chain's next step), or the caller of a task sent again
+                # as a retry (by itself, or by the worker after its pool process
+                # died). Sent all the same, it meets on_conflict as it starts (or
+                # waits out the hold of an earlier delivery of its own).
                 logger.info(
                     "%s: duplicate of %s sent as a workflow step or a retry (lock %s)",
                     self.name,
