@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from celery.signals import before_task_publish
+from celery.signals import before_task_publish, task_postrun
 
 from celery_redislock import RedisLock, SingletonTask, signals
 from celery_redislock.heartbeat import get_heartbeat
@@ -506,3 +506,39 @@ def test_a_task_sent_again_as_a_retry_is_sent_whoever_holds_its_lock(
         queue.delete(app.conf.task_default_queue)
         queue.close()
         dead.release()
+
+
+def test_a_copy_of_a_message_running_in_the_same_process_is_dropped_at_once(
+    app: Celery, redislock_client: redis.Redis, conflicts: list[tuple[str, str]]
+) -> None:
+    """On the threads pool a copy of a message may run in the process that runs its
+    first delivery: that delivery is alive, so the copy is dropped without waiting
+    the time the hold had left, and frees its pool slot."""
+    go = threading.Event()
+    runs: list[str] = []
+    ended: list[tuple[str, str]] = []
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=30)
+    def job(self: SingletonTask) -> str:
+        runs.append(str(self.request.id))
+        go.wait(30)
+        return "first"
+
+    def postrun(task_id: str, state: str, **_: Any) -> None:
+        ended.append((task_id, state))
+
+    task_postrun.connect(postrun, weak=False)
+    try:
+        with in_process_worker(app, concurrency=2):
+            result = job.delay()
+            wait_for(lambda: runs, what="the first delivery")
+            app.send_task(job.name, task_id=result.id)
+            # The hold had 30 s left: a copy that waited would still wait.
+            wait_for(lambda: (result.id, "IGNORED") in ended, timeout=10, what="the copy")
+            assert (result.id, "redelivered") in conflicts
+            go.set()
+            assert result.get(timeout=30) == "first"
+    finally:
+        task_postrun.disconnect(postrun)
+        go.set()
+    assert len(runs) == 1

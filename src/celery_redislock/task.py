@@ -405,6 +405,11 @@ class _Ahead(NamedTuple):
 #: task (one task at a time per thread): the task reads its own as it starts.
 _written_ahead: dict[int, _Ahead] = {}
 
+#: The owner tokens of the executions running in this process (threads or solo
+#: pool), with the process id: a copy of a message that finds one of them holding
+#: its lock knows that delivery alive without waiting.
+_running_here: dict[str, str] = {}
+
 
 def take_written_ahead(task_id: str) -> _Ahead | None:
     """This thread's acquire written ahead, if it is task ``task_id``'s (then it is
@@ -1192,6 +1197,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 if outcome is not None:
                     return outcome
             request.redislock = LockHandle(key, lock, opts)
+            _running_here[lock.owner] = _process.pid
             taken = time.monotonic()
             if signals.lock_acquired.receivers:
                 _send(
@@ -1216,6 +1222,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             keep = reserve = opts.strategy == UNTIL_EXECUTED and bool(exc.requeue)
             raise
         finally:
+            _running_here.pop(lock.owner, None)
             if lock.holding:
                 if keep:
                     # Renewed no more before it changes hands: no renewal finds it lost.
@@ -1381,7 +1388,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         Whatever ``on_conflict`` says, the two never run at once, and this copy is
         not dropped while the earlier one may be dead: it waits as long as that
         hold had left (plus :data:`REDELIVERY_GRACE`), during which a dead
-        holder's hold expires and a live one's is renewed. Freed or expired in
+        holder's hold expires and a live one's is renewed (a holder running in
+        this process, on the threads or solo pool, is known alive at once). Freed or expired in
         that time, the lock is taken (the wait's start is added to ``waiting``)
         and ``None`` returned: the task runs. Still held, its holder is alive and
         runs the message: this copy raises ``Ignore`` (its message is
@@ -1403,7 +1411,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             action="redelivered",
         )  # fmt: skip
         lease = lock.lease
-        if not self._superseded(lock, request):
+        # A delivery running in this process is alive: no need to wait and see.
+        here = _running_here.get(lock._blocked_owner or "") == _process.pid
+        if not here and not self._superseded(lock, request):
             logger.info(
                 "%s[%s]: an earlier delivery of this message holds lock %s; waiting up to "
                 "%.1f s for it to end",
