@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -175,6 +176,57 @@ def test_retried_acquire_counts_one_hold(
     assert hold_count(direct, lock) == 1
     lock.release()
     assert not held(direct, lock.key)
+
+
+class _Interrupted(Exception):
+    """Raised from a signal handler, as Celery raises SoftTimeLimitExceeded."""
+
+
+@pytest.mark.parametrize("how", ["try", "written-ahead", "waiter"])
+def test_an_acquire_interrupted_before_its_reply_leaves_no_hold_behind(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis, how: str
+) -> None:
+    """An exception raised asynchronously (a soft time limit) while an acquire waits
+    for its reply, after the server ran it, leaves no hold for the lock's TTL and no
+    waiter queued: what it may have done is undone in the background."""
+    lock = RedisLock(via_proxy, "interrupted", ttl=30)
+    # The connection is open and the server has the script before the delay.
+    assert lock.acquire(blocking=False)
+    lock.release()
+    waits = how == "waiter"
+    if waits:
+        other = RedisLock(direct, "interrupted", ttl=30)
+        assert other.acquire(blocking=False)
+        # And the process's wake-up subscription is in place.
+        assert not lock.acquire(timeout=0.05)
+    proxy.set_latency(0.5)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Interrupted
+
+    def acquire() -> bool:
+        if how == "written-ahead":
+            ahead = lock._send_acquire()
+            assert ahead is not None
+            return lock._acquire_sent(ahead)
+        return lock.acquire(blocking=waits, timeout=10 if waits else None)
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.75)  # the request ran, its reply is on its way
+    try:
+        with pytest.raises(_Interrupted):
+            acquire()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        proxy.set_latency(0)
+    if waits:
+        queue = lock_keys("interrupted").queue
+        wait_for(lambda: direct.zcard(queue) == 0, what="the waiter to leave the queue")
+        other.release()
+    else:
+        wait_for(lambda: not held(direct, lock.key), what="the hold to be undone")
+    assert not lock.holding
 
 
 def test_retried_reentrant_acquire_counts_one_hold(

@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.exceptions import Reject
 from celery.signals import before_task_publish, task_postrun
 
 from celery_redislock import RedisLock, SingletonTask, signals
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import lock_keys
+from celery_redislock.revoke import free_queued
 from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.task import queued_owner, skipped_result
@@ -179,7 +181,6 @@ def test_a_second_send_of_a_queued_message_publishes_nothing(
     """Sending an ``until_executed`` message again with the id of one still queued
     (its reservation holds the lock) is a duplicate: nothing is published, and the
     reservation keeps one hold, which revoking the message frees."""
-    from celery_redislock.revoke import free_queued
 
     @app.task(base=SingletonTask, shared=False, lock_strategy="until_executed")
     def job() -> str:
@@ -542,3 +543,36 @@ def test_a_copy_of_a_message_running_in_the_same_process_is_dropped_at_once(
         task_postrun.disconnect(postrun)
         go.set()
     assert len(runs) == 1
+
+
+def test_a_retry_rejected_with_requeue_keeps_its_lock_for_itself_not_for_an_older_copy(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """A retry of an ``until_executed`` message that rejects it with requeue hands its
+    lock to that retry's reservation: a copy of an earlier delivery of the message
+    is dropped, and the requeued retry takes the lock when it comes back."""
+    ran: list[int] = []
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+        acks_late=True,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> str:
+        ran.append(int(self.request.retries))
+        if len(ran) == 1:
+            raise Reject("again", requeue=True)
+        return "ran"
+
+    name = job.lock_name((), {})
+    key = lock_keys(name).lock
+    job.apply(task_id="m-30", retries=2)
+    assert field(redislock_client, key, OWNER_FIELD) == queued_owner("m-30", 2)
+
+    assert job.apply(task_id="m-30").state == "IGNORED"
+    assert job.apply(task_id="m-30", retries=2).get() == "ran"
+    assert ran == [2, 2]
+    assert field(redislock_client, key, OWNER_FIELD) is None
+    # A revoke finds such a reservation by the retry count of the message.
+    ran.clear()
+    job.apply(task_id="m-31", retries=1)
+    assert free_queued(redislock_client, name, "m-31", "redislock", retries=1)

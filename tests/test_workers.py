@@ -288,22 +288,27 @@ def test_soft_time_limit_releases(env: tuple[Any, redis.Redis, Callable[..., Wor
     assert lock_keys(client) == []
 
 
-@pytest.mark.parametrize("deaf", [False, True], ids=["ends-on-sigterm", "killed"])
+@pytest.mark.parametrize(
+    ("deaf", "task"),
+    [(False, "hard_limited"), (True, "hard_limited"), (True, "hard_limited_failing")],
+    ids=["ends-on-sigterm", "killed", "killed-on-failure-raises"],
+)
 def test_a_task_killed_for_its_hard_time_limit_leaves_no_lock_behind(
-    env: tuple[Any, redis.Redis, Callable[..., Worker]], deaf: bool
+    env: tuple[Any, redis.Redis, Callable[..., Worker]], deaf: bool, task: str
 ) -> None:
     """Past its hard time limit, a task's pool process gets SIGTERM, then SIGKILL. A
     task that ends on the SIGTERM releases its lock as it ends; the hold of one that
     does not is freed by the worker once the process is gone, instead of being left
-    to its TTL (60 s)."""
+    to its TTL (60 s), even if the task's on_failure raises."""
     from celery.exceptions import TimeLimitExceeded
 
     mod, client, launch = env
     launch("hard", concurrency=1)
-    result = mod.hard_limited.delay("h", deaf)
+    limited = getattr(mod, task)
+    result = limited.delay("h", deaf)
     wait_for(lambda: records(client, "hard_limited"), what="the task to start")
     [started] = records(client, "hard_limited")
-    key = f"redislock:{{{mod.hard_limited.lock_name(('h', deaf), {})}}}"
+    key = f"redislock:{{{limited.lock_name(('h', deaf), {})}}}"
     with pytest.raises(TimeLimitExceeded):
         result.get(timeout=30)
     wait_for(lambda: not held(client, key), timeout=10, what="the lock to be freed")
@@ -316,7 +321,7 @@ def test_a_task_killed_for_its_hard_time_limit_leaves_no_lock_behind(
     else:
         wait_for(released_by_the_task, what="the task's own release")
     # The next one with the same arguments runs, on a fresh pool process.
-    again = mod.hard_limited.delay("h", deaf)
+    again = limited.delay("h", deaf)
     wait_for(lambda: len(records(client, "hard_limited")) == 2, what="the next one to start")
     assert records(client, "hard_limited")[1]["pid"] != started["pid"]
     with pytest.raises(TimeLimitExceeded):

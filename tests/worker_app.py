@@ -160,8 +160,7 @@ def overrun(self: Any, name: str) -> str:
     return name
 
 
-@app.task(base=SingletonTask, bind=True, shared=False, time_limit=1, lock_ttl=60)
-def hard_limited(self: Any, name: str, deaf: bool) -> str:
+def _hard_limited(self: Any, name: str, deaf: bool) -> str:
     """Runs past its hard time limit; ``deaf`` to the SIGTERM the pool sends first
     (as a task stuck in native code is), it is killed."""
     if deaf:
@@ -169,6 +168,22 @@ def hard_limited(self: Any, name: str, deaf: bool) -> str:
     log("hard_limited", name=name, pid=os.getpid())
     time.sleep(30)
     return name
+
+
+class FailingOnFailure(SingletonTask):
+    """A task whose ``on_failure`` raises (Celery calls it for a hard time limit too)."""
+
+    def on_failure(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("on_failure fails")
+
+
+hard_limited = app.task(
+    base=SingletonTask, bind=True, shared=False, time_limit=1, lock_ttl=60, name="hard_limited"
+)(_hard_limited)
+hard_limited_failing = app.task(
+    base=FailingOnFailure, bind=True, shared=False, time_limit=1, lock_ttl=60,
+    name="hard_limited_failing",
+)(_hard_limited)  # fmt: skip
 
 
 @app.task(base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed")

@@ -65,8 +65,8 @@ _PROC = os.path.isdir("/proc/self")
 
 
 def _process_gone(pid: int) -> bool:
-    """Whether this process's child ``pid`` has ended (a zombie not yet reaped
-    counts as ended)."""
+    """Whether this process's child ``pid`` has ended (where ``/proc`` shows it, a
+    zombie not yet reaped counts as ended; elsewhere, only once reaped)."""
     if _PROC:
         try:
             with open(f"/proc/{pid}/stat", "rb") as stat:
@@ -127,16 +127,18 @@ class Request(_CeleryRequest):  # type: ignore[misc]
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
-        super().on_timeout(soft, timeout)
         pid = self.worker_pid
         if not soft and pid not in (None, os.getpid()) and isinstance(self.task, SingletonTask):
-            # The pool kills the child right after this returns.
+            # The pool kills the child right after this returns, whether Celery's
+            # own handling (which calls the task's on_failure and the result
+            # backend) raises or not.
             threading.Thread(
                 target=self._free_when_gone,
                 args=(pid,),
                 name="redislock-time-limit",
                 daemon=True,
             ).start()
+        super().on_timeout(soft, timeout)
 
     def _free_when_gone(self, pid: int) -> None:
         """Free the hold of pool child ``pid``, killed for this task's hard time

@@ -1024,6 +1024,12 @@ class RedisLock:
             raise LockBackendError(
                 f"could not acquire lock {self.name!r}: {describe_error(exc)}"
             ) from exc
+        except BaseException:
+            # Raised asynchronously (a soft time limit) while the request may have
+            # been written: the caller undoes what it may have done.
+            if self._unconfirmed is None:
+                self._unconfirmed = sent
+            raise
         # Any reply settles an earlier try of the same request: it either
         # shows the hold it made or proves it made none.
         self._unconfirmed = None
@@ -1111,7 +1117,13 @@ class RedisLock:
             deadline = Deadline(
                 max(ahead.sent + self.call_timeout, time.monotonic() + self.call_timeout / 2)
             )
-            reply = ahead.reply(deadline)
+            try:
+                reply = ahead.reply(deadline)
+            except BaseException:
+                # Raised asynchronously while the reply was awaited: undone below.
+                if ahead.written:
+                    self._unconfirmed = ahead.sent
+                raise
             if isinstance(reply, list):
                 ahead.transport.scripts.add(ACQUIRE_SCRIPT.sha)
                 acquired = self._record(AcquireReply.parse(reply), ahead.sent, ahead.request)
@@ -1263,6 +1275,11 @@ class RedisLock:
                     error.__cause__ = exc
                 except LockBackendError as exc:
                     error = exc
+                except BaseException:
+                    # Raised asynchronously (a soft time limit): a try under way may
+                    # have queued this waiter.
+                    unsure = unsure or trying
+                    raise
                 cause = error.__cause__
                 unsure = unsure or (trying and cause is not None and may_have_run(cause))
                 # Only a broken connection, a timeout or a busy server is worth

@@ -1232,7 +1232,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                         # an eager retry, or a task without acks_late (whose message
                         # Celery does not requeue), comes at once or never.
                         requeued = not retrying and self.acks_late and not request.is_eager
-                        self._reserve(lock, opts, opts.enqueue_ttl if requeued else opts.ttl)
+                        ttl = opts.enqueue_ttl if requeued else opts.ttl
+                        # The message that comes back: this one again, or its retry.
+                        self._reserve(lock, opts, ttl, request_retries(request) + int(retrying))
                 else:
                     self._release(lock, time.monotonic() - taken, retrying)
 
@@ -1245,17 +1247,17 @@ class SingletonTask(Task):  # type: ignore[misc]
         except Exception:
             return False
 
-    def _reserve(self, lock: RedisLock, opts: LockOptions, ttl: float) -> None:
-        """Hand an execution's hold to its message's reservation, for the same
-        message coming back (``Reject(requeue=True)`` of an ``until_executed``
-        task, or an eager ``self.retry()``): the redelivery takes it over at once,
-        while nobody else can. (A retry that is sent was handed the hold as it was
-        sent.) If the lock store fails, the hold stays as it is and the
-        redelivery waits until it expires, or (a hand-over whose answer was lost)
-        the lock is freed."""
-        reservation = self._new_lock(
-            lock.name, lock.lease, queued_owner(lock.lease), ttl, heartbeat=False, opts=opts
-        )
+    def _reserve(self, lock: RedisLock, opts: LockOptions, ttl: float, retries: int) -> None:
+        """Hand an execution's hold to the reservation of its message coming back
+        with retry count ``retries`` (``Reject(requeue=True)`` of an
+        ``until_executed`` task, or an eager ``self.retry()``): that delivery takes
+        it over at once, while nobody else can (a copy of an earlier delivery of
+        the message included, for a retry's). (A retry that is sent was handed the
+        hold as it was sent.) If the lock store fails, the hold stays as it is and
+        the redelivery waits until it expires, or (a hand-over whose answer was
+        lost) the lock is freed."""
+        owner = queued_owner(lock.lease, retries)
+        reservation = self._new_lock(lock.name, lock.lease, owner, ttl, heartbeat=False, opts=opts)
         reservation._handed_from = lock.owner
         try:
             reservation.acquire(blocking=False)
@@ -1467,9 +1469,10 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _succeeded(self, request: Any) -> bool:
         """Whether Celery's ``worker_deduplicate_successful_tasks`` applies to this
         task (``acks_late``, a persistent result backend) and the execution of
-        ``request`` has succeeded already: Celery skips such a redelivered message
-        before it starts, and a copy that waited behind its first delivery is
-        skipped the same way once that has ended."""
+        ``request`` has succeeded already. Celery skips a message its broker marks
+        redelivered that way, before it starts; a copy found waiting behind its own
+        message's first delivery is skipped so once that has ended, whether or not
+        its broker marked it."""
         app = self.app
         if not (
             (app.conf.task_acks_late or self.acks_late)
