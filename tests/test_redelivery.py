@@ -576,3 +576,27 @@ def test_a_retry_rejected_with_requeue_keeps_its_lock_for_itself_not_for_an_olde
     ran.clear()
     job.apply(task_id="m-31", retries=1)
     assert free_queued(redislock_client, name, "m-31", "redislock", retries=1)
+
+
+def test_a_retry_that_starts_before_the_execution_that_sent_it_ends_waits_for_it(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """A retry that starts (in the same process, on the threads pool) while the
+    execution that sent it still holds the lock is not taken for a copy of that
+    execution: it waits for it to end, then runs."""
+    runs: list[tuple[int, bool]] = []
+    ended = threading.Event()
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=30, max_retries=1)
+    def job(self: SingletonTask) -> None:
+        runs.append((int(self.request.retries), ended.is_set()))
+        if self.request.retries == 0:
+            self.retry(countdown=0, throw=False)
+            # Still holding the lock while the retry starts, and queues.
+            wait_for(lambda: redislock_client.zcard(lock_keys(self.lock.name).queue) == 1)
+            ended.set()
+
+    with in_process_worker(app, concurrency=2):
+        job.delay()
+        wait_for(lambda: len(runs) == 2, what="the retry to run")
+    assert runs == [(0, False), (1, True)]

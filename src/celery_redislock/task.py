@@ -1413,8 +1413,12 @@ class SingletonTask(Task):  # type: ignore[misc]
             action="redelivered",
         )  # fmt: skip
         lease = lock.lease
-        # A delivery running in this process is alive: no need to wait and see.
-        here = _running_here.get(lock._blocked_owner or "") == _process.pid
+        # A delivery of the same message running in this process is alive: no need
+        # to wait and see. (A retry waits for the execution that sent it to end.)
+        owner = lock._blocked_owner
+        here = _running_here.get(owner or "") == _process.pid and _generation(
+            owner, lease or ""
+        ) == request_retries(request)
         if not here and not self._superseded(lock, request):
             logger.info(
                 "%s[%s]: an earlier delivery of this message holds lock %s; waiting up to "
