@@ -178,6 +178,26 @@ def test_retried_acquire_counts_one_hold(
     assert not held(direct, lock.key)
 
 
+def test_a_waiter_whose_time_runs_out_far_from_the_server_returns_false(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """A blocking acquire whose timeout runs out while the lock stays held returns
+    ``False``, as documented, even when the server is further away than the time
+    left for its last try: that try's missing answer is no outage."""
+    other = RedisLock(direct, "far", ttl=30)
+    assert other.acquire(blocking=False)
+    lock = RedisLock(via_proxy, "far", ttl=30)
+    assert not lock.acquire(timeout=0.05)  # the subscription is in place
+    proxy.set_latency(0.06)
+    try:
+        assert lock.acquire(timeout=1) is False
+    finally:
+        proxy.set_latency(0)
+    wait_for(lambda: direct.zcard(lock_keys("far").queue) == 0, what="the waiter to leave")
+    assert other.owned()
+    other.release()
+
+
 class _Interrupted(Exception):
     """Raised from a signal handler, as Celery raises SoftTimeLimitExceeded."""
 

@@ -1060,6 +1060,53 @@ def test_a_waiter_gone_since_it_queued_keeps_the_lock_only_for_the_grant(
     assert waiter_lock.token > holder.token + 1
 
 
+def test_a_waiter_taking_the_lock_after_a_grant_ran_out_keeps_the_others_woken(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """A grant that nobody confirmed runs out with its key, and with it the flag that
+    says waiters are queued: the waiter that takes the lock then sets the flag again
+    while others are queued behind it, so its release wakes the next one rather than
+    leaving it asleep until its re-check."""
+    holder = RedisLock(client, "grant-ran-out", ttl=60)
+    assert holder.acquire()
+    gone = scripts.queue_entry("gone-process.1", "gone-owner", 60_000, "", "")
+    client.zadd(holder.queue_key, {gone: 1})
+    write_fields(client, holder.key, q="1")
+    second, first_waiter = wait_behind(holder, cleanup)
+    assert wait_until(lambda: queued(client, holder) == 2)
+    third, second_waiter = wait_behind(holder, cleanup)
+    assert wait_until(lambda: queued(client, holder) == 3)
+    holder.release()  # handed to the process that is gone, for GRANT_MS
+
+    assert wait_until(first_waiter.done, timeout=20)
+    assert (first_waiter.error, first_waiter.result) == (None, True)
+    assert stored(client, second).get(QUEUED_FIELD) == "1"
+    second.release()
+    assert field(client, holder.key, OWNER_FIELD) == third.owner  # handed on at once
+    assert wait_until(second_waiter.done, timeout=20)
+    assert second_waiter.result
+
+
+def test_a_spare_behind_a_grant_shorter_than_grant_ms_waits_only_that_long(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """A grant lasts the first waiter's TTL when that is shorter than GRANT_MS: the
+    spare woken behind it asks once that has run out, not after the full GRANT_MS."""
+    holder = RedisLock(client, "short-grant", ttl=60)
+    assert holder.acquire()
+    gone = scripts.queue_entry("gone-process.1", "gone-owner", 300, "", "")
+    client.zadd(holder.queue_key, {gone: 1})
+    write_fields(client, holder.key, q="1")
+    _spare, waiter = wait_behind(holder, cleanup, ttl=0.3)
+    assert wait_until(lambda: queued(client, holder) == 2)
+    holder.release()
+    assert 0 < client.pttl(holder.key) <= 300
+
+    # Well before GRANT_MS (2 s), but after the 0.3 s grant.
+    assert wait_until(waiter.done, timeout=GRANT_MS / 1000 * 0.75)
+    assert (waiter.error, waiter.result) == (None, True)
+
+
 def test_a_waiter_that_leaves_gives_back_a_lock_handed_to_it(
     client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:

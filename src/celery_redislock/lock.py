@@ -1239,8 +1239,12 @@ class RedisLock:
                     if stop is not None and stop():
                         return False
                     failing_since, pause = None, 0.01
-                    wait = self._pttl / 1000 if self._pttl > 0 else 0.001
-                    wait = min(wait, RECHECK)
+                    if self._pttl > 0:
+                        wait = min(self._pttl / 1000, RECHECK)
+                    else:
+                        # Just expired; or a key without expiry (only an operator's
+                        # PERSIST makes one), asked about again every RECHECK.
+                        wait = RECHECK if self._pttl == -1 else 0.001
                     if ends is not None:
                         remaining = ends - time.monotonic()
                         if remaining <= 0 or last_try:
@@ -1259,7 +1263,9 @@ class RedisLock:
                             # or asks at once.
                             pause_for = SPARE_HEAD_START
                             if waiter.behind:
-                                pause_for = GRANT_MS / 1000
+                                # The grant is the first waiter's TTL if shorter: a
+                                # waiter for the same lock usually has this one's.
+                                pause_for = min(GRANT_MS, self.ttl_ms) / 1000
                             if ends is not None:
                                 pause_for = min(pause_for, max(0.0, ends - time.monotonic()))
                             if not hub.rearm_spare(waiter):
@@ -1288,7 +1294,14 @@ class RedisLock:
                     raise error
                 failing_since = now if failing_since is None else failing_since
                 out_of_time = ends is not None and time.monotonic() + pause >= ends
-                if out_of_time or time.monotonic() - failing_since >= self.call_timeout:
+                failing_long = time.monotonic() - failing_since >= self.call_timeout
+                if out_of_time and found_held and not failing_long:
+                    # The time ran out with the lock last found held (the last try,
+                    # with what was left of it, did not get an answer): what a timeout
+                    # says, not a lock store out of reach. A try that may have run is
+                    # undone as the call ends.
+                    return False
+                if out_of_time or failing_long:
                     raise error
                 time.sleep(pause)
                 pause = min(0.5, pause * 2)

@@ -625,6 +625,12 @@ new.tail = ARGV[7] ~= '' and ARGV[7] or nil
 if ARGV[5] ~= '' then
     bad = denied('zrem', KEYS[2], 'w')
     if bad then return bad end
+    if not new[$QUEUED] then
+        -- The flag went with a key that expired (a grant nobody confirmed): others
+        -- queued behind this waiter must still be woken by its release.
+        local first = redis.call('ZRANGE', KEYS[2], 0, 1)
+        if #first > 1 or (first[1] and first[1] ~= ARGV[5]) then new[$QUEUED] = '1' end
+    end
 end
 write(new, ARGV[2])
 if ARGV[5] ~= '' then
