@@ -249,6 +249,58 @@ def test_an_acquire_interrupted_before_its_reply_leaves_no_hold_behind(
     assert not lock.holding
 
 
+def test_a_release_interrupted_before_its_reply_is_sent_again(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """An exception raised asynchronously (a soft time limit as ``with lock:`` exits)
+    while a release waits for its reply drops the hold here, as an answer lost does,
+    and the release is sent again in the background until it lands: the lock is not
+    left held for its TTL, unrenewed."""
+    lock = RedisLock(via_proxy, "release-interrupted", ttl=30)
+    assert lock.acquire(blocking=False)
+    proxy.blackhole()  # the release goes nowhere for now
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        with pytest.raises(_Interrupted):
+            lock.release()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        proxy.heal()
+    assert not lock.holding
+    wait_for(lambda: not held(direct, lock.key), what="the release sent again to land")
+
+
+def test_a_reply_owed_on_a_connection_gone_dark_holds_up_no_renewal(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """The heartbeat thread that renews a server's locks also reads the replies owed
+    to releases that did not wait (and sends background requests): one owed on a
+    connection gone dark (a dropped NAT entry, a dead old primary) is waited for
+    only until the next renewal is due, so a short lock on the same server is
+    renewed all the same, and the release is sent again on a new connection."""
+    short = RedisLock(via_proxy, "short", ttl=3)
+    other = RedisLock(via_proxy, "released", ttl=30)
+    assert short.acquire(blocking=False)
+    assert other.acquire(blocking=False)
+    assert proxy.silence_open() >= 1
+    outcomes: list[str] = []
+    other.release(wait=False, then=outcomes.append)
+
+    time.sleep(4.5)  # past the short lock's TTL: only renewals keep it
+
+    assert short.owned()
+    assert not short.lost
+    wait_for(lambda: not held(direct, other.key), what="the release sent again to land")
+    assert outcomes == ["retrying"]
+    short.release()
+
+
 def test_retried_reentrant_acquire_counts_one_hold(
     proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
 ) -> None:

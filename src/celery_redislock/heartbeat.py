@@ -296,7 +296,7 @@ class _Lane:
                         self._send_pending(pending)
                     if drain is not None:
                         self.drained += self.transport.drain(
-                            Deadline.after(DEFAULT_CALL_TIMEOUT), written_by=drain
+                            Deadline.after(self._budget()), written_by=drain
                         )
                 except BaseException:
                     # The round runs its users' code (the handlers of deferred
@@ -495,9 +495,19 @@ class _Lane:
                 logger.exception("celery_redislock: on_lost callback for %s failed", lock.name)
 
     # Background requests.
+    def _budget(self) -> float:
+        """How long this round's other work (background requests, reading owed
+        replies) may take: until the next renewal is due, within
+        [:data:`MIN_ROUND_TRIP`, ``DEFAULT_CALL_TIMEOUT``], so that a connection
+        gone dark holds up no renewal on this server. (A reply not read in time
+        counts as lost: a release is then sent again.)"""
+        with self.cond:
+            due = min((entry.due for entry in self.entries.values()), default=math.inf)
+        return max(MIN_ROUND_TRIP, min(DEFAULT_CALL_TIMEOUT, due - self.clock()))
+
     def _send_pending(self, due: list[_Pending]) -> None:
         now = self.clock()
-        budget = max(MIN_ROUND_TRIP, min(DEFAULT_CALL_TIMEOUT, *(p.until - now for p in due)))
+        budget = max(MIN_ROUND_TRIP, min(self._budget(), *(p.until - now for p in due)))
         try:
             results = run_calls(self.transport, [p.call for p in due], Deadline.after(budget))
         except RedisError as exc:

@@ -38,6 +38,7 @@ before it, so until then the hold is certain; once it passes,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -755,6 +756,14 @@ class RedisLock:
             result = Released(self._run(call, self._call_deadline(None), before=ahead))
         except RedisError as exc:
             self._release_failed(self._release_call(resend), exc)
+        except BaseException:
+            # Raised asynchronously (a soft time limit) before the answer came: as
+            # for an answer lost, the hold is dropped here and the release is sent
+            # again in the background (recognised if it ran).
+            interrupted = RedisConnectionError("interrupted before its answer was read")
+            with contextlib.suppress(LockBackendError):
+                self._release_failed(self._release_call(resend), interrupted)
+            raise
         if ahead:
             self._landed(ahead)
         if result is Released.NOT_OWNED:
@@ -858,6 +867,12 @@ class RedisLock:
             with self._state:
                 self._holds += 1
             self._release_failed(self._release_call(resend), exc)
+        except BaseException:
+            # Raised asynchronously while it was written: it may not have gone.
+            self._send_later(
+                self._release_call(resend), max(until, time.monotonic() + MIN_CALL), last
+            )
+            raise
         if lane is None or lane.transport is not transport or not lane.drain_later():
             self._beat().drain_later(transport)
 
