@@ -243,3 +243,27 @@ def test_a_handler_raising_system_exit_leaves_the_next_answers_handed_over(
     wait_for(lambda: outcomes == ["released"], what="the second release's answer")
     assert not transport.owes_replies()
     client.close()
+
+
+def test_an_inner_release_refused_unrun_goes_ahead_of_the_outer_one(
+    redislock_server: RedisServer,
+) -> None:
+    """A re-entered lock whose inner release did not wait, and that the server refused
+    without running it (its scripts gone: a restart, a failover, ``SCRIPT FLUSH``),
+    is freed by its outer release all the same: the inner one's answer is read
+    before the outer one goes, so it is sent again ahead of it, in order, rather
+    than learned of only while the outer one's round trip reads it."""
+    client = redislock_server.client()
+    lock = RedisLock(client, "inner-refused", ttl=30)
+    assert lock.acquire(blocking=False)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    assert lock.acquire(blocking=False)  # the server runs RELEASE: sent by digest now
+    client.script_flush()
+
+    lock.release(wait=False)
+    lock.release()
+
+    assert not lock.holding
+    assert not RedisLock(client, "inner-refused", ttl=30).locked()
+    client.close()

@@ -398,6 +398,10 @@ class RedisLock:
     # dropped would drop another instead, so the next request that changes the
     # lock sends them first, in its own round trip (see _ahead()).
     _behind: tuple[tuple[Call, float], ...] = ()
+    # How many of this object's releases that did not wait have no answer yet:
+    # the next request that changes the lock reads them first (see _read_owed()),
+    # so that one that failed goes ahead of it, in order.
+    _unanswered = 0
     # Whether extend() gave the hold more than the lock's TTL since the last
     # renewal: the next renewal cuts it back, and the local deadline with it.
     _extended = False
@@ -751,6 +755,7 @@ class RedisLock:
             # The last hold: off the heartbeat before the release lands, so that a
             # renewal answered after it cannot report this lock lost.
             self._stop_renewal()
+        self._read_owed()
         ahead = self._ahead()
         try:
             result = Released(self._run(call, self._call_deadline(None), before=ahead))
@@ -813,9 +818,20 @@ class RedisLock:
             # The count is 0 already: renewal stops now, whatever the send does.
             self._stop_renewal()
         transport = self._router.single or self.transport
+        self._read_owed()
         ahead = self._ahead()
+        with self._state:
+            self._unanswered += 1
+        counted = [True]
+
+        def settled() -> None:
+            with self._state:
+                if counted:
+                    counted.clear()
+                    self._unanswered -= 1
 
         def answered(result: list[Any] | RedisError) -> None:
+            settled()
             reply = result if isinstance(result, RedisError) else result[len(ahead)]
             outcome: ReleaseOutcome = "released"
             again = _send_again(reply)
@@ -864,10 +880,12 @@ class RedisLock:
                 answered,
             )
         except RedisError as exc:
+            settled()
             with self._state:
                 self._holds += 1
             self._release_failed(self._release_call(resend), exc)
         except BaseException:
+            settled()
             # Raised asynchronously while it was written: it may not have gone.
             self._send_later(
                 self._release_call(resend), max(until, time.monotonic() + MIN_CALL), last
@@ -1026,6 +1044,7 @@ class RedisLock:
         """
         call = self._acquire_call(request, entry)
         wait = self._replica_wait(deadline) if self.min_replicas else ()
+        self._read_owed()
         sent = self._tried = time.monotonic()
         self._held_fence = None
         ahead = self._ahead()
@@ -1434,6 +1453,16 @@ class RedisLock:
                     earlier = self._behind[-1][0].args[2]
                     call = call._replace(args=(*call.args[:4], earlier, *call.args[5:]))
                 self._behind = (*self._behind, (call, until))
+
+    def _read_owed(self) -> None:
+        """Read the answers still owed to this object's releases that did not wait,
+        if any: one that failed is then among those sent again ahead of the
+        request about to go (see :meth:`_ahead`), instead of learned of while that
+        request's own round trip reads it, too late to go first."""
+        if self._unanswered:
+            transport = self._router.single or self.transport
+            with contextlib.suppress(RedisError):
+                transport.drain(Deadline.after(self.call_timeout))
 
     def _ahead(self) -> tuple[tuple[Call, float], ...]:
         """The inner releases still sent again in the background (with when they
