@@ -423,6 +423,28 @@ def test_extend_resets_ttl(client: redis.Redis) -> None:
     lock.release()
 
 
+def test_a_renewal_answered_after_a_shorter_extend_keeps_the_extends_deadline(
+    client: redis.Redis,
+) -> None:
+    """A renewal sent before ``extend()`` with a shorter TTL, whose answer the
+    heartbeat reads only after the extend returned, may have landed before it: the
+    server then expires the lock by the extend's TTL, and so does the local
+    deadline (which ``lost`` trusts when the server cannot be asked)."""
+    lock = RedisLock(client, "extend-race", ttl=30, heartbeat=False)
+    assert lock.acquire()
+    renewal_sent = time.monotonic()
+    lock.extend(1)
+    deadline = lock._expiry
+
+    lock._renewed(renewal_sent)  # the heartbeat's verdict on the earlier renewal
+
+    assert lock._expiry == deadline
+    assert client.pttl(lock.key) <= 1_000
+    lock._renewed(time.monotonic())  # a renewal sent after it moves it on
+    assert lock._expiry > deadline + 20
+    lock.release()
+
+
 def test_locked_owned_and_holder_lease(client: redis.Redis) -> None:
     """locked() sees any holder, owned() only this owner, holder_lease() the holder's lease."""
     mine = RedisLock(client, "query", ttl=5, lease="task-9")

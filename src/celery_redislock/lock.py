@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -405,6 +406,9 @@ class RedisLock:
     # Whether extend() gave the hold more than the lock's TTL since the last
     # renewal: the next renewal cuts it back, and the local deadline with it.
     _extended = False
+    # When the last extend() was sent: a renewal sent before it, answered after
+    # it, does not move the local deadline past what the extend set.
+    _extend_sent = -math.inf
     # The heartbeat lane renewing the current hold, if any.
     _lane: _Lane | None = None
     # The owner token of a hold of this lock's lease that its holder hands to this
@@ -584,6 +588,9 @@ class RedisLock:
                 # server's expiry may now be no later than this renewal's.
                 self._expiry = sent + self.ttl
                 self._extended = False
+            elif sent < self._extend_sent:
+                # Sent before a (shorter) extend that may have landed after it.
+                self._expiry = min(self._expiry, sent + self.ttl)
             else:
                 self._expiry = max(self._expiry, sent + self.ttl)
 
@@ -919,6 +926,7 @@ class RedisLock:
         with self._state:
             self._expiry = sent + new_ttl
             self._extended = new_ttl > self.ttl
+            self._extend_sent = sent
             renewed = self._holds > 0 and not self._lost
         if self.heartbeat and renewed and new_ttl < self.ttl:
             # Registered anew, due before the shorter TTL runs out.
