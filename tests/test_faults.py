@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -720,6 +721,31 @@ def test_dropped_lock_is_no_longer_renewed(direct: redis.Redis, server: RedisSer
             what="the log of the drop",
         )
     assert all(held_lock.key != key for held_lock in get_heartbeat().held())
+
+
+def test_a_dropped_lock_with_a_request_sent_again_is_no_longer_renewed(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """A lock dropped without release() while the heartbeat still sends one of its
+    requests again in the background (here an undo nobody answers) is collected all
+    the same, and no longer renewed: the request does not keep it alive."""
+    with heartbeat_warnings() as seen:
+        lock = RedisLock(via_proxy, "dropped-pending", ttl=1.0)
+        assert lock.acquire()
+        key = lock.key
+        proxy.blackhole()
+        lock._undo("an-acquire-that-never-was", time.monotonic())  # sent again for a TTL
+        dropped = weakref.ref(lock)
+        del lock
+        gc.collect()
+
+        assert dropped() is None
+        proxy.heal()
+        wait_for(lambda: not held(direct, key), timeout=5, what="expiry of the dropped lock")
+        wait_for(
+            lambda: any("dropped without release()" in message for message in seen),
+            what="the log of the drop",
+        )
 
 
 # Lost means lost, on time.

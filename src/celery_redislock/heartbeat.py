@@ -25,6 +25,7 @@ for a while.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -135,8 +136,14 @@ class _Pending:
         redirect: Callable[[Call, Deadline], Any] | None,
     ) -> None:
         self.call = call
-        #: Sends the call to wherever its key lives now (see _Lane._send_pending).
-        self.redirect = redirect
+        #: Sends the call to wherever its key lives now (see _Lane._send_pending),
+        #: while its lock lives: held weakly, as the lane holds its locks, so that
+        #: a lock its user dropped is collected (and no longer renewed) at once.
+        self.redirect: Callable[[], Callable[[Call, Deadline], Any] | None] | None = None
+        if inspect.ismethod(redirect):
+            self.redirect = weakref.WeakMethod(redirect)
+        elif redirect is not None:
+            self.redirect = lambda: redirect
         self.until = until
         self.what = what
         self.quiet = quiet
@@ -513,10 +520,11 @@ class _Lane:
         except RedisError as exc:
             results = [exc] * len(due)
         for at, (item, result) in enumerate(zip(due, results, strict=True)):
-            if isinstance(result, _REDIRECTS) and item.redirect is not None:
+            redirect = item.redirect() if item.redirect is not None else None
+            if isinstance(result, _REDIRECTS) and redirect is not None:
                 # A cluster slot moved, or is moving: this lane's server is no
                 # longer the key's, so the request follows the key on its own.
-                results[at] = _follow(item.redirect, item.call, budget)
+                results[at] = _follow(redirect, item.call, budget)
         after = self.clock()
         done = []
         for item, result in zip(due, results, strict=True):
