@@ -1265,9 +1265,11 @@ class RedisLock:
                 now = time.monotonic()
                 trying = False
                 try:
+                    # Re-armed first: a break of the subscription right after it is
+                    # confirmed wakes this waiter, which then waits for it again.
+                    hub.rearm(waiter)
                     if not hub.wait_ready(self._call_deadline(ends)):
                         raise RedisTimeoutError("the wake-up subscription is not in place")
-                    hub.rearm(waiter)
                     trying = True
                     if self._try_acquire(self._call_deadline(ends), request, entry):
                         acquired = True
