@@ -6,6 +6,7 @@ lacking a permission is told (and that nothing is written)."""
 
 from __future__ import annotations
 
+import gc
 import re
 import socket
 import threading
@@ -626,22 +627,28 @@ def test_cluster_renewals_follow_a_key_whose_slot_is_moving(
         client.close()
 
 
+@pytest.mark.parametrize("dropped", [False, True], ids=["kept", "dropped"])
 def test_cluster_release_read_later_follows_its_moving_slot(
-    redislock_cluster_factory: Callable[..., ClusterDeployment],
+    redislock_cluster_factory: Callable[..., ClusterDeployment], dropped: bool
 ) -> None:
     """A release whose answer is read later (a task's), written to the old primary
     while its slot moves (ASK), is sent again in the background and lands where
-    the key is now, freeing the lock, rather than leave it to its TTL."""
+    the key is now, freeing the lock, rather than leave it to its TTL; even once
+    the lock object is gone, as a task's is when the task has ended."""
     cluster = redislock_cluster_factory(masters=3)
     client = cluster.client()
     try:
         held, slot, target = _held_half_moved(cluster, client, "migrating-release", ttl=60)
+        key = held.key
         held.release(wait=False)
+        if dropped:
+            del held
+            gc.collect()
         time.sleep(0.3)
         _settle(cluster, slot, target)
         admin = target.client()
         wait_for(
-            lambda: OWNER_FIELD not in fields(admin, held.key),
+            lambda: OWNER_FIELD not in fields(admin, key),
             timeout=20,
             what="the release to land on the new primary",
         )

@@ -34,6 +34,7 @@ from tests.support import (
     close_app,
     field,
     held,
+    in_forked_child,
     make_app,
     wait_for,
     wait_until,
@@ -300,6 +301,90 @@ def test_a_reply_owed_on_a_connection_gone_dark_holds_up_no_renewal(
     wait_for(lambda: not held(direct, other.key), what="the release sent again to land")
     assert outcomes == ["retrying"]
     short.release()
+
+
+def test_an_answer_owed_on_a_dark_connection_costs_a_request_only_part_of_its_time(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """An inner release that did not wait, owed its answer on a connection gone dark,
+    is read before the lock's next request with half of that request's time only:
+    the request goes on a new connection in time, and the release, its answer
+    counted lost, goes ahead of it."""
+    lock = RedisLock(via_proxy, "owed-dark", ttl=30, call_timeout=3)
+    assert lock.acquire(blocking=False)
+    assert lock.acquire(blocking=False)
+    assert proxy.silence_open() >= 1
+    lock.release(wait=False)
+
+    assert lock.acquire(timeout=0.5)  # a third hold: the release went ahead of it
+    lock.release()
+    lock.release()
+
+    assert not lock.holding
+    wait_for(lambda: not held(direct, lock.key), what="the lock to be freed")
+
+
+def _release_in_child(lock: RedisLock, calls: list[str], conn: Any) -> None:
+    lock.release()
+    conn.send((list(calls), lock.holding))
+
+
+def test_a_forked_child_leaves_its_parents_owed_answers_to_the_parent(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """A child forked while an inner release of a lock still waits for its answer
+    does not read its parent's connections before the lock's next request: the
+    parent's callback does not run in the child, and the child's release goes on a
+    connection of its own."""
+    lock = RedisLock(via_proxy, "owed-fork", ttl=30, call_timeout=1)
+    assert lock.acquire(blocking=False)
+    assert lock.acquire(blocking=False)
+    assert lock.acquire(blocking=False)
+    calls: list[str] = []
+    assert proxy.silence_open() >= 1
+    lock.release(wait=False, then=calls.append)
+
+    seen, holding = in_forked_child(_release_in_child, lock, calls)
+
+    # The child dropped one of the two holds it counts; the parent's callback ran
+    # in the parent only, as its next request read the answer it was owed.
+    assert (seen, holding) == ([], True)
+    assert stored_hold_count(direct, lock.key) == 2
+    lock.release()
+    assert calls == ["retrying"]
+    lock.release()
+    assert not held(direct, lock.key)
+
+
+def test_a_waiter_whose_server_goes_away_still_says_so(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """A waiter whose server refuses connections while it waits raises
+    ``LockBackendError`` when its time runs out, as before: only a last try that got
+    no answer in the time left is taken for the timeout it is."""
+    other = RedisLock(direct, "gone-away", ttl=30)
+    assert other.acquire(blocking=False)
+    lock = RedisLock(via_proxy, "gone-away", ttl=30, call_timeout=5)
+    outcome: list[object] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(lock.acquire(timeout=1.5))
+        except LockBackendError as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    wait_for(lambda: direct.zcard(lock_keys("gone-away").queue) == 1, what="the waiter")
+    proxy.refuse()
+    proxy.reset_all()
+    try:
+        waiter.join(10)
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], LockBackendError)
+    finally:
+        proxy.heal()
+        other.release()
 
 
 def test_retried_reentrant_acquire_counts_one_hold(

@@ -25,7 +25,6 @@ for a while.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
@@ -136,14 +135,8 @@ class _Pending:
         redirect: Callable[[Call, Deadline], Any] | None,
     ) -> None:
         self.call = call
-        #: Sends the call to wherever its key lives now (see _Lane._send_pending),
-        #: while its lock lives: held weakly, as the lane holds its locks, so that
-        #: a lock its user dropped is collected (and no longer renewed) at once.
-        self.redirect: Callable[[], Callable[[Call, Deadline], Any] | None] | None = None
-        if inspect.ismethod(redirect):
-            self.redirect = weakref.WeakMethod(redirect)
-        elif redirect is not None:
-            self.redirect = lambda: redirect
+        #: Sends the call to wherever its key lives now (see _Lane._send_pending).
+        self.redirect = redirect
         self.until = until
         self.what = what
         self.quiet = quiet
@@ -520,7 +513,7 @@ class _Lane:
         except RedisError as exc:
             results = [exc] * len(due)
         for at, (item, result) in enumerate(zip(due, results, strict=True)):
-            redirect = item.redirect() if item.redirect is not None else None
+            redirect = item.redirect
             if isinstance(result, _REDIRECTS) and redirect is not None:
                 # A cluster slot moved, or is moving: this lane's server is no
                 # longer the key's, so the request follows the key on its own.
@@ -603,9 +596,12 @@ class Heartbeat:
         logs, where a release that found the lock not held is a warning unless
         ``quiet``."""
         self._stopping = False
-        # A lock that can send a request wherever its key lives (RedisLock._run)
-        # has its background requests follow a moving cluster slot.
-        redirect = getattr(lock, "_run", None)
+        # A lock that can send a request wherever its key lives (RedisLock._sender)
+        # has its background requests follow a moving cluster slot, without
+        # keeping the lock alive: a lock its user dropped is collected (and no
+        # longer renewed) at once, as the lane holds locks weakly.
+        sender = getattr(lock, "_sender", None)
+        redirect = sender() if sender is not None else None
         self._lane(lock.transport).add_pending(call, until, what, quiet, redirect)
 
     def drain_later(self, transport: Transport) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -403,6 +404,7 @@ class RedisLock:
     # the next request that changes the lock reads them first (see _read_owed()),
     # so that one that failed goes ahead of it, in order.
     _unanswered = 0
+    _owed_by = 0
     # Whether extend() gave the hold more than the lock's TTL since the last
     # renewal: the next renewal cuts it back, and the local deadline with it.
     _extended = False
@@ -729,6 +731,9 @@ class RedisLock:
             LockLostError: this object held it, but it expired or was taken over.
             LockBackendError: Redis could not be reached; see above.
         """
+        deadline = self._call_deadline(None)
+        # Before anything changes here: an interruption leaves the hold as it was.
+        self._read_owed(deadline)
         request = request_id()
         inner = self._holds > 1
         args: tuple[Any, ...] = (
@@ -762,10 +767,9 @@ class RedisLock:
             # The last hold: off the heartbeat before the release lands, so that a
             # renewal answered after it cannot report this lock lost.
             self._stop_renewal()
-        self._read_owed()
         ahead = self._ahead()
         try:
-            result = Released(self._run(call, self._call_deadline(None), before=ahead))
+            result = Released(self._run(call, deadline, before=ahead))
         except RedisError as exc:
             self._release_failed(self._release_call(resend), exc)
         except BaseException:
@@ -825,10 +829,10 @@ class RedisLock:
             # The count is 0 already: renewal stops now, whatever the send does.
             self._stop_renewal()
         transport = self._router.single or self.transport
-        self._read_owed()
         ahead = self._ahead()
         with self._state:
             self._unanswered += 1
+            self._owed_by = os.getpid()
         counted = [True]
 
         def settled() -> None:
@@ -1025,6 +1029,13 @@ class RedisLock:
         calls = [c for c, _ in before] if before else ()
         return send(self._router, self.key, call, deadline, then, calls)
 
+    def _sender(self) -> Callable[[Call, Deadline], Any]:
+        """What sends a call to wherever this lock's key lives now, holding no
+        reference to the lock (for requests the heartbeat sends again in the
+        background, which must not keep a dropped lock alive)."""
+        router, key = self._router, self.key
+        return lambda call, deadline: send(router, key, call, deadline)
+
     def _acquire_call(self, request: str, entry: str = "") -> Call:
         """The ACQUIRE script call of one try (a waiter with this queue ``entry``
         is queued if the lock is held)."""
@@ -1052,7 +1063,7 @@ class RedisLock:
         """
         call = self._acquire_call(request, entry)
         wait = self._replica_wait(deadline) if self.min_replicas else ()
-        self._read_owed()
+        self._read_owed(deadline)
         sent = self._tried = time.monotonic()
         self._held_fence = None
         ahead = self._ahead()
@@ -1247,7 +1258,8 @@ class RedisLock:
         wake-up could slip by between the try and the wait. A broken subscription
         or a failed try is retried with a short pause; a waiter that has failed to
         reach Redis for ``call_timeout`` seconds in a row (or whose time ran out
-        after a failure) raises.
+        after a failure) raises, but for one whose last try, having found the lock
+        held before, timed out with the time: that returns ``False``.
         """
         hub = hub_for(self.transport, self.prefix)
         waiter = hub.join()
@@ -1339,11 +1351,13 @@ class RedisLock:
                 failing_since = now if failing_since is None else failing_since
                 out_of_time = ends is not None and time.monotonic() + pause >= ends
                 failing_long = time.monotonic() - failing_since >= self.call_timeout
-                if out_of_time and found_held and not failing_long:
-                    # The time ran out with the lock last found held (the last try,
-                    # with what was left of it, did not get an answer): what a timeout
-                    # says, not a lock store out of reach. A try that may have run is
-                    # undone as the call ends.
+                timed_out = trying and isinstance(cause, RedisTimeoutError)
+                if out_of_time and found_held and timed_out and not failing_long:
+                    # The time ran out with the lock last found held, and the last
+                    # try got no answer in what was left of it (a server further
+                    # away than that): what a timeout says, not a lock store out of
+                    # reach, which a refused connection shows. A try that may have
+                    # run is undone as the call ends.
                     return False
                 if out_of_time or failing_long:
                     raise error
@@ -1464,15 +1478,23 @@ class RedisLock:
                     call = call._replace(args=(*call.args[:4], earlier, *call.args[5:]))
                 self._behind = (*self._behind, (call, until))
 
-    def _read_owed(self) -> None:
-        """Read the answers still owed to this object's releases that did not wait,
-        if any: one that failed is then among those sent again ahead of the
-        request about to go (see :meth:`_ahead`), instead of learned of while that
-        request's own round trip reads it, too late to go first."""
-        if self._unanswered:
-            transport = self._router.single or self.transport
-            with contextlib.suppress(RedisError):
-                transport.drain(Deadline.after(self.call_timeout))
+    def _read_owed(self, deadline: Deadline) -> None:
+        """Read the answers still owed on this process's idle connections to the
+        lock's server, if this object has a release that did not wait among them,
+        with half of what is left of the request's ``deadline``: a release that
+        failed (or whose answer did not come in that time) is then among those sent
+        again ahead of the request about to go (see :meth:`_ahead`), instead of
+        learned of while that request's own round trip reads it, too late to go
+        first."""
+        if not self._unanswered:
+            return
+        if self._owed_by != os.getpid():
+            # A forked child: the answers are its parent's to read.
+            self._unanswered = 0
+            return
+        transport = self._router.single or self.transport
+        with contextlib.suppress(RedisError):
+            transport.drain(Deadline.after(deadline.remaining() / 2))
 
     def _ahead(self) -> tuple[tuple[Call, float], ...]:
         """The inner releases still sent again in the background (with when they
