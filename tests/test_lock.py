@@ -134,6 +134,19 @@ def wait_behind(
     return waiter_lock, Waiter(waiter_lock, timeout=timeout)
 
 
+def held_ahead_of_a_gone_waiter(
+    client: redis.Redis, name: str, gone_ttl_ms: int = 60_000
+) -> RedisLock:
+    """Lock ``name``, held, with the queue entry of a waiter whose process is gone
+    (with a TTL of ``gone_ttl_ms``) first in its queue."""
+    holder = RedisLock(client, name, ttl=60)
+    assert holder.acquire()
+    gone = scripts.queue_entry("gone-process.1", "gone-owner", gone_ttl_ms, "", "")
+    client.zadd(holder.queue_key, {gone: 1})
+    write_fields(client, holder.key, q="1")
+    return holder
+
+
 @pytest.fixture(
     scope="module",
     params=available_server_binaries(),
@@ -1064,11 +1077,7 @@ def test_a_waiter_gone_since_it_queued_keeps_the_lock_only_for_the_grant(
     """The first waiter's process died while it was queued: the release hands it the
     lock all the same, for GRANT_MS at most. The live waiter behind it (woken as the
     spare) gets the lock once that runs out, long before the holder's 60 s TTL."""
-    holder = RedisLock(client, "handed-gone", ttl=60)
-    assert holder.acquire()
-    gone = scripts.queue_entry("gone-process.1", "gone-owner", 60_000, "", "")
-    client.zadd(holder.queue_key, {gone: 1})
-    write_fields(client, holder.key, q="1")
+    holder = held_ahead_of_a_gone_waiter(client, "handed-gone")
     waiter_lock, waiter = wait_behind(holder, cleanup)
     assert wait_until(lambda: queued(client, holder) == 2)
     holder.release()
@@ -1089,11 +1098,7 @@ def test_a_waiter_taking_the_lock_after_a_grant_ran_out_keeps_the_others_woken(
     says waiters are queued: the waiter that takes the lock then sets the flag again
     while others are queued behind it, so its release wakes the next one rather than
     leaving it asleep until its re-check."""
-    holder = RedisLock(client, "grant-ran-out", ttl=60)
-    assert holder.acquire()
-    gone = scripts.queue_entry("gone-process.1", "gone-owner", 60_000, "", "")
-    client.zadd(holder.queue_key, {gone: 1})
-    write_fields(client, holder.key, q="1")
+    holder = held_ahead_of_a_gone_waiter(client, "grant-ran-out")
     second, first_waiter = wait_behind(holder, cleanup)
     assert wait_until(lambda: queued(client, holder) == 2)
     third, second_waiter = wait_behind(holder, cleanup)
@@ -1114,11 +1119,7 @@ def test_a_spare_behind_a_grant_shorter_than_grant_ms_waits_only_that_long(
 ) -> None:
     """A grant lasts the first waiter's TTL when that is shorter than GRANT_MS: the
     spare woken behind it asks once that has run out, not after the full GRANT_MS."""
-    holder = RedisLock(client, "short-grant", ttl=60)
-    assert holder.acquire()
-    gone = scripts.queue_entry("gone-process.1", "gone-owner", 300, "", "")
-    client.zadd(holder.queue_key, {gone: 1})
-    write_fields(client, holder.key, q="1")
+    holder = held_ahead_of_a_gone_waiter(client, "short-grant", gone_ttl_ms=300)
     _spare, waiter = wait_behind(holder, cleanup, ttl=0.3)
     assert wait_until(lambda: queued(client, holder) == 2)
     holder.release()
