@@ -1390,14 +1390,14 @@ class SingletonTask(Task):  # type: ignore[misc]
         Whatever ``on_conflict`` says, the two never run at once, and this copy is
         not dropped while the earlier one may be dead: it waits as long as that
         hold had left (plus :data:`REDELIVERY_GRACE`), during which a dead
-        holder's hold expires and a live one's is renewed (a holder running in
-        this process, on the threads or solo pool, is known alive at once). Freed or expired in
-        that time, the lock is taken (the wait's start is added to ``waiting``)
-        and ``None`` returned: the task runs. Still held, its holder is alive and
-        runs the message: this copy raises ``Ignore`` (its message is
-        acknowledged, and no state is stored over the running one's). Taken by
-        another task meanwhile, it meets ``on_conflict`` (see :meth:`_conflict`)
-        as soon as it finds so.
+        holder's hold expires and a live one's is renewed. (A holder of the same
+        retry count running in this process, on the threads pool, is known alive
+        at once.) Freed or expired in that time, the lock is taken (the wait's
+        start is added to ``waiting``) and ``None`` returned: the task runs.
+        Still held, its holder is alive and runs the message: this copy raises
+        ``Ignore`` (its message is acknowledged, and no state is stored over the
+        running one's). Taken by another task meanwhile, it meets ``on_conflict``
+        (see :meth:`_conflict`) as soon as it finds so.
 
         A copy whose message was sent again since, as a retry, finding that retry
         holding the lock (its reservation, or its execution), is superseded: it
@@ -1435,9 +1435,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                 taken = lock.blocked_by is not None and lock.blocked_by != lease
                 return taken or self._superseded(lock, request)
 
-            waited_on = lock._blocked_owner
             if lock._acquire(True, check_timeout(limit), stop=stop):
-                if _generation(waited_on, lease) == request_retries(request) and (
+                if _generation(owner, lease or "") == request_retries(request) and (
                     self._succeeded(request)
                 ):
                     logger.info(
