@@ -112,11 +112,12 @@ _REDIRECTS = (AskError, MovedError, TryAgainError)
 
 def _follow(redirect: Callable[[Call, Deadline], Any], call: Call, budget: float) -> Any:
     """``call`` sent by ``redirect`` to wherever its key lives now (a lock's
-    ``_run``), holding up the lane's other work no longer than a retry's pause:
-    its reply, or the error it met."""
+    ``_run``, or its ``_sender()``), holding up the lane's other work no longer
+    than a retry's pause: its reply, or the error it met (whatever it is: the
+    request then goes through the usual retry and give-up bookkeeping)."""
     try:
         return redirect(call, Deadline.after(min(budget, RENEW_RETRY)))
-    except RedisError as exc:
+    except Exception as exc:
         return exc
 
 

@@ -405,6 +405,7 @@ class RedisLock:
     # so that one that failed goes ahead of it, in order.
     _unanswered = 0
     _owed_by = 0
+    _owed_on: Transport | None = None
     # Whether extend() gave the hold more than the lock's TTL since the last
     # renewal: the next renewal cuts it back, and the local deadline with it.
     _extended = False
@@ -833,6 +834,7 @@ class RedisLock:
         with self._state:
             self._unanswered += 1
             self._owed_by = os.getpid()
+            self._owed_on = transport
         counted = [True]
 
         def settled() -> None:
@@ -1033,8 +1035,14 @@ class RedisLock:
         """What sends a call to wherever this lock's key lives now, holding no
         reference to the lock (for requests the heartbeat sends again in the
         background, which must not keep a dropped lock alive)."""
-        router, key = self._router, self.key
-        return lambda call, deadline: send(router, key, call, deadline)
+        # The client too: the router holds it weakly, and the lock may have been
+        # its only other holder.
+        router, key, client = self._router, self.key, self.client
+
+        def sender(call: Call, deadline: Deadline, _client: Client = client) -> Any:
+            return send(router, key, call, deadline)
+
+        return sender
 
     def _acquire_call(self, request: str, entry: str = "") -> Call:
         """The ACQUIRE script call of one try (a waiter with this queue ``entry``
@@ -1061,9 +1069,9 @@ class RedisLock:
         A waiter (with its queue ``entry``) that finds the lock held is queued
         (keeping its place).
         """
+        self._read_owed(deadline)
         call = self._acquire_call(request, entry)
         wait = self._replica_wait(deadline) if self.min_replicas else ()
-        self._read_owed(deadline)
         sent = self._tried = time.monotonic()
         self._held_fence = None
         ahead = self._ahead()
@@ -1480,21 +1488,21 @@ class RedisLock:
 
     def _read_owed(self, deadline: Deadline) -> None:
         """Read the answers still owed on this process's idle connections to the
-        lock's server, if this object has a release that did not wait among them,
-        with half of what is left of the request's ``deadline``: a release that
-        failed (or whose answer did not come in that time) is then among those sent
-        again ahead of the request about to go (see :meth:`_ahead`), instead of
-        learned of while that request's own round trip reads it, too late to go
-        first."""
+        server this object's releases that did not wait went to, if one of them is
+        still unanswered, with half of what is left of the request's ``deadline``:
+        a release that failed (or whose answer did not come in that time) is then
+        among those sent again ahead of the request about to go (see
+        :meth:`_ahead`), instead of learned of while that request's own round trip
+        reads it, too late to go first."""
         if not self._unanswered:
             return
-        if self._owed_by != os.getpid():
+        if self._owed_by != os.getpid() or self._owed_on is None:
             # A forked child: the answers are its parent's to read.
             self._unanswered = 0
             return
-        transport = self._router.single or self.transport
         with contextlib.suppress(RedisError):
-            transport.drain(Deadline.after(deadline.remaining() / 2))
+            # Where they were written (a cluster slot may have moved since).
+            self._owed_on.drain(Deadline.after(deadline.remaining() / 2))
 
     def _ahead(self) -> tuple[tuple[Call, float], ...]:
         """The inner releases still sent again in the background (with when they
