@@ -600,3 +600,22 @@ def test_a_retry_that_starts_before_the_execution_that_sent_it_ends_waits_for_it
         job.delay()
         wait_for(lambda: len(runs) == 2, what="the retry to run")
     assert runs == [(0, False), (1, True)]
+
+
+def test_an_execution_of_a_retry_names_its_retry_count_in_its_owner_token(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """What a copy of an earlier delivery reads to know it was superseded: a retry's
+    execution holds the lock under an owner token ending in ``:<retries>``, and a
+    first delivery's names none."""
+    owners: list[str] = []
+
+    @app.task(base=SingletonTask, bind=True, shared=False)
+    def job(self: SingletonTask) -> None:
+        owners.append(str(field(redislock_client, lock_keys(self.lock.name).lock, OWNER_FIELD)))
+
+    job.apply(task_id="m-40", retries=3)
+    job.apply(task_id="m-41")
+
+    assert owners[0].endswith(":3")
+    assert ":" not in owners[1]

@@ -198,7 +198,7 @@ def queued_retries(owner: str | None, task_id: str) -> int | None:
     middle = owner[len(task_id) : -len(RESERVATION_SUFFIX)]
     if not middle:
         return 0
-    return _count(middle)
+    return _number(middle[1:]) if middle[0] == ":" else None
 
 
 def _execution_owner(retries: int) -> str:
@@ -214,15 +214,12 @@ def _generation(owner: str | None, task_id: str) -> int:
     if queued is not None:
         return queued
     _, colon, count = (owner or "").rpartition(":")
-    return (_count(":" + count) or 0) if colon else 0
+    return (_number(count) or 0) if colon else 0
 
 
-def _count(text: str) -> int | None:
-    """The number in ``text`` written as ``:<digits>``; ``None`` if it is not that."""
-    count = text[1:]
-    if text[:1] != ":" or not (count.isascii() and count.isdigit()):
-        return None
-    return int(count)
+def _number(text: str) -> int | None:
+    """``text`` as a number, if it is written in ASCII digits only."""
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def _retries(value: object) -> int:
