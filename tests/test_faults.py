@@ -1430,6 +1430,9 @@ def test_a_server_loading_its_data_is_waited_for_within_the_deadline(
             *("--key-load-delay", "100", "--loading-process-events-interval-bytes", "1024"),
         )
     )
+    # The load lasts seconds, longer on a busy machine: the restart may take more
+    # than the usual startup time to answer a PING.
+    server.startup_timeout = 60
     admin = server.client()
     admin.execute_command("DEBUG", "POPULATE", 50_000, "filler", 10)  # type: ignore[no-untyped-call]
     admin.save()
