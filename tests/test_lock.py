@@ -1114,6 +1114,33 @@ def test_a_waiter_taking_the_lock_after_a_grant_ran_out_keeps_the_others_woken(
     assert second_waiter.result
 
 
+def test_a_lock_taken_without_waiting_after_a_grant_ran_out_is_handed_on_at_its_release(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """A caller that does not wait can take the lock once a grant nobody confirmed has
+    run out (its key gone, with the queued flag), before the spare woken behind it
+    asks. The spare's question finds the lock held and sets the flag again, so the
+    release of that hold hands the lock to it rather than leaving it asleep until its
+    re-check."""
+    # A 0.3 s grant, and a spare that waits out a 2 s one (its own TTL's).
+    holder = held_ahead_of_a_gone_waiter(client, "grant-ran-out-taken", gone_ttl_ms=300)
+    spare, waiter = wait_behind(holder, cleanup)
+    assert wait_until(lambda: queued(client, holder) == 2)
+    holder.release()
+    assert wait_until(lambda: not client.exists(holder.key))  # the grant ran out
+    taker = RedisLock(client, holder.name, ttl=60)
+    cleanup.append(taker)
+    assert taker.acquire(blocking=False)
+    assert QUEUED_FIELD not in stored(client, taker)
+
+    assert wait_until(lambda: stored(client, taker).get(QUEUED_FIELD) == "1")
+    assert not waiter.done()
+    taker.release()
+    assert field(client, holder.key, OWNER_FIELD) == spare.owner  # handed on at once
+    assert wait_until(waiter.done)
+    assert (waiter.error, waiter.result) == (None, True)
+
+
 def test_a_spare_behind_a_grant_shorter_than_grant_ms_waits_only_that_long(
     client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:
