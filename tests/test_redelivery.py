@@ -328,12 +328,17 @@ def test_a_copy_of_a_message_whose_retry_runs_is_dropped_at_once(
         retry.release()
 
 
+@pytest.mark.parametrize("other_lease", ["another-task", None], ids=["task", "no lease"])
 def test_a_copy_meets_on_conflict_as_soon_as_another_task_takes_the_lock(
-    app: Celery, redislock_client: redis.Redis, conflicts: list[tuple[str, str]]
+    app: Celery,
+    redislock_client: redis.Redis,
+    conflicts: list[tuple[str, str]],
+    other_lease: str | None,
 ) -> None:
     """A copy waiting for its message's first delivery to end stops waiting once the
-    lock goes to another task (queued ahead of it): it meets ``on_conflict`` then,
-    not at the end of the time the first hold had left."""
+    lock goes to another owner (queued ahead of it): another task, or a lock without
+    a lease on the same name. It meets ``on_conflict`` then, not at the end of the
+    time the first hold had left."""
 
     @app.task(base=SingletonTask, shared=False, lock_ttl=30)
     def job() -> None: ...
@@ -341,7 +346,7 @@ def test_a_copy_meets_on_conflict_as_soon_as_another_task_takes_the_lock(
     name = job.lock_name((), {})
     first = RedisLock(redislock_client, name, ttl=30, lease="m-12")
     assert first.acquire(blocking=False)
-    other = RedisLock(redislock_client, name, ttl=30, lease="another-task")
+    other = RedisLock(redislock_client, name, ttl=30, lease=other_lease)
     queue = lock_keys(name).queue
     taken: list[bool] = []
     waiter = threading.Thread(target=lambda: taken.append(other.acquire(timeout=30)))
@@ -358,7 +363,7 @@ def test_a_copy_meets_on_conflict_as_soon_as_another_task_takes_the_lock(
 
         assert not copy.is_alive()
         assert taken == [True]
-        assert [result.get() for result in results] == [skipped_result(name, "another-task")]
+        assert [result.get() for result in results] == [skipped_result(name, other_lease)]
         assert ("m-12", "skip") in conflicts
     finally:
         other.release()

@@ -371,6 +371,9 @@ class RedisLock:
     # The owner token of that hold, when it had this lock's lease (a reservation
     # of it, or another delivery of the same task).
     _blocked_owner: str | None = None
+    # Whether another owner held it then (not: free, kept for the waiters a
+    # release woke).
+    _blocked_taken = False
     _lost = False
     _holds = 0
     _expiry = 0.0
@@ -1106,6 +1109,7 @@ class RedisLock:
         if reply.outcome is Acquired.HELD:
             self.blocked_by = reply.holder
             self._blocked_owner = reply.owner
+            self._blocked_taken = reply.taken
             self._pttl = reply.pttl
             self._held_fence = reply.last_fence
             self._position = reply.position or self._position

@@ -494,11 +494,11 @@ end
 #: Returns {1, fence, releases} when newly taken (or taken over, or a hold a release
 #: handed to this waiter confirmed; releases: the ids of the releases the lock
 #: remembers, absent for none), {2, fence} when re-entered,
-#: {0, ms to wait, holder lease, queue position, fence, holder owner} when another
-#: owner holds it (or it was just freed for the waiters a release woke, and the
-#: caller is not one), where fence is the last token handed out for the name (a
-#: hold a release hands to the caller later gets a higher one) and the holder's
-#: owner token is given only when it holds the caller's lease. A retry of a
+#: {0, ms to wait, holder lease, queue position, fence, holder owner, held} when
+#: another owner holds it (held 1) or it was just freed for the waiters a release
+#: woke, and the caller is not one (held 0), where fence is the last token handed
+#: out for the name (a hold a release hands to the caller later gets a higher one)
+#: and the holder's owner token is given only when it holds the caller's lease. A retry of a
 #: request that already landed returns what the first arrival did.
 ACQUIRE = (
     _CHECK_TTL
@@ -583,12 +583,12 @@ if lock[$OWNER] == ARGV[1] then
 end
 -- How long the caller can expect to wait: the holder's remaining TTL, or the
 -- time left to the waiters a release woke (a free lock is theirs for a moment).
-local wait_ms, holder, owner = nil, '', ''
+local wait_ms, holder, owner, taken = nil, '', '', 0
 -- Another owner's hold of the caller's lease is the caller's to take if it is
 -- the lease's reservation, or the caller names it (see RESERVATION_SUFFIX).
 if lock[$OWNER] and (ARGV[3] == '' or lock[$LEASE] ~= ARGV[3]
         or (lock[$OWNER] ~= ARGV[3] .. $RESERVATION and lock[$OWNER] ~= ARGV[8])) then
-    wait_ms, holder = redis.call('PTTL', KEYS[1]), lock[$LEASE] or ''
+    wait_ms, holder, taken = redis.call('PTTL', KEYS[1]), lock[$LEASE] or '', 1
     if ARGV[3] ~= '' and holder == ARGV[3] then owner = lock[$OWNER] end
 elseif lock[$RESERVED]
         and not (waiter ~= '' and string.find(' ' .. lock[$RESERVED] .. ' ', ' ' .. waiter .. ' ', 1, true)) then
@@ -597,7 +597,7 @@ elseif lock[$RESERVED]
 end
 if wait_ms then
     local fence = tonumber(lock[$FENCE]) or 0
-    if ARGV[5] == '' then return {0, wait_ms, holder, '', fence, owner} end
+    if ARGV[5] == '' then return {0, wait_ms, holder, '', fence, owner, taken} end
     local position = ARGV[6]
     if position == '' then
         local now = redis.call('TIME')
@@ -614,7 +614,7 @@ if wait_ms then
         lock[$QUEUED] = '1'
         write(lock)
     end
-    return {0, wait_ms, holder, position, fence, owner}
+    return {0, wait_ms, holder, position, fence, owner, taken}
 end
 -- Only what this hold needs: what an earlier holder left (a lease, a count, a
 -- reservation for the woken, a description) goes.
@@ -1042,6 +1042,9 @@ class AcquireReply(NamedTuple):
     #: The holder's owner token (only when held by another owner of the caller's
     #: lease): whether that is a reservation, and whose.
     owner: str | None = None
+    #: Whether another owner holds the lock (only when not taken): false while it
+    #: is free but kept for the waiters a release woke.
+    taken: bool = False
 
     @classmethod
     def parse(cls, raw: Sequence[Any]) -> AcquireReply:
@@ -1055,6 +1058,7 @@ class AcquireReply(NamedTuple):
                 _text(raw[3]) or None,
                 int(raw[4]),
                 owner=(_text(raw[5]) or None) if len(raw) > 5 else None,
+                taken=len(raw) > 6 and int(raw[6]) == 1,
             )
         released = _text(raw[2]) if len(raw) > 2 else None
         return cls(outcome, int(raw[1]), 0, None, None, None, released)

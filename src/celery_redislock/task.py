@@ -1427,9 +1427,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
 
             def stop() -> bool:
-                # No longer the earlier delivery's hold: another task's, or a retry's
-                # reservation. (No holder: freed for the waiters a release woke.)
-                taken = lock.blocked_by is not None and lock.blocked_by != lease
+                # No longer the earlier delivery's hold: another owner's (a task's,
+                # or a lock's without a lease), or a retry's reservation. (Not
+                # taken: freed for the waiters a release woke.)
+                taken = lock._blocked_taken and lock.blocked_by != lease
                 return taken or self._superseded(lock, request)
 
             if lock._acquire(True, check_timeout(limit), stop=stop):
