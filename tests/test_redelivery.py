@@ -4,6 +4,7 @@ id, same lease): never run beside it, never dropped while the earlier one may be
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +20,7 @@ from celery_redislock.lock import lock_keys
 from celery_redislock.revoke import free_queued
 from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
-from celery_redislock.task import queued_owner, skipped_result
+from celery_redislock.task import REDELIVERY_GRACE, queued_owner, skipped_result
 from tests.support import close_app, field, in_process_worker, make_app, wait_for
 
 
@@ -604,6 +605,38 @@ def test_a_retry_that_starts_before_the_execution_that_sent_it_ends_waits_for_it
     with in_process_worker(app, concurrency=2):
         job.delay()
         wait_for(lambda: len(runs) == 2, what="the retry to run")
+    assert runs == [(0, False), (1, True)]
+
+
+@pytest.mark.parametrize("strategy", ["while_executing", "until_executed"])
+def test_a_retry_waits_for_the_execution_that_sent_it_however_long_that_runs(
+    app: Celery, redislock_client: redis.Redis, strategy: str
+) -> None:
+    """A retry whose sender runs on, renewing the lock, for longer than a copy would
+    wait (the hold's TTL plus the grace), is not dropped like a copy: it waits for
+    the sender to end, then runs."""
+    runs: list[tuple[int, bool]] = []
+    ended = threading.Event()
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_ttl=0.5, max_retries=1,
+        lock_strategy=strategy,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> None:
+        runs.append((int(self.request.retries), ended.is_set()))
+        if self.request.retries == 0:
+            self.retry(countdown=0, throw=False)
+            wait_for(lambda: redislock_client.zcard(lock_keys(self.lock.name).queue) == 1)
+            # Renewed all along, past what a copy waits for: 0.5 s + the grace.
+            time.sleep(0.5 + REDELIVERY_GRACE + 1.5)
+            ended.set()
+
+    with in_process_worker(app, concurrency=2):
+        job.delay()
+        wait_for(lambda: len(runs) == 2, what="the retry to run")
+        name = job.lock_name((), {})
+        key = lock_keys(name).lock
+        wait_for(lambda: field(redislock_client, key, OWNER_FIELD) is None, what="a free lock")
     assert runs == [(0, False), (1, True)]
 
 

@@ -174,6 +174,15 @@ _NO_ENQUEUE_LOCK = "redislock_no_enqueue_lock"
 #: the task from its own body then runs as a plain function call.
 _ENTERED = "redislock_entered"
 
+#: Request attribute set while ``self.retry(throw=False)`` sends the retry: the
+#: execution runs on, and keeps its hold until it ends.
+_RUNS_ON = "redislock_runs_on"
+
+#: Request attribute: the retry count and delay (s) of a retry an execution sent
+#: while it runs on (``self.retry(throw=False)``), whose reservation it hands its
+#: hold to as it ends (``until_executed``).
+_SENT_RETRY = "redislock_sent_retry"
+
 
 def queued_owner(task_id: str, retries: int = 0) -> str:
     """The owner token of the lock ``apply_async`` takes for a message it sends
@@ -942,6 +951,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             opts=opts,
         )
         running = self._own_hold(task_id, key)
+        if running is not None and getattr(self.request, _RUNS_ON, False):
+            # The execution runs on: it hands its hold over as it ends.
+            setattr(self.request, _SENT_RETRY, (retries, delay))
+            running = None
         try:
             # Its own retry: the running execution hands its hold to the reservation.
             acquired = lock.acquire(blocking=False) if running is None else running._hand_over(lock)
@@ -1035,6 +1048,30 @@ class SingletonTask(Task):  # type: ignore[misc]
             headers,
             **options,
         )
+
+    def retry(
+        self,
+        args: Iterable[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Retry:
+        """Celery's ``retry``. With ``throw=False`` the execution runs on after
+        sending the retry, so it keeps its lock until it ends (the retry waits for
+        it); an ``until_executed`` one then hands the lock to the retry."""
+        request = self.request
+        runs_on = not throw and not request.called_directly
+        if runs_on:
+            setattr(request, _RUNS_ON, True)
+        try:
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        finally:
+            if runs_on:
+                delattr(request, _RUNS_ON)
 
     def _own_retry(self, task_id: str) -> bool:
         """Whether sending ``task_id`` is ``self.retry()`` of the running execution."""
@@ -1220,6 +1257,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise
         finally:
             _running_here.pop(lock.owner, None)
+            sent = getattr(request, _SENT_RETRY, None)
+            if sent is not None and opts.strategy == UNTIL_EXECUTED and not retrying:
+                # A retry sent as it ran on (``self.retry(throw=False)``): held for it.
+                keep = reserve = True
             if lock.holding:
                 if keep:
                     # Renewed no more before it changes hands: no renewal finds it lost.
@@ -1231,7 +1272,11 @@ class SingletonTask(Task):  # type: ignore[misc]
                         requeued = not retrying and self.acks_late and not request.is_eager
                         ttl = opts.enqueue_ttl if requeued else opts.ttl
                         # The message that comes back: this one again, or its retry.
-                        self._reserve(lock, opts, ttl, request_retries(request) + int(retrying))
+                        retries = request_retries(request) + int(retrying)
+                        if sent is not None:
+                            # (It may wait for its countdown, as one just sent.)
+                            retries, ttl = sent[0], opts.enqueue_ttl + sent[1]
+                        self._reserve(lock, opts, ttl, retries)
                 else:
                     self._release(lock, time.monotonic() - taken, retrying)
 
@@ -1246,13 +1291,14 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _reserve(self, lock: RedisLock, opts: LockOptions, ttl: float, retries: int) -> None:
         """Hand an execution's hold to the reservation of its message coming back
-        with retry count ``retries`` (``Reject(requeue=True)`` of an
-        ``until_executed`` task, or an eager ``self.retry()``): that delivery takes
-        it over at once, while nobody else can (a copy of an earlier delivery of
-        the message included, for a retry's). (A retry that is sent was handed the
-        hold as it was sent.) If the lock store fails, the hold stays as it is and
-        the redelivery waits until it expires, or (a hand-over whose answer was
-        lost) the lock is freed."""
+        with retry count ``retries``: after ``Reject(requeue=True)`` of an
+        ``until_executed`` task, an eager ``self.retry()``, or a retry the
+        execution sent as it ran on (``self.retry(throw=False)``; any other retry
+        that is sent was handed the hold as it was sent). That delivery takes it
+        over at once, while nobody else can (a copy of an earlier delivery of the
+        message included, for a retry's). If the lock store fails, the hold stays
+        as it is and the redelivery waits until it expires, or (a hand-over whose
+        answer was lost) the lock is freed."""
         owner = queued_owner(lock.lease, retries)
         reservation = self._new_lock(lock.name, lock.lease, owner, ttl, heartbeat=False, opts=opts)
         reservation._handed_from = lock.owner
@@ -1394,7 +1440,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         Still held, its holder is alive and runs the message: this copy raises
         ``Ignore`` (its message is acknowledged, and no state is stored over the
         running one's). Taken by another task meanwhile, it meets ``on_conflict``
-        (see :meth:`_conflict`) as soon as it finds so.
+        (see :meth:`_conflict`) as soon as it finds so. A retry whose lock is held
+        by an execution of an earlier delivery of its message (the one that sent
+        it, which ran on after ``self.retry(throw=False)``) is not a copy: it
+        waits for that execution however long it runs, then runs.
 
         A copy whose message was sent again since, as a retry, finding that retry
         holding the lock (its reservation, or its execution), is superseded: it
@@ -1404,26 +1453,32 @@ class SingletonTask(Task):  # type: ignore[misc]
         :meth:`_succeeded`).
         """
         started = time.monotonic()
-        limit = max(0, lock._pttl) / 1000 + REDELIVERY_GRACE
+        lease = lock.lease
+        owner = lock._blocked_owner
+        # A retry behind an execution of an earlier delivery of its message (the
+        # one that sent it, running on after ``self.retry(throw=False)``) waits for
+        # it however long it runs: a hold no longer renewed expires within its TTL.
+        behind_sender = queued_retries(owner, lease or "") is None and _generation(
+            owner, lease or ""
+        ) < request_retries(request)
+        limit = None if behind_sender else max(0, lock._pttl) / 1000 + REDELIVERY_GRACE
         _send(
             signals.lock_conflict, self, key, task_id=lock.lease, holder=lock.lease,
             action="redelivered",
         )  # fmt: skip
-        lease = lock.lease
         # A delivery of the same message running in this process is alive: no need
         # to wait and see. (A retry waits for the execution that sent it to end.)
-        owner = lock._blocked_owner
         here = _running_here.get(owner or "") == _process.pid and _generation(
             owner, lease or ""
         ) == request_retries(request)
         if not here and not self._superseded(lock, request):
             logger.info(
-                "%s[%s]: an earlier delivery of this message holds lock %s; waiting up to "
-                "%.1f s for it to end",
+                "%s[%s]: an earlier delivery of this message holds lock %s; waiting %s for "
+                "it to end",
                 self.name,
                 request.id,
                 key,
-                limit,
+                "as long as it runs" if limit is None else f"up to {limit:.1f} s",
             )
 
             def stop() -> bool:
@@ -1433,7 +1488,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 taken = lock._blocked_taken and lock.blocked_by != lease
                 return taken or self._superseded(lock, request)
 
-            if lock._acquire(True, check_timeout(limit), stop=stop):
+            if lock._acquire(True, limit, stop=stop):
                 if _generation(owner, lease or "") == request_retries(request) and (
                     self._succeeded(request)
                 ):
@@ -1529,11 +1584,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                 key,
                 holder,
             )
-            raise self.retry(
-                exc=LockConflictError(key, holder),
-                countdown=countdown,
-                **{_NO_ENQUEUE_LOCK: True},
-            )
+            unlocked: dict[str, Any] = {_NO_ENQUEUE_LOCK: True}
+            raise self.retry(exc=LockConflictError(key, holder), countdown=countdown, **unlocked)
         if request.callbacks or request.errbacks or request.chain or request.chord:
             logger.info(
                 "%s[%s] skipped inside a workflow: lock %s held by %s",
