@@ -1049,3 +1049,65 @@ def test_release_refused_after_its_one_write_leaves_the_lock_as_it_was(
         assert admin.zrange(holder.queue_key, 0, -1) == [b"p.1"]
     finally:
         admin.close()
+
+
+def test_a_moved_reply_updates_the_slot_map(
+    redislock_cluster_factory: Callable[..., ClusterDeployment],
+) -> None:
+    """Once a held lock's slot has moved whole to another primary (a finished
+    resharding), the first request that meets MOVED updates the slot map, as
+    send()'s docstring says: the lock's transport is the new primary's, and
+    later requests go there directly instead of to the old primary first (where
+    each would meet MOVED again, and be sent after an ASKING as if the slot were
+    still migrating)."""
+    cluster = redislock_cluster_factory(masters=3)
+    client = cluster.client()
+    try:
+        held = RedisLock(client, "moved-slot", ttl=30, heartbeat=False)
+        assert held.acquire(blocking=False)
+        old = held.transport
+        slot = client.keyslot(held.key)  # type: ignore[no-untyped-call]
+        source, target = _migrating(cluster, slot)
+        _migrate_keys(source, target, slot)
+        _settle(cluster, slot, target)
+        held.extend()  # meets MOVED on the old primary, lands on the new one
+        assert held.transport is not old
+        assert held.transport.describe() == f"{target.host}:{target.port}"
+        sends = old.sends
+        held.extend()
+        held.release()
+        assert old.sends == sends
+    finally:
+        client.close()
+
+
+def test_renewals_move_to_the_lane_of_a_slot_that_moved(
+    redislock_cluster_factory: Callable[..., ClusterDeployment],
+) -> None:
+    """Once a held lock's slot has moved whole to another primary, its renewals
+    go to the new primary's lane: not every round first to the old primary (to
+    meet MOVED) and then to the new one, one lock at a time."""
+    cluster = redislock_cluster_factory(masters=3)
+    client = cluster.client()
+    try:
+        held = RedisLock(client, "moved-renewed", ttl=1.5)
+        assert held.acquire(blocking=False)
+        old = held.transport
+        slot = client.keyslot(held.key)  # type: ignore[no-untyped-call]
+        source, target = _migrating(cluster, slot)
+        _migrate_keys(source, target, slot)
+        _settle(cluster, slot, target)
+        wait_for(lambda: held.transport is not old, timeout=10, what="the slot map to learn")
+        sends = old.sends
+        wait_for(
+            lambda: held in getattr(get_heartbeat()._lanes.get(held.transport), "locks", list)(),
+            timeout=10,
+            what="the lock to move to its new primary's lane",
+        )
+        time.sleep(4 * held.renew_interval)
+        assert not held.lost
+        # At most the round that found the slot moved went to the old primary.
+        assert old.sends - sends <= 1
+        held.release()
+    finally:
+        client.close()

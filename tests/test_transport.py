@@ -590,3 +590,61 @@ def test_idle_connections_all_closed_by_the_server_cost_one_retry(
     assert lock.acquire(blocking=False)
     lock.release()
     client.close()
+
+
+def _two_owing_links(transport: Transport, first: Any, second: Any) -> None:
+    """Leave two idle connections each owing one deferred reply: ``first``'s on
+    the connection drain() reads first, ``second``'s on the other."""
+    held = transport.write([("PING",)], Deadline.after(5))  # connection A, held
+    transport.send_deferred([("INCR", "owed-b")], Deadline.after(5), first)  # new B
+    assert transport.finish(held, 1, Deadline.after(5)) == [b"PONG"]  # A idle
+    transport.send_deferred([("INCR", "owed-a")], Deadline.after(5), second)  # on A
+    assert len(transport._idle) == 2
+
+
+def test_drain_interrupted_on_one_connection_strands_no_other(
+    redislock_client: redis.Redis,
+) -> None:
+    """A drain interrupted while it reads one connection's owed replies (a handler
+    raising KeyboardInterrupt, or a soft time limit raised asynchronously during
+    the read) must not strand the other connections it had taken off the idle
+    list: their replies are still owed and must stay readable, later."""
+    transport = Transport(redislock_client)
+    answers: list[Any] = []
+
+    def interrupt(result: Any) -> None:
+        raise KeyboardInterrupt
+
+    _two_owing_links(transport, interrupt, answers.append)
+    with pytest.raises(KeyboardInterrupt):
+        transport.drain(Deadline.after(5))
+    # The second connection's reply is either handed over already, or still owed
+    # on an idle connection that a later drain (the heartbeat's, flush() at exit)
+    # reads.
+    transport.drain(Deadline.after(5))
+    assert answers == [[1]]
+    assert not transport.owes_replies()
+
+
+def test_reset_with_a_handler_that_raises_still_fails_every_other_owed_reply(
+    redislock_client: redis.Redis,
+) -> None:
+    """reset() (after a failover) closes every idle connection and hands each
+    reply still owed on them a connection error. A handler that raises
+    KeyboardInterrupt (as _settle() allows: re-raised once the others have their
+    answer) must not leave the other connections open, off the idle list, with
+    their replies owed forever."""
+    transport = Transport(redislock_client)
+    answers: list[Any] = []
+
+    def interrupt(result: Any) -> None:
+        raise KeyboardInterrupt
+
+    _two_owing_links(transport, interrupt, answers.append)
+    links = list(transport._idle)
+    with pytest.raises(KeyboardInterrupt):
+        transport.reset()
+    assert len(answers) == 1
+    assert isinstance(answers[0], redis.ConnectionError)
+    assert not transport.owes_replies()
+    assert all(link.conn._sock is None for link in links)

@@ -413,9 +413,15 @@ class _Lane:
         refused: list[Exception] = []
         lost = len(renewals) - len(live)
         for (lock, entry), result in zip(live, results, strict=True):
-            if isinstance(result, Exception) and lock.transport is not self.transport:
+            if lock.transport is not self.transport and isinstance(result, Exception):
                 # A cluster slot moved: the lane of the lock's new primary takes it.
                 self._move(lock, entry, after)
+            elif lock.transport is not self.transport and result == 1:
+                # Renewed where it followed the slot: from now on there, rather than
+                # here first, to meet MOVED again every round.
+                renewed += 1
+                lock._renewed(now)
+                self._move(lock, entry, now + lock.renew_interval)
             elif result == 1:
                 renewed += 1
                 lock._renewed(now)

@@ -94,7 +94,7 @@ from string import Template
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from redis.exceptions import AskError, NoScriptError, RedisError, TryAgainError
+from redis.exceptions import AskError, MovedError, NoScriptError, RedisError, TryAgainError
 
 from celery_redislock.ids import REQUEST_ID_DIGITS
 from celery_redislock.transport import (
@@ -969,7 +969,9 @@ def send(
                 time.sleep(TRYAGAIN_PAUSE)
                 continue
             last = attempt + 1 == ATTEMPTS or deadline.expired()
-            if isinstance(exc, AskError):
+            # (redis-py's MovedError is an AskError: a slot that has moved for good
+            # updates the slot map, below, rather than be asked for once.)
+            if isinstance(exc, AskError) and not isinstance(exc, MovedError):
                 asked = router.asked(exc)
                 if asked is None or last:
                     raise

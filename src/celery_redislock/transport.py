@@ -302,23 +302,40 @@ class Transport:
                 and (written_by is None or owed[0][2] <= written_by)
             ]
             self._idle = [link for link in self._idle if link not in owing]
-        for link in owing:
-            healthy = False
-            try:
-                healthy = self._settle(link, deadline) is None
-            finally:
-                self._checkin(link, healthy)
+        left = list(owing)
+        try:
+            while left:
+                link = left.pop(0)
+                healthy = False
+                try:
+                    healthy = self._settle(link, deadline) is None
+                finally:
+                    self._checkin(link, healthy)
+        finally:
+            # Interrupted (a handler's SystemExit, an asynchronous exception): the
+            # connections not read yet go back as they were, still owing, to be
+            # read by their next request or the next drain.
+            for link in left:
+                self._checkin(link, True)
         return len(owing)
 
     def reset(self) -> None:
         """Close every idle connection (after a failover, the next call reconnects)."""
         with self._guard:
             idle, self._idle = self._idle, []
+        raised: BaseException | None = None
         for link in idle:
-            self._fail_owed(
-                link, RedisConnectionError("connection reset before its reply was read")
-            )
-            link.close()
+            try:
+                self._fail_owed(
+                    link, RedisConnectionError("connection reset before its reply was read")
+                )
+            except BaseException as exc:
+                # A handler's SystemExit: raised once every connection is closed.
+                raised = raised or exc
+            finally:
+                link.close()
+        if raised is not None:
+            raise raised
 
     def close_idle(self) -> None:
         """Close the idle connections that owe no replies. One connection found
@@ -407,8 +424,12 @@ class Transport:
 
     def _checkin(self, link: _Link, healthy: bool) -> None:
         if not healthy:
-            self._fail_owed(link, RedisConnectionError("connection lost before its reply was read"))
-            link.close()
+            try:
+                self._fail_owed(
+                    link, RedisConnectionError("connection lost before its reply was read")
+                )
+            finally:
+                link.close()
             return
         with self._guard:
             # A connection that owes replies stays, whatever the count, until read.
@@ -465,8 +486,15 @@ class Transport:
     def _fail_owed(self, link: _Link, error: RedisError) -> None:
         with self._guard:
             owed = self._owed.pop(link, None)
+        raised: BaseException | None = None
         for _count, handler, _sent in owed or ():
-            _hand_over(handler, error)
+            try:
+                _hand_over(handler, error)
+            except BaseException as exc:
+                # As in _settle(): every handler gets its answer first.
+                raised = raised or exc
+        if raised is not None:
+            raise raised
 
 
 def _discover_master(pool: Any, deadline: Deadline) -> tuple[str, int]:
