@@ -154,8 +154,11 @@ def test_a_write_the_server_does_not_take_is_bounded_by_the_deadline() -> None:
     # The server reads nothing more until the test is over.
     with fake_server(b"stalled", lambda conn: done.wait(30)) as transport:
         try:
+            # (Packing 64 MB takes most of a second on a busy machine: the deadline
+            # leaves time for it, and runs out with the write, which fills the
+            # socket buffers, under way.)
             with pytest.raises(RedisTimeoutError, match="timed out writing to"):
-                transport.execute([("SET", "stalled", "x" * 64_000_000)], Deadline.after(0.5))
+                transport.execute([("SET", "stalled", "x" * 64_000_000)], Deadline.after(3))
             assert transport._idle == []
         finally:
             done.set()
