@@ -17,10 +17,9 @@ from celery.signals import before_task_publish, task_postrun
 from celery_redislock import RedisLock, SingletonTask, signals
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import lock_keys
-from celery_redislock.revoke import free_queued
 from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
-from celery_redislock.task import REDELIVERY_GRACE, queued_owner, skipped_result
+from celery_redislock.task import REDELIVERY_GRACE, free_queued, queued_owner, skipped_result
 from tests.support import close_app, field, in_process_worker, make_app, wait_for
 
 
@@ -657,3 +656,35 @@ def test_an_execution_of_a_retry_names_its_retry_count_in_its_owner_token(
 
     assert owners[0].endswith(":3")
     assert ":" not in owners[1]
+
+
+@pytest.mark.parametrize("how", ["apply_throw", "eager_propagates"])
+def test_an_eager_retry_that_propagates_leaves_no_lock_behind(
+    app: Celery, redislock_client: redis.Redis, how: str
+) -> None:
+    """``self.retry()`` of an ``until_executed`` task run eagerly with its errors
+    propagated (``apply(throw=True)``, ``task_eager_propagates``) raises ``Retry`` out
+    of the call: no retry runs, so nothing may keep the lock for it."""
+    from celery.exceptions import Retry
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=60, max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> str:
+        raise self.retry(countdown=0)
+
+    name = job.lock_name((), {})
+    if how == "apply_throw":
+        with pytest.raises(Retry):
+            job.apply(task_id="message-eager-1", throw=True)
+    else:
+        app.conf.task_always_eager = True
+        app.conf.task_eager_propagates = True
+        try:
+            with pytest.raises(Retry):
+                job.delay()
+        finally:
+            app.conf.task_always_eager = False
+            app.conf.task_eager_propagates = False
+    assert field(redislock_client, lock_keys(name).lock, OWNER_FIELD) is None

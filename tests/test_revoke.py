@@ -337,3 +337,69 @@ def test_search_scans_every_primary_of_a_cluster(
     for key in others:
         client.delete(key)
     client.close()
+
+
+@pytest.mark.usefixtures("worker")
+def test_revoking_a_copy_waiting_for_its_eta_leaves_the_running_delivery_its_lock(
+    app: Celery, tasks: SimpleNamespace, locks: redis.Redis
+) -> None:
+    """A copy of a message (a Redis broker delivers an ETA message again once its
+    visibility timeout passes) waits for its ETA in this worker while another delivery
+    of it runs elsewhere, holding the lock under an owner of its own. Revoking the
+    task (without terminate, which Celery lets the running delivery finish) frees
+    only what still waits for the message, not the running delivery's hold."""
+    name = unique("copy")
+    task_id = str(uuid.uuid4())
+    # The delivery running on another worker: an execution's hold (lease: the task id).
+    running = RedisLock(locks, tasks.once.lock_name((name,), {}), ttl=30, lease=task_id)
+    assert running.acquire(blocking=False)
+    try:
+        app.send_task("rv.once", args=(name,), task_id=task_id, countdown=60)
+        wait_for(lambda: scheduled_here(task_id), what="the worker to schedule the copy")
+        # A revoke of another id, sent after it, tells when this one was handled.
+        marker_name = unique("marker")
+        marker = tasks.once.apply_async((marker_name,), queue=NOBODY)
+        app.control.revoke(task_id)
+        app.control.revoke(marker.id)
+        wait_for(
+            lambda: not held(locks, lock_key(tasks.once, marker_name)),
+            timeout=FREED_WITHIN,
+            what="the revokes to be handled",
+        )
+        assert running.owned()
+        assert not running.lost
+    finally:
+        if running.owned():
+            running.release()
+
+
+@pytest.mark.usefixtures("worker")
+def test_a_revoked_copy_dropped_at_its_eta_leaves_the_running_delivery_its_lock(
+    app: Celery, tasks: SimpleNamespace, locks: redis.Redis
+) -> None:
+    """The worker drops a revoked copy of a message when its ETA comes (``task_revoked``,
+    not terminated): that frees what still waits for the message, never the hold of
+    another delivery of it that runs."""
+    from celery.signals import task_revoked
+
+    name = unique("copy-eta")
+    task_id = str(uuid.uuid4())
+    dropped: list[str] = []
+
+    def seen(request: Any = None, **_: Any) -> None:
+        dropped.append(request.id)
+
+    # Connected after celery_redislock's own receiver, so called after it.
+    task_revoked.connect(seen, weak=False)
+    running = RedisLock(locks, tasks.once.lock_name((name,), {}), ttl=30, lease=task_id)
+    assert running.acquire(blocking=False)
+    try:
+        app.control.revoke(task_id)
+        app.send_task("rv.once", args=(name,), task_id=task_id, countdown=0.5)
+        wait_for(lambda: task_id in dropped, what="the worker to drop the revoked copy")
+        assert running.owned()
+        assert not running.lost
+    finally:
+        task_revoked.disconnect(seen)
+        if running.owned():
+            running.release()

@@ -25,11 +25,10 @@ Only a lock still owned by the message — its owner is
 :func:`~celery_redislock.task.queued_owner` of the task id — is freed, by an
 owner-checked release: once an execution has taken the lock over, nothing here
 touches it, so a revoke that reaches a task already running (Celery lets it
-finish) or several workers freeing the same lock do no harm. A request waiting
-for its ETA in this worker cannot start any more, so its lock is also freed by
-lease (a retry's lock). The Redis work runs on one background thread per
-worker, which merges the ids of revokes sent in a burst into one scan; failures
-are logged and never reach the worker.
+finish), a copy of a message waiting here for its ETA while another delivery of
+it runs, or several workers freeing the same lock do no harm. The Redis work
+runs on one background thread per worker, which merges the ids of revokes sent
+in a burst into one scan; failures are logged and never reach the worker.
 
 With no worker running, Celery drops the broadcast: the key then frees when
 ``lock_enqueue_ttl`` runs out, or with ``celery redislock release``.
@@ -49,13 +48,12 @@ from celery.utils.functional import maybe_list
 from celery.worker import state as worker_state
 from redis.cluster import RedisCluster
 
-from celery_redislock.errors import LockNotOwnedError
-from celery_redislock.lock import RedisLock, name_from_key, release_lease
+from celery_redislock.lock import name_from_key
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD, decode_lock
 from celery_redislock.task import (
     WHILE_EXECUTING,
     SingletonTask,
-    queued_owner,
+    free_queued,
     queued_retries,
     request_retries,
 )
@@ -78,7 +76,6 @@ class _Pending(NamedTuple):
     task: SingletonTask
     name: str
     task_id: str
-    scheduled: bool
     #: The message's retry count: a retry's reservation names it.
     retries: int
 
@@ -115,8 +112,7 @@ class RevokeSweeper:
             except Exception as exc:
                 logger.warning("could not name the lock of revoked task %s: %s", task_id, exc)
                 continue
-            scheduled = request in worker_state.scheduled_requests
-            pending.append(_Pending(task, name, task_id, scheduled, request_retries(request)))
+            pending.append(_Pending(task, name, task_id, request_retries(request)))
         if pending or unknown:
             self._start()
             self._queue.put((pending, unknown))
@@ -166,11 +162,12 @@ class RevokeSweeper:
             try:
                 prefix = item.task.lock_options.prefix
                 client = item.task.lock_client
-                freed = free_queued(client, item.name, item.task_id, prefix, item.retries)
-                if not freed and item.scheduled:
-                    # Waiting for its ETA here, so it cannot start any more: whatever
-                    # holds its lease (a retry's lock) is free to go.
-                    release_lease(client, item.name, item.task_id, prefix)
+                # Only the message's own reservation (a retry's names its count): a
+                # hold of its lease under another owner is an execution's, maybe of
+                # another delivery of the message running elsewhere (a copy waiting
+                # for its ETA here, delivered again by the broker), which Celery lets
+                # finish.
+                free_queued(client, item.name, item.task_id, prefix, item.retries)
             except Exception as exc:
                 logger.warning(
                     "could not free lock %s of revoked task %s: %s", item.name, item.task_id, exc
@@ -202,22 +199,6 @@ class RevokeSweeper:
 def _locks_while_queued(task: object) -> bool:
     """Whether ``task`` takes a lock when it is sent (an ``until_*`` SingletonTask)."""
     return isinstance(task, SingletonTask) and task.lock_options.strategy != WHILE_EXECUTING
-
-
-def free_queued(client: Client, name: str, task_id: str, prefix: str, retries: int = 0) -> bool:
-    """Free lock ``name`` if the message of ``task_id`` (``retries``: its retry
-    count) still owns it; return whether it did.
-
-    The release compares the owner on the server: a lock an execution has taken
-    over (with an owner of its own) is left alone.
-    """
-    owner = queued_owner(task_id, retries)
-    lock = RedisLock(client, name, owner=owner, lease=task_id, heartbeat=False, prefix=prefix)
-    try:
-        lock.release()
-    except LockNotOwnedError:
-        return False
-    return True
 
 
 def find_and_free_queued(client: Client, prefix: str, task_ids: set[str]) -> None:

@@ -87,6 +87,7 @@ from celery_redislock.errors import (
     LockBackendError,
     LockConflictError,
     LockLostError,
+    LockNotOwnedError,
     NoLockError,
     TaskSkippedError,
 )
@@ -197,6 +198,23 @@ def queued_owner(task_id: str, retries: int = 0) -> str:
     if retries > 0:
         return f"{task_id}:{retries}{RESERVATION_SUFFIX}"
     return task_id + RESERVATION_SUFFIX
+
+
+def free_queued(client: Client, name: str, task_id: str, prefix: str, retries: int = 0) -> bool:
+    """Free lock ``name`` if the message of ``task_id`` (``retries``: its retry
+    count) still owns it, by its reservation (:func:`queued_owner`); return whether
+    it did.
+
+    The release compares the owner on the server: a lock an execution has taken
+    over (with an owner of its own) is left alone.
+    """
+    owner = queued_owner(task_id, retries)
+    lock = RedisLock(client, name, owner=owner, lease=task_id, heartbeat=False, prefix=prefix)
+    try:
+        lock.release()
+    except LockNotOwnedError:
+        return False
+    return True
 
 
 def queued_retries(owner: str | None, task_id: str) -> int | None:
@@ -1012,10 +1030,44 @@ class SingletonTask(Task):  # type: ignore[misc]
         Celery's ``apply``, costs a comparison of each option with each name.
         """
         overrides = options.pop(CALL_OPTIONS, None)
-        if overrides:
-            self.options_for_call(overrides)
-            return self._apply_overridden(overrides, *args, **options)
-        return super().apply(*args, **options)
+        try:
+            if overrides:
+                self.options_for_call(overrides)
+                return self._apply_overridden(overrides, *args, **options)
+            return super().apply(*args, **options)
+        except Retry as exc:
+            # An eager self.retry() propagated (apply(throw=True),
+            # task_eager_propagates): its retry never runs, so the reservation the
+            # execution handed its until_executed hold to must not keep the lock.
+            self._free_eager_reservation(exc)
+            raise
+
+    def _free_eager_reservation(self, exc: Retry) -> None:
+        """Free the reservation an eager ``self.retry()`` was handed (see
+        :meth:`_reserve`), whose retry does not run: ``exc`` propagated."""
+        sig = getattr(exc, "sig", None)
+        if (
+            sig is None
+            or not getattr(exc, "is_eager", False)
+            or self.lock_options.strategy != UNTIL_EXECUTED
+        ):
+            return
+        task_id = sig.options.get("task_id")
+        if not task_id:
+            return
+        try:
+            name = self.lock_name(sig.args, sig.kwargs)
+            retries = _retries(sig.options.get("retries"))
+            # (Not handed over, another lock or a store that failed then: nothing.)
+            free_queued(self.lock_client, name, task_id, self.lock_options.prefix, retries)
+        except Exception as error:
+            logger.warning(
+                "could not free the lock of %s[%s], whose eager retry does not run "
+                "(it expires by its TTL): %s",
+                self.name,
+                task_id,
+                error,
+            )
 
     def _apply_overridden(
         self,
@@ -1633,7 +1685,20 @@ def _release_revoked(
         return
     try:
         key = sender.lock_name(request.args, request.kwargs)
-        release_lease(sender.lock_client, key, request.id, sender.lock_options.prefix)
+        if terminated:
+            release_lease(sender.lock_client, key, request.id, sender.lock_options.prefix)
+        else:
+            # Dropped before it started: only the message's own reservation is its
+            # to free. A hold of its lease under another owner is an execution's,
+            # of another delivery of the message (the broker delivered it again),
+            # which Celery lets finish.
+            free_queued(
+                sender.lock_client,
+                key,
+                request.id,
+                sender.lock_options.prefix,
+                request_retries(request),
+            )
     except Exception as exc:  # a signal handler must not break the worker
         logger.warning("could not free the lock of revoked task %s: %s", request.id, exc)
 
