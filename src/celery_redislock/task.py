@@ -31,7 +31,8 @@ strategies keep the lock where noted):
 success, exception, soft time limit    released in the body's ``finally``
 ``self.retry()``                       released; ``until_executed`` hands it to the
                                        queued retry (same task id), TTL covering
-                                       the countdown
+                                       the countdown (with ``throw=False``, as the
+                                       execution ends)
 ``Ignore``, ``Reject``                 released (``Reject(requeue=True)`` hands an
                                        ``until_executed`` lock to the message's
                                        reservation, for the redelivery)
@@ -42,14 +43,15 @@ revoked while queued                   ``until_*``: freed by the workers as soon
                                        drops the message
 terminated while running               released by the worker's ``task_revoked``
                                        handler, by task id
-a prefork pool process dies           freed by the worker as it sees the process
-                                       gone (:mod:`celery_redislock.early`)
-hard time limit, SIGKILL of the        the heartbeat dies with the process and the
-worker, machine lost                   TTL frees the lock
+a prefork pool process dies, or is    freed by the worker as it sees the process
+killed for its hard time limit         gone (:mod:`celery_redislock.early`)
+SIGKILL of the worker, machine lost    the heartbeat dies with the process and the
+                                       TTL frees the lock
 the message delivered again meanwhile  the copy waits for the earlier delivery's
                                        hold; dropped (``Ignore``) if a live
                                        holder still renews it
-                                       (:meth:`SingletonTask._redelivered`)
+                                       (:meth:`SingletonTask._redelivered`); a
+                                       retry waits for its sender to end
 =====================================  ==========================================
 """
 
