@@ -1538,3 +1538,36 @@ def test_requests_are_encoded_as_resp() -> None:
     assert pack(commands) == b"".join(packer(commands))
     with pytest.raises(TypeError):
         pack([("SET", "k", 1.5)])
+
+
+def test_a_waiter_whose_subscription_breaks_as_its_time_runs_out_returns_false(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """The waiter's wake-up subscription breaks (here: killed by the server) a few
+    milliseconds before its timeout, while the lock stays held and the server answers
+    its requests: it has no time left to wait for a wake-up, so it needs no new
+    subscription for its last try, and returns ``False`` as any waiter whose time
+    runs out with the lock held, rather than raise ``LockBackendError``."""
+    other = RedisLock(direct, "sub-breaks-late", ttl=30)
+    assert other.acquire(blocking=False)
+    lock = RedisLock(via_proxy, "sub-breaks-late", ttl=30)
+    assert not lock.acquire(timeout=0.05)  # the subscription is in place
+    hub = hub_for(lock.transport, lock.prefix)
+    wait_for(lambda: hub.subscribed, what="the wake-up subscription")
+    # A few round trips of latency: subscribing again takes longer than the 50 ms
+    # (MIN_CALL) a last try is always given.
+    proxy.set_latency(0.03)
+    try:
+        timeout = 1.0
+        started = time.monotonic()
+        outcome, waiting = outcome_in_thread(lambda: lock.acquire(timeout=timeout))
+        wait_for(lambda: direct.zcard(lock_keys("sub-breaks-late").queue) == 1, what="queued")
+        time.sleep(max(0.0, started + timeout - 0.04 - time.monotonic()))
+        direct.client_kill_filter(_type="pubsub")
+        waiting.join(10)
+    finally:
+        proxy.set_latency(0)
+    assert outcome == [False]
+    wait_for(lambda: direct.zcard(lock_keys("sub-breaks-late").queue) == 0, what="left")
+    assert other.owned()
+    other.release()

@@ -1221,6 +1221,29 @@ def test_a_spare_handed_the_lock_before_it_pauses_keeps_the_hand_over(
         hub.leave(waiter)
 
 
+def test_a_spare_whose_subscription_broke_before_it_pauses_keeps_the_wake_up(
+    client: redis.Redis,
+) -> None:
+    """The subscription breaks (noticed by another reader) right after a spare's
+    wake-up is read, before the spare starts its pause: every waiter was woken to
+    re-check the lock once subscribed again, and the spare keeps that wake-up rather
+    than forget it with its own. (Forgotten, it would pause reading a subscription
+    that is gone, holding the reading the hub's thread needs to subscribe again.)"""
+    lock = RedisLock(client, "spare-broke", ttl=30)
+    hub = wakeups.hub_for(lock.transport, lock.prefix)
+    waiter = hub.join()
+    try:
+        assert wait_until(lambda: hub.subscribed)
+        subscriptions = hub.subscriptions
+        hub._deliver(f"{waiter.id}{SPARE_MARK}")
+        hub._broke(hub._conn, redis.ConnectionError("the wake-up subscription broke"))
+        assert not hub.rearm_spare(waiter)
+        assert waiter.woken
+        assert wait_until(lambda: hub.subscribed and hub.subscriptions > subscriptions)
+    finally:
+        hub.leave(waiter)
+
+
 def test_a_wake_up_read_after_a_later_try_does_not_hand_over_the_lock(
     client: redis.Redis,
 ) -> None:

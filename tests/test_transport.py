@@ -5,8 +5,11 @@ the replies a connection still owes when its next request goes."""
 from __future__ import annotations
 
 import os
+import pathlib
 import socket
+import ssl
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_redislock import LockBackendError, RedisLock, lookup
 from celery_redislock import transport as transport_module
-from celery_redislock.deployments import TLSServer
+from celery_redislock.deployments import TLSServer, make_certificates
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import (
@@ -651,3 +654,49 @@ def test_reset_with_a_handler_that_raises_still_fails_every_other_owed_reply(
     assert isinstance(answers[0], redis.ConnectionError)
     assert not transport.owes_replies()
     assert all(link.conn._sock is None for link in links)
+
+
+def test_a_tls_write_the_server_takes_slowly_is_bounded_by_the_deadline(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Over TLS a write goes out record by record: a server that keeps taking the
+    bytes, slowly, must not let each record have the whole time anew. The write
+    gives up by its deadline, with a timeout."""
+    tls = make_certificates(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert_file, tls.key_file)
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        raw, _ = listener.accept()
+        with context.wrap_socket(raw, server_side=True) as conn:
+            conn.settimeout(5)
+            # 64 KB every 20 ms: each record goes well within any timeout, the
+            # whole request (32 MB, more than the socket buffers take) in ten
+            # seconds.
+            while not done.is_set():
+                try:
+                    if not conn.recv(65_536):
+                        return
+                except OSError:
+                    return
+                time.sleep(0.02)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    client = redis.Redis.from_url(
+        f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required&ssl_ca_certs={tls.ca_cert_file}",
+        protocol=2,
+    )
+    try:
+        transport = Transport(client)
+        with pytest.raises(RedisTimeoutError, match="timed out writing to"):
+            transport.execute([("SET", "slow", "x" * 32_000_000)], Deadline.after(1))
+        assert transport._idle == []
+    finally:
+        done.set()
+        thread.join(10)
+        listener.close()
+        client.close()

@@ -1292,7 +1292,11 @@ class RedisLock:
                     # Re-armed first: a break of the subscription right after it is
                     # confirmed wakes this waiter, which then waits for it again.
                     hub.rearm(waiter)
-                    if not hub.wait_ready(self._call_deadline(ends)):
+                    if not hub.wait_ready(self._call_deadline(ends)) and not (
+                        # With its time up, the waiter waits no more after this
+                        # try: it needs no subscription to miss no wake-up.
+                        ends is not None and time.monotonic() >= ends
+                    ):
                         raise RedisTimeoutError("the wake-up subscription is not in place")
                     trying = True
                     if self._try_acquire(self._call_deadline(ends), request, entry):

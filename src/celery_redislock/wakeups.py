@@ -87,7 +87,7 @@ class Waiter:
     was handed to, or not — or handed it the lock, with this fencing token), and
     the event that rings when it is woken or may take over the reading."""
 
-    __slots__ = ("behind", "event", "fence", "following", "id", "spare", "woken")
+    __slots__ = ("behind", "event", "fence", "following", "id", "recheck", "spare", "woken")
 
     def __init__(self, waiter_id: str) -> None:
         self.id = waiter_id
@@ -96,6 +96,9 @@ class Waiter:
         self.behind = False
         self.fence: int | None = None
         self.woken = False
+        # Whether a break of the subscription woke it (to re-check the lock once
+        # subscribed again) since its last rearm().
+        self.recheck = False
         # Whether it is in wait() and not reading: a reader that leaves hands it the reading.
         self.following = False
 
@@ -173,7 +176,7 @@ class WakeHub:
     @staticmethod
     def rearm(waiter: Waiter) -> None:
         """Forget what woke ``waiter`` before: call it before each try of the lock."""
-        waiter.woken = waiter.spare = waiter.behind = False
+        waiter.woken = waiter.spare = waiter.behind = waiter.recheck = False
         waiter.fence = None
         waiter.event.clear()
 
@@ -184,6 +187,11 @@ class WakeHub:
         with self._guard:
             if waiter.fence is not None:
                 return True
+            if waiter.recheck:
+                # The subscription broke since: that wake-up stands (the spare
+                # re-checks the lock once subscribed again, rather than pause
+                # reading a subscription that is gone).
+                return False
             waiter.woken = waiter.spare = waiter.behind = False
             waiter.event.clear()
             return False
@@ -206,10 +214,16 @@ class WakeHub:
             if self._reading.acquire(blocking=False):
                 waiter.following = False
                 try:
-                    self._read_until(waiter, ends)
+                    read = self._read_until(waiter, ends)
                 finally:
                     self._reading.release()
                     self._hand_over(waiter)
+                if not read:
+                    # Being subscribed again (the waiters were woken when it broke):
+                    # waited for without the reading, which the hub's thread needs.
+                    with self._guard:
+                        if self._conn is None:
+                            self._guard.wait(min(remaining, _POLL))
             else:
                 # Looking up now and then all the same, whatever race it may miss.
                 waiter.event.wait(min(remaining, _POLL))
@@ -217,19 +231,18 @@ class WakeHub:
                 waiter.event.clear()
         return True
 
-    def _read_until(self, waiter: Waiter, ends: float) -> None:
+    def _read_until(self, waiter: Waiter, ends: float) -> bool:
         """With the reading: deliver wake-ups until one names ``waiter``, ``ends``
-        passes, or the subscription turns out broken (then every waiter is woken)."""
+        passes, or the subscription turns out broken (then every waiter is woken);
+        ``False`` if there was no subscription to read."""
         with self._guard:
             conn = self._conn
-            if conn is None:
-                # Being subscribed again: the waiters were woken when it broke.
-                self._guard.wait(min(_POLL, max(0.0, ends - time.monotonic())))
-                return
+        if conn is None:
+            return False
         while not waiter.woken:
             remaining = ends - time.monotonic()
             if remaining <= 0:
-                return
+                return True
             try:
                 self.transport.bound(conn, min(remaining, _POLL))
                 data = _receive(conn)
@@ -238,16 +251,17 @@ class WakeHub:
                     self._check_silence(conn)
                 except RedisError as exc:
                     self._broke(conn, exc)
-                    return
+                    return True
                 continue
             except RedisError as exc:
                 self._broke(conn, exc)
-                return
+                return True
             self._heard, self._probed = time.monotonic(), None
             replies, self._unread = parse_replies(self._unread + data)
             for reply in replies:
                 if isinstance(reply, list) and reply[:1] == [b"message"]:
                     self._deliver(reply[2].decode())
+        return True
 
     def _check_silence(self, conn: Any) -> None:
         """After a read that got nothing: probe ``conn`` once it has been silent
@@ -317,6 +331,7 @@ class WakeHub:
         with self._guard:
             waiters = list(self._waiters.values())
         for waiter in waiters:
+            waiter.recheck = True
             waiter.woken = True
             waiter.event.set()
 
