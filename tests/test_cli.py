@@ -158,7 +158,8 @@ def test_force_release_hands_the_lock_to_its_next_waiter(locks: redis.Redis) -> 
     thread.join(30)
     assert got == [True]
     assert holder.token is not None
-    assert waiter.token == holder.token + 1
+    assert waiter.token is not None
+    assert waiter.token > holder.token
     assert waiter.owned()
     waiter.release()
     holder.detach()

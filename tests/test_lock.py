@@ -290,8 +290,9 @@ def test_acquire_release_is_two_round_trips(
 @pytest.mark.parametrize("used", [False, True], ids=["new-name", "used-name"])
 def test_acquire_release_runs_at_most_six_server_commands(client: redis.Redis, used: bool) -> None:
     """An uncontended acquire + release costs the server 6 commands counting the two
-    EVALSHAs on a name without a key (GET, TIME to seed its fence, SET; then one
-    SET), and 5 on a name used before (no TIME)."""
+    EVALSHAs (GET, TIME for its fence, SET; then one SET), whether or not the name
+    was used before: a counter left by an earlier hold is not trusted to be ahead of
+    every token handed out (a replica promoted without the last writes)."""
     info = {"task": "proj.job", "state": "running", "node": "w1", "pid": "7", "since": "1.5"}
     lock = RedisLock(client, f"commands-{used}", ttl=30, heartbeat=False, holder_info=info)
     with lock:  # also loads the scripts
@@ -307,13 +308,8 @@ def test_acquire_release_runs_at_most_six_server_commands(client: redis.Redis, u
         for name, stat in stats.items()
         if not name.startswith("cmdstat_config")
     }
-    expected = (
-        {"evalsha": 2, "get": 1, "set": 2}
-        if used
-        else {"evalsha": 2, "get": 1, "time": 1, "set": 2}
-    )
-    assert calls == expected
-    assert sum(calls.values()) == (5 if used else 6)
+    assert calls == {"evalsha": 2, "get": 1, "time": 1, "set": 2}
+    assert sum(calls.values()) == 6
 
 
 # Owner tokens and ownership.
@@ -976,7 +972,8 @@ def test_release_hands_the_lock_to_the_first_waiter(
     cleanup.append(waiter_lock)
     handed_over(client, holder, waiter_lock)
     assert holder.token is not None
-    assert waiter_lock.token == holder.token + 1
+    assert waiter_lock.token is not None
+    assert waiter_lock.token > holder.token
     fields = stored(client, waiter_lock)
     assert fields[OWNER_FIELD] == waiter_lock.owner
     assert fields[LEASE_FIELD] == "task-2"
@@ -1258,8 +1255,8 @@ def test_a_wake_up_read_after_a_later_try_does_not_hand_over_the_lock(
     assert not waiter._try_acquire(waiter._call_deadline(None), "1000000002", entry)
     holder.release()  # handed to the waiter, whose wake-up goes unread
     assert holder.token is not None
-    handed = holder.token + 1
-    assert field(client, holder.key, FENCE_FIELD) == str(handed)
+    handed = int(field(client, holder.key, FENCE_FIELD) or 0)
+    assert handed > holder.token
     client.pexpire(holder.key, 1)  # the grant runs out
     assert wait_until(lambda: not client.exists(holder.key))
     other = RedisLock(client, "handed-stale", ttl=60)
@@ -1285,7 +1282,8 @@ def test_a_handed_lock_whose_wake_up_was_lost_is_confirmed_by_the_next_try(
     holder.release()
     assert waiter._try_acquire(waiter._call_deadline(None), "1000000001", entry)
     assert holder.token is not None
-    assert waiter.token == holder.token + 1
+    assert waiter.token is not None
+    assert waiter.token > holder.token
     assert COUNT_FIELD not in stored(client, waiter)
     waiter.release()
     assert not held(client, waiter)
@@ -1822,7 +1820,7 @@ def test_a_free_lock_is_taken_alike_by_either_path_of_the_acquire(
             write_fields(client, lock.key, **{QUEUED_FIELD: "1"})
         before.append(stored(client, lock))
     for (token, taken), free in zip(take_both_ways(client, locks), before, strict=True):
-        assert token == int(free[FENCE_FIELD]) + 1
+        assert token > int(free[FENCE_FIELD])
         assert taken[RELEASED_FIELD] == free[RELEASED_FIELD]
         assert taken.get(QUEUED_FIELD) == ("1" if queued else None)
 

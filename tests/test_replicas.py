@@ -135,3 +135,55 @@ def test_a_release_a_replica_refuses_is_sent_again_in_the_background(
         )
     holder.release()
     replica_client.close()
+
+
+def test_a_replica_promoted_without_the_last_writes_hands_out_a_higher_token(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """A failover to a replica that missed the last writes to a name (Redis
+    replicates asynchronously) must not hand out a token the old primary already
+    gave: the stale holder and the new one would carry the same token, and a
+    resource that refuses only lower tokens would take both writers."""
+    primary, replica_client = primary_and_replica(redislock_server_factory)
+    name = "promoted-fence"
+    first = RedisLock(primary.url, name, ttl=30, heartbeat=False)
+    assert first.acquire(blocking=False)
+    first.release()
+    # The replica has the name's counter as it is now...
+    wait_for(
+        lambda: field(replica_client, first.key, "f") == str(first.token),
+        what="the free lock on the replica",
+    )
+    # ...and is promoted (a failover) before it gets what the old primary does next.
+    replica_client.replicaof("NO", "ONE")
+    stale = RedisLock(primary.url, name, ttl=30, heartbeat=False)
+    assert stale.acquire(blocking=False)  # the write the promoted replica missed
+    fresh = RedisLock(replica_client, name, ttl=30, heartbeat=False)
+    assert fresh.acquire(blocking=False)
+    assert stale.token is not None
+    assert fresh.token is not None
+    assert fresh.token > stale.token
+    fresh.release()
+    stale.release()
+    replica_client.close()
+
+
+def test_an_acquire_right_after_one_replicas_did_not_confirm_is_not_taken_unconfirmed(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """An acquire that replicas did not confirm gives its hold back before it
+    raises: the caller's next try (at once, as a retry loop makes it) finds no hold
+    of its own to re-enter, so it too waits for the replicas and raises, rather
+    than return True for a hold no replica has (and count one hold where the
+    server counts two, which its release would leave behind)."""
+    primary = redislock_server_factory()
+    lock = RedisLock(
+        primary.url, "unreplicated-again", ttl=30, min_replicas=1, replica_timeout=0.05
+    )
+    with pytest.raises(LockBackendError):
+        lock.acquire(blocking=False)
+    with pytest.raises(LockBackendError):
+        lock.acquire(blocking=False)
+    checker = primary.client()
+    wait_for(lambda: not held(checker, lock.key), what="the hold given back")
+    checker.close()

@@ -1100,7 +1100,7 @@ class RedisLock:
         if ahead:
             self._landed(ahead)
         if wait and reply.outcome is Acquired.TAKEN:
-            self._check_replicas(raw[1], request)
+            self._check_replicas(raw[1], request, deadline)
         return self._record(reply, sent, request)
 
     def _record(self, reply: AcquireReply, sent: float, request: str) -> bool:
@@ -1214,11 +1214,27 @@ class RedisLock:
         seconds = min(self.replica_timeout, deadline.remaining() - MIN_CALL / 2)
         return [("WAIT", self.min_replicas, max(1, int(seconds * 1000)))]
 
-    def _check_replicas(self, acknowledged: Any, request: str) -> None:
-        """Give the lock back, and raise, if too few replicas confirmed the acquire."""
+    def _check_replicas(self, acknowledged: Any, request: str, deadline: Deadline) -> None:
+        """Give the lock back, and raise, if too few replicas confirmed the acquire.
+
+        The hold is given back before this returns (in the background only if
+        that fails): a caller that tries again at once must not find it, re-enter
+        it and be told it holds a lock no replica confirmed.
+        """
         if not isinstance(acknowledged, Exception) and int(acknowledged) >= self.min_replicas:
             return
-        self._undo(request, time.monotonic())
+        try:
+            self._run(
+                self._undo_call(request),
+                Deadline(max(deadline.at, time.monotonic() + MIN_CALL / 2)),
+            )
+        except BaseException as exc:
+            self._undo(request, time.monotonic())
+            if not isinstance(exc, RedisError):
+                raise
+        else:
+            self._unconfirmed = None
+            self._last_change = None
         raise LockBackendError(
             f"lock {self.name!r} was taken on the primary, but "
             + (
@@ -1228,6 +1244,15 @@ class RedisLock:
             )
             + f" within {self.replica_timeout} s; it was given back. Check the "
             "replicas, or lower min_replicas"
+        )
+
+    def _undo_call(self, request: str) -> Call:
+        """The release that undoes acquire ``request``, if it is still the lock's
+        last change."""
+        return Call(
+            RELEASE_SCRIPT,
+            [self.key, self.queue_key],
+            [self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, request],
         )
 
     def _undo(self, request: str, sent: float) -> None:
@@ -1242,11 +1267,7 @@ class RedisLock:
         self._last_change = None
         self._beat().retry_in_background(
             self,
-            Call(
-                RELEASE_SCRIPT,
-                [self.key, self.queue_key],
-                [self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, request],
-            ),
+            self._undo_call(request),
             sent + self.ttl,
             f"undoing the unconfirmed acquire of lock {self.name!r}",
             # Finding nothing to undo is as expected as undoing a hold.

@@ -44,9 +44,10 @@ or so, which the server keeps in one allocation with the key's object. A value
 is always written whole, with its expiry in the same ``SET`` (``PX``, or
 ``KEEPTTL`` for a key that has one), so that taking or freeing a lock is one read
 and one write. A free lock keeps its fence (and the releases it remembers), so
-the fencing counter needs no second key. When the key has expired, or the server
-lost its data, the next token is seeded from the server clock in microseconds,
-so tokens keep increasing. (A server out of memory refuses the write that frees
+the fencing counter needs no second key. A token is one more than the last, or
+the server clock in microseconds if that is higher, so tokens keep increasing
+when the key has expired, the server lost its data, or a replica that missed the
+last tokens was promoted. (A server out of memory refuses the write that frees
 a lock: the release then deletes the key, which needs no memory.)
 
 Waiters queue in a sorted set beside the lock key (score: when they first queued;
@@ -317,14 +318,17 @@ local function now_ms()
     return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 end
 
--- The fencing token after ``last`` (a field's value, or nil): one more, or when
--- there is none (first use, expired remnant, a server that lost its data) one
--- seeded from the server clock in microseconds, so tokens keep increasing.
+-- The fencing token after ``last`` (a field's value, or nil): one more, or the
+-- server clock in microseconds if that is higher. Every token is so (nearly) the
+-- time it was handed out at, and a server whose counter is behind the tokens
+-- already handed out (first use, expired remnant, a server that lost its data or
+-- a replica promoted without the last writes) still hands out higher ones.
 local function next_fence(last)
-    local fence = tonumber(last)
-    if fence then return fence + 1 end
     local now = redis.call('TIME')
-    return tonumber(now[1]) * 1000000 + tonumber(now[2])
+    local seeded = tonumber(now[1]) * 1000000 + tonumber(now[2])
+    local fence = tonumber(last)
+    if fence and fence + 1 > seeded then return fence + 1 end
+    return seeded
 end
 
 local function denied(command, ...)
@@ -515,16 +519,14 @@ if ARGV[5] == '' and type(current) ~= 'table' and not check_ttl(ARGV[2]) then
         last, queued, released = string.match(current, $FREE_VALUE)
     end
     if not current or last then
-        local fence, digits
-        if last then
+        -- As next_fence() makes it: one more than the last, or the server clock
+        -- in microseconds (its seconds and microseconds side by side) if higher.
+        local now = redis.call('TIME')
+        local digits = now[1] .. string.sub('00000' .. now[2], -6)
+        local fence = tonumber(digits)
+        if last and tonumber(last) + 1 > fence then
             fence = tonumber(last) + 1
             digits = string.format('%.0f', fence)
-        else
-            -- Seeded from the server clock, as next_fence() seeds it: its seconds
-            -- and microseconds side by side are the number in microseconds.
-            local now = redis.call('TIME')
-            digits = now[1] .. string.sub('00000' .. now[2], -6)
-            fence = tonumber(digits)
         end
         local value = ARGV[1] .. $SEPARATOR .. digits .. $SEPARATOR .. ARGV[4]
         local info = ARGV[7] ~= '' and ARGV[7]
