@@ -1571,3 +1571,97 @@ def test_a_waiter_whose_subscription_breaks_as_its_time_runs_out_returns_false(
     wait_for(lambda: direct.zcard(lock_keys("sub-breaks-late").queue) == 0, what="left")
     assert other.owned()
     other.release()
+
+
+def test_a_lost_answer_read_after_the_next_hold_leaves_that_hold_alone(
+    proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """A release(wait=False) whose answer says the old hold was lost, read by the
+    heartbeat thread only after the same object took the lock anew, must not mark
+    the new, healthy hold lost."""
+    client = redis.Redis.from_url(proxy.url)
+    lock = RedisLock(client, "late-answer", ttl=30)
+    assert lock.acquire(blocking=False)
+    direct.delete(lock.key)  # the hold is lost (an operator, an eviction)
+    transport = transport_for(client)
+    outcomes: list[str] = []
+    answered = threading.Event()
+
+    def then(outcome: str) -> None:
+        outcomes.append(outcome)
+        answered.set()
+
+    proxy.set_latency(1.0)  # the release's request reaches the server 1 s late
+    lock.release(wait=False, then=then)
+    # The heartbeat thread takes the connection to read the answer (after
+    # DRAIN_DELAY) and waits for it there.
+    wait_for(lambda: not transport._idle, what="the heartbeat thread to take the owing connection")
+    proxy.set_latency(0)  # the new acquire's round trip, and the answer, come at once
+    assert lock.acquire(blocking=False)  # a new hold, on another connection
+    assert not answered.is_set()  # the old answer is still on its way
+    assert answered.wait(10)
+    assert outcomes == ["lost"]
+
+    assert held(direct, lock.key)
+    assert lock.owned()
+    assert not lock.lost  # the new hold is healthy
+    lock.check()
+    lock.release()
+    client.close()
+
+
+#: Keeps the server busy for about a second (a slow script).
+_BUSY = """
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+while true do
+    t = redis.call('TIME')
+    if t[1] * 1000000 + t[2] - start > 1000000 then return 1 end
+end
+"""
+
+
+def test_a_renewal_landing_after_a_longer_extend_cuts_the_local_deadline_too(
+    proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """extend(30) and a renewal race: the server runs the extend first and the
+    renewal (PEXPIRE to the lock's own 3 s TTL) after it, and the renewal's answer
+    is read first. The server's expiry is then the renewal's: the holder must not
+    keep trusting the extend's 30 s once the key has gone."""
+    client = redis.Redis.from_url(proxy.url)
+    lock = RedisLock(client, "extend-race", ttl=3, heartbeat=False, heartbeat_interval=2.5)
+    beat = Heartbeat()
+    assert lock.acquire(blocking=False)
+    lock.extend()  # the server has the EXTEND script: both go by digest below
+    done: list[str] = []
+
+    def extend() -> None:
+        lock.extend(30)
+        done.append("extend")
+
+    def renew() -> None:
+        beat.renew([lock])
+        done.append("renewal")
+
+    busy = threading.Thread(target=direct.eval, args=(_BUSY, 0))
+    extending = threading.Thread(target=extend)
+    renewing = threading.Thread(target=renew)
+    busy.start()
+    time.sleep(0.2)
+    extending.start()  # reaches the server at once, runs once the script ends (1 s)
+    time.sleep(0.2)
+    proxy.set_latency(2.0)
+    renewing.start()  # reaches the server 2 s late: after the extend ran
+    time.sleep(1.2)  # the extend ran, its answer is held up by the latency
+    proxy.set_latency(0)  # the renewal's answer comes back at once
+    for thread in (busy, extending, renewing):
+        thread.join(10)
+    assert done == ["renewal", "extend"]  # the race as described
+    assert 0 < direct.pttl(lock.key) <= 3000  # the renewal landed last
+
+    wait_for(lambda: not held(direct, lock.key), what="the key to expire on the server")
+    other = RedisLock(direct, "extend-race", ttl=30, heartbeat=False)
+    assert other.acquire(blocking=False)  # another owner holds it now...
+    assert lock.lost  # ...and the old holder must know
+    other.release()
+    client.close()

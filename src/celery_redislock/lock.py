@@ -415,6 +415,9 @@ class RedisLock:
     # When the last extend() was sent: a renewal sent before it, answered after
     # it, does not move the local deadline past what the extend set.
     _extend_sent = -math.inf
+    # One floor per extend() on its way: the earliest expiry a renewal confirmed
+    # meanwhile set (it may have landed after the extend, setting the lock's own TTL).
+    _extending: tuple[list[float], ...] = ()
     # The heartbeat lane renewing the current hold, if any.
     _lane: _Lane | None = None
     # The owner token of a hold of this lock's lease that its holder hands to this
@@ -587,6 +590,8 @@ class RedisLock:
 
     def _renewed(self, sent: float) -> None:
         with self._state:
+            for floor in self._extending:
+                floor[0] = min(floor[0], sent + self.ttl)
             if self._lost:
                 return
             if self._extended:
@@ -828,6 +833,9 @@ class RedisLock:
             self._holds -= 1
             last = self._holds == 0
             until = self._expiry
+            # The hold this release is for: an answer read after the object took
+            # the lock anew (a new fencing token) says nothing about the new hold.
+            token = self.token
         lane = self._lane
         if last:
             # The count is 0 already: renewal stops now, whatever the send does.
@@ -868,7 +876,9 @@ class RedisLock:
                 logger.warning("celery_redislock: releasing lock %s failed: %s", self.name, reply)
                 outcome = "failed"
             elif reply == Released.NOT_OWNED:
-                self._lost = True
+                with self._state:
+                    if self.token == token:
+                        self._lost = True
                 if then is None:
                     logger.warning(
                         "celery_redislock: lock %s was no longer held when released (it "
@@ -925,15 +935,28 @@ class RedisLock:
         new_ttl = self.ttl if ttl is None else check_ttl(ttl)
         sent = time.monotonic()
         call = Call(EXTEND_SCRIPT, [self.key], [self.owner, max(1, int(new_ttl * 1000))])
-        with backend_errors(f"extend lock {self.name!r}"):
-            result = self._run(call, self._call_deadline(None))
+        floor = [math.inf]
+        with self._state:
+            self._extending = (*self._extending, floor)
+        try:
+            with backend_errors(f"extend lock {self.name!r}"):
+                result = self._run(call, self._call_deadline(None))
+        except BaseException:
+            with self._state:
+                self._extending = tuple(f for f in self._extending if f is not floor)
+            raise
         if result != 1:
+            with self._state:
+                self._extending = tuple(f for f in self._extending if f is not floor)
             if self._forget():
                 self._lost = True
                 raise LockLostError(self.name)
             raise LockNotOwnedError(self.name)
         with self._state:
-            self._expiry = sent + new_ttl
+            self._extending = tuple(f for f in self._extending if f is not floor)
+            # A renewal answered while this extend was on its way may have run
+            # after it on the server: the expiry is then no later than its own.
+            self._expiry = min(sent + new_ttl, floor[0])
             self._extended = new_ttl > self.ttl
             self._extend_sent = sent
             renewed = self._holds > 0 and not self._lost
