@@ -512,6 +512,39 @@ def test_unreachable_server_loses_lock_only_after_ttl(
         heartbeat.stop()
 
 
+def test_a_renewal_failing_near_the_deadline_is_retried_no_later_than_the_deadline(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """A renewal that fails with less than a retry's pause left before the local
+    deadline is due again at the deadline, not after it: on_lost is called when
+    the lock is lost, not a retry late."""
+    server = redislock_server_factory()
+    offset = [0.0]
+    heartbeat = Heartbeat(clock=lambda: time.monotonic() + offset[0])
+    on_lost = LostCalls()
+    lock = RedisLock(
+        server.client(retry=Retry(NoBackoff(), 0)),
+        "near-deadline",
+        ttl=30,
+        on_lost=on_lost,
+        _heartbeat=heartbeat,
+    )
+    try:
+        assert lock.acquire()
+        server.stop()
+        offset[0] = lock._expires_at() - time.monotonic() - heartbeat_module.RENEW_RETRY / 5
+        heartbeat.renew([lock])
+        assert not lock.lost
+        entry = heartbeat._lane(lock.transport).entries[id(lock)]
+        assert entry.due <= lock._expires_at()
+
+        offset[0] += heartbeat_module.RENEW_RETRY / 5
+        heartbeat.renew([lock])
+        assert on_lost.locks == [lock]
+    finally:
+        heartbeat.stop()
+
+
 def test_concurrent_registration(client: redis.Redis) -> None:
     """Locks taken from many threads at once are all registered and all renewed."""
     locks = [RedisLock(client, f"threaded-{i}", ttl=1) for i in range(20)]

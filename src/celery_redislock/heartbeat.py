@@ -434,7 +434,10 @@ class _Lane:
                     lost += 1
                     self._lose(lock, entry)
                 else:
-                    self._reschedule(entry, after + min(RENEW_RETRY, lock.renew_interval / 4))
+                    # Retried soon, and at the latest when its local deadline
+                    # passes: on_lost is then called on time, not a retry late.
+                    retry_at = after + min(RENEW_RETRY, lock.renew_interval / 4)
+                    self._reschedule(entry, min(retry_at, lock._expires_at()))
             else:
                 lost += 1
                 self._lose(lock, entry)
