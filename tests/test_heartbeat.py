@@ -545,6 +545,56 @@ def test_a_renewal_failing_near_the_deadline_is_retried_no_later_than_the_deadli
         heartbeat.stop()
 
 
+def test_a_verdict_reached_before_a_new_hold_was_confirmed_leaves_it_alone(
+    client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal answered "not held" before an acquire of the same object took
+    the lock anew, whose answer is applied only between that acquire's reply and
+    its registration, was about the old hold: the new one is not marked lost,
+    stays on the heartbeat and is renewed."""
+    heartbeat = Heartbeat()
+    on_lost = LostCalls()
+    lock = RedisLock(client, "verdict-before-hold", ttl=30, on_lost=on_lost, _heartbeat=heartbeat)
+    answered, apply = threading.Event(), threading.Event()
+
+    def answer_held_back(*args: Any, **kwargs: Any) -> Any:
+        results = real_run_calls(*args, **kwargs)
+        answered.set()
+        apply.wait(5)
+        return results
+
+    try:
+        assert lock.acquire()
+        lane = heartbeat._lane(lock.transport)
+        client.delete(lock.key)  # the old hold is gone (as if evicted)
+        monkeypatch.setattr(heartbeat_module, "run_calls", answer_held_back)
+        old_round = threading.Thread(target=lane.renew, args=(lane.renewals([lock]),))
+        old_round.start()
+        assert answered.wait(5)
+        monkeypatch.undo()
+        register = heartbeat.register
+
+        def verdict_lands_first(renewable: Any, first: float | None = None) -> Any:
+            apply.set()
+            old_round.join(5)
+            return register(renewable, first)
+
+        monkeypatch.setattr(heartbeat, "register", verdict_lands_first)
+        assert lock.acquire()  # taken anew: the key was gone
+        monkeypatch.undo()
+        assert not old_round.is_alive()
+        assert not lock.lost
+        assert on_lost.locks == []
+        assert lock in heartbeat.held()
+        heartbeat.renew([lock])
+        assert not lock.lost
+        assert held(client, lock.key)
+    finally:
+        apply.set()
+        heartbeat.stop()
+        lock.release()
+
+
 def test_concurrent_registration(client: redis.Redis) -> None:
     """Locks taken from many threads at once are all registered and all renewed."""
     locks = [RedisLock(client, f"threaded-{i}", ttl=1) for i in range(20)]

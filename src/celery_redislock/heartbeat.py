@@ -80,7 +80,9 @@ class Renewable(Protocol):
 
     def _renewed(self, sent: float) -> None: ...
 
-    def _mark_lost(self) -> bool: ...
+    def _confirmed(self) -> int: ...
+
+    def _mark_lost(self, confirmed: int) -> bool | None: ...
 
     def _report_lost(self) -> None: ...
 
@@ -100,9 +102,11 @@ class _Entry(weakref.ref["Renewable"]):
     name: str
 
 
-#: A lock to renew and the registration the renewal is for (``None`` for a lock
-#: not registered on the lane: renewed, but never rescheduled, moved or lost).
-_Renewal = tuple[Renewable, _Entry | None]
+#: A lock to renew, the registration the renewal is for (``None`` for a lock
+#: not registered on the lane: renewed, but never rescheduled, moved or lost),
+#: and how many holds the lock had confirmed when the round was formed: a
+#: verdict is not for a hold confirmed after that (see ``Renewable._mark_lost``).
+_Renewal = tuple[Renewable, _Entry | None, int]
 
 
 #: Replies that say a request went to a primary that no longer (or not alone)
@@ -244,7 +248,7 @@ class _Lane:
     def renewals(self, locks: Iterable[Renewable]) -> list[_Renewal]:
         """``locks``, each with its current registration here (or ``None``)."""
         with self.cond:
-            return [(lock, self._entry_of(lock)) for lock in locks]
+            return [(lock, self._entry_of(lock), lock._confirmed()) for lock in locks]
 
     def _entry_of(self, lock: Renewable) -> _Entry | None:
         """With ``cond`` held: the current registration of ``lock``, if any."""
@@ -349,7 +353,7 @@ class _Lane:
         for entry in self.entries.values():
             lock = entry()
             if lock is not None and entry.due - lock.renew_interval / 2 <= now:
-                renewals.append((lock, entry))
+                renewals.append((lock, entry, lock._confirmed()))
         pending = [p for p in self.pending if p.next_try <= now]
         drain = None
         if self.drain_at is not None and self.drain_at <= now:
@@ -376,22 +380,23 @@ class _Lane:
         verdict applies to the registration the renewal was sent for only."""
         now = self.clock()
         live: list[_Renewal] = []
-        for lock, entry in renewals:
+        for renewal in renewals:
+            lock, entry, confirmed = renewal
             if lock._expires_at() <= now:
                 # Its local deadline has passed: whatever the server says now,
                 # the holder could not be sure of the lock for a while.
-                self._lose(lock, entry)
+                self._lose(lock, entry, confirmed)
             else:
-                live.append((lock, entry))
+                live.append(renewal)
         if not live:
             if renewals:
                 signals.heartbeat_round.send(
                     sender=self.transport.describe(), renewed=0, failed=0, lost=len(renewals)
                 )
             return
-        budget = min(lock._expires_at() for lock, _ in live) - now
-        budget = min(max(budget, MIN_ROUND_TRIP), max(lock.renew_interval for lock, _ in live))
-        calls = [Call(EXTEND_SCRIPT, [lock.key], [lock.owner, lock.ttl_ms]) for lock, _ in live]
+        budget = min(lock._expires_at() for lock, _, _ in live) - now
+        budget = min(max(budget, MIN_ROUND_TRIP), max(lock.renew_interval for lock, _, _ in live))
+        calls = [Call(EXTEND_SCRIPT, [lock.key], [lock.owner, lock.ttl_ms]) for lock, _, _ in live]
         # The round trip's own failure (logged here), else none: renewals that
         # fail one by one (refused by the server) are logged after the round.
         raised: BaseException | None = None
@@ -402,7 +407,7 @@ class _Lane:
             results = [exc] * len(live)
             raised = exc
             live[0][0]._redirected(exc)
-        for at, ((lock, _entry), result) in enumerate(zip(live, results, strict=True)):
+        for at, ((lock, _entry, _), result) in enumerate(zip(live, results, strict=True)):
             redirect = getattr(lock, "_run", None)
             if isinstance(result, AskError) and redirect is not None:
                 # Its slot is moving, its key already on the new primary: the
@@ -412,7 +417,7 @@ class _Lane:
         renewed = failed = 0
         refused: list[Exception] = []
         lost = len(renewals) - len(live)
-        for (lock, entry), result in zip(live, results, strict=True):
+        for (lock, entry, confirmed), result in zip(live, results, strict=True):
             if lock.transport is not self.transport and isinstance(result, Exception):
                 # A cluster slot moved: the lane of the lock's new primary takes it.
                 self._move(lock, entry, after)
@@ -432,7 +437,7 @@ class _Lane:
                     refused.append(result)
                 if lock._expires_at() <= after:
                     lost += 1
-                    self._lose(lock, entry)
+                    self._lose(lock, entry, confirmed)
                 else:
                     # Retried soon, and at the latest when its local deadline
                     # passes: on_lost is then called on time, not a retry late.
@@ -440,7 +445,7 @@ class _Lane:
                     self._reschedule(entry, min(retry_at, lock._expires_at()))
             else:
                 lost += 1
-                self._lose(lock, entry)
+                self._lose(lock, entry, confirmed)
         if refused:
             self._warn_renewals(len(refused), refused[0])
         elif failed == 0:
@@ -481,15 +486,19 @@ class _Lane:
             if entry is not None and self._is_current(entry):
                 entry.due = due
 
-    def _lose(self, lock: Renewable, entry: _Entry | None) -> None:
+    def _lose(self, lock: Renewable, entry: _Entry | None, confirmed: int) -> None:
+        """Apply a verdict that ``lock`` is lost, reached by a round formed when it
+        had confirmed ``confirmed`` holds: to the registration it was for, and only
+        if no hold was confirmed since (then the verdict is not for that hold)."""
         with self.cond:
-            # Marked lost together with its registration's removal: the same
-            # object taking the lock again registers anew only before (this
-            # verdict is then not for it) or after (its new hold clears the mark).
-            lost = entry is not None and self._is_current(entry)
-            if lost:
-                del self.entries[id(lock)]
-                lost = lock._mark_lost()
+            if entry is None or not self._is_current(entry):
+                return
+            lost = lock._mark_lost(confirmed)
+            if lost is None:
+                # A hold confirmed since (a re-entry that found the lock still
+                # held): it stays registered, renewed when due.
+                return
+            del self.entries[id(lock)]
         if lost:
             try:
                 lock._report_lost()

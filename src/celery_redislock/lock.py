@@ -376,6 +376,9 @@ class RedisLock:
     _blocked_taken = False
     _lost = False
     _holds = 0
+    # How many holds (taken or re-entered) acquires have confirmed: a verdict of
+    # the heartbeat reached before the last one is not for the hold it made.
+    _confirmations = 0
     _expiry = 0.0
     _pttl = 0
     # A waiter's place in the lock's queue, kept across its tries.
@@ -611,10 +614,17 @@ class RedisLock:
     def _redirected(self, exc: BaseException) -> bool:
         return self._router.redirected(exc)
 
-    def _mark_lost(self) -> bool:
-        """Mark the current hold lost; return whether there was one not yet known to
-        be lost (then :meth:`_report_lost` is due)."""
+    def _confirmed(self) -> int:
+        return self._confirmations
+
+    def _mark_lost(self, confirmed: int) -> bool | None:
+        """Mark the current hold lost, on a verdict reached when ``confirmed``
+        holds had been confirmed; return whether there was one not yet known to be
+        lost (then :meth:`_report_lost` is due), or ``None`` (nothing marked) when
+        an acquire has confirmed a hold since: the verdict is not for it."""
         with self._state:
+            if self._confirmations != confirmed:
+                return None
             if self._lost or self._holds == 0:
                 return False
             self._lost = True
@@ -1151,6 +1161,7 @@ class RedisLock:
             self._expiry = sent + self.ttl
             self._extended = False
             self._last_change = request
+            self._confirmations += 1
         # A new hold (TAKEN) is registered even if this object still counted
         # holds from a lock it lost, and so is a hold re-entered after the
         # heartbeat found it lost (the server still had it): losing it took it
