@@ -1313,6 +1313,55 @@ def test_lone_waiter_reads_its_wake_up_itself(
     assert set(delivered_in) == {waiter.thread}
 
 
+class _Interrupted(BaseException):
+    """Raised in a waiter's thread as a soft time limit would be."""
+
+
+def test_a_waiter_interrupted_while_reading_its_wake_up_has_the_hub_subscribe_again(
+    client: redis.Redis, cleanup: list[RedisLock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter interrupted (a soft time limit) right after it read wake-ups off
+    the subscription, before it delivered them: the interruption reaches its
+    caller, and the bytes it read are gone, so the hub does not trust the stream
+    again. It subscribes anew and wakes every other waiter of the process to
+    re-check the lock: the other waiter, whose wake-up may have been among the
+    lost bytes, still gets the lock."""
+    holder = RedisLock(client, "interrupted-read", ttl=60)
+    assert holder.acquire()
+    _, first = wait_behind(holder, cleanup)
+    assert wait_until(lambda: queued(client, holder) == 1)
+    _, second = wait_behind(holder, cleanup)
+    assert wait_until(lambda: queued(client, holder) == 2)
+    hub = wakeups.hub_for(holder.transport, holder.prefix)
+    subscriptions = hub.subscriptions
+    receive = wakeups._receive
+    interrupted_in: list[threading.Thread] = []
+
+    def interrupted(conn: Any) -> bytes:
+        data = receive(conn)
+        if not interrupted_in:
+            interrupted_in.append(threading.current_thread())
+            raise _Interrupted
+        return data
+
+    # No probe of a silent subscription: only the interruption may replace it.
+    monkeypatch.setattr(wakeups, "PROBE_AFTER", 3600.0)
+    monkeypatch.setattr(wakeups, "_receive", interrupted)
+    assert wait_until(lambda: hub.subscribed and hub._reading.locked())
+    # Read by whichever waiter reads (again, should a read begun before the
+    # patch take the first).
+    assert wait_until(lambda: client.publish(hub.channel, "nobody") > 0 and bool(interrupted_in))
+    assert wait_until(lambda: first.done() or second.done())
+    monkeypatch.setattr(wakeups, "_receive", receive)
+    gone, left = (first, second) if first.done() else (second, first)
+    assert interrupted_in == [gone.thread]
+    assert isinstance(gone.error, _Interrupted)
+    assert wait_until(lambda: hub.subscriptions > subscriptions and hub.subscribed)
+    holder.release()
+    assert wait_until(left.done, timeout=20)
+    assert left.result is True
+
+
 def test_waiter_takes_over_the_reading_from_one_that_gave_up(
     client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:

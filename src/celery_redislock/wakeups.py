@@ -246,6 +246,11 @@ class WakeHub:
             try:
                 self.transport.bound(conn, min(remaining, _POLL))
                 data = _receive(conn)
+                self._heard, self._probed = time.monotonic(), None
+                replies, self._unread = parse_replies(self._unread + data)
+                for reply in replies:
+                    if isinstance(reply, list) and reply[:1] == [b"message"]:
+                        self._deliver(reply[2].decode())
             except RedisTimeoutError:
                 try:
                     self._check_silence(conn)
@@ -256,11 +261,15 @@ class WakeHub:
             except RedisError as exc:
                 self._broke(conn, exc)
                 return True
-            self._heard, self._probed = time.monotonic(), None
-            replies, self._unread = parse_replies(self._unread + data)
-            for reply in replies:
-                if isinstance(reply, list) and reply[:1] == [b"message"]:
-                    self._deliver(reply[2].decode())
+            except BaseException as exc:
+                # Interrupted while reading (a soft time limit, say) or a reply
+                # that makes no sense: bytes or wake-ups read may be lost, so the
+                # stream cannot be trusted. It is subscribed again, every waiter
+                # re-checks the lock, and an interruption goes on to its caller.
+                self._broke(conn, RedisConnectionError(f"wake-up read failed: {exc!r}"))
+                if isinstance(exc, Exception):
+                    return True
+                raise
         return True
 
     def _check_silence(self, conn: Any) -> None:
