@@ -35,7 +35,7 @@ from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.lock import lock_keys, release_lease
 from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD
 from celery_redislock.server import RedisServer
-from celery_redislock.transport import Client, transport_for
+from celery_redislock.transport import Client, Transport, transport_for
 from celery_redislock.wakeups import PROBE_AFTER, PROBE_WAIT, hub_for
 from tests.proxy import FaultProxy
 from tests.support import fields, wait_for, write_fields
@@ -537,6 +537,18 @@ def _migrating(cluster: ClusterDeployment, slot: int) -> tuple[RedisServer, Redi
     _command(target, "CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
     _command(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
     return source, target
+
+
+def _held_then_moved(cluster: ClusterDeployment, held: RedisLock) -> tuple[Transport, RedisServer]:
+    """Take ``held``, then move its slot whole to another primary; return the
+    lock's transport before the move and the slot's new primary."""
+    assert held.acquire(blocking=False)
+    old = held.transport
+    slot = held.client.keyslot(held.key)  # type: ignore[union-attr]
+    source, target = _migrating(cluster, slot)
+    _migrate_keys(source, target, slot)
+    _settle(cluster, slot, target)
+    return old, target
 
 
 def _migrate_keys(source: RedisServer, target: RedisServer, slot: int) -> None:
@@ -1064,12 +1076,7 @@ def test_a_moved_reply_updates_the_slot_map(
     client = cluster.client()
     try:
         held = RedisLock(client, "moved-slot", ttl=30, heartbeat=False)
-        assert held.acquire(blocking=False)
-        old = held.transport
-        slot = client.keyslot(held.key)  # type: ignore[no-untyped-call]
-        source, target = _migrating(cluster, slot)
-        _migrate_keys(source, target, slot)
-        _settle(cluster, slot, target)
+        old, target = _held_then_moved(cluster, held)
         held.extend()  # meets MOVED on the old primary, lands on the new one
         assert held.transport is not old
         assert held.transport.describe() == f"{target.host}:{target.port}"
@@ -1091,12 +1098,7 @@ def test_renewals_move_to_the_lane_of_a_slot_that_moved(
     client = cluster.client()
     try:
         held = RedisLock(client, "moved-renewed", ttl=1.5)
-        assert held.acquire(blocking=False)
-        old = held.transport
-        slot = client.keyslot(held.key)  # type: ignore[no-untyped-call]
-        source, target = _migrating(cluster, slot)
-        _migrate_keys(source, target, slot)
-        _settle(cluster, slot, target)
+        old, _ = _held_then_moved(cluster, held)
         wait_for(lambda: held.transport is not old, timeout=10, what="the slot map to learn")
         sends = old.sends
         wait_for(

@@ -479,26 +479,35 @@ def test_stopped_heartbeat_restarted_leaves_earlier_locks_alone(
     later.release()
 
 
-def test_unreachable_server_loses_lock_only_after_ttl(
-    redislock_server_factory: Callable[..., RedisServer],
-) -> None:
-    """While Redis is unreachable a lock is kept (retried) until its TTL has passed on the
-    client's clock; then it is marked lost, once."""
-    server = redislock_server_factory()
+def _held_on_a_stopped_server(
+    server: RedisServer, name: str
+) -> tuple[RedisLock, Heartbeat, list[float], LostCalls]:
+    """A lock taken on ``server``, which is then stopped; its heartbeat's clock
+    runs ``offset[0]`` seconds ahead of the monotonic clock."""
     offset = [0.0]
     heartbeat = Heartbeat(clock=lambda: time.monotonic() + offset[0])
     on_lost = LostCalls()
     lock = RedisLock(
         server.client(retry=Retry(NoBackoff(), 0)),
-        "unreachable",
+        name,
         ttl=30,
         on_lost=on_lost,
         _heartbeat=heartbeat,
     )
-    try:
-        assert lock.acquire()
-        server.stop()
+    assert lock.acquire()
+    server.stop()
+    return lock, heartbeat, offset, on_lost
 
+
+def test_unreachable_server_loses_lock_only_after_ttl(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """While Redis is unreachable a lock is kept (retried) until its TTL has passed on the
+    client's clock; then it is marked lost, once."""
+    lock, heartbeat, offset, on_lost = _held_on_a_stopped_server(
+        redislock_server_factory(), "unreachable"
+    )
+    try:
         heartbeat.renew([lock])
         assert not lock.lost
         assert lock in heartbeat.held()
@@ -518,20 +527,10 @@ def test_a_renewal_failing_near_the_deadline_is_retried_no_later_than_the_deadli
     """A renewal that fails with less than a retry's pause left before the local
     deadline is due again at the deadline, not after it: on_lost is called when
     the lock is lost, not a retry late."""
-    server = redislock_server_factory()
-    offset = [0.0]
-    heartbeat = Heartbeat(clock=lambda: time.monotonic() + offset[0])
-    on_lost = LostCalls()
-    lock = RedisLock(
-        server.client(retry=Retry(NoBackoff(), 0)),
-        "near-deadline",
-        ttl=30,
-        on_lost=on_lost,
-        _heartbeat=heartbeat,
+    lock, heartbeat, offset, on_lost = _held_on_a_stopped_server(
+        redislock_server_factory(), "near-deadline"
     )
     try:
-        assert lock.acquire()
-        server.stop()
         offset[0] = lock._expires_at() - time.monotonic() - heartbeat_module.RENEW_RETRY / 5
         heartbeat.renew([lock])
         assert not lock.lost
