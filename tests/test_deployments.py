@@ -170,8 +170,8 @@ def test_sentinel_reports_the_master_and_its_replica(
     assert len(hosts) == 3
     assert redislock_sentinel.sentinel_url == ";".join(f"sentinel://{h}:{p}" for h, p in hosts)
     assert redislock_sentinel.transport_options == {"master_name": "mymaster"}
-    sentinel = Sentinel(hosts, socket_timeout=5)  # type: ignore[no-untyped-call]
-    assert sentinel.discover_master("mymaster") == (master.host, master.port)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(hosts, socket_timeout=5)  # type: ignore[no-untyped-call,unused-ignore]
+    assert sentinel.discover_master("mymaster") == (master.host, master.port)  # type: ignore[no-untyped-call,unused-ignore]
     for node in sentinel.sentinels:
         node.close()
     client = redislock_sentinel.client(socket_timeout=5)

@@ -684,8 +684,8 @@ def test_sentinel_that_never_answers_holds_up_no_call(
     is taken and released."""
     stalled = socket.create_server(("127.0.0.1", 0))  # it never accepts a connection
     hosts = [stalled.getsockname()[:2], *redislock_sentinel.sentinel_hosts]
-    sentinel = Sentinel(hosts, sentinel_kwargs={"socket_timeout": None})  # type: ignore[no-untyped-call]
-    client: redis.Redis = sentinel.master_for(redislock_sentinel.master_name)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(hosts, sentinel_kwargs={"socket_timeout": None})  # type: ignore[no-untyped-call,unused-ignore]
+    client: redis.Redis = sentinel.master_for(redislock_sentinel.master_name)  # type: ignore[no-untyped-call,unused-ignore]
     lock = RedisLock(client, "sentinel:stalled-first", ttl=30, call_timeout=3.0, heartbeat=False)
     thread, outcome = in_thread(lambda: lock.acquire(blocking=False))
     try:

@@ -865,7 +865,7 @@ def test_release_wakes_the_first_two_and_marks_the_spare(
     for position, waiter_id in enumerate(("proc-a.1", "proc-b.7", "proc-c.3"), start=1):
         client.zadd(holder.queue_key, {waiter_id: position})
     write_fields(client, holder.key, q="1")
-    pubsub = client.pubsub()  # type: ignore[no-untyped-call]
+    pubsub = client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]
     pubsub.psubscribe(f"{holder.wake_prefix}*")
     assert pubsub.get_message(timeout=5) is not None  # the subscription's confirmation
     holder.release()

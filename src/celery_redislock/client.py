@@ -40,7 +40,7 @@ from celery_redislock.transport import DEFAULT_CALL_TIMEOUT, Client
 #: URL schemes of a lock store.
 URL_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
 
-_TIMEOUTS = {
+_TIMEOUTS: dict[str, Any] = {
     "socket_timeout": DEFAULT_CALL_TIMEOUT,
     "socket_connect_timeout": DEFAULT_CALL_TIMEOUT,
 }
@@ -185,8 +185,8 @@ def _sentinel_master(url: str, options: dict[str, Any]) -> redis.Redis:
         if db and "db" not in master:
             master["db"] = int(db)
     master.update(options)
-    sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_kwargs, **_TIMEOUTS)  # type: ignore[no-untyped-call]
-    client: redis.Redis = sentinel.master_for(master_name, **master)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_kwargs, **_TIMEOUTS)  # type: ignore[no-untyped-call,unused-ignore]
+    client: redis.Redis = sentinel.master_for(master_name, **master)  # type: ignore[no-untyped-call,unused-ignore]
     return client
 
 

@@ -642,11 +642,11 @@ class SentinelDeployment(_Deployment):
     def sentinel(self, **kwargs: Any) -> Sentinel:
         """A new ``redis.sentinel.Sentinel`` over every Sentinel; ``kwargs`` apply to the
         connections to the data servers."""
-        return Sentinel(self.sentinel_hosts, **kwargs)  # type: ignore[no-untyped-call]
+        return Sentinel(self.sentinel_hosts, **kwargs)  # type: ignore[no-untyped-call,unused-ignore]
 
     def client(self, **kwargs: Any) -> redis.Redis:
         """A new client of whichever server the Sentinels name primary (``master_for``)."""
-        client: redis.Redis = self.sentinel(**kwargs).master_for(self.master_name)  # type: ignore[no-untyped-call]
+        client: redis.Redis = self.sentinel(**kwargs).master_for(self.master_name)  # type: ignore[no-untyped-call,unused-ignore]
         return client
 
     def master_address(self) -> tuple[str, int]:
