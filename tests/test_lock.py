@@ -58,6 +58,7 @@ from celery_redislock.scripts import (
     queue_entry,
 )
 from celery_redislock.server import RedisServer, available_server_binaries, free_port
+from tests.proxy import FaultProxy
 from tests.support import acquire_in_thread, field, fields, hold_count, wait_until, write_fields
 from tests.support import lock_keys as lock_keys_held
 
@@ -452,6 +453,49 @@ def test_a_renewal_answered_after_a_shorter_extend_keeps_the_extends_deadline(
     lock._renewed(time.monotonic())  # a renewal sent after it moves it on
     assert lock._expiry > deadline + 20
     lock.release()
+
+
+def test_a_renewal_landing_before_a_slower_shorter_extend_does_not_outlast_it(
+    redislock_server: RedisServer,
+) -> None:
+    """A renewal sent after ``extend()`` with a shorter TTL was sent, but before it
+    was answered, may land on the server first (the extend's request was slower to
+    arrive): the server then expires the lock by the extend's TTL, and so does the
+    local deadline, however late the renewal's answer is read. Otherwise a holder cut
+    off then would trust a lock another owner holds."""
+    name = "extend-overtaken"
+    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+        holder = RedisLock(proxy.url, name, ttl=30, heartbeat=False)
+        assert holder.acquire(blocking=False)
+        holder.extend()  # its script is loaded before the latency starts
+        # What the heartbeat's renewal does on the server, on a faster path.
+        renewal = RedisLock(redislock_server.url, name, ttl=30, owner=holder.owner, heartbeat=False)
+        renewal_sent: list[float] = []
+
+        def renew_while_the_extend_travels() -> None:
+            time.sleep(0.1)
+            renewal_sent.append(time.monotonic())
+            renewal.extend()
+
+        proxy.set_latency(0.3)
+        renewer = threading.Thread(target=renew_while_the_extend_travels)
+        renewer.start()
+        holder.extend(1)
+        renewer.join(5)
+        proxy.set_latency(0)
+        deadline = holder._expiry
+        direct = redislock_server.client()
+        assert direct.pttl(holder.key) <= 1_000  # the extend landed last
+
+        holder._renewed(renewal_sent[0])  # the heartbeat's verdict, read after the extend's
+
+        assert holder._expiry <= deadline
+        rival = RedisLock(direct, name, ttl=5, heartbeat=False)
+        assert wait_until(lambda: rival.acquire(blocking=False), timeout=5)
+        assert holder.lost
+        rival.release()
+        holder.detach()
+        direct.close()
 
 
 def test_locked_owned_and_holder_lease(client: redis.Redis) -> None:

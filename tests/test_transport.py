@@ -577,6 +577,21 @@ def test_a_transport_busy_as_the_process_forks_works_in_the_child(
         assert in_forked_child(_take_and_free, lock) == "taken"
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork()")
+@pytest.mark.filterwarnings(FORK_WARNING)
+def test_a_lock_whose_state_another_thread_held_as_the_process_forked_works_in_the_child(
+    redislock_server: RedisServer,
+) -> None:
+    """The heartbeat's thread (or another thread of the parent) may be updating a
+    lock's local state at the moment of a fork: the child, where that thread does not
+    go on to finish, does not hang on the lock's first use there."""
+    lock = RedisLock(redislock_server.url, uuid.uuid4().hex, ttl=30, heartbeat=False)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    with lock._state:
+        assert in_forked_child(_take_and_free, lock) == "taken"
+
+
 def test_idle_connections_all_closed_by_the_server_cost_one_retry(
     redislock_server: RedisServer,
 ) -> None:

@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, NoReturn
+from typing import Any, ClassVar, Literal, NamedTuple, NoReturn
 
 from redis.exceptions import (
     AskError,
@@ -415,9 +415,10 @@ class RedisLock:
     # Whether extend() gave the hold more than the lock's TTL since the last
     # renewal: the next renewal cuts it back, and the local deadline with it.
     _extended = False
-    # When the last extend() was sent: a renewal sent before it, answered after
-    # it, does not move the local deadline past what the extend set.
-    _extend_sent = -math.inf
+    # When the last extend() was answered: a renewal sent before that may have
+    # landed before the extend on the server, so it does not move the local
+    # deadline past what the extend set.
+    _extend_answered = -math.inf
     # One floor per extend() on its way: the earliest expiry a renewal confirmed
     # meanwhile set (it may have landed after the extend, setting the lock's own TTL).
     _extending: tuple[list[float], ...] = ()
@@ -450,7 +451,10 @@ class RedisLock:
     on_lost: Callable[[RedisLock], Any] | None
     #: The holder's description, as ACQUIRE takes it (see :func:`check_holder_info`).
     _info: str
-    _state: threading.Lock
+    #: Guards every object's local hold state (its sections are a few
+    #: assignments, never a request or a callback). One for all objects, so that
+    #: a child forked while another thread held it can be given a new one.
+    _state: ClassVar[threading.Lock] = threading.Lock()
     _heartbeat: Heartbeat | None
     _router: Router
 
@@ -569,7 +573,6 @@ class RedisLock:
         state["owner"] = owner
         state["lease"] = lease
         state["_info"] = info
-        state["_state"] = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<RedisLock {self.name!r} owner={self.owner[:8]}… token={self.token}>"
@@ -602,8 +605,9 @@ class RedisLock:
                 # server's expiry may now be no later than this renewal's.
                 self._expiry = sent + self.ttl
                 self._extended = False
-            elif sent < self._extend_sent:
-                # Sent before a (shorter) extend that may have landed after it.
+            elif sent < self._extend_answered:
+                # Sent before a (shorter) extend was answered: it may have landed
+                # before the extend.
                 self._expiry = min(self._expiry, sent + self.ttl)
             else:
                 self._expiry = max(self._expiry, sent + self.ttl)
@@ -968,7 +972,7 @@ class RedisLock:
             # after it on the server: the expiry is then no later than its own.
             self._expiry = min(sent + new_ttl, floor[0])
             self._extended = new_ttl > self.ttl
-            self._extend_sent = sent
+            self._extend_answered = time.monotonic()
             renewed = self._holds > 0 and not self._lost
         if self.heartbeat and renewed and new_ttl < self.ttl:
             # Registered anew, due before the shorter TTL runs out.
@@ -1703,3 +1707,12 @@ def release_lease(
     )
     with backend_errors(f"release lock {name!r}"):
         return bool(send(router_for(client), key, call, Deadline.after(timeout)))
+
+
+def _new_state_guard_after_fork() -> None:
+    # The parent's heartbeat (or another of its threads) may have held the
+    # guard as the process forked; that thread does not exist here to free it.
+    RedisLock._state = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_state_guard_after_fork)
