@@ -219,6 +219,12 @@ CASES = [
     pytest.param(task_with(lock_on=(1,)), TypeError, "lock_on", id="opt-lock-on-not-names"),
     pytest.param(task_with(lock_on=("nope",)), ValueError, "lock_on", id="opt-lock-on-unknown"),
     pytest.param(task_with(lock_key=5), TypeError, "lock_key", id="opt-lock-key-int"),
+    pytest.param(
+        task_with(lock_key=lambda event_id: event_id),
+        ValueError,
+        "lock_key",
+        id="opt-lock-key-takes-too-few",
+    ),
     # app.conf.redislock_* settings.
     pytest.param(
         app_with("redislock_ttl", "10"), TypeError, "app.conf.redislock_ttl", id="conf-ttl-str"

@@ -623,6 +623,67 @@ def test_lock_key_callable_computes_the_material(app: Celery) -> None:
     assert key == KeyBuilder(sync.name, None, lock_key=lambda *a, **k: ["account", 7])((), {})
 
 
+class Region(str, enum.Enum):
+    """A ``str`` Enum: JSON delivers its value, while ``format()`` of the member
+    gives ``Region.EU`` on Python 3.11 and later."""
+
+    EU = "eu"
+
+
+def test_lock_key_gets_every_spelling_of_a_call_by_name_with_defaults(app: Celery) -> None:
+    """A ``lock_key`` callable is given the arguments by name, defaults applied: a
+    callable that takes the one it needs and ``**_`` serves every spelling of a
+    call, positional ones included."""
+
+    @app.task(base=SingletonTask, shared=False, lock_key=lambda account_id, **_: account_id)
+    def sync_account(account_id: int, since: str | None = None) -> None:
+        """Sample body."""
+
+    key = sync_account.lock_name((3, "2024-01-01"), {})
+    assert key == sync_account.lock_name((3,), {"since": "2024-01-01"})
+    assert key == sync_account.lock_name((), {"account_id": 3})
+    assert key != sync_account.lock_name((4,), {})
+
+
+def test_lock_key_sees_the_arguments_as_a_worker_receives_them(app: Celery) -> None:
+    """The key a send reserves is the one its execution takes: a ``lock_key``
+    callable is given the arguments as they come out of the task's serializer on
+    the producer too (a ``str`` Enum member as its value, a tuple as a list, under
+    JSON), not as the caller's own objects."""
+
+    @app.task(
+        base=SingletonTask, shared=False, lock_key=lambda region, shape=(): f"{region}:{shape}"
+    )
+    def sync_region(region: Any, shape: Any = ()) -> None:
+        """Sample body."""
+
+    sent = sync_region.lock_name((Region.EU, (1, 2)), {})
+    assert sent == sync_region.lock_name(["eu", [1, 2]], {})  # what the worker receives
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        serializer="pickle",
+        lock_key=lambda region: type(region).__name__,
+    )
+    def sync_pickled(region: Any) -> None:
+        """Sample body."""
+
+    # Pickle delivers the member itself: so does the producer's side.
+    assert sync_pickled.lock_name((Region.EU,), {}) != sync_pickled.lock_name(("eu",), {})
+
+
+def test_lock_key_that_raises_names_lock_key(app: Celery) -> None:
+    """A ``lock_key`` callable that raises gives a KeyDerivationError naming it."""
+
+    @app.task(base=SingletonTask, shared=False, lock_key=lambda account_id: 1 // account_id)
+    def divide(account_id: int) -> None:
+        """Sample body."""
+
+    with pytest.raises(KeyDerivationError, match=r"lock_key of task .* raised ZeroDivisionError"):
+        divide.lock_name((0,), {})
+
+
 def test_lock_key_constant_string(app: Celery) -> None:
     """A constant ``lock_key`` gives every call the same key, whatever its arguments."""
 
@@ -950,3 +1011,13 @@ def test_mapping_keys_are_taken_as_json_sends_them() -> None:
     assert canonical({1: "a"}) == canonical({"1": "a"})
     assert canonical({1: "a"}) != canonical({1.0: "a"})
     assert canonical({"1": "a"}) != canonical({"1": 1})
+
+
+def test_mapping_keys_that_json_would_merge_are_refused() -> None:
+    """Two keys of one mapping that a JSON message carries as the same text (``1``
+    and ``"1"``) would arrive as one: the key sent and the key run could not agree,
+    so such a mapping has no key, and the error says why."""
+    with pytest.raises(KeyDerivationError, match="same text"):
+        canonical({1: "x", "1": "x"})
+    with pytest.raises(KeyDerivationError, match="same text"):
+        canonical([{"a": {True: 1, "true": 2}}])

@@ -22,6 +22,7 @@ readable in Redis, argument values never appear there in clear.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import decimal
 import hashlib
@@ -36,6 +37,8 @@ from celery_redislock.errors import KeyDerivationError
 
 #: Key material: what ``lock_key`` may be.
 KeySource = str | Callable[..., Any]
+#: Turns a call's ``(args, kwargs)`` into what a worker receives (see :class:`KeyBuilder`).
+Delivered = Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
 
 
 #: Bigger ints are written in hex: decimal conversion of huge ints is capped by
@@ -174,8 +177,15 @@ def _canonical(value: Any, path: set[int]) -> bytes:
 def _container(value: Any, path: set[int]) -> bytes:
     """The canonical form of a mapping, set, list or tuple."""
     if isinstance(value, Mapping):
+        keys = [_as_json_key(k) for k in value]
+        if len(set(keys)) < len(keys):
+            raise KeyDerivationError(
+                "a mapping has two keys that a JSON message carries as the same text "
+                f"(e.g. 1 and '1'): {sorted(map(repr, value))}; give them distinct text"
+            )
         items = sorted(
-            _canonical(_as_json_key(k), path) + _canonical(v, path) for k, v in value.items()
+            _canonical(k, path) + _canonical(v, path)
+            for k, v in zip(keys, value.values(), strict=True)
         )
         return _frame(b"d", b"".join(items))
     if isinstance(value, set | frozenset):
@@ -270,10 +280,20 @@ class KeyBuilder:
             (``None``: key on the raw positional and keyword arguments).
         lock_on: parameter names to key on (default: all parameters).
         lock_key: a constant string, or a callable taking the task's arguments
-            and returning the key material; overrides ``lock_on``.
+            and returning the key material; overrides ``lock_on``. It is called
+            with the arguments by name, defaults applied (those that can only be
+            passed by position, by position), so that every spelling of a call
+            gives it the same; and as a worker receives them (see ``delivered``).
+        delivered: turns a call's arguments into what a worker receives once the
+            message has gone through the task's serializer (a tuple becomes a
+            list, a ``str`` Enum member its value under JSON). A callable
+            ``lock_key`` sees them so on the producer too, so that the key a send
+            reserves is the one its execution takes. Applied to what a worker
+            received already, it changes nothing.
 
     Raises:
-        ValueError: ``lock_on`` names a parameter the task does not have.
+        ValueError: ``lock_on`` names a parameter the task does not have, or
+            ``lock_key`` cannot take the task's arguments by name.
     """
 
     def __init__(
@@ -282,9 +302,11 @@ class KeyBuilder:
         signature: inspect.Signature | None,
         lock_on: Sequence[str] | None = None,
         lock_key: KeySource | None = None,
+        delivered: Delivered | None = None,
     ) -> None:
         self.task_name = task_name
         self.lock_key = lock_key
+        self.delivered = delivered
         self.signature = signature
         self.lock_on = tuple(lock_on) if lock_on is not None else None
         #: Parameter names and defaults when every parameter is a plain
@@ -302,6 +324,8 @@ class KeyBuilder:
                     f"{'is not a parameter' if len(unknown) == 1 else 'are not parameters'} "
                     f"of task {task_name!r} (parameters: {list(self.signature.parameters)})"
                 )
+        if callable(lock_key) and signature is not None:
+            _check_takes(lock_key, signature, task_name)
         #: With ``_plain`` and no ``lock_key``: the names the key is made of, with
         #: their canonical forms, in the order the material's entries sort in.
         self._order: tuple[tuple[str, bytes], ...] | None = None
@@ -326,7 +350,7 @@ class KeyBuilder:
         if isinstance(self.lock_key, str):
             return self.lock_key
         if self.lock_key is not None:
-            return self.lock_key(*args, **kwargs)
+            return self._from_lock_key(self.lock_key, args, kwargs)
         if self.signature is None:
             return [list(args), kwargs]
         arguments = self._bind_plain(args, kwargs)
@@ -340,6 +364,53 @@ class KeyBuilder:
             ) from exc
         bound.apply_defaults()
         return self._chosen(dict(bound.arguments))
+
+    def _from_lock_key(
+        self, lock_key: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """What a callable ``lock_key`` returns for a call, given the arguments as
+        a worker receives them, by name and with defaults applied."""
+        if self.delivered is not None:
+            # Arguments the serializer refuses never reach a worker: they are only
+            # run in the caller's process (apply()), which sees them as they are.
+            with contextlib.suppress(Exception):
+                args, kwargs = self.delivered(args, kwargs)
+        if self.signature is not None:
+            args, kwargs = self._by_name(args, kwargs)
+        try:
+            return lock_key(*args, **kwargs)
+        except Exception as exc:
+            raise KeyDerivationError(
+                f"lock_key of task {self.task_name!r} raised {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _by_name(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A call spelled one way whatever way it came: every argument by name,
+        defaults applied, but those only a position can take (positional-only
+        parameters, ``*args`` and those before it)."""
+        assert self.signature is not None
+        arguments = self._bind_plain(args, kwargs)
+        if arguments is not None:
+            return (), arguments
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise KeyDerivationError(
+                f"arguments do not match task {self.task_name!r}'s signature: {exc}"
+            ) from exc
+        bound.apply_defaults()
+        kinds = [p.kind for p in self.signature.parameters.values()]
+        if inspect.Parameter.VAR_POSITIONAL in kinds or inspect.Parameter.POSITIONAL_ONLY in kinds:
+            return bound.args, bound.kwargs
+        named: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(value)
+            else:
+                named[name] = value
+        return (), named
 
     def _chosen(self, arguments: dict[str, Any]) -> dict[str, Any]:
         """The bound arguments the key is made of (``lock_on``'s, or all)."""
@@ -414,3 +485,32 @@ class KeyBuilder:
             except KeyDerivationError:
                 return f"{label} of {where}"
         return f"the arguments of {where}"  # pragma: no cover - one of them failed
+
+
+def _check_takes(lock_key: Callable[..., Any], signature: inspect.Signature, task: str) -> None:
+    """Raise ``ValueError`` if ``lock_key`` cannot be called with the arguments of
+    ``signature`` as :meth:`KeyBuilder._by_name` passes them."""
+    try:
+        takes = inspect.signature(lock_key)
+    except (TypeError, ValueError):
+        return  # a callable without a signature to read (some builtins)
+    parameters = list(signature.parameters.values())
+    by_position = any(
+        p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)
+        for p in parameters
+    )
+    args = [p.name for p in parameters if by_position and p.kind <= p.POSITIONAL_OR_KEYWORD]
+    kwargs = {
+        p.name: p.name
+        for p in parameters
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in args
+    }
+    try:
+        takes.bind(*args, **kwargs)
+    except TypeError as exc:
+        given = [*args, *(f"{name}=" for name in kwargs)]
+        raise ValueError(
+            f"lock_key of task {task!r} cannot take the task's arguments, which it is "
+            f"given by name with defaults applied ({', '.join(given) or 'none'}): {exc}; "
+            "take the ones it needs and **_ for the rest"
+        ) from exc

@@ -81,6 +81,7 @@ from celery.result import AsyncResult
 from celery.states import SUCCESS
 from celery.utils import uuid
 from celery.utils.dispatch import Signal
+from kombu import serialization
 
 from celery_redislock import signals
 from celery_redislock.client import check_url
@@ -94,7 +95,7 @@ from celery_redislock.errors import (
     TaskSkippedError,
 )
 from celery_redislock.ids import owner_token
-from celery_redislock.keys import KeyBuilder, KeySource
+from celery_redislock.keys import Delivered, KeyBuilder, KeySource
 from celery_redislock.lock import (
     DEFAULT_PREFIX,
     DEFAULT_TTL,
@@ -625,6 +626,26 @@ def lock_store_url(app: Any) -> str:
     return store_url(app)[0]
 
 
+def _delivered_by(task_class: type[Task]) -> Delivered:
+    """What a worker receives of a call's arguments, once they have gone through
+    the task's serializer (read at each call: Celery sets it as the task binds)."""
+
+    def delivered(
+        args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        serializer = getattr(task_class, "serializer", None) or "json"
+        content_type, encoding, data = serialization.dumps(  # type: ignore[no-untyped-call,unused-ignore]
+            [list(args), kwargs], serializer=serializer
+        )
+        # Made here from the caller's own values: read whatever the worker accepts.
+        sent_args, sent_kwargs = serialization.loads(  # type: ignore[no-untyped-call,unused-ignore]
+            data, content_type, encoding, force=True
+        )
+        return tuple(sent_args), dict(sent_kwargs)
+
+    return delivered
+
+
 def _body_signature(cls: type[Task]) -> Any:
     """The signature calls are bound to: ``run`` without ``self`` for bound tasks."""
     run = inspect.getattr_static(cls, "run")
@@ -804,7 +825,13 @@ class SingletonTask(Task):  # type: ignore[misc]
                 "lock_key must be a string or a callable returning the key material, "
                 f"not {type(lock_key).__name__}"
             )
-        return KeyBuilder(name, _body_signature(cls), lock_on=lock_on, lock_key=lock_key)
+        return KeyBuilder(
+            name,
+            _body_signature(cls),
+            lock_on=lock_on,
+            lock_key=lock_key,
+            delivered=_delivered_by(cls) if callable(lock_key) else None,
+        )
 
     # Configuration helpers.
     @property
