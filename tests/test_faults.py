@@ -303,6 +303,39 @@ def test_a_reply_owed_on_a_connection_gone_dark_holds_up_no_renewal(
     short.release()
 
 
+def test_a_renewal_round_on_a_connection_gone_dark_holds_up_no_other_lock(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """A renewal round stuck on a connection gone dark (a dropped NAT entry) waits
+    no longer than the next renewal due on that server, even one of a lock taken
+    while the round waits: a short lock on the same, healthy server is renewed
+    all the same (nobody else can take it, and it is not reported lost), and the
+    renewals go out again on a new connection."""
+    long = RedisLock(via_proxy, "long", ttl=30, heartbeat_interval=1.0)
+    assert long.acquire(blocking=False)
+    # The idle connection the long lock's first round will go out on goes dark.
+    assert proxy.silence_open() == 1
+    # That round has taken it, and waits for its answer.
+    wait_for(lambda: not long.transport._idle, what="the long lock's round to start")
+    lost: list[RedisLock] = []
+    short = RedisLock(via_proxy, "short", ttl=0.6, on_lost=lost.append)
+    assert short.acquire(blocking=False)  # on a new connection: the server is healthy
+    taken = time.monotonic()
+    rival = RedisLock(direct, "short", ttl=10, heartbeat=False)
+
+    while time.monotonic() < taken + 1.5:  # past the short lock's TTL: only renewals keep it
+        assert not rival.acquire(blocking=False)
+        time.sleep(0.02)
+
+    assert short.owned()
+    assert not short.lost
+    assert lost == []
+    wait_for(lambda: long.owned(), what="the long lock renewed on a new connection")
+    assert not long.lost
+    short.release()
+    long.release()
+
+
 def test_an_answer_owed_on_a_dark_connection_costs_a_request_only_part_of_its_time(
     proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
 ) -> None:

@@ -355,6 +355,37 @@ def test_stale_verdict_leaves_the_next_hold_alone(
     lock.release()
 
 
+def test_a_round_waits_for_its_answer_no_later_than_the_lanes_next_renewal(
+    client: redis.Redis, private_heartbeat: Heartbeat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round on the lane's thread that renews a long lock only waits for its answer
+    no later than another lock on the lane is due, not for the long lock's whole
+    renewal interval: an answer that does not come (a connection gone dark) holds
+    up no other renewal on that server."""
+    deadlines: list[float] = []
+
+    def recorded(transport: Transport, calls: Sequence[Call], deadline: Deadline) -> Any:
+        deadlines.append(deadline.at)
+        return real_run_calls(transport, calls, deadline)
+
+    monkeypatch.setattr(heartbeat_module, "run_calls", recorded)
+    long = RedisLock(client, "round-long", ttl=60, _heartbeat=private_heartbeat)
+    short = RedisLock(client, "round-short", ttl=30, _heartbeat=private_heartbeat)
+    assert long.acquire()
+    assert short.acquire()
+    lane = private_heartbeat._lane(long.transport)
+    due = time.monotonic() + 1.0
+    private_heartbeat.register(short, first=1.0)
+
+    lane.renew(lane.renewals([long]), lane_thread=True)
+
+    assert len(deadlines) == 1
+    assert deadlines[0] <= due + 0.05
+    assert not long.lost
+    short.release()
+    long.release()
+
+
 def test_on_lost_error_does_not_stop_the_round(
     client: redis.Redis, private_heartbeat: Heartbeat, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -29,6 +29,7 @@ from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import (
     Deadline,
+    MovableDeadline,
     Transport,
     pack,
     parse_replies,
@@ -532,6 +533,44 @@ def test_a_kept_socket_timeout_still_bounds_a_stalled_read(
     transport.execute([("PING",)], Deadline.after(0.3))
     with pytest.raises(redis.TimeoutError):
         transport.execute([("BLPOP", "never-filled", 0)], Deadline.after(0.3))
+
+
+def test_a_read_under_a_movable_deadline_waits_for_a_reply_many_steps_long(
+    redislock_client: redis.Redis,
+) -> None:
+    """A read under a deadline another thread may bring forward looks at it every
+    step, and reads on: a reply that takes many steps to come is read, and the
+    connection stays in use."""
+    transport = transport_for(redislock_client)
+    deadline = MovableDeadline(time.monotonic() + 10)
+    replies = transport.execute([("BLPOP", "never-filled", "0.5")], deadline)
+    assert replies == [None]
+    (link,) = transport._idle
+    assert link.conn._sock is not None
+
+
+def test_a_movable_deadline_brought_forward_ends_the_read_waiting_on_it(
+    redislock_client: redis.Redis,
+) -> None:
+    """A read waiting on a reply that never comes (a connection gone dark) ends by
+    the deadline another thread brought forward, not the one it began with, and
+    its connection is closed."""
+    transport = transport_for(redislock_client)
+    began = time.monotonic() + 60
+    deadline = MovableDeadline(began)
+    link = transport.write([("BLPOP", "never-filled", 0)], deadline)
+    timer = threading.Timer(0.2, deadline.bring_forward, [time.monotonic() + 0.5])
+    timer.start()
+    try:
+        with pytest.raises(RedisTimeoutError):
+            transport.finish(link, 1, deadline)
+        assert time.monotonic() < began - 30  # long before the deadline it began with
+    finally:
+        timer.cancel()
+    assert link not in transport._idle
+    assert link.conn._sock is None
+    deadline.bring_forward(deadline.at + 60)  # never pushed back
+    assert deadline.expired()
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,13 @@ round trip, however many locks the process holds on that server.
 
 Each round trip is bounded by the earliest local deadline in the batch (the
 send time of a lock's last confirmed renewal plus its TTL), so a black-holed
-connection cannot hold up the verdict. A lock is marked lost, taken off its lane
-and reported through its ``on_lost`` callback when the server says another owner
-holds it (or nobody does), or when its local deadline passes before a renewal
-is confirmed; it is never renewed again.
+connection cannot hold up the verdict; and by the time the lane's next other
+lock is due, even one taken while the round waits for its answer, so a round
+stuck on a connection gone dark holds up no other lock's renewal: it fails, its
+connection is closed, and the renewals go out again on another. A lock is
+marked lost, taken off its lane and reported through its ``on_lost`` callback
+when the server says another owner holds it (or nobody does), or when its local
+deadline passes before a renewal is confirmed; it is never renewed again.
 
 The lanes hold their locks weakly: a held lock that nobody references any more
 (dropped without ``release()``) is not kept alive — it is logged and left to
@@ -39,7 +42,13 @@ from redis.exceptions import AskError, MovedError, RedisError, TryAgainError
 
 from celery_redislock import signals
 from celery_redislock.scripts import EXTEND_SCRIPT, Call, Released, run_calls
-from celery_redislock.transport import DEFAULT_CALL_TIMEOUT, Deadline, Transport, describe_error
+from celery_redislock.transport import (
+    DEFAULT_CALL_TIMEOUT,
+    Deadline,
+    MovableDeadline,
+    Transport,
+    describe_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +185,9 @@ class _Lane:
         self.thread: threading.Thread | None = None
         # When the sleeping thread wakes by itself (-inf while it is awake).
         self.wake_at = -math.inf
+        # The deadline of the renewal round the thread is in (None: in none),
+        # brought forward by a lock registered meanwhile that is due before it.
+        self.round: MovableDeadline | None = None
         # Entries whose lock was garbage-collected while registered, to log.
         self.collected: deque[_Entry] = deque()
         self._collect = self.collected.append
@@ -194,6 +206,11 @@ class _Lane:
             # _wake()'s own test, first: usually nothing is to be done.
             if self.thread is None or entry.due < self.wake_at:
                 self._wake(entry.due)
+            elif (round_trip := self.round) is not None:
+                # The thread is in a round: it waits for its answer no later than
+                # this lock is due (a connection gone dark holds up no renewal).
+                now = time.monotonic()
+                round_trip.bring_forward(now + max(entry.due - self.clock(), MIN_ROUND_TRIP))
 
     def unregister(self, lock: Renewable) -> bool:
         """Stop renewing ``lock``; return whether it was registered here (``False``
@@ -295,7 +312,7 @@ class _Lane:
                     renewals, pending, drain = batch
                 try:
                     if renewals:
-                        self.renew(renewals)
+                        self.renew(renewals, lane_thread=True)
                         self.heartbeat.rounds += 1
                     if pending:
                         self._send_pending(pending)
@@ -375,9 +392,17 @@ class _Lane:
                 )
 
     # Renewal.
-    def renew(self, renewals: list[_Renewal]) -> None:
+    def renew(self, renewals: list[_Renewal], lane_thread: bool = False) -> None:
         """Renew locks (all on this lane's server) in one bounded round trip; each
-        verdict applies to the registration the renewal was sent for only."""
+        verdict applies to the registration the renewal was sent for only.
+
+        The round trip ends by the earliest local deadline among the locks, and
+        within the longest renewal interval among them. On the lane's thread
+        (``lane_thread``) it also ends by the time the lane's next other lock is
+        due, a lock registered while it waits for its answer included: a
+        connection gone dark holds up no other renewal on this server (the round
+        fails, the connection is closed, and the renewals go out again on another).
+        """
         now = self.clock()
         live: list[_Renewal] = []
         for renewal in renewals:
@@ -394,19 +419,34 @@ class _Lane:
                     sender=self.transport.describe(), renewed=0, failed=0, lost=len(renewals)
                 )
             return
-        budget = min(lock._expires_at() for lock, _, _ in live) - now
-        budget = min(max(budget, MIN_ROUND_TRIP), max(lock.renew_interval for lock, _, _ in live))
+        until = min(lock._expires_at() for lock, _, _ in live)
+        longest = max(lock.renew_interval for lock, _, _ in live)
+        deadline: Deadline
+        if lane_thread:
+            with self.cond:
+                in_round = {id(entry) for _, entry, _ in live}
+                others = (e.due for e in self.entries.values() if id(e) not in in_round)
+                until = min(until, min(others, default=math.inf))
+                budget = min(max(until - now, MIN_ROUND_TRIP), longest)
+                # A lock registered from now on brings it forward (see register()).
+                deadline = self.round = MovableDeadline(time.monotonic() + budget)
+        else:
+            budget = min(max(until - now, MIN_ROUND_TRIP), longest)
+            deadline = Deadline.after(budget)
         calls = [Call(EXTEND_SCRIPT, [lock.key], [lock.owner, lock.ttl_ms]) for lock, _, _ in live]
         # The round trip's own failure (logged here), else none: renewals that
         # fail one by one (refused by the server) are logged after the round.
         raised: BaseException | None = None
         try:
-            results = run_calls(self.transport, calls, Deadline.after(budget))
+            results = run_calls(self.transport, calls, deadline)
         except RedisError as exc:
             self._warn_renewals(len(live), exc)
             results = [exc] * len(live)
             raised = exc
             live[0][0]._redirected(exc)
+        finally:
+            if lane_thread:
+                self.round = None
         for at, ((lock, _entry, _), result) in enumerate(zip(live, results, strict=True)):
             redirect = getattr(lock, "_run", None)
             if isinstance(result, AskError) and redirect is not None:

@@ -134,6 +134,29 @@ class Deadline:
         return f"<Deadline in {self.remaining():.3f} s>"
 
 
+#: How long a read under a :class:`MovableDeadline` blocks at most before it
+#: looks at the deadline again, in seconds.
+WATCH_STEP = 0.05
+
+
+class MovableDeadline(Deadline):
+    """A deadline that another thread may bring forward while a call waits on it
+    (see :meth:`bring_forward`): a read under it blocks :data:`WATCH_STEP` at a
+    time and looks again, so it ends soon after the deadline it has now. (A
+    connect or a write keeps the deadline it had when it began.)"""
+
+    __slots__ = ()
+
+    def bring_forward(self, at: float) -> None:
+        """End the call by ``at`` (on the monotonic clock), if that is earlier."""
+        if at < self.at:
+            self.at = at
+
+
+class _Step(Exception):
+    """A step of a read under a :class:`MovableDeadline` passed, not the deadline."""
+
+
 #: How much shorter than the time left to a round trip's deadline, as a fraction
 #: of it, a connection's socket timeout may be and still be kept (see
 #: :meth:`_Link.bound`).
@@ -673,8 +696,9 @@ class _Link:
         # The socket's timeout as last set here (-1: not yet).
         self.timeout = -1.0
 
-    def bound(self, deadline: Deadline, transport: Transport) -> None:
-        """Let the next socket operation block until ``deadline`` at most.
+    def bound(self, deadline: Deadline, transport: Transport, step: bool = False) -> None:
+        """Let the next socket operation block until ``deadline`` at most (with
+        ``step``, a read under a :class:`MovableDeadline`: :data:`WATCH_STEP` at most).
 
         Setting a socket's timeout costs a system call, so it is set a little
         short of the time left, and kept while it is no more than the time left
@@ -689,7 +713,14 @@ class _Link:
         sock = self.conn._sock
         if sock is None:
             raise RedisConnectionError("connection closed")
-        if not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining:
+        if step and type(deadline) is MovableDeadline:
+            # To the deadline itself at the last step (not short of it): a step
+            # that ends before it is read on.
+            timeout = min(remaining, WATCH_STEP)
+            if timeout != self.timeout:
+                self.timeout = timeout
+                sock.settimeout(timeout)
+        elif not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining:
             self.timeout = max(0.001, remaining * (1 - TIMEOUT_SLACK / 2))
             sock.settimeout(self.timeout)
 
@@ -721,8 +752,11 @@ class _Link:
         try:
             # bound()'s test of the timeout kept, inline: this runs on every request.
             remaining = deadline.at - time.monotonic()
-            if not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining:
-                self.bound(deadline, transport)
+            if (
+                not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining
+                or type(deadline) is MovableDeadline
+            ):
+                self.bound(deadline, transport, step=method == "recv")
             sock = self.conn._sock
             if type(sock) is _PLAIN_SOCKET:
                 if method == "sendall":
@@ -745,6 +779,9 @@ class _Link:
             self.close()
             raise
         except TimeoutError:
+            if method == "recv" and type(deadline) is MovableDeadline and not deadline.expired():
+                # A step: the connection is sound, the read goes on (see read()).
+                raise _Step from None
             self.close()
             raise RedisTimeoutError(f"timed out {_DOING[method]} {transport.describe()}") from None
         except (OSError, AttributeError) as exc:
@@ -800,7 +837,11 @@ class _Link:
                         ran = True
                     replies.append(reply)
                     continue
-            received = self.io("recv", 65536, deadline, transport, ready)
+            try:
+                received = self.io("recv", 65536, deadline, transport, ready)
+            except _Step:
+                # The deadline may have been brought forward: io() looks at it.
+                continue
             ready = False
             if not received:
                 self.close()
