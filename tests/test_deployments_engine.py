@@ -6,7 +6,9 @@ lacking a permission is told (and that nothing is written)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import logging
 import re
 import socket
 import threading
@@ -21,7 +23,8 @@ from redis.cluster import RedisCluster
 from redis.exceptions import NoPermissionError
 from redis.sentinel import Sentinel
 
-from celery_redislock import LockBackendError, LockLostError, RedisLock
+from celery_redislock import LockBackendError, LockLostError, RedisLock, signals
+from celery_redislock import transport as transport_module
 from celery_redislock.admin import force_release, list_locks, read_lock
 from celery_redislock.client import get_client
 from celery_redislock.deployments import (
@@ -35,7 +38,7 @@ from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.lock import lock_keys, release_lease
 from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD
 from celery_redislock.server import RedisServer
-from celery_redislock.transport import Client, Transport, transport_for
+from celery_redislock.transport import Client, Deadline, Transport, transport_for
 from celery_redislock.wakeups import PROBE_AFTER, PROBE_WAIT, hub_for
 from tests.proxy import FaultProxy
 from tests.support import fields, wait_for, write_fields
@@ -740,6 +743,159 @@ def test_sentinel_locks_keep_working_after_a_failover(
     for lock in (held, *taken):
         lock.release()
     by_client.close()
+
+
+@pytest.mark.slow
+def test_a_primary_frozen_through_a_failover_gives_no_second_hold_when_it_comes_back(
+    redislock_sentinel_factory: Callable[..., SentinelDeployment],
+) -> None:
+    """A primary frozen (SIGSTOP) through a failover comes back still answering as a
+    primary, its copy of a lock expired, while the holder renews the lock on the new
+    primary. Another client, whose idle connection from before the freeze points at
+    the old primary, asks the Sentinels before reusing it: its acquire goes to the
+    new primary and is refused, and it never gets a second hold renewed beside the
+    first. The heartbeat reports every round under the same ``sentinel:<service>``
+    whichever server is primary."""
+    deployment = redislock_sentinel_factory(replicas=1, sentinels=3)
+    senders: list[Any] = []
+
+    def on_round(sender: Any = None, **_: Any) -> None:
+        senders.append(sender)
+
+    signals.heartbeat_round.connect(on_round, weak=False, dispatch_uid="frozen-primary")
+    holder_client, other_client = deployment.client(), deployment.client()
+    held = RedisLock(holder_client, "sentinel-frozen:held", ttl=8)
+    second = RedisLock(other_client, held.name, ttl=8)
+    old = deployment.master()
+    try:
+        assert held.acquire(blocking=False)
+        probe = RedisLock(other_client, "sentinel-frozen:probe", ttl=3, heartbeat=False)
+        assert probe.acquire(blocking=False)
+        probe.release()  # the other client keeps an idle connection to this primary
+        direct = old.client()
+        assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+        direct.close()
+        frozen_at = time.monotonic()
+        with old.paused():
+            new = deployment.wait_for_failover(timeout=30, old=old)
+            admin = new.client()
+            assert_renewed_there(admin, held)
+            # The old primary's copy of the lock expires while it is frozen.
+            time.sleep(max(0.0, frozen_at + held.ttl + 0.5 - time.monotonic()))
+        assert not second.acquire(blocking=False)
+        assert second.transport.primary == (new.host, new.port)
+        assert fields(admin, held.key).get(OWNER_FIELD) == held.owner
+        assert not held.lost
+        stale = old.client()
+        assert stale.exists(held.key) == 0
+        stale.close()
+        admin.close()
+        held.release()
+    finally:
+        signals.heartbeat_round.disconnect(on_round, dispatch_uid="frozen-primary")
+        if second.owned():
+            second.release()
+        holder_client.close()
+        other_client.close()
+    name = f"sentinel:{deployment.master_name}"
+    assert name in senders
+    ports = {str(server.port) for server in deployment.servers}
+    assert not [s for s in senders if str(s).rpartition(":")[2] in ports]
+
+
+def test_a_timeout_on_a_sentinel_managed_primary_closes_every_idle_connection(
+    redislock_sentinel_factory: Callable[..., SentinelDeployment],
+) -> None:
+    """A request that times out on a Sentinel-managed primary closes the transport's
+    idle connections too, not only its own: the primary may be stalled while the
+    Sentinels fail over, and the next request then asks them which server is primary
+    rather than reuse a connection to it."""
+    deployment = redislock_sentinel_factory(replicas=0, sentinels=1, down_after_ms=60000)
+    client = deployment.client()
+    transport = transport_for(client)
+    deadline = Deadline.after(5)
+    links = [transport.write([("PING",)], deadline) for _ in range(3)]
+    for link in links:
+        assert transport.finish(link, 1, deadline) == [b"PONG"]
+    lock = RedisLock(client, "sentinel-timeout", ttl=5, call_timeout=0.5, heartbeat=False)
+    with deployment.master().paused(), pytest.raises(LockBackendError) as excinfo:
+        lock.acquire(blocking=False)
+    assert "timed out" in str(excinfo.value)
+    assert [link.conn._sock for link in links] == [None, None, None]
+    client.close()
+
+
+def test_a_sentinel_managed_connection_idle_for_a_while_is_checked_with_the_sentinels(
+    redislock_sentinel_factory: Callable[..., SentinelDeployment],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before it reuses a connection idle for longer than ``PRIMARY_RECHECK``, a
+    Sentinel-managed lock asks the Sentinels which server is primary. The question
+    goes to them: an uncontended acquire and release are still two round trips on
+    the lock's own transport. Sentinels that cannot be asked leave the connection in
+    use: their outage alone does not stop the locks."""
+    monkeypatch.setattr(transport_module, "PRIMARY_RECHECK", 0.0)
+    deployment = redislock_sentinel_factory(replicas=0, sentinels=1, down_after_ms=60000)
+    client = deployment.client()
+    lock = RedisLock(client, "sentinel-recheck", ttl=5, heartbeat=False)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    sentinels = transport_for(client.connection_pool.sentinel_manager.sentinels[0])  # type: ignore[attr-defined]
+    asked, sent = sentinels.sends, lock.transport.sends
+    assert lock.acquire(blocking=False)
+    lock.release()
+    assert (lock.transport.sends - sent, sentinels.sends - asked) == (2, 2)
+    deployment.sentinel_servers[0].kill()
+    assert lock.acquire(blocking=False)
+    lock.release()
+    client.close()
+
+
+def test_a_sentinel_managed_lock_names_its_service_and_primary(
+    redislock_sentinel_factory: Callable[..., SentinelDeployment],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Errors and log lines about a Sentinel-managed lock store name the service and
+    the primary the Sentinels named (``sentinel:mymaster at host:port``), never a
+    made-up ``localhost:6379``; the heartbeat's rounds (and so the ``server`` label of
+    its metric) carry the stable ``sentinel:mymaster``."""
+    deployment = redislock_sentinel_factory(replicas=0, sentinels=1, down_after_ms=60000)
+    master = deployment.master()
+    service = f"sentinel:{deployment.master_name}"
+    named = f"{service} at {master.host}:{master.port}"
+    senders: list[Any] = []
+
+    def on_round(sender: Any = None, **_: Any) -> None:
+        senders.append(sender)
+
+    signals.heartbeat_round.connect(on_round, weak=False, dispatch_uid="sentinel-named")
+    client = get_client(deployment.sentinel_url, deployment.transport_options)
+    held = RedisLock(client, "sentinel-named", ttl=3)
+    other = RedisLock(client, "sentinel-named:other", ttl=5, call_timeout=0.5, heartbeat=False)
+    try:
+        assert held.acquire(blocking=False)
+        assert held.transport.describe() == named
+        assert held.transport.name == service
+        wait_for(lambda: service in senders, what="a heartbeat round")
+        with caplog.at_level(logging.WARNING, logger="celery_redislock"), master.paused():
+            with pytest.raises(LockBackendError) as excinfo:
+                other.acquire(blocking=False)
+            wait_for(
+                lambda: any("could not renew" in r.getMessage() for r in caplog.records),
+                timeout=5,
+                what="a failed renewal's warning",
+            )
+    finally:
+        signals.heartbeat_round.disconnect(on_round, dispatch_uid="sentinel-named")
+    assert named in str(excinfo.value)
+    warning = next(r.getMessage() for r in caplog.records if "could not renew" in r.getMessage())
+    assert named in warning
+    assert "localhost" not in str(excinfo.value) + warning
+    assert set(senders) >= {service}
+    assert not [s for s in senders if str(s).endswith(f":{master.port}")]
+    with contextlib.suppress(LockLostError, LockBackendError):
+        held.release()
+    client.close()
 
 
 # ACL: the minimal permissions are enough, each is needed, and a missing one is named.

@@ -416,7 +416,7 @@ class _Lane:
         if not live:
             if renewals:
                 signals.heartbeat_round.send(
-                    sender=self.transport.describe(), renewed=0, failed=0, lost=len(renewals)
+                    sender=self.transport.name, renewed=0, failed=0, lost=len(renewals)
                 )
             return
         until = min(lock._expires_at() for lock, _, _ in live)
@@ -491,7 +491,7 @@ class _Lane:
         elif failed == 0:
             self.warned_at, self.unwarned = -math.inf, 0
         signals.heartbeat_round.send(
-            sender=self.transport.describe(), renewed=renewed, failed=failed, lost=lost
+            sender=self.transport.name, renewed=renewed, failed=failed, lost=lost
         )
 
     def _warn_renewals(self, count: int, error: BaseException) -> None:

@@ -26,6 +26,8 @@ Metrics (label ``task`` is the task name):
 ``celery_redislock_lost_total``             counter    locks a running task lost (heartbeat)
 ``celery_redislock_heartbeat_total``        counter    renewals by ``result``: renewed, failed
                                                        (no answer), lost; label ``server``
+                                                       (``sentinel:<service>`` for a Sentinel-
+                                                       managed one, through failovers)
 ``celery_redislock_unavailable_total``      counter    tasks whose lock store failed as they
                                                        asked for their lock, by ``action``: fail,
                                                        run (without the lock)

@@ -68,8 +68,9 @@ lock_unavailable = Signal(
     name="lock_unavailable", providing_args={"task_id", "name", "key", "error", "action"}
 )
 
-#: A heartbeat round ended on one server (sender: the server, ``"host:port"``;
-#: sent from that server's heartbeat thread, for every lock it renews, whether
-#: a task's or not). ``renewed``: locks renewed; ``failed``: renewals without an
+#: A heartbeat round ended on one server (sender: the server, ``"host:port"``,
+#: or ``"sentinel:<service name>"`` for a Sentinel-managed one, whichever server
+#: is primary; sent from that server's heartbeat thread, for every lock it
+#: renews, whether a task's or not). ``renewed``: locks renewed; ``failed``: renewals without an
 #: answer (retried until the lock's local deadline); ``lost``: locks found lost.
 heartbeat_round = Signal(name="heartbeat_round", providing_args={"renewed", "failed", "lost"})

@@ -10,6 +10,10 @@ each round trip against a :class:`Deadline` chosen by the caller:
   deadline, so a stalled or black-holed server costs the caller at most its own
   timeout, never a client library's default;
 * a connection error or timeout closes that connection (its state is unknown);
+* on a Sentinel-managed server, a connection that has had no answer for a while
+  (:data:`PRIMARY_RECHECK`) is reused only once the Sentinels name its server as
+  the primary, and a timeout closes the idle connections too: a primary frozen
+  through a failover still takes writes when it comes back, until it is demoted;
 * :func:`run` retries transient errors a bounded number of times within the
   deadline. It is meant for requests the server recognises when they arrive a
   second time (the engine's scripts carry a request id for that), so a retried
@@ -24,6 +28,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import logging
+import math
 import os
 import socket
 import threading
@@ -54,7 +59,7 @@ from redis.exceptions import (
     TimeoutError as RedisTimeoutError,
 )
 from redis.retry import Retry
-from redis.sentinel import MasterNotFoundError, SentinelManagedConnection
+from redis.sentinel import MasterNotFoundError, SentinelConnectionPool
 
 from celery_redislock.errors import LockBackendError
 from celery_redislock.lookup import is_address, resolve
@@ -93,6 +98,18 @@ TRANSIENT: tuple[type[RedisError], ...] = (
 
 #: Idle connections a transport keeps for reuse; more are opened when needed.
 MAX_IDLE = 8
+
+#: Seconds a connection of a Sentinel-managed transport may have been without an
+#: answer and still be reused without asking the Sentinels which server is
+#: primary. A failover takes at least Sentinel's ``down-after-milliseconds`` of
+#: silence from the primary, so a connection that had an answer more recently
+#: than this cannot point at a primary replaced since, as long as that setting
+#: is at least this long; one idle for longer might: a primary frozen through a
+#: failover that comes back still takes writes until the Sentinels demote it.
+#: (An answer the Sentinels gave a moment ago does not vouch for it: they may
+#: have switched since.) Also how long Sentinels that could not be asked are
+#: left alone.
+PRIMARY_RECHECK = 1.0
 
 #: The socket type whose descriptor :meth:`_Link.io` may write to and read from
 #: directly: a plain one, where a socket is a file descriptor (POSIX); ``None``
@@ -194,6 +211,20 @@ class Transport:
     def __init__(self, client: redis.Redis) -> None:
         pool = client.connection_pool
         self.connection_class: type[Any] = _bounded_handshake(pool.connection_class)
+        #: The service name of a Sentinel-managed server, ``None`` for any other.
+        self.service: str | None = None
+        # A Sentinel-managed primary: the pool's proxy, which knows the Sentinels
+        # (a Sentinel-managed replica pool picks its server as redis-py does).
+        self._sentinel: Any = None
+        if isinstance(pool, SentinelConnectionPool):
+            self.service = pool.service_name
+            if pool.is_master:
+                self._sentinel = pool.connection_kwargs["connection_pool"]
+        #: The primary's address as the Sentinels last named it (``None`` before
+        #: they were first asked, and for a server not managed by Sentinel).
+        self.primary: tuple[str, int] | None = None
+        # When a question to the Sentinels last failed (on the monotonic clock).
+        self._unanswered_at = -math.inf
         # Server push notifications (RESP3 only) are the client's business; the
         # client's library name and version are given up with CLIENT SETINFO.
         kwargs = {
@@ -214,9 +245,22 @@ class Transport:
         self.sends = 0
         #: Digests of the scripts this server has run for us (cached there).
         self.scripts: set[str] = set()
+        #: The server's name for metrics, which does not change while the
+        #: process runs: ``host:port`` (or the socket path), or for a
+        #: Sentinel-managed server ``sentinel:<service name>``, whichever server
+        #: is primary (a label per failover would grow without bound).
+        self.name = self.describe()
 
-    def describe(self) -> str:
-        """``host:port`` (or the socket path) of the server, for messages."""
+    def describe(self, address: tuple[str, int] | None = None) -> str:
+        """``host:port`` (or the socket path) of the server, for messages. A
+        Sentinel-managed server is ``sentinel:<service name> at host:port``, the
+        address being ``address`` (a connection's) or else the primary's as the
+        Sentinels last named it."""
+        if self.service is not None:
+            address = address or self.primary
+            return f"sentinel:{self.service}" + (
+                f" at {address[0]}:{address[1]}" if address else ""
+            )
         if "path" in self._kwargs:
             return str(self._kwargs["path"])
         return f"{self._kwargs.get('host', 'localhost')}:{self._kwargs.get('port', 6379)}"
@@ -346,19 +390,7 @@ class Transport:
         """Close every idle connection (after a failover, the next call reconnects)."""
         with self._guard:
             idle, self._idle = self._idle, []
-        raised: BaseException | None = None
-        for link in idle:
-            try:
-                self._fail_owed(
-                    link, RedisConnectionError("connection reset before its reply was read")
-                )
-            except BaseException as exc:
-                # A handler's SystemExit: raised once every connection is closed.
-                raised = raised or exc
-            finally:
-                link.close()
-        if raised is not None:
-            raise raised
+        self._close(idle, "connection reset before its reply was read")
 
     def close_idle(self) -> None:
         """Close the idle connections that owe no replies. One connection found
@@ -400,13 +432,88 @@ class Transport:
         conn.socket_timeout = remaining
         conn.handshake_deadline = deadline
         try:
-            if isinstance(conn, SentinelManagedConnection) and conn.connection_pool.is_master:
+            if self._sentinel is not None:
                 # redis-py would ask the Sentinels with their own timeouts and retries.
-                conn.connect_to(_discover_master(conn.connection_pool, deadline))  # type: ignore[no-untyped-call]
+                conn.connect_to(self._ask_primary(deadline))
             else:
                 conn.connect()
         finally:
             conn.handshake_deadline = None
+
+    def _ask_primary(self, deadline: Deadline) -> tuple[str, int]:
+        """The primary's address, asked of the Sentinels by ``deadline`` and kept
+        as :attr:`primary`. Idle connections to any other address are closed: the
+        server they reach is no longer the primary, and may still take writes
+        until the Sentinels demote it (a primary frozen through a failover).
+
+        Raises:
+            redis.TimeoutError, redis.ConnectionError: see :func:`_discover_master`.
+        """
+        address = _discover_master(self._sentinel, deadline)
+        with self._guard:
+            self.primary = address
+            stale = [link for link in self._idle if link.address != address]
+            if stale:
+                self._idle = [link for link in self._idle if link.address == address]
+        if stale:
+            logger.info(
+                "celery_redislock: the Sentinels name %s the primary of %r: closing %d "
+                "connection(s) to another server",
+                f"{address[0]}:{address[1]}",
+                self.service,
+                len(stale),
+            )
+            self._close(stale, f"{self.describe(stale[0].address)} is no longer the primary")
+        return address
+
+    def _still_primary(self, link: _Link, deadline: Deadline) -> bool:
+        """Whether ``link``, an idle connection of a Sentinel-managed transport,
+        may be reused: its server is the primary the Sentinels last named, and it
+        had an answer within :data:`PRIMARY_RECHECK` or they name it again now
+        (asked with half the time left to ``deadline``). A busy connection costs
+        nothing more.
+
+        Sentinels that cannot be asked now leave the connection in use (a failed
+        question is not repeated for :data:`PRIMARY_RECHECK`): their outage alone
+        does not stop the locks. A link found stale is closed.
+        """
+        now = time.monotonic()
+        if now - link.used > PRIMARY_RECHECK and now - self._unanswered_at > PRIMARY_RECHECK:
+            try:
+                self._ask_primary(Deadline(now + max(0.0, deadline.at - now) / 2))
+            except RedisError as exc:
+                self._unanswered_at = now
+                logger.debug(
+                    "celery_redislock: could not ask the Sentinels which server is the "
+                    "primary of %r: %s",
+                    self.service,
+                    exc,
+                )
+        if link.address == self.primary or self.primary is None:
+            return True
+        self._close([link], f"{self.describe(link.address)} is no longer the primary")
+        return False
+
+    def _close(self, links: list[_Link], why: str) -> None:
+        """Close ``links``; the replies owed on them fail with ``why``. A
+        handler's ``SystemExit`` is raised once every one is closed."""
+        raised: BaseException | None = None
+        for link in links:
+            try:
+                self._fail_owed(link, RedisConnectionError(why))
+            except BaseException as exc:
+                raised = raised or exc
+            finally:
+                link.close()
+        if raised is not None:
+            raise raised
+
+    def _timed_out(self) -> None:
+        """A request timed out. On a Sentinel-managed server that may be a primary
+        stalled or cut off while the Sentinels fail over: the idle connections to
+        it are closed too, so the next request asks them which server is primary."""
+        if self._sentinel is not None:
+            self.close_idle()
 
     def _write(self, commands: Sequence[Sequence[Any]], deadline: Deadline) -> _Link:
         """Write ``commands`` whole on a connection (its owed replies left unread)
@@ -433,6 +540,21 @@ class Transport:
                 # A forked child never talks over its parent's sockets.
                 self._idle, self._owed, self._pid = [], {}, _process_id
             link = self._idle.pop() if self._idle else None
+        if link is not None and self._sentinel is not None:
+            try:
+                fresh = self._still_primary(link, deadline)
+            except BaseException:
+                # Interrupted while the Sentinels were asked (a soft time limit):
+                # the connection goes back as it was, with the replies it owes.
+                with self._guard:
+                    if self._pid == _process_id:
+                        self._idle.append(link)
+                        link = None
+                if link is not None:
+                    self._close([link], "connection dropped before its reply was read")
+                raise
+            if not fresh:
+                link = None
         if link is not None and settle and self._owed and self._settle(link, deadline) is not None:
             link = None
         if link is None:
@@ -443,6 +565,8 @@ class Transport:
                 conn.disconnect()
                 raise
             link = _Link(conn)
+            if self._sentinel is not None:
+                link.address = (conn.host, conn.port)
         return link
 
     def _checkin(self, link: _Link, healthy: bool) -> None:
@@ -454,6 +578,9 @@ class Transport:
             finally:
                 link.close()
             return
+        if self._sentinel is not None:
+            # It had an answer now (see _still_primary()).
+            link.used = time.monotonic()
         with self._guard:
             # A connection that owes replies stays, whatever the count, until read.
             if self._pid == _process_id and (len(self._idle) < MAX_IDLE or link in self._owed):
@@ -688,13 +815,17 @@ class _Link:
     shapes the engine's commands have, several times cheaper than the general one.
     """
 
-    __slots__ = ("conn", "timeout", "unread")
+    __slots__ = ("address", "conn", "timeout", "unread", "used")
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.unread = b""
         # The socket's timeout as last set here (-1: not yet).
         self.timeout = -1.0
+        #: For a Sentinel-managed server: the address connected to, and when the
+        #: last answer was read (on the monotonic clock).
+        self.address: tuple[str, int] | None = None
+        self.used = time.monotonic()
 
     def bound(self, deadline: Deadline, transport: Transport, step: bool = False) -> None:
         """Let the next socket operation block until ``deadline`` at most (with
@@ -709,7 +840,9 @@ class _Link:
         remaining = deadline.at - time.monotonic()
         if remaining <= 0:
             self.close()
-            raise RedisTimeoutError(f"no reply from {transport.describe()} within the deadline")
+            raise RedisTimeoutError(
+                f"no reply from {transport.describe(self.address)} within the deadline"
+            )
         sock = self.conn._sock
         if sock is None:
             raise RedisConnectionError("connection closed")
@@ -783,11 +916,14 @@ class _Link:
                 # A step: the connection is sound, the read goes on (see read()).
                 raise _Step from None
             self.close()
-            raise RedisTimeoutError(f"timed out {_DOING[method]} {transport.describe()}") from None
+            transport._timed_out()
+            raise RedisTimeoutError(
+                f"timed out {_DOING[method]} {transport.describe(self.address)}"
+            ) from None
         except (OSError, AttributeError) as exc:
             self.close()
             error = RedisConnectionError(
-                f"error while {_DOING[method]} {transport.describe()}: {exc}"
+                f"error while {_DOING[method]} {transport.describe(self.address)}: {exc}"
             )
             raise (ended(error, ran=False) if unsent else error) from None
 
@@ -845,7 +981,9 @@ class _Link:
             ready = False
             if not received:
                 self.close()
-                raise RedisConnectionError(f"{transport.describe()} closed the connection")
+                raise RedisConnectionError(
+                    f"{transport.describe(self.address)} closed the connection"
+                )
             data, at = data[at:] + received, 0
         self.unread = data[at:]
         if loading is not None:
