@@ -38,7 +38,9 @@ class Worker:
         extra_env: dict[str, str] | None = None,
     ) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}@localhost"
-        env = dict(os.environ, REDISLOCK_TEST_URL=url, PYTHONPATH=str(ROOT), **(extra_env or {}))
+        # This checkout's package and tests, whatever is installed.
+        path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+        env = dict(os.environ, REDISLOCK_TEST_URL=url, PYTHONPATH=path, **(extra_env or {}))
         self.process = subprocess.Popen(
             [
                 sys.executable, "-m", "celery", "-A", "tests.worker_app", "worker",
