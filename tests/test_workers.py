@@ -18,8 +18,10 @@ import pytest
 import redis
 from billiard.exceptions import WorkerLostError
 
+from celery_redislock import is_skipped
+from celery_redislock.scripts import FENCE_FIELD, LEASE_FIELD
 from celery_redislock.server import RedisServer
-from tests.support import close_app, held, lock_keys, wait_for, waiter_queues
+from tests.support import close_app, field, held, lock_keys, wait_for, waiter_queues
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,7 +40,9 @@ class Worker:
         extra_env: dict[str, str] | None = None,
     ) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}@localhost"
-        env = dict(os.environ, REDISLOCK_TEST_URL=url, PYTHONPATH=str(ROOT), **(extra_env or {}))
+        # This checkout's package and tests, whatever is installed.
+        path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+        env = dict(os.environ, REDISLOCK_TEST_URL=url, PYTHONPATH=path, **(extra_env or {}))
         self.process = subprocess.Popen(
             [
                 sys.executable, "-m", "celery", "-A", "tests.worker_app", "worker",
@@ -329,35 +333,114 @@ def test_a_task_killed_for_its_hard_time_limit_leaves_no_lock_behind(
 
 
 def test_revoke_terminate_releases(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
-    """Revoking a running task with terminate=True frees its lock right away."""
+    """Revoking a running task with terminate=True and SIGKILL frees its lock soon
+    after its pool process is gone, not at its TTL."""
     mod, client, launch = env
     launch("term", concurrency=1)
-    result = mod.sleeper.delay("t", 60)
-    wait_for(lambda: records(client, "sleeper"), what="the task to start")
-    key = f"redislock:{{{mod.sleeper.lock_name(('t', 60), {})}}}"
+    result = mod.cleans_up.delay("t", 60, 0)
+    wait_for(lambda: records(client, "cleans_up"), what="the task to start")
+    key = f"redislock:{{{mod.cleans_up.lock_name(('t', 60, 0), {})}}}"
     assert held(client, key)
     result.revoke(terminate=True, signal="SIGKILL")
     wait_for(lambda: not held(client, key), timeout=10, what="the lock to be freed")
-    assert not records(client, "sleeper_done")
+    assert [r["step"] for r in records(client, "cleans_up")] == ["start"]
 
 
-def test_revoke_terminate_with_a_signal_the_task_lives_through_keeps_its_lock(
+def test_a_task_terminated_while_running_keeps_its_lock_until_its_cleanup_ends(
     env: tuple[Any, redis.Redis, Callable[..., Worker]],
 ) -> None:
-    """A terminate whose signal the pool process lives through (a prefork child
-    ignores SIGINT) leaves the lock to the task, which still runs: it is freed as
-    the task ends, not while it runs."""
+    """revoke(terminate=True) with its default SIGTERM, which a prefork child ends
+    on by raising SystemExit in the task, leaves the lock held while the task's
+    finally still runs: a duplicate sent meanwhile does not start before that
+    cleanup ended, and the lock is freed as the task ends."""
     mod, client, launch = env
-    launch("int", concurrency=1)
+    launch("cleanup", concurrency=2)
+    first = mod.cleans_up.delay("c", 60, 3)
+    wait_for(lambda: records(client, "cleans_up"), what="the task to start")
+    key = f"redislock:{{{mod.cleans_up.lock_name(('c', 60, 3), {})}}}"
+    first.revoke(terminate=True)
+
+    def steps() -> list[tuple[str, str]]:
+        return [(r["id"], r["step"]) for r in records(client, "cleans_up")]
+
+    wait_for(lambda: (first.id, "cleanup") in steps(), what="the revoked task's cleanup")
+    assert field(client, key, LEASE_FIELD) == first.id, "freed while its cleanup still ran"
+    duplicate = mod.cleans_up.delay("c", 60, 3)
+    outcome = duplicate.get(timeout=60)
+    history = steps()
+    if (duplicate.id, "start") in history:
+        assert history.index((first.id, "cleaned")) < history.index((duplicate.id, "start"))
+        duplicate.revoke(terminate=True, signal="SIGKILL")
+    else:
+        assert is_skipped(outcome)
+        assert outcome["holder"] == first.id
+    wait_for(lambda: not held(client, key), timeout=15, what="the lock to be freed")
+    assert (first.id, "cleaned") in steps()
+
+
+@pytest.mark.parametrize(
+    ("pool", "signame", "worker_env"),
+    [
+        ("prefork", "SIGINT", {}),
+        ("prefork", "SIGTERM", {"REMAP_SIGTERM": "SIGQUIT"}),
+        ("threads", "SIGTERM", {}),
+        ("solo", "SIGTERM", {}),
+    ],
+    ids=["prefork-SIGINT", "prefork-SIGTERM-remapped", "threads", "solo"],
+)
+def test_revoke_terminate_with_a_signal_the_task_lives_through_keeps_its_lock(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+    pool: str,
+    signame: str,
+    worker_env: dict[str, str],
+) -> None:
+    """A terminate the task lives through leaves the lock to the task, which still
+    runs: it is freed as the task ends, not while it runs. A prefork child ignores
+    SIGINT, and SIGTERM in a worker run with REMAP_SIGTERM=SIGQUIT; the threads
+    and solo pools cannot terminate a task at all."""
+    mod, client, launch = env
+    launch("int", concurrency=1, pool=pool, **worker_env)
     result = mod.sleeper.delay("i", 3)
     wait_for(lambda: records(client, "sleeper"), what="the task to start")
     key = f"redislock:{{{mod.sleeper.lock_name(('i', 3), {})}}}"
-    result.revoke(terminate=True, signal="SIGINT")
+    result.revoke(terminate=True, signal=signame)
     deadline = time.monotonic() + 30
     while held(client, key):
         assert time.monotonic() < deadline, "the lock was never freed"
         time.sleep(0.05)
     assert records(client, "sleeper_done"), "freed while its task still ran"
+
+
+def test_a_task_cancelled_as_the_broker_connection_is_lost_leaves_no_lock_behind(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """With worker_cancel_long_running_tasks_on_connection_loss, a worker that loses
+    its broker connection signals the pool process of a running acks_late task: a
+    process that dies on it without releasing has its hold freed by the worker once
+    it is gone, not at its TTL (30 s), and the message delivered again runs."""
+    mod, client, launch = env
+    launch("cancel", concurrency=1, REDISLOCK_TEST_CANCEL_ON_CONNECTION_LOSS="1")
+    mod.dies_on_sigterm.delay("x")
+    wait_for(lambda: records(client, "dies_on_sigterm"), what="the task to start")
+    [first] = records(client, "dies_on_sigterm")
+    key = f"redislock:{{{mod.dies_on_sigterm.lock_name(('x',), {})}}}"
+    assert field(client, key, FENCE_FIELD) == str(first["token"])
+    # The broker's connections (its database): the worker's consumer loses its own.
+    broker = [c["id"] for c in client.client_list() if c["db"] == "1"]
+    assert broker
+    for connection in broker:
+        client.client_kill_filter(_id=connection)
+
+    def first_hold_gone() -> bool:
+        return not held(client, key) or field(client, key, FENCE_FIELD) != str(first["token"])
+
+    wait_for(first_hold_gone, timeout=15, what="the cancelled task's hold to be freed")
+    wait_for(
+        lambda: len(records(client, "dies_on_sigterm")) == 2,
+        timeout=60,
+        what="the message delivered again to run",
+    )
+    assert records(client, "dies_on_sigterm")[1]["pid"] != first["pid"]
 
 
 def test_warm_shutdown_finishes_and_releases(

@@ -31,6 +31,8 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     worker_cancel_long_running_tasks_on_connection_loss=False,
 )
+if os.environ.get("REDISLOCK_TEST_CANCEL_ON_CONNECTION_LOSS"):
+    app.conf.worker_cancel_long_running_tasks_on_connection_loss = True
 if os.environ.get("REDISLOCK_TEST_LOCK_URL"):
     app.conf.redislock_url = os.environ["REDISLOCK_TEST_LOCK_URL"]
 if os.environ.get("REDISLOCK_TEST_MAX_TASKS_PER_CHILD"):
@@ -204,4 +206,33 @@ def occupy(self: Any, name: str) -> str:
     deadline = time.monotonic() + 60
     while not store.exists(f"release:{name}") and time.monotonic() < deadline:
         time.sleep(0.01)
+    return name
+
+
+@app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=30, lock_on=("name",))
+def cleans_up(self: Any, name: str, seconds: float, cleanup: float) -> str:
+    """Sleeps, then (in its ``finally``, also when a signal stops it) cleans up for
+    ``cleanup`` seconds, still under the lock; a duplicate is skipped. Records its
+    steps in one list, in the order they happen."""
+    log("cleans_up", step="start", id=self.request.id, pid=os.getpid())
+    try:
+        time.sleep(seconds)
+    finally:
+        log("cleans_up", step="cleanup", id=self.request.id)
+        time.sleep(cleanup)
+        log("cleans_up", step="cleaned", id=self.request.id)
+    return name
+
+
+@app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=30, acks_late=True)
+def dies_on_sigterm(self: Any, name: str) -> str:
+    """An acks_late task whose first run ends at once on a SIGTERM, without
+    unwinding (the signal's default action, as a library that resets the
+    handler leaves it), so its own ``finally`` never releases; a redelivery
+    finishes."""
+    run = store.incr(f"dies-runs:{name}")
+    log("dies_on_sigterm", name=name, run=run, pid=os.getpid(), token=self.lock.token)
+    if run == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(60)
     return name

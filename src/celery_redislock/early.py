@@ -26,7 +26,14 @@ id, the worker's node and the child's process id in its description, its
 fencing token in the release), before Celery records the failure or sends the
 task again (``task_reject_on_worker_lost``, ``task_retry_on_worker_lost``), so
 that the copy need not wait for the TTL. (Two round trips on the worker's event
-loop, of 5 s at most each: ``DEFAULT_CALL_TIMEOUT``.) A hard time limit is
+loop, of 5 s at most each: ``DEFAULT_CALL_TIMEOUT``.) That includes a child the
+worker itself signalled: ``revoke(terminate=True)``, or the cancel of a running
+task as the worker loses its broker connection
+(``worker_cancel_long_running_tasks_on_connection_loss``). Celery reports those
+as it sends the signal, while the task may still run (a ``SIGTERM`` raises
+``SystemExit`` in it, whose ``finally`` then runs, and a signal may be ignored),
+so nothing is freed then: the pool reports the job ``Terminated`` once it has
+reaped the child, and the hold is freed from there. A hard time limit is
 reported while the child still runs, just before the pool kills it: the hold is
 freed in the same way once the child is gone, from a thread of its own that
 looks every :data:`GONE_POLL` seconds, for at most what the hold had left.
@@ -41,7 +48,7 @@ import time
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
-from billiard.exceptions import WorkerLostError
+from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request as _CeleryRequest
 
 from celery_redislock.admin import LockInfo, force_release, read_lock
@@ -52,8 +59,9 @@ __all__ = ["Request"]
 logger = logging.getLogger(__name__)
 
 #: What a prefork parent reports for a task whose child process is gone (not a
-#: hard time limit: reported before the child is killed).
-_PROCESS_GONE = (WorkerLostError, SystemExit, KeyboardInterrupt)
+#: hard time limit: reported before the child is killed). ``Terminated``: a child
+#: the worker sent a signal to (a terminate, a cancel), reported once reaped.
+_PROCESS_GONE = (WorkerLostError, Terminated, SystemExit, KeyboardInterrupt)
 
 #: How often, in seconds, the worker looks whether a pool process killed for its
 #: task's hard time limit is gone.

@@ -1691,8 +1691,8 @@ def release_lease(
 ) -> bool:
     """Free lock ``name`` if the given lease (task id) holds it, whatever its hold count.
 
-    For paths where the holder's process cannot release it itself: a task
-    revoked while queued, or terminated while running. Returns whether it was
+    For paths where no holder's process can release it itself: the key of a send
+    that failed, or of an ``until_executing`` task as it starts. Returns whether it was
     freed. Retried safely on a broken connection within ``timeout`` seconds.
 
     Raises:

@@ -41,10 +41,13 @@ revoked while queued                   ``until_*``: freed by the workers as soon
                                        (:mod:`celery_redislock.revoke`); also by
                                        the ``task_revoked`` handler when a worker
                                        drops the message
-terminated while running               released by the worker's ``task_revoked``
-                                       handler, by task id
-a prefork pool process dies, or is    freed by the worker as it sees the process
-killed for its hard time limit         gone (:mod:`celery_redislock.early`)
+terminated while running               released in the body's ``finally`` if the
+(``revoke(terminate=True)``)           signal raises in it (``SIGTERM``), or as
+                                       the task ends if it lives through the
+                                       signal; never while it may still run
+a prefork pool process dies (killed,   freed by the worker as it sees the process
+terminated, cancelled), or is killed   gone (:mod:`celery_redislock.early`)
+for its hard time limit
 SIGKILL of the worker, machine lost    the heartbeat dies with the process and the
                                        TTL frees the lock
 the message delivered again meanwhile  the copy waits for the earlier delivery's
@@ -63,7 +66,6 @@ import inspect
 import logging
 import os
 import random
-import signal
 import socket
 import threading
 import time
@@ -1685,49 +1687,29 @@ class SingletonTask(Task):  # type: ignore[misc]
         return skipped_result(key, holder)
 
 
-#: Signals whose delivery ends a pool process (``revoke(terminate=True)``'s
-#: default is ``SIGTERM``); a prefork child ignores ``SIGINT``, and ``SIGUSR1``
-#: raises ``SoftTimeLimitExceeded`` in the task, which may go on.
-_ENDING_SIGNALS = frozenset(
-    int(getattr(signal, name))
-    for name in ("SIGKILL", "SIGTERM", "SIGQUIT", "SIGHUP", "SIGABRT")
-    if hasattr(signal, name)
-)
+def _release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """Free what the message of a revoked task still holds while queued: its
+    reservation (:func:`free_queued`), never an execution's hold.
 
-
-def _release_revoked(
-    sender: Any = None,
-    request: Any = None,
-    terminated: bool = False,
-    signum: object = None,
-    **_: Any,
-) -> None:
-    """Free the lock of a task revoked in the queue or terminated while running.
-
-    A running task sent a signal its process may live through is left alone: it
-    releases its lock as it ends, or the lock expires by its TTL. (Celery reports a
-    process that did end with the signal's description as text.)
+    A hold of its lease under another owner is an execution's: of another delivery
+    of the message (the broker delivered it again), which Celery lets finish, or of
+    this one, terminated while it runs (``revoke(terminate=True)``). Celery sends
+    ``task_revoked`` for a terminate as it sends the signal, while the task may
+    still run: a prefork child ends on ``SIGTERM`` by raising ``SystemExit`` in the
+    task, whose ``finally`` then runs, and a signal may be ignored. The task
+    releases its lock as it ends; the hold of a pool process that dies with it is
+    freed by the worker once the process is gone (:mod:`celery_redislock.early`).
     """
     if not isinstance(sender, SingletonTask) or request is None or not request.id:
         return
-    if terminated and isinstance(signum, int) and signum not in _ENDING_SIGNALS:
-        return
     try:
-        key = sender.lock_name(request.args, request.kwargs)
-        if terminated:
-            release_lease(sender.lock_client, key, request.id, sender.lock_options.prefix)
-        else:
-            # Dropped before it started: only the message's own reservation is its
-            # to free. A hold of its lease under another owner is an execution's,
-            # of another delivery of the message (the broker delivered it again),
-            # which Celery lets finish.
-            free_queued(
-                sender.lock_client,
-                key,
-                request.id,
-                sender.lock_options.prefix,
-                request_retries(request),
-            )
+        free_queued(
+            sender.lock_client,
+            sender.lock_name(request.args, request.kwargs),
+            request.id,
+            sender.lock_options.prefix,
+            request_retries(request),
+        )
     except Exception as exc:  # a signal handler must not break the worker
         logger.warning("could not free the lock of revoked task %s: %s", request.id, exc)
 
