@@ -4,7 +4,10 @@ Imported twice: by the test process, which runs its tasks on an in-process
 worker (configured with ``configure_app``), and by the command under test
 (``celery -A tests.cli_app redislock …``), which reads the server URL from
 ``REDISLOCK_TEST_URL``. A task holds its lock until the test sets ``go:<name>``
-in Redis, so the two processes share the same picture.
+in Redis, so the two processes share the same picture. With
+``REDISLOCK_TEST_CLUSTER`` (ports of Redis Cluster nodes on the loopback, separated
+by commas), the locks live in that cluster, through a ``redislock_client``
+callable as the documentation shows it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import time
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 
 from celery_redislock import SingletonTask
 from celery_redislock.testing import configure_app
@@ -21,6 +25,10 @@ from tests.support import make_app
 app = make_app(os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6379/0"), "cliapp")
 if os.environ.get("REDISLOCK_TEST_LOCK_URL"):
     app.conf.redislock_url = os.environ["REDISLOCK_TEST_LOCK_URL"]
+if os.environ.get("REDISLOCK_TEST_CLUSTER"):
+    _ports = os.environ["REDISLOCK_TEST_CLUSTER"].split(",")
+    _nodes = [ClusterNode("127.0.0.1", int(port)) for port in _ports]  # type: ignore[no-untyped-call]
+    app.conf.redislock_client = lambda: RedisCluster(startup_nodes=_nodes)
 
 
 def store() -> redis.Redis:

@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: polling with a deadline, Celery apps, gates and records."""
+"""Helpers shared by the tests: polling with a deadline, Celery apps, gates and records,
+and a Redis Cluster slot moved step by step."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
+from celery_redislock.deployments import ClusterDeployment
 from celery_redislock.scripts import COUNT_FIELD, LAYOUT, OWNER_FIELD, SEPARATOR, decode_lock
+from celery_redislock.server import RedisServer
 
 #: Events a test opens to let a held task finish, by name.
 GATES: dict[str, threading.Event] = {}
@@ -206,3 +209,46 @@ def in_forked_child(target: Callable[..., None], *args: Any) -> Any:
     finally:
         if process.is_alive():
             process.kill()
+
+
+# Redis Cluster: a slot moved between primaries, step by step, as resharding does.
+
+
+def node_command(node: RedisServer, *command: Any) -> Any:
+    """Run ``command`` on ``node`` (a cluster node, as a server of its own)."""
+    admin = node.client()
+    try:
+        return admin.execute_command(*command)  # type: ignore[no-untyped-call]
+    finally:
+        admin.close()
+
+
+def node_id(node: RedisServer) -> str:
+    """``node``'s cluster node id."""
+    found = node_command(node, "CLUSTER", "MYID")
+    return found.decode() if isinstance(found, bytes) else str(found)
+
+
+def migrating(cluster: ClusterDeployment, slot: int) -> tuple[RedisServer, RedisServer]:
+    """Start moving ``slot`` to another primary, as ``redis-cli --cluster reshard``
+    does (IMPORTING on the target, MIGRATING on the source); return both."""
+    source = cluster.primary_for_slot(slot)
+    target = next(node for node in cluster.primaries() if node is not source)
+    source_id, target_id = (node_id(node) for node in (source, target))
+    node_command(target, "CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    node_command(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    return source, target
+
+
+def migrate_keys(source: RedisServer, target: RedisServer, slot: int) -> None:
+    """Move the keys of ``slot`` from ``source`` to ``target``."""
+    keys = node_command(source, "CLUSTER", "GETKEYSINSLOT", slot, 1000)
+    if keys:
+        node_command(source, "MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", *keys)
+
+
+def settle(cluster: ClusterDeployment, slot: int, target: RedisServer) -> None:
+    """End the migration of ``slot``: every primary learns that ``target`` serves it."""
+    target_id = node_id(target)
+    for node in [target, *(n for n in cluster.primaries() if n is not target)]:
+        node_command(node, "CLUSTER", "SETSLOT", slot, "NODE", target_id)

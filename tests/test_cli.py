@@ -18,8 +18,9 @@ import pytest
 import redis
 from celery import Celery
 from redis.cluster import RedisCluster
+from redis.exceptions import MovedError
 
-from celery_redislock import RedisLock, SingletonTask
+from celery_redislock import LockBackendError, RedisLock, SingletonTask
 from celery_redislock.admin import (
     HOLDER_SCHEMA,
     LIST_SCHEMA,
@@ -36,6 +37,7 @@ from celery_redislock.admin import (
     purge_locks,
     read_lock,
     server_versions,
+    short_reason,
 )
 from celery_redislock.deployments import ClusterDeployment
 from celery_redislock.ids import request_id
@@ -43,8 +45,17 @@ from celery_redislock.lock import DEFAULT_PREFIX, FENCE_TTL_MS, lock_keys, wake_
 from celery_redislock.scripts import FORCE_RELEASE_SCRIPT
 from celery_redislock.server import RedisServer, free_port
 from celery_redislock.testing import hold_lock, leave_stale_lock, run_worker
+from celery_redislock.transport import Deadline, backend_errors, run, transport_for
 from tests import cli_app
-from tests.support import acquire_in_thread, close_app, make_app, wait_for
+from tests.support import (
+    acquire_in_thread,
+    close_app,
+    make_app,
+    migrate_keys,
+    migrating,
+    settle,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -331,6 +342,128 @@ def test_list_locks_scans_every_cluster_primary(redislock_cluster: ClusterDeploy
     client.close()
 
 
+def test_locks_of_a_slot_half_moved_are_listed_once_read_and_freed(
+    redislock_cluster_factory: Callable[..., ClusterDeployment],
+) -> None:
+    """While a lock's cluster slot is half-way moved to another primary (its keys
+    there, the slot not yet: resharding under way, or stopped part-way), the lock
+    is listed once, with its waiter, beside the others, read by name and by
+    holder, and freed (handed to its waiter, whose queue moved with it)."""
+    cluster = redislock_cluster_factory(masters=3)
+    client = cluster.client()
+    try:
+        still = RedisLock(client, "not-moving", ttl=60, lease="still-id")
+        assert still.acquire(blocking=False)
+        held = RedisLock(client, "resharded", ttl=60, lease="holder-id")
+        assert held.acquire(blocking=False)
+        waiter = RedisLock(client, "resharded", ttl=60)
+        got, thread = acquire_in_thread(waiter, 30)
+        wait_for(
+            lambda: (queued := read_lock(client, "resharded")) is not None and queued.waiters == 1,
+            what="the waiter to queue",
+        )
+        slot = client.keyslot(held.key)  # type: ignore[no-untyped-call]
+        source, target = migrating(cluster, slot)
+        migrate_keys(source, target, slot)
+        listed = list_locks(client)
+        assert [(info.name, info.waiters) for info in listed] == [
+            ("not-moving", 0),
+            ("resharded", 1),
+        ]
+        info = read_lock(client, "resharded")
+        assert info is not None
+        assert (info.holder, info.fence, info.waiters) == ("holder-id", held.token, 1)
+        assert [found.name for found in find_locks(client, "holder-id")] == ["resharded"]
+        assert force_release(client, "resharded", fence=info.fence) is ForceReleased.FREED
+        thread.join(20)
+        assert got == [True]
+        settle(cluster, slot, target)
+        waiter.release()
+        still.release()
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_the_command_reads_a_half_moved_slot_and_says_what_blocks_a_release(
+    redislock_server: RedisServer, redislock_cluster_factory: Callable[..., ClusterDeployment]
+) -> None:
+    """With a lock's slot half-way moved, `list`, `stats` and `show` read it; a
+    release that the cluster refuses until the move ends (the lock's keys would
+    be split between the two primaries) fails in one line saying so, and what
+    ends the move; once it has ended, the release frees the lock."""
+    cluster = redislock_cluster_factory(masters=3)
+    ports = ",".join(str(node.port) for node in cluster.nodes)
+    client = cluster.client()
+
+    def command(*args: str) -> subprocess.CompletedProcess[str]:
+        return celery(redislock_server.url, *args, REDISLOCK_TEST_CLUSTER=ports)
+
+    try:
+        held = RedisLock(client, "resharded", ttl=120)
+        assert held.acquire(blocking=False)
+        other = RedisLock(client, "elsewhere", ttl=120)
+        assert other.acquire(blocking=False)
+        slot = client.keyslot(held.key)  # type: ignore[no-untyped-call]
+        source, target = migrating(cluster, slot)
+        migrate_keys(source, target, slot)
+        listed = command("list", "--json")
+        assert listed.returncode == 0, listed.stderr
+        names = [lock["name"] for lock in json.loads(listed.stdout)["locks"]]
+        assert names == ["elsewhere", "resharded"]
+        stats = command("stats", "--json")
+        assert stats.returncode == 0, stats.stderr
+        assert json.loads(stats.stdout)["held"] == 2
+        shown = command("show", "resharded", "--json")
+        assert shown.returncode == 0, shown.stderr
+        (entry,) = json.loads(shown.stdout)["locks"]
+        assert entry["lock"]["fence"] == held.token
+        refused = one_line_failure(command("release", "resharded", "--yes", "--force"))
+        assert refused.startswith("Error: lock store app.conf.redislock_client (function): ")
+        assert "cluster slot is moved" in refused
+        assert "redis-cli --cluster fix" in refused
+        assert read_lock(client, "resharded") is not None
+        settle(cluster, slot, target)
+        freed = command("release", "resharded", "--yes", "--force")
+        assert freed.returncode == 0, freed.stderr
+        assert read_lock(client, "resharded") is None
+        other.release()
+    finally:
+        client.close()
+
+
+def test_a_slot_being_moved_is_named_in_words(redislock_cluster: ClusterDeployment) -> None:
+    """A request that meets a cluster slot being moved and cannot follow it is told
+    so in an operator's words (MOVED, ASK, TRYAGAIN), not as the bare reply."""
+    client = redislock_cluster.client()
+    key = lock_keys("words", DEFAULT_PREFIX).lock
+    slot = client.keyslot(key)  # type: ignore[no-untyped-call]
+    other = next(
+        node for node in redislock_cluster.primaries() if node.port != cluster_port(client, slot)
+    )
+    wrong = other.client()
+    try:
+        (reply,) = run(transport_for(wrong), [("GET", key)], Deadline.after(5))
+        assert isinstance(reply, MovedError)
+        with pytest.raises(LockBackendError) as excinfo, backend_errors("read lock 'words'"):
+            raise reply
+        said = short_reason(excinfo.value)
+        owner = f"{reply.host}:{reply.port}"
+        assert said.startswith(
+            f"cluster slot {slot} is being moved between primaries (MOVED to {owner})"
+        )
+        assert "try again once the move has ended" in said
+        assert str(excinfo.value).endswith(said)
+    finally:
+        wrong.close()
+        client.close()
+
+
+def cluster_port(client: RedisCluster, slot: int) -> int:
+    """The port of the primary that serves ``slot``, as ``client`` knows it."""
+    return int(client.nodes_manager.get_node_from_slot(slot).port)
+
+
 @pytest.mark.parametrize(
     ("pattern", "complaint"),
     [("", "must not be empty"), ("a[", "never closed"), ("a\\", "unescaped")],
@@ -440,6 +573,19 @@ def test_unreachable_store_is_one_line_without_password(redislock_server: RedisS
         line = one_line_failure(result)
         assert line == (
             f"Error: lock store {down.replace('s3cret', '***')}: unreachable (connection refused)"
+        )
+
+
+def test_a_cluster_client_that_cannot_be_made_is_one_line(redislock_server: RedisServer) -> None:
+    """With the app's redislock_client callable making a RedisCluster whose nodes are
+    away (it fails as it is made), a command prints one line naming the store and
+    why, and exits non-zero: no traceback."""
+    for command in (["list"], ["show", "x:1"], ["release", "x:1", "--yes"], ["purge", "--all"]):
+        result = celery(redislock_server.url, *command, REDISLOCK_TEST_CLUSTER=str(free_port()))
+        line = one_line_failure(result)
+        assert line == (
+            "Error: lock store app.conf.redislock_client (function): "
+            "unreachable (connection refused)"
         )
 
 

@@ -41,7 +41,14 @@ from celery_redislock.server import RedisServer
 from celery_redislock.transport import Client, Deadline, Transport, transport_for
 from celery_redislock.wakeups import PROBE_AFTER, PROBE_WAIT, hub_for
 from tests.proxy import FaultProxy
-from tests.support import fields, wait_for, write_fields
+from tests.support import (
+    fields,
+    migrate_keys,
+    migrating,
+    settle,
+    wait_for,
+    write_fields,
+)
 
 #: The smallest ACL a lock user needs, as ``ACL SETUSER locker on >password …`` rules
 #: (for the default prefix ``redislock``; the patterns follow the prefix):
@@ -516,56 +523,16 @@ def test_cluster_locks_keep_working_after_a_primary_fails(
         client.close()
 
 
-def _command(node: RedisServer, *command: Any) -> Any:
-    """Run ``command`` on ``node`` (a cluster node, as a server of its own)."""
-    admin = node.client()
-    try:
-        return admin.execute_command(*command)  # type: ignore[no-untyped-call]
-    finally:
-        admin.close()
-
-
-def _node_id(node: RedisServer) -> str:
-    """``node``'s cluster node id."""
-    node_id = _command(node, "CLUSTER", "MYID")
-    return node_id.decode() if isinstance(node_id, bytes) else str(node_id)
-
-
-def _migrating(cluster: ClusterDeployment, slot: int) -> tuple[RedisServer, RedisServer]:
-    """Start moving ``slot`` to another primary, as ``redis-cli --cluster reshard``
-    does (IMPORTING on the target, MIGRATING on the source); return both."""
-    source = cluster.primary_for_slot(slot)
-    target = next(node for node in cluster.primaries() if node is not source)
-    source_id, target_id = (_node_id(node) for node in (source, target))
-    _command(target, "CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
-    _command(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
-    return source, target
-
-
 def _held_then_moved(cluster: ClusterDeployment, held: RedisLock) -> tuple[Transport, RedisServer]:
     """Take ``held``, then move its slot whole to another primary; return the
     lock's transport before the move and the slot's new primary."""
     assert held.acquire(blocking=False)
     old = held.transport
     slot = held.client.keyslot(held.key)  # type: ignore[union-attr]
-    source, target = _migrating(cluster, slot)
-    _migrate_keys(source, target, slot)
-    _settle(cluster, slot, target)
+    source, target = migrating(cluster, slot)
+    migrate_keys(source, target, slot)
+    settle(cluster, slot, target)
     return old, target
-
-
-def _migrate_keys(source: RedisServer, target: RedisServer, slot: int) -> None:
-    """Move the keys of ``slot`` from ``source`` to ``target``."""
-    keys = _command(source, "CLUSTER", "GETKEYSINSLOT", slot, 1000)
-    if keys:
-        _command(source, "MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", *keys)
-
-
-def _settle(cluster: ClusterDeployment, slot: int, target: RedisServer) -> None:
-    """End the migration of ``slot``: every primary learns that ``target`` serves it."""
-    target_id = _node_id(target)
-    for node in [target, *(n for n in cluster.primaries() if n is not target)]:
-        _command(node, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
 
 
 def _held_half_moved(
@@ -576,8 +543,8 @@ def _held_half_moved(
     held = RedisLock(client, name, ttl=ttl)
     assert held.acquire(blocking=False)
     slot = client.keyslot(held.key)  # type: ignore[no-untyped-call]
-    source, target = _migrating(cluster, slot)
-    _migrate_keys(source, target, slot)
+    source, target = migrating(cluster, slot)
+    migrate_keys(source, target, slot)
     return held, slot, target
 
 
@@ -604,7 +571,7 @@ def test_cluster_locks_follow_their_slot_through_a_migration(
         trying = threading.Thread(target=lambda: taken.append(other.acquire(blocking=False)))
         trying.start()
         time.sleep(0.3)
-        _settle(cluster, slot, target)
+        settle(cluster, slot, target)
         trying.join(10)
         assert taken == [False]
         admin = target.client()
@@ -633,7 +600,7 @@ def test_cluster_renewals_follow_a_key_whose_slot_is_moving(
         held, slot, target = _held_half_moved(cluster, client, "migrating-renewed", ttl=1.5)
         time.sleep(3 * held.ttl)
         assert not held.lost
-        _settle(cluster, slot, target)
+        settle(cluster, slot, target)
         admin = target.client()
         assert fields(admin, held.key).get(OWNER_FIELD) == held.owner
         admin.close()
@@ -660,7 +627,7 @@ def test_cluster_release_read_later_follows_its_moving_slot(
             del held
             gc.collect()
         time.sleep(0.3)
-        _settle(cluster, slot, target)
+        settle(cluster, slot, target)
         admin = target.client()
         wait_for(
             lambda: OWNER_FIELD not in fields(admin, key),

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from redis.cluster import RedisCluster
 
 from celery_redislock import LockBackendError, RedisLock, SingletonTask, signals, wakeups
 from celery_redislock.scripts import OWNER_FIELD
@@ -160,14 +161,20 @@ def test_lost(
     wait_for(lambda: any(n == "lock_released" for n, _ in sent), what="lock_released")
 
 
+@pytest.mark.parametrize("store", ["url", "cluster client"])
 @pytest.mark.parametrize("mode", ["fail", "run"])
 def test_unavailable_reports_the_error_and_what_the_task_does(
-    app: Celery, sent: list[tuple[str, dict[str, Any]]], mode: str
+    app: Celery, sent: list[tuple[str, dict[str, Any]]], mode: str, store: str
 ) -> None:
     """A lock store that cannot be reached sends lock_unavailable, with the error and
     what the task does about it: fail, or run without its lock; at execution, and
-    from apply_async for a lock taken as the task is sent."""
-    app.conf.redislock_url = f"redis://127.0.0.1:{free_port()}/0"
+    from apply_async for a lock taken as the task is sent. A RedisCluster that a
+    redislock_client callable cannot make (its nodes are away) is no different."""
+    port = free_port()
+    if store == "url":
+        app.conf.redislock_url = f"redis://127.0.0.1:{port}/0"
+    else:
+        app.conf.redislock_client = lambda: RedisCluster(host="127.0.0.1", port=port)
     # Nothing to store the outcome in but the broker's server: keep it out of this.
     app.conf.task_store_eager_result = False
 

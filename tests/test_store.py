@@ -15,12 +15,12 @@ from celery import Celery
 from redis.cluster import RedisCluster
 from redis.sentinel import SentinelManagedSSLConnection
 
-from celery_redislock import SingletonTask
+from celery_redislock import LockBackendError, SingletonTask
 from celery_redislock import store as store_module
 from celery_redislock.client import get_client, url_shown
 from celery_redislock.deployments import ClusterDeployment, SentinelDeployment, TLSServer
 from celery_redislock.scripts import OWNER_FIELD, SEPARATOR
-from celery_redislock.server import RedisServer
+from celery_redislock.server import RedisServer, free_port
 from celery_redislock.store import describe_store, lock_store, store_url
 from celery_redislock.task import lock_store_url
 from celery_redislock.transport import router_for
@@ -244,6 +244,36 @@ def test_callable_returning_no_client_is_refused(redislock_server: RedisServer) 
     with pytest.raises(TypeError) as excinfo:
         job.lock_client  # noqa: B018
     assert "redislock_client" in str(excinfo.value)
+
+
+def test_a_client_callable_that_cannot_reach_its_cluster_is_called_again(
+    redislock_cluster: ClusterDeployment,
+) -> None:
+    """A redislock_client callable that fails to reach the store (a RedisCluster asks
+    its nodes for the slot map as it is made) raises LockBackendError naming the
+    setting; nothing is kept, so the next use calls it again, and gets the client
+    once the cluster answers."""
+    ports = [free_port()]
+    calls: list[int] = []
+
+    def build() -> RedisCluster:
+        calls.append(ports[0])
+        return RedisCluster(host="127.0.0.1", port=ports[0])
+
+    app = make("cluster-away", redislock_client=build)
+    with pytest.raises(LockBackendError) as excinfo:
+        lock_store(app)
+    message = str(excinfo.value)
+    assert "app.conf.redislock_client raised RedisClusterUnreachableError" in message
+    assert "Connection refused" in message
+    assert "called again at the next use" in message
+    ports[0] = redislock_cluster.nodes[0].port
+    client = lock_store(app)
+    assert isinstance(client, RedisCluster)
+    assert lock_store(app) is client
+    assert len(calls) == 2
+    close_app(app)
+    client.close()
 
 
 def test_passwords_are_not_shown() -> None:

@@ -18,6 +18,7 @@ import pytest
 import redis
 from celery import Celery, chain, chord, group
 from celery.exceptions import Ignore, Reject
+from redis.cluster import RedisCluster
 
 from celery_redislock import (
     LockBackendError,
@@ -846,10 +847,17 @@ class TestEager:
 class TestRedisTrouble:
     """The redislock_on_redis_error policy when the lock store is away."""
 
-    def make(self, mode: str) -> Any:
-        dead = f"redis://127.0.0.1:{free_port()}/0"
+    def make(self, mode: str, store: str = "url") -> Any:
+        """A task whose lock store is away: a ``redislock_url`` of a closed port, or
+        (``store="cluster client"``) a ``redislock_client`` callable making a
+        ``RedisCluster`` there, which fails as it is made."""
+        port = free_port()
         app = Celery("trouble", set_as_current=False)
-        app.conf.update(redislock_url=dead, redislock_on_redis_error=mode)
+        app.conf.update(redislock_on_redis_error=mode)
+        if store == "url":
+            app.conf.redislock_url = f"redis://127.0.0.1:{port}/0"
+        else:
+            app.conf.redislock_client = lambda: RedisCluster(host="127.0.0.1", port=port)
 
         @app.task(base=SingletonTask, bind=True, shared=False, name=f"trouble.{mode}")
         def body(self: Any) -> str:
@@ -858,16 +866,20 @@ class TestRedisTrouble:
 
         return body
 
-    def test_fail_runs_no_body(self) -> None:
-        """'fail' (default): the task fails with LockBackendError and the body never runs."""
-        task = self.make("fail")
+    @pytest.mark.parametrize("store", ["url", "cluster client"])
+    def test_fail_runs_no_body(self, store: str) -> None:
+        """'fail' (default): the task fails with LockBackendError and the body never
+        runs; a RedisCluster that a redislock_client callable cannot make too."""
+        task = self.make("fail", store)
         result = task.apply()
         assert isinstance(result.result, LockBackendError)
         assert "fail" not in runs("trouble")
 
-    def test_run_fails_open(self, caplog: pytest.LogCaptureFixture) -> None:
-        """'run': the body runs unlocked and a warning is logged."""
-        task = self.make("run")
+    @pytest.mark.parametrize("store", ["url", "cluster client"])
+    def test_run_fails_open(self, caplog: pytest.LogCaptureFixture, store: str) -> None:
+        """'run': the body runs unlocked and a warning is logged; a RedisCluster that a
+        redislock_client callable cannot make too."""
+        task = self.make("run", store)
         caplog.set_level(logging.WARNING, logger="celery_redislock")
         assert task.apply().get() == "unlocked"
         assert "unlocked" in caplog.text

@@ -33,7 +33,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import AskError, RedisError, TryAgainError
 
 from celery_redislock.ids import request_id
 from celery_redislock.lock import (
@@ -61,6 +61,7 @@ from celery_redislock.transport import (
     Transport,
     backend_errors,
     run,
+    slot_moving,
 )
 
 __all__ = [
@@ -530,16 +531,28 @@ def list_locks(
     match = f"{glob_escape(prefix)}:{{{_scan_match(pattern)}}}"
     wanted = None if pattern == "*" else pattern.encode("utf-8")
     found: list[LockInfo] = []
+    # The keys read so far: a key SCAN returns twice (SCAN may; a key moved to
+    # another primary between the scans of both) is listed once.
+    seen: set[str] = set()
+    router = Router(client)
     with backend_errors("list locks"):
-        for transport in Router(client).transports():
-            for keys in _scan(transport, match, timeout):
+        for transport in router.transports():
+            for batch in _scan(transport, match, timeout):
+                keys = [key for key in batch if key not in seen]
                 if not keys:
                     continue
+                seen.update(keys)
                 commands = [command for key in keys for command in _read_commands(key)]
                 replies = run(transport, commands, Deadline.after(timeout))
                 for i, key in enumerate(keys):
-                    row, pttl, waiters = replies[3 * i : 3 * i + 3]
-                    info = _parse(key, prefix, row, pttl, waiters)
+                    read = replies[3 * i : 3 * i + 3]
+                    if any(isinstance(reply, AskError | TryAgainError) for reply in read):
+                        # A key of a slot being moved to this primary (SCAN lists
+                        # it here, but the slot is not yet served here: MOVED), or
+                        # moved away since the scan (ASK): read where it is now.
+                        first, *then = _read_commands(key)
+                        read = send(router, key, first, Deadline.after(timeout), then)
+                    info = _parse(key, prefix, *read)
                     if info is None or not _matches(info, task, holder, state):
                         continue
                     # The server matched the stored (maybe escaped) key; the
@@ -681,6 +694,7 @@ def app_stores(app: Any) -> list[Store]:
 
     Raises:
         ValueError, TypeError: the app names no usable lock store.
+        LockBackendError: its ``redislock_client`` callable could not reach the store.
     """
     from celery_redislock.task import SingletonTask
 
@@ -981,4 +995,6 @@ def short_reason(exc: BaseException) -> str:
             if sign in lowered:
                 return f"unreachable ({said})"
         return f"unreachable ({message})"
+    if isinstance(cause, AskError | TryAgainError):
+        return slot_moving(cause)
     return str(exc).removeprefix("could not ").split(": ", 1)[-1]

@@ -50,7 +50,7 @@ from celery_redislock.admin import (
     worker_activity,
 )
 from celery_redislock.errors import LockBackendError, LockError
-from celery_redislock.store import store_url
+from celery_redislock.store import describe_store, store_url
 
 #: Seconds ``show``, ``release`` and ``purge`` wait for live workers to answer.
 DEFAULT_INSPECT_TIMEOUT = 1.0
@@ -97,6 +97,9 @@ def _stores(ctx: click.Context) -> list[Store]:
         return app_stores(app)
     except (ValueError, TypeError) as exc:
         raise Failure(f"lock store: {exc}") from None
+    except LockBackendError as exc:
+        # Its redislock_client callable could not reach it to make the client.
+        raise Failure(f"lock store {describe_store(app)}: {short_reason(exc)}") from None
 
 
 def one_line_errors(command: _F) -> _F:

@@ -930,9 +930,9 @@ def send(
     in the background keep their place ahead of a later one. On a cluster, a
     redirection or a failed primary
     updates the slot map and the request goes again to the key's owner now; a
-    slot being migrated sends it, after an ``ASKING``, to the primary its key has
-    moved to (``ASK``), or again after a pause while its keys are split
-    (``TRYAGAIN``).
+    slot being migrated sends it to the primary its key has moved to (``ASK``),
+    each of its commands after an ``ASKING``, or again after a pause while its
+    keys are split (``TRYAGAIN``).
 
     Raises:
         redis.RedisError: the request failed for good (connection, timeout, or
@@ -945,20 +945,23 @@ def send(
     ran = False
     while True:
         transport = asked or router.single or router.transport(key)
-        head: list[Sequence[Any]] = [_ASKING] if asked is not None else []
         try:
             if before:
                 assert isinstance(call, Call)
                 replies = _run_behind(transport, asked is not None, before, call, then, deadline)
             elif isinstance(call, Call):
                 # run_calls() for one call, inline: this is every acquire's path.
-                replies = run(transport, [*head, call.by_sha(), *then], deadline)[len(head) :]
+                if asked is None:
+                    replies = run(transport, [call.by_sha(), *then], deadline)
+                else:
+                    replies = _run_asking(transport, [call.by_sha(), *then], deadline, True)
                 if isinstance(replies[0], NoScriptError):
-                    replies = run(transport, [*head, call.by_text(), *then], deadline)[len(head) :]
+                    commands = [call.by_text(), *then]
+                    replies = _run_asking(transport, commands, deadline, asked is not None)
                 if not isinstance(replies[0], NoScriptError):
                     transport.scripts.add(call.script.sha)
             else:
-                replies = run(transport, [*head, call, *then], deadline)[len(head) :]
+                replies = _run_asking(transport, [call, *then], deadline, asked is not None)
             if isinstance(replies[0], Exception):
                 raise replies[0]
             return replies if then else replies[0]
@@ -984,8 +987,26 @@ def send(
         attempt += 1
 
 
-#: What a request to the primary an ``ASK`` named starts with.
+#: What each request to the primary an ``ASK`` named follows: it lets the one
+#: command after it (and that one only) at a key of the slot the primary imports.
 _ASKING = ("ASKING",)
+
+
+def _run_asking(
+    transport: Transport,
+    commands: Sequence[Sequence[Any]],
+    deadline: Deadline,
+    asked: bool,
+) -> list[Any]:
+    """The replies of ``commands``, run in one round trip: if ``asked`` (sent to
+    the primary an ``ASK`` named), each after an ``ASKING`` of its own, as that
+    lets only the next command at a key of the slot the primary imports."""
+    if not asked:
+        return run(transport, commands, deadline)
+    replies = run(
+        transport, [part for command in commands for part in (_ASKING, command)], deadline
+    )
+    return replies[1::2]
 
 
 def _run_behind(
@@ -997,17 +1018,14 @@ def _run_behind(
     deadline: Deadline,
 ) -> list[Any]:
     """The replies of ``call`` and ``then``, sent in one round trip behind the
-    ``before`` calls (by text: they are rare; each after an ``ASKING`` if
+    ``before`` calls (by text: they are rare; each command after an ``ASKING`` if
     ``asked``), for :func:`send`. A ``call`` the server has no script for goes
     again by text, alone: the ``before`` calls ran."""
-    commands: list[Sequence[Any]] = []
-    for each in before:
-        commands += [_ASKING, each.by_text()] if asked else [each.by_text()]
-    head = [_ASKING] if asked else []
-    skip = len(commands) + len(head)
-    replies = run(transport, [*commands, *head, call.by_sha(), *then], deadline)[skip:]
+    commands = [each.by_text() for each in before]
+    replies = _run_asking(transport, [*commands, call.by_sha(), *then], deadline, asked)
+    replies = replies[len(commands) :]
     if isinstance(replies[0], NoScriptError):
-        replies = run(transport, [*head, call.by_text(), *then], deadline)[len(head) :]
+        replies = _run_asking(transport, [call.by_text(), *then], deadline, asked)
     if not isinstance(replies[0], NoScriptError):
         transport.scripts.add(call.script.sha)
     return replies

@@ -7,7 +7,10 @@ defining its tasks, or between uses, works; the first of these that is set wins:
 1. ``app.conf.redislock_client``: a ready redis-py client (``redis.Redis``, a
    Sentinel ``master_for()`` client, ``redis.cluster.RedisCluster``) or a
    zero-argument callable returning one, called lazily once per process (after
-   ``fork()``, so a prefork child builds its own);
+   ``fork()``, so a prefork child builds its own); one that fails to reach the
+   store (a ``RedisCluster`` asks for the slot map as it is made) raises
+   :class:`~celery_redislock.errors.LockBackendError`, as a lock call would, and
+   is called again at the next use;
 2. ``app.conf.redislock_url`` (``redis://``, ``rediss://``, ``unix://`` or
    ``sentinel://``), with ``app.conf.redislock_transport_options`` for Sentinel
    (``master_name``, ``sentinel_kwargs``, as Celery's
@@ -33,6 +36,7 @@ from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
 
 from celery_redislock.client import (
     URL_SCHEMES,
@@ -41,7 +45,8 @@ from celery_redislock.client import (
     sentinel_options,
     url_shown,
 )
-from celery_redislock.transport import Client
+from celery_redislock.errors import LockBackendError
+from celery_redislock.transport import Client, describe_error
 
 #: A lock store given directly: a client, or a callable that builds one.
 ClientSource = Client | Callable[[], Client]
@@ -163,6 +168,8 @@ def lock_store(app: Any, url: str | None = None) -> Client:
 
     Raises:
         TypeError, ValueError: the configuration names no usable lock store.
+        LockBackendError: a ``redislock_client`` callable could not reach the
+            store to make its client.
     """
     if url is not None:
         if url.startswith("sentinel://"):
@@ -213,12 +220,32 @@ def _resolve(app: Any) -> Client:
         with _guard:
             built = _built.get(app)
             if built is None or built[0] != os.getpid():
-                client: Client = source()
+                client: Client = _built_by(source)
                 check_client_source(client, "the client app.conf.redislock_client returned")
                 if callable(client) and not isinstance(client, redis.Redis | RedisCluster):
                     raise TypeError("app.conf.redislock_client returned a callable, not a client")
                 built = _built[app] = (os.getpid(), client)
     return built[1]
+
+
+def _built_by(source: Callable[[], Client]) -> Client:
+    """The client the ``redislock_client`` callable ``source`` returns.
+
+    Raises:
+        LockBackendError: it failed to reach the store (a ``RedisCluster`` asks a
+            node for the slot map as it is made); nothing is kept, so the next
+            use calls it again.
+    """
+    try:
+        return source()
+    except (RedisError, RedisClusterException, OSError) as exc:
+        reason = describe_error(exc) if isinstance(exc, RedisError) else str(exc)
+        raise LockBackendError(
+            f"could not make the lock store's client: app.conf.redislock_client raised "
+            f"{type(exc).__name__}: {reason} (check that the servers it names are up and "
+            "reachable from this host, with the addresses, credentials and TLS settings it "
+            "gives; it is called again at the next use)"
+        ) from exc
 
 
 def describe_store(app: Any, url: str | None = None) -> str:

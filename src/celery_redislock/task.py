@@ -991,20 +991,21 @@ class SingletonTask(Task):  # type: ignore[misc]
         key = self.lock_name(args, kwargs)
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
         retries = _retries(options.get("retries"))
-        lock = self._new_lock(
-            key,
-            task_id,
-            queued_owner(task_id, retries),
-            opts.enqueue_ttl + delay,
-            heartbeat=False,
-            opts=opts,
-        )
         running = self._own_hold(task_id, key)
         if running is not None and getattr(self.request, _RUNS_ON, False):
             # The execution runs on: it hands its hold over as it ends.
             setattr(self.request, _SENT_RETRY, (retries, delay))
             running = None
         try:
+            # (Making the lock resolves the store: its client may fail to reach it.)
+            lock = self._new_lock(
+                key,
+                task_id,
+                queued_owner(task_id, retries),
+                opts.enqueue_ttl + delay,
+                heartbeat=False,
+                opts=opts,
+            )
             # Its own retry: the running execution hands its hold to the reservation.
             acquired = lock.acquire(blocking=False) if running is None else running._hand_over(lock)
         except LockBackendError as exc:
@@ -1265,7 +1266,15 @@ class SingletonTask(Task):  # type: ignore[misc]
                     logger.warning("%s; %s[%s] runs all the same", exc, self.name, task_id)
                 return self.run(*args, **kwargs)
             check_name(task_id, "task id")
-            lock = self._execution_lock(key, task_id, opts, request)
+            try:
+                lock = self._execution_lock(key, task_id, opts, request)
+            except LockBackendError as exc:
+                # The store's client could not be made (a redislock_client
+                # callable that could not reach it): as an acquire that failed.
+                self._unavailable(key, task_id, exc, opts)
+                if opts.on_redis_error != "run":
+                    raise
+                return self._run_unlocked(request, key, task_id, exc, opts, args, kwargs)
             asked = time.monotonic()
         taken = asked
         keep = retrying = reserve = False
@@ -1299,9 +1308,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 self._unavailable(key, task_id, exc, opts, unlocked=not waiting)
                 if waiting or opts.on_redis_error != "run":
                     raise
-                logger.warning("%s; running %s[%s] unlocked", exc, self.name, task_id)
-                request.redislock = LockHandle(key, None, opts)
-                return self.run(*args, **kwargs)
+                return self._run_unlocked(request, key, task_id, exc, opts, args, kwargs)
             if not acquired and lock.blocked_by == task_id:
                 # Another delivery of this very message: whether it is alive decides.
                 outcome = self._redelivered(lock, key, request, opts, waiting)
@@ -1363,6 +1370,22 @@ class SingletonTask(Task):  # type: ignore[misc]
                 else:
                     self._release(lock, time.monotonic() - taken, retrying)
 
+    def _run_unlocked(
+        self,
+        request: Any,
+        key: str,
+        task_id: str,
+        error: LockBackendError,
+        opts: LockOptions,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Run the body without lock ``key``, whose store failed as the execution
+        began (``lock_on_redis_error="run"``)."""
+        logger.warning("%s; running %s[%s] unlocked", error, self.name, task_id)
+        request.redislock = LockHandle(key, None, opts)
+        return self.run(*args, **kwargs)
+
     def _same_lock(self, signature: Any, name: str) -> bool:
         """Whether the call ``signature`` (a retry's) takes lock ``name``."""
         try:
@@ -1383,9 +1406,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         as it is and the redelivery waits until it expires, or (a hand-over whose
         answer was lost) the lock is freed."""
         owner = queued_owner(lock.lease, retries)
-        reservation = self._new_lock(lock.name, lock.lease, owner, ttl, heartbeat=False, opts=opts)
-        reservation._handed_from = lock.owner
         try:
+            reservation = self._new_lock(
+                lock.name, lock.lease, owner, ttl, heartbeat=False, opts=opts
+            )
+            reservation._handed_from = lock.owner
             reservation.acquire(blocking=False)
         except LockBackendError as exc:
             logger.warning(

@@ -51,6 +51,7 @@ from redis.exceptions import (
     ReadOnlyError,
     RedisError,
     ResponseError,
+    TryAgainError,
 )
 from redis.exceptions import (
     ConnectionError as RedisConnectionError,
@@ -1456,7 +1457,29 @@ def describe_error(exc: BaseException) -> str:
         return f"timed out ({exc})"
     if isinstance(exc, RedisConnectionError):
         return f"unreachable ({exc})"
+    if isinstance(exc, AskError | TryAgainError):
+        return slot_moving(exc)
     return str(exc)
+
+
+def slot_moving(exc: AskError | TryAgainError) -> str:
+    """What a Redis Cluster's ``MOVED``, ``ASK`` or ``TRYAGAIN`` that a request
+    could not get past in time means, for an operator."""
+    if isinstance(exc, AskError):
+        # (A MovedError is an AskError.)
+        reply = "MOVED" if isinstance(exc, MovedError) else "ASK"
+        what = (
+            f"cluster slot {exc.slot_id} is being moved between primaries "
+            f"({reply} to {exc.host}:{exc.port})"
+        )
+    else:
+        what = "a lock's keys are split between two primaries while their cluster slot is moved"
+        what += f" (TRYAGAIN: {exc})"
+    return (
+        f"{what}, and the request could not follow in time: try again once the move has "
+        "ended; a move left half-way (a `redis-cli --cluster reshard` that stopped) is "
+        "ended by `redis-cli --cluster fix`"
+    )
 
 
 @contextmanager
