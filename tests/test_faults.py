@@ -24,7 +24,15 @@ from celery_redislock import LockBackendError, LockLostError, RedisLock, Singlet
 from celery_redislock import lock as lock_module
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.lock import lock_keys, release_lease, wake_channel_prefix
-from celery_redislock.scripts import ACQUIRE, EXTEND, FENCE_FIELD, RELEASE, Call
+from celery_redislock.scripts import (
+    ACQUIRE,
+    COUNT_FIELD,
+    EXTEND,
+    FENCE_FIELD,
+    OWNER_FIELD,
+    RELEASE,
+    Call,
+)
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import pack, transport_for
 from celery_redislock.wakeups import PROBE_AFTER, hub_for
@@ -692,6 +700,31 @@ def test_unconfirmed_acquire_is_undone(
     # It did land: the free key keeps the fencing token it handed out.
     assert field(direct, lock.key, FENCE_FIELD)
     client.close()
+
+
+def test_an_acquire_made_again_before_the_undo_of_an_unanswered_one_landed_leaves_nothing(
+    server: RedisServer, proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """An acquire that ran but whose answer was lost, the server then out of reach,
+    raises and is undone in the background. Tried again as the network heals,
+    before the undo's next try, the acquire must not re-enter the hold it made
+    unknowingly (a count of two, of which its release drops one): the undo goes
+    first, and the release frees the lock."""
+    lock = RedisLock(redis.Redis.from_url(proxy.url), "undo-then-again", ttl=60, call_timeout=1)
+    assert lock.acquire(blocking=False)  # the connection is open, the scripts known
+    lock.release()
+    proxy.drop_replies(1, then_close_port=True)
+    with pytest.raises(LockBackendError):
+        lock.acquire(blocking=False)
+    assert field(direct, lock.key, OWNER_FIELD) == lock.owner  # it ran
+    proxy.heal()
+    assert lock.acquire(blocking=False)
+    assert field(direct, lock.key, COUNT_FIELD) is None  # one hold, not two
+
+    lock.release()
+
+    assert not held(direct, lock.key)
+    lock.client.close()
 
 
 def sent_in_background(lock: RedisLock, beat: Heartbeat | None = None) -> list[str]:

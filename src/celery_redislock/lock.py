@@ -404,7 +404,8 @@ class RedisLock:
     # The inner releases that failed and are sent again in the background, with
     # when they give up: until one has landed, a later release of the hold it
     # dropped would drop another instead, so the next request that changes the
-    # lock sends them first, in its own round trip (see _ahead()).
+    # lock sends them first, in its own round trip (see _ahead()). The undo of
+    # an acquire whose answer never came goes with them (see _undo()).
     _behind: tuple[tuple[Call, float], ...] = ()
     # How many of this object's releases that did not wait have no answer yet:
     # the next request that changes the lock reads them first (see _read_owed()),
@@ -1298,15 +1299,22 @@ class RedisLock:
 
         It acts only if that acquire landed and is still the last change to the
         lock, rather than leave the lock held for a whole TTL by an owner that
-        does not know it holds it.
+        does not know it holds it. Until it has landed, the next request of this
+        object that changes the lock sends it first (see :meth:`_ahead`): an
+        acquire made again meanwhile would otherwise re-enter the unknown hold
+        (a count of two, of which its release drops one), and the undo, no longer
+        behind the last change, would then leave the other for the TTL.
         """
         self._unconfirmed = None
         # If it lands, it makes a change this object does not know the id of.
         self._last_change = None
+        call, until = self._undo_call(request), sent + self.ttl
+        with self._state:
+            self._behind = (*self._behind, (call, until))
         self._beat().retry_in_background(
             self,
-            self._undo_call(request),
-            sent + self.ttl,
+            call,
+            until,
             f"undoing the unconfirmed acquire of lock {self.name!r}",
             # Finding nothing to undo is as expected as undoing a hold.
             quiet=True,
