@@ -755,7 +755,8 @@ def test_an_undo_that_finds_nothing_to_undo_warns_of_nothing(
         proxy.heal()
         wait_for(lambda: sent_in_background(lock) == [], what="the undo to be done")
     assert not held(direct, lock.key)
-    assert seen == []
+    # (Other tests' locks may still be given up on meanwhile: only this one's count.)
+    assert [warning for warning in seen if "'swallowed'" in warning] == []
 
 
 def test_an_acquire_that_could_not_connect_leaves_nothing_to_undo(proxy: FaultProxy) -> None:

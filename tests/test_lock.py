@@ -345,6 +345,28 @@ def test_a_value_with_the_field_separator_is_refused(
         RedisLock(client, "separated", ttl=5, **options)
 
 
+def test_a_string_another_program_wrote_in_a_locks_key_is_reported_and_left_alone(
+    client: redis.Redis,
+) -> None:
+    """A lock key holding a string that is no lock of this version (a ``SET`` by a
+    cron job, without expiry) is not taken for a lock held forever: an acquire,
+    one that would wait included, says what it found and what to do, and writes
+    nothing there (no queued flag, and still no expiry it could keep)."""
+    lock = RedisLock(client, "written-by-cron", ttl=5)
+    client.set(lock.key, "locked-by-cron")
+    with pytest.raises(LockBackendError, match="not a lock") as excinfo:
+        lock.acquire(blocking=False)
+    assert "delete the key" in str(excinfo.value)
+    with pytest.raises(LockBackendError, match="not a lock"):
+        lock.acquire(timeout=1)
+    assert client.get(lock.key) == b"locked-by-cron"
+    assert client.pttl(lock.key) == -1
+    assert not client.exists(lock.queue_key)
+    client.delete(lock.key)
+    assert lock.acquire(blocking=False)
+    lock.release()
+
+
 def test_a_key_of_another_layout_is_reported_with_what_to_do(client: redis.Redis) -> None:
     """A lock key written by a version with another storage layout (a hash) is left
     as it is, and an acquire says what it is and what to do; so does a renewal
@@ -1932,6 +1954,24 @@ def release_call(lock: RedisLock, token: str) -> Call:
 def run_call(lock: RedisLock, call: Call) -> Any:
     """Send ``call`` with ``lock``'s transport and return the script's reply."""
     return lock._run(call, lock._call_deadline(None))
+
+
+def test_a_release_sent_again_after_the_grant_it_made_ran_out_reads_as_not_held(
+    client: redis.Redis,
+) -> None:
+    """The limit of the releases a lock remembers: they live in its key, which,
+    once a release handed the lock to a waiter that never confirms it, lives only
+    for the grant. The same release sent again within the grant is recognised;
+    after it, it answers that the lock was not held, and changes nothing."""
+    holder = held_ahead_of_a_gone_waiter(client, "grant-ran-out", gone_ttl_ms=1_000)
+    call = release_call(holder, "")
+    assert run_call(holder, call) == Released.FREED
+    assert run_call(holder, call) == Released.FREED  # recognised: the grant's key remembers it
+    assert wait_until(lambda: not client.exists(holder.key), timeout=5)
+
+    assert run_call(holder, call) == Released.NOT_OWNED
+    assert not client.exists(holder.key)
+    holder.detach()
 
 
 def writes_and_reads(client: redis.Redis) -> tuple[int, int]:

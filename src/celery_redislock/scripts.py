@@ -298,14 +298,21 @@ local function decode(raw)
 end
 
 -- The lock's fields from what a GET of its key returned: an error for a key
--- that holds something else (a lock of an older layout).
+-- that holds something else (a lock of an older layout, or a string another
+-- program wrote: every lock's value has a fencing token, held or free).
 local function parse(raw)
     if type(raw) == 'table' and raw.err then
         error({err = 'ERR celery_redislock: ' .. KEYS[1] .. ' is not a lock of this version ' ..
             '(' .. raw.err .. '); stop the workers of other versions, and delete the key ' ..
             'or let it expire'})
     end
-    return decode(raw)
+    local lock = decode(raw)
+    if raw and not string.match(lock[$FENCE] or '', '^%d+$$') then
+        error({err = 'ERR celery_redislock: ' .. KEYS[1] .. ' holds a value that is not a ' ..
+            'lock (it has no fencing token); stop whatever writes it there, and delete ' ..
+            'the key or let it expire'})
+    end
+    return lock
 end
 
 local function read()
