@@ -356,6 +356,11 @@ class KeyBuilder:
         arguments = self._bind_plain(args, kwargs)
         if arguments is not None:
             return self._chosen(arguments)
+        return self._chosen(dict(self._bind(args, kwargs).arguments))
+
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
+        """A call bound to the task's signature, with defaults applied."""
+        assert self.signature is not None
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -363,7 +368,7 @@ class KeyBuilder:
                 f"arguments do not match task {self.task_name!r}'s signature: {exc}"
             ) from exc
         bound.apply_defaults()
-        return self._chosen(dict(bound.arguments))
+        return bound
 
     def _from_lock_key(
         self, lock_key: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -394,13 +399,7 @@ class KeyBuilder:
         arguments = self._bind_plain(args, kwargs)
         if arguments is not None:
             return (), arguments
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise KeyDerivationError(
-                f"arguments do not match task {self.task_name!r}'s signature: {exc}"
-            ) from exc
-        bound.apply_defaults()
+        bound = self._bind(args, kwargs)
         kinds = [p.kind for p in self.signature.parameters.values()]
         if inspect.Parameter.VAR_POSITIONAL in kinds or inspect.Parameter.POSITIONAL_ONLY in kinds:
             return bound.args, bound.kwargs
