@@ -19,7 +19,7 @@ from celery import Celery, bootsteps, current_app
 from celery.worker import state as worker_state
 
 from celery_redislock import LockLostError, RedisLock, SingletonTask, is_skipped
-from celery_redislock.admin import read_lock
+from celery_redislock.admin import ForceReleased, force_release, read_lock
 from celery_redislock.server import RedisServer
 from celery_redislock.testing import (
     assert_no_locks,
@@ -218,6 +218,27 @@ def test_leave_stale_lock_is_never_renewed(job: Any, redislock_client: redis.Red
     assert (info.state, info.node) == ("running", "crashed@leave_stale_lock")
     assert is_skipped(job.delay(3).get(timeout=20))
     wait_for(lambda: read_lock(redislock_client, name) is None, what="the TTL to free it")
+
+
+def test_a_stale_lock_under_a_prefix_of_its_own_is_freed_as_the_migration_guide_says(
+    redislock_server: RedisServer,
+) -> None:
+    """The celery-singleton guide's ``release_lock`` counterpart frees the lock of a
+    task whose locks live under another prefix (``SINGLETONLOCK``, as the guide's
+    settings keep them), given the task's prefix."""
+    app = configure_app(Celery("migrated", set_as_current=False), redislock_server.url)
+    app.conf.redislock_prefix = "SINGLETONLOCK"
+
+    @app.task(base=SingletonTask, shared=False, name="migrated.job")
+    def job(n: int) -> None: ...
+
+    try:
+        leave_stale_lock(job, 1, ttl=30)
+        name = job.lock_name((1,), {})
+        assert force_release(job.lock_client, name, job.lock_options.prefix) is ForceReleased.FREED
+        assert read_lock(job.lock_client, name, prefix="SINGLETONLOCK") is None
+    finally:
+        close_app(app)
 
 
 def test_steal_lock_makes_the_running_task_lose_it(job: Any, redislock_client: redis.Redis) -> None:
