@@ -184,6 +184,21 @@ class TestEngine:
         # Claimed once: finishing it afterwards is no longer possible.
         assert not ahead.claim()
 
+    def test_a_reply_read_late_is_renewed_an_interval_after_it_was_written(
+        self, locks: redis.Redis
+    ) -> None:
+        """The hold a written-ahead acquire made ages from the moment it was written:
+        read late, it is renewed an interval after it was written (at once, when that
+        has passed), not an interval after the read, by when its TTL could have run
+        out on the server."""
+        lock = RedisLock(locks, uuid.uuid4().hex, ttl=3)  # renewed every second
+        ahead = lock._send_acquire()
+        assert ahead is not None
+        time.sleep(1.5)
+        assert lock._acquire_sent(ahead)
+        assert wait_until(lambda: locks.pttl(lock.key) > 2_500, timeout=0.8)
+        lock.release()
+
     def test_not_written_ahead_when_replicas_must_confirm(self, locks: redis.Redis) -> None:
         lock = RedisLock(locks, uuid.uuid4().hex, ttl=30, min_replicas=1)
         assert lock._send_acquire() is None
@@ -230,6 +245,10 @@ def app(request: pytest.FixtureRequest, redislock_server: RedisServer) -> Iterat
 
     @app.task(base=_FailingStart, shared=False, name="early.failing", lock_ttl=60)
     def failing(name: str) -> str:
+        return name
+
+    @app.task(base=SingletonTask, shared=False, name="early.short", lock_ttl=1)
+    def short(name: str) -> str:
         return name
 
     with in_process_worker(app, pool=request.param):
@@ -293,6 +312,32 @@ def test_a_duplicate_found_ahead_is_still_a_conflict(app: Celery, locks: redis.R
     result = task.delay(name).get(timeout=TIMEOUT)
     assert result["skipped"] is True
     holder.release()
+
+
+def test_a_hold_written_ahead_that_expired_before_the_task_started_is_asked_for_anew(
+    app: Celery, locks: redis.Redis
+) -> None:
+    """Work between the worker's accept and the task's start (a slow ``task_prerun``
+    receiver) that outlasts the lock's TTL: the hold written ahead expired meanwhile
+    and another took the lock. The task does not run on that stale answer: it asks
+    again, and meets the other holder as any duplicate does."""
+    name = uuid.uuid4().hex
+    task = app.tasks["early.short"]
+    rival = RedisLock(locks, task.lock_name((name,), {}), ttl=30)
+
+    def slow_start(sender: Any = None, args: Any = (), **_: Any) -> None:
+        if sender is task and list(args) == [name]:
+            # The hold written ahead (a TTL of 1 s, not yet renewed) runs out.
+            assert wait_until(lambda: rival.acquire(blocking=False), timeout=10)
+
+    celery_signals.task_prerun.connect(slow_start, weak=False)
+    try:
+        result = task.delay(name).get(timeout=TIMEOUT)
+    finally:
+        celery_signals.task_prerun.disconnect(slow_start)
+    assert result["skipped"] is True
+    assert rival.owned()
+    rival.release()
 
 
 def test_prefork_parent_writes_nothing(app: Celery, locks: redis.Redis) -> None:

@@ -1172,7 +1172,11 @@ class RedisLock:
         # heartbeat found it lost (the server still had it): losing it took it
         # off the heartbeat.
         if self.heartbeat and (first or reply.outcome is Acquired.TAKEN):
-            self._lane = (self._heartbeat or get_heartbeat()).register(self)
+            # Renewed an interval after the request was sent, not after its reply
+            # was read: a reply read late (written ahead as a worker accepted the
+            # task) leaves the hold less of its TTL.
+            due = max(0.0, sent + self.renew_interval - time.monotonic())
+            self._lane = (self._heartbeat or get_heartbeat()).register(self, due)
         return True
 
     def _send_acquire(self) -> SentAcquire | None:

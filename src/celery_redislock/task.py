@@ -1287,22 +1287,31 @@ class SingletonTask(Task):  # type: ignore[misc]
             try:
                 if ahead is not None:
                     acquired = lock._acquire_sent(ahead)
-                elif opts.on_conflict == "wait":
+                    if acquired and lock.lost:
+                        # Read only once the hold's TTL had passed (the work
+                        # between the worker's accept and the task's start took
+                        # that long): another may hold the lock by now. Given
+                        # back, if it is still there, and asked for anew.
+                        lock.release(wait=False, then=_no_report)
+                        lock = self._execution_lock(key, task_id, opts, request)
+                        ahead = None
+                if ahead is None:
+                    if opts.on_conflict == "wait":
 
-                    def held() -> None:
-                        if lock.blocked_by == task_id:
-                            # Another delivery of this message: not lock_wait's wait.
-                            raise _OwnDelivery
-                        waiting.append(self._wait_begins(lock, key, request, opts))
+                        def held() -> None:
+                            if lock.blocked_by == task_id:
+                                # Another delivery of this message: not lock_wait's wait.
+                                raise _OwnDelivery
+                            waiting.append(self._wait_begins(lock, key, request, opts))
 
-                    # A first try that can queue (see RedisLock._acquire): no
-                    # second request when the lock is held.
-                    try:
-                        acquired = lock._acquire(True, check_timeout(opts.wait), held)
-                    except _OwnDelivery:
-                        acquired = False
-                else:
-                    acquired = lock.acquire(blocking=False)
+                        # A first try that can queue (see RedisLock._acquire): no
+                        # second request when the lock is held.
+                        try:
+                            acquired = lock._acquire(True, check_timeout(opts.wait), held)
+                        except _OwnDelivery:
+                            acquired = False
+                    else:
+                        acquired = lock.acquire(blocking=False)
             except LockBackendError as exc:
                 # Only a first try that failed runs the task unlocked, not a wait.
                 self._unavailable(key, task_id, exc, opts, unlocked=not waiting)
@@ -1774,3 +1783,7 @@ def _shown(text: str) -> str:
     """``text`` as a lock's holder description can hold it (see
     :func:`~celery_redislock.lock.check_holder_info`)."""
     return text.replace(SEPARATOR, " ")[:MAX_INFO_LENGTH]
+
+
+def _no_report(outcome: object) -> None:
+    """A release's answer that needs no word (see :meth:`RedisLock.release`)."""
