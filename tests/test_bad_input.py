@@ -404,6 +404,10 @@ def test_bad_input_is_rejected(env: Env, run: Run, error: type[Exception], culpr
         pytest.param(task_with(lock_enqueue_ttl=math.inf), True, id="lock_enqueue_ttl"),
         pytest.param(task_with(lock_wait=-1), False, id="lock_wait"),
         pytest.param(task_with(lock_retry_delay=math.inf), False, id="lock_retry_delay"),
+        pytest.param(new_lock(ttl=0), True, id="RedisLock-ttl"),
+        pytest.param(new_lock(call_timeout=0), False, id="RedisLock-call_timeout"),
+        pytest.param(new_lock(replica_timeout=-1), False, id="RedisLock-replica_timeout"),
+        pytest.param(new_lock(heartbeat_interval=0), False, id="RedisLock-heartbeat_interval"),
     ],
 )
 def test_a_duration_out_of_range_says_why_only_for_a_lifetime(

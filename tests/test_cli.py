@@ -703,7 +703,8 @@ def test_release_asks_first(app: Celery, locks: redis.Redis) -> None:
     url = str(app.conf.redislock_url)
     name = leave_stale_lock(cli_app.report, 5, ttl=30)
     declined = celery(url, "release", name, stdin="n\n")
-    assert declined.returncode != 0
+    assert declined.returncode == 1
+    assert "Aborted!" in declined.stderr
     assert read_lock(locks, name) is not None
     confirmed = celery(url, "release", name, stdin="y\n")
     assert confirmed.returncode == 0, confirmed.stderr

@@ -860,15 +860,17 @@ def test_waiting_does_not_poll(client: redis.Redis, subscribed: bool) -> None:
     holder.release()
 
 
-def test_with_statement_times_out(client: redis.Redis) -> None:
-    """``with lock:`` raises LockTimeoutError once ``blocking_timeout`` runs out."""
+@pytest.mark.parametrize("timeout", [0.2, 0])
+def test_with_statement_times_out(client: redis.Redis, timeout: float) -> None:
+    """``with lock:`` raises LockTimeoutError once ``blocking_timeout`` runs out; with
+    0, after one try."""
     holder = RedisLock(client, "with-timeout", ttl=30)
     assert holder.acquire()
-    other = RedisLock(client, "with-timeout", ttl=30, blocking_timeout=0.2)
+    other = RedisLock(client, "with-timeout", ttl=30, blocking_timeout=timeout)
     with pytest.raises(LockTimeoutError) as excinfo, other:
         pytest.fail("the body must not run")
     assert excinfo.value.name == "with-timeout"
-    assert excinfo.value.timeout == 0.2
+    assert excinfo.value.timeout == timeout
     assert holder.owned()
     holder.release()
 

@@ -323,8 +323,9 @@ class RedisLock:
             (host, database, credentials, TLS); the lock makes its own bounded
             connections with them.
         name: the lock's name; every holder of the same name excludes the others.
-        ttl: seconds the lock lives without renewal. Mandatory and > 0; a crashed
-            holder's lock frees itself after at most this long.
+        ttl: seconds the lock lives without renewal (default 60; never ``None``: a
+            lock always expires), so a crashed holder's lock frees itself after at
+            most this long.
         owner: the owner token. Default: 72 random bits in 12 characters. Two ``RedisLock``
             objects with the same owner are the same holder (re-entrant).
         lease: an optional lease id (a Celery task id). A hold whose owner is
@@ -484,7 +485,7 @@ class RedisLock:
             raise TypeError(f"on_lost must be callable or None, not {type(on_lost).__name__}")
         ttl = check_ttl(ttl)
         if heartbeat_interval is not None:
-            interval = check_ttl(heartbeat_interval, "heartbeat_interval")
+            interval = check_ttl(heartbeat_interval, "heartbeat_interval", expiry=False)
             if interval >= ttl:
                 raise ValueError(
                     f"heartbeat_interval ({heartbeat_interval}) must be shorter than ttl ({ttl}), "
@@ -507,8 +508,8 @@ class RedisLock:
             heartbeat=heartbeat,
             heartbeat_interval=None if heartbeat_interval is None else interval,
             blocking_timeout=check_timeout(blocking_timeout, "blocking_timeout"),
-            call_timeout=check_ttl(call_timeout, "call_timeout"),
-            replica_timeout=check_ttl(replica_timeout, "replica_timeout"),
+            call_timeout=check_ttl(call_timeout, "call_timeout", expiry=False),
+            replica_timeout=check_ttl(replica_timeout, "replica_timeout", expiry=False),
             beat=_heartbeat,
         )
         self._fill(
