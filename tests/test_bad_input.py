@@ -418,3 +418,45 @@ def test_a_duration_out_of_range_says_why_only_for_a_lifetime(
     with pytest.raises(ValueError, match="from") as excinfo:
         run(env)
     assert ("never freed after a crash" in str(excinfo.value)) is expiry
+
+
+@pytest.mark.parametrize(
+    ("option", "setting", "field"),
+    [
+        ("lock_ttl", "redislock_ttl", "ttl"),
+        ("lock_enqueue_ttl", "redislock_enqueue_ttl", "enqueue_ttl"),
+        ("lock_wait", "redislock_wait", "wait"),
+        ("lock_retry_delay", "redislock_retry_delay", "retry_delay"),
+    ],
+)
+def test_durations_range_from_1_ms_to_about_10_years(
+    env: Env, option: str, setting: str, field: str
+) -> None:
+    """Every duration, as a task option or an app setting, takes 1 ms and 315360000 s
+    (about 10 years) and refuses half a millisecond and one second more, naming it."""
+    for value in (0.001, 315_360_000):
+        for task in (task_with(**{option: value})(env), app_with(setting, value)(env)):
+            assert isinstance(task, SingletonTask)
+            assert getattr(task.lock_options, field) == value
+    for value in (0.0005, 315_360_001):
+        for run, culprit in (
+            (task_with(**{option: value}), option),
+            (app_with(setting, value), f"app.conf.{setting}"),
+        ):
+            with pytest.raises(ValueError, match=r"from 0\.001 to 315360000 ") as excinfo:
+                run(env)
+            assert culprit in str(excinfo.value)
+
+
+def test_a_lock_ttl_ranges_from_1_ms_to_about_10_years(env: Env) -> None:
+    """RedisLock's ``ttl`` takes 1 ms and 315360000 s (about 10 years) and refuses half a
+    millisecond and one second more."""
+    for value in (0.001, 315_360_000):
+        lock = new_lock(ttl=value)(env)
+        assert isinstance(lock, RedisLock)
+        assert lock.ttl == value
+    for value in (0.0005, 315_360_001):
+        with pytest.raises(
+            ValueError, match=r"^ttl must be a finite number of seconds from 0\.001 to 315360000 "
+        ):
+            new_lock(ttl=value)(env)

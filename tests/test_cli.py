@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -911,6 +912,76 @@ def test_purge_covers_tasks_with_prefixes_of_their_own(
     assert list_locks(locks, prefix="own") == []
     assert list_locks(locks) == []
     close_app(app)
+
+
+#: An app (a module of its own, for the command's -A) whose task keeps its locks in a
+#: lock store and under a prefix of its own: database 2 of the app's server.
+OWN_STORE_APP = '''"""An app whose task has a lock_url and a lock_prefix of its own."""
+
+import os
+
+from celery_redislock import SingletonTask
+from tests.support import make_app
+
+URL = os.environ["REDISLOCK_TEST_URL"]
+app = make_app(URL, "ownstore")
+
+
+@app.task(
+    base=SingletonTask,
+    shared=False,
+    name="ownstore.elsewhere",
+    lock_url=URL.rsplit("/", 1)[0] + "/2",
+    lock_prefix="elsewhere",
+)
+def elsewhere(n: int) -> None: ...
+'''
+
+
+def test_commands_cover_a_task_with_a_lock_store_of_its_own(
+    redislock_server: RedisServer,
+    locks: redis.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The command works on a task's own ``lock_url`` (another database of the server)
+    and ``lock_prefix`` too: `list` shows that task's lock, and `purge --all` frees it."""
+    (tmp_path / "own_store_app.py").write_text(OWN_STORE_APP)
+    monkeypatch.setenv("REDISLOCK_TEST_URL", redislock_server.url)
+    spec = importlib.util.spec_from_file_location("own_store_app", tmp_path / "own_store_app.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    elsewhere = redislock_server.client(db=2)
+    try:
+        name = leave_stale_lock(module.elsewhere, 1, ttl=30)
+        assert read_lock(elsewhere, name, "elsewhere") is not None
+        assert list_locks(locks) == []  # nothing in the app's own store
+
+        def command(*args: str) -> subprocess.CompletedProcess[str]:
+            return celery(redislock_server.url, *args, app="own_store_app", cwd=tmp_path)
+
+        text = command("list")
+        assert text.returncode == 0, text.stderr
+        _header, *rows, total = text.stdout.splitlines()
+        assert [row.split()[:2] for row in rows] == [[name, "ownstore.elsewhere"]]
+        assert total == "1 lock(s) held"
+        listed = command("list", "--json")
+        assert listed.returncode == 0, listed.stderr
+        document = json.loads(listed.stdout)
+        assert [(lock["name"], lock["prefix"]) for lock in document["locks"]] == [
+            (name, "elsewhere")
+        ]
+        purged = command("purge", "--all", "--yes")
+        assert purged.returncode == 0, purged.stderr
+        assert purged.stdout.count("released ") == 1
+        assert f"released {name}: evicted" in purged.stdout
+        assert read_lock(elsewhere, name, "elsewhere") is None
+    finally:
+        elsewhere.flushdb()
+        elsewhere.close()
+        close_app(module.app)
 
 
 def operations_table(column: str) -> list[str]:

@@ -18,7 +18,7 @@ import redis
 from celery import Celery, bootsteps, current_app
 from celery.worker import state as worker_state
 
-from celery_redislock import LockLostError, RedisLock, SingletonTask, is_skipped
+from celery_redislock import LockLostError, RedisLock, SingletonTask, is_skipped, signals
 from celery_redislock.admin import ForceReleased, force_release, read_lock
 from celery_redislock.server import RedisServer
 from celery_redislock.testing import (
@@ -30,7 +30,7 @@ from celery_redislock.testing import (
     steal_lock,
     wait_for_lock,
 )
-from tests.support import close_app, wait_for
+from tests.support import close_app, gate, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,15 +46,20 @@ def page_example() -> dict[str, str]:
 
 def test_page_example_passes_as_a_project_of_its_own(tmp_path: Path) -> None:
     """The Testing page's example (task, conftest, tests) passes when run as a user's
-    project: the plugin is enabled by its conftest alone."""
+    project: the plugin is enabled by its conftest alone, which imports the helpers
+    before it lists the plugin without pytest's warning that the module was
+    imported too early to be rewritten (an error here)."""
     files = page_example()
     assert set(files) == {"reports.py", "conftest.py", "test_reports.py"}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env.pop("PYTHONPATH", None)
+    pytest_command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    # Pytest warns of a plugin imported before it was listed (too late to rewrite it).
+    pytest_command += ["-W", "error::pytest.PytestAssertRewriteWarning"]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        pytest_command,
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -108,6 +113,52 @@ def test_run_worker_returns_after_its_running_task_finished(
         assert result.get(timeout=10) is True
     finally:
         close_app(app)
+
+
+def test_run_worker_raises_when_a_task_outlasts_shutdown_timeout(
+    redislock_server: RedisServer, redislock_client: redis.Redis
+) -> None:
+    """A task still running on the worker's threads pool ``shutdown_timeout`` seconds
+    after the block ended makes run_worker raise, saying so, rather than return with
+    the task (and its lock) going on into whatever runs next."""
+    app = configure_app(Celery("kit-outlasting", set_as_current=False), redislock_server.url)
+    app.conf.task_default_queue = "kit-outlasting-queue"
+    let_go = threading.Event()
+    ran_on: list[threading.Thread] = []
+
+    @app.task(base=SingletonTask, shared=False, name="kit.outlasting")
+    def outlasting() -> bool:
+        ran_on.append(threading.current_thread())
+        return let_go.wait(30)
+
+    sent: list[Any] = []
+
+    def leave_it_running() -> None:
+        # (Long enough for the worker's own thread to stop: about a second.)
+        with run_worker(app, concurrency=1, shutdown_timeout=3):
+            sent.append(outlasting.delay())
+            wait_for_lock(outlasting)
+
+    try:
+        with pytest.raises(RuntimeError) as excinfo:
+            leave_it_running()
+        assert not let_go.is_set()
+        assert [thread.is_alive() for thread in ran_on] == [True]
+    finally:
+        let_go.set()
+        for thread in ran_on:
+            thread.join(30)
+        # Should the worker's own thread have outlasted shutdown_timeout, Celery
+        # raises and leaves its process-wide shutdown flag set: no later worker in
+        # this session could start.
+        worker_state.should_terminate = None
+    assert str(excinfo.value) == (
+        f"tasks still running on the worker's threads pool ({ran_on[0].name}) after "
+        "shutdown_timeout: raise it if your tasks take longer to finish"
+    )
+    assert_no_locks(redislock_client)
+    assert sent[0].get(timeout=10) is True
+    close_app(app)
 
 
 def test_run_worker_puts_the_current_app_back(redislock_server: RedisServer) -> None:
@@ -176,6 +227,16 @@ def app(redislock_server: RedisServer) -> Iterator[Celery]:
         if until_lost:
             self.lock.check()
         return True
+
+    @app.task(base=SingletonTask, bind=True, shared=False, name="kit.gated")
+    def gated(self: SingletonTask, n: int) -> bool:
+        # Hold the lock until it is lost or the test opens the call's gate (at most
+        # 20 s); return whether it was still held.
+        opened = gate(f"kit.gated:{n}")
+        deadline = time.monotonic() + 20
+        while not self.lock.lost and not opened.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self.lock.lost
 
     with run_worker(app, concurrency=2):
         yield app
@@ -254,6 +315,60 @@ def test_steal_lock_makes_the_running_task_lose_it(job: Any, redislock_client: r
     assert_no_locks(redislock_client)
     with pytest.raises(AssertionError, match="nothing to steal"), steal_lock(job, 5):
         pass
+
+
+def test_steal_lock_keeps_the_task_id_so_a_delivery_of_it_waits_as_a_redelivery(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """The hold steal_lock takes keeps the task's id: in the block, a delivery of that
+    id (its message sent again) waits for it as for an earlier delivery of its own
+    message (lock_conflict 'redelivered') instead of meeting on_conflict, and runs
+    once the block ends; a delivery of another id meets on_conflict ('skip')."""
+    gated = app.tasks["kit.gated"]
+    opened = gate("kit.gated:1")
+    opened.clear()
+    conflicts: list[tuple[str, str, str]] = []
+    acquired: list[str] = []
+    released: list[tuple[str, str]] = []
+
+    def on_conflict(sender: Any = None, **kwargs: Any) -> None:
+        if sender is gated:
+            conflicts.append((kwargs["task_id"], kwargs["holder"], kwargs["action"]))
+
+    def on_acquired(sender: Any = None, **kwargs: Any) -> None:
+        if sender is gated:
+            acquired.append(kwargs["task_id"])
+
+    def on_released(sender: Any = None, **kwargs: Any) -> None:
+        if sender is gated:
+            released.append((kwargs["task_id"], kwargs["outcome"]))
+
+    signals.lock_conflict.connect(on_conflict, weak=False, dispatch_uid="kit-steal-copy")
+    signals.lock_acquired.connect(on_acquired, weak=False, dispatch_uid="kit-steal-copy")
+    signals.lock_released.connect(on_released, weak=False, dispatch_uid="kit-steal-copy")
+    try:
+        first = gated.delay(1)
+        wait_for_lock(gated, 1)
+        with steal_lock(gated, 1) as thief:
+            assert thief.lease == first.id
+            assert first.get(timeout=20) is False  # it lost its lock
+            gated.apply_async((1,), task_id=first.id)
+            wait_for(lambda: bool(conflicts), what="the copy to meet the lock")
+            other = gated.delay(1)
+            skipped = other.get(timeout=20)
+            assert is_skipped(skipped)
+            assert skipped["holder"] == first.id
+            assert acquired == [first.id]  # the copy waits
+        wait_for(lambda: len(acquired) == 2, what="the copy to take the lock")
+        opened.set()
+        wait_for(lambda: (first.id, "released") in released, what="the copy to end")
+    finally:
+        opened.set()
+        for signal in (signals.lock_conflict, signals.lock_acquired, signals.lock_released):
+            signal.disconnect(dispatch_uid="kit-steal-copy")
+    assert conflicts == [(first.id, first.id, "redelivered"), (other.id, first.id, "skip")]
+    assert acquired == [first.id, first.id]
+    assert_no_locks(redislock_client)
 
 
 def test_wait_for_lock_gives_up(job: Any) -> None:

@@ -18,11 +18,13 @@ from celery import Celery
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from celery_redislock import SingletonTask, is_skipped, metrics
+from celery_redislock import RedisLock, SingletonTask, is_skipped, metrics, signals
 from celery_redislock.admin import force_release, read_lock
 from celery_redislock.server import RedisServer, free_port
 from celery_redislock.testing import hold_lock, run_worker
-from tests.support import close_app, make_app, wait_for
+from celery_redislock.transport import flush
+from tests.proxy import FaultProxy
+from tests.support import close_app, held, make_app, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,6 +102,43 @@ def test_lost_lock_is_counted(
         what="the lost release",
     )
     assert value(registry, "celery_redislock_lost_total", task="metrics.fragile") == 1
+
+
+def test_a_release_that_could_not_be_confirmed_is_counted(
+    app: Celery,
+    registry: CollectorRegistry,
+    redislock_server: RedisServer,
+    redislock_client: redis.Redis,
+) -> None:
+    """A release whose answer never came (the reply lost with its connection) counts as
+    outcome 'failed', not 'released'."""
+    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+        app.conf.redislock_url = proxy.url
+
+        @app.task(base=SingletonTask, shared=False, name="metrics.unconfirmed", lock_ttl=3)
+        def unconfirmed() -> bool:
+            proxy.drop_replies()  # every reply from now on, the release's included
+            return True
+
+        assert unconfirmed.apply().get() is True
+        wait_for(
+            lambda: (
+                value(registry, "celery_redislock_hold_seconds_count", task="metrics.unconfirmed")
+                == 1
+            ),
+            what="the release's outcome",
+        )
+        proxy.heal()
+        key = f"redislock:{{{unconfirmed.lock_name((), {})}}}"
+        wait_for(lambda: not held(redislock_client, key), what="the lock to be free")
+        flush()
+    releases = {
+        outcome: value(
+            registry, "celery_redislock_releases_total", task="metrics.unconfirmed", outcome=outcome
+        )
+        for outcome in ("released", "lost", "failed")
+    }
+    assert releases == {"released": 0, "lost": 0, "failed": 1}
 
 
 def test_a_lock_store_that_fails_is_counted(app: Celery, registry: CollectorRegistry) -> None:
@@ -241,8 +280,6 @@ def test_heartbeat_renewals_are_counted(
     """Every heartbeat round reports its renewals (heartbeat_round), which become
     celery_redislock_heartbeat_total{server, result}; a lock deleted behind its back
     counts as lost."""
-    from celery_redislock import RedisLock
-
     server = f"{redislock_server.host}:{redislock_server.port}"
     kept = RedisLock(redislock_server.url, "beats", ttl=0.3)
     doomed = RedisLock(redislock_server.url, "beats-doomed", ttl=0.3)
@@ -265,3 +302,57 @@ def test_heartbeat_renewals_are_counted(
     )
     kept.release()
     direct.close()
+
+
+def test_heartbeat_renewals_without_an_answer_are_counted_as_failed(
+    registry: CollectorRegistry, redislock_server: RedisServer
+) -> None:
+    """A renewal the server does not answer (the connection gone dark) is reported by
+    its heartbeat round as failed, and counted as
+    celery_redislock_heartbeat_total{result="failed"}; the lock, renewed once the
+    server answers again before its TTL ran out, is not lost."""
+    rounds: list[tuple[Any, int, int, int]] = []
+
+    def on_round(sender: Any = None, **kwargs: Any) -> None:
+        rounds.append((sender, kwargs["renewed"], kwargs["failed"], kwargs["lost"]))
+
+    signals.heartbeat_round.connect(on_round, weak=False, dispatch_uid="failed-renewals")
+    try:
+        with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+            server = f"{proxy.host}:{proxy.port}"
+            lock = RedisLock(proxy.url, "beats-in-the-dark", ttl=3)
+            assert lock.acquire()
+            proxy.blackhole()
+            wait_for(
+                lambda: (
+                    value(
+                        registry, "celery_redislock_heartbeat_total", server=server, result="failed"
+                    )
+                    >= 1
+                ),
+                what="a renewal without an answer",
+            )
+            proxy.heal()
+            renewed = value(
+                registry, "celery_redislock_heartbeat_total", server=server, result="renewed"
+            )
+            wait_for(
+                lambda: (
+                    value(
+                        registry,
+                        "celery_redislock_heartbeat_total",
+                        server=server,
+                        result="renewed",
+                    )
+                    > renewed
+                ),
+                what="a renewal once the server answers",
+            )
+            assert not lock.lost
+            lock.release()
+    finally:
+        signals.heartbeat_round.disconnect(on_round, dispatch_uid="failed-renewals")
+    ours = [(renewed, failed, lost) for sender, renewed, failed, lost in rounds if sender == server]
+    assert any(failed == 1 for _, failed, _ in ours)
+    assert all(lost == 0 for _, _, lost in ours)
+    assert value(registry, "celery_redislock_heartbeat_total", server=server, result="lost") == 0

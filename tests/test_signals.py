@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,8 @@ from celery_redislock import LockBackendError, RedisLock, SingletonTask, signals
 from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer, free_port
 from celery_redislock.transport import flush
-from tests.support import close_app, make_app, wait_for, write_fields
+from tests.proxy import FaultProxy
+from tests.support import close_app, held, make_app, wait_for, write_fields
 
 
 @pytest.fixture
@@ -84,20 +86,66 @@ def test_acquired_after_a_wait_reports_how_long_it_waited(
 
 
 def test_released_reports_a_lost_lock(
-    app: Celery, redislock_client: redis.Redis, sent: list[tuple[str, dict[str, Any]]]
+    app: Celery,
+    redislock_client: redis.Redis,
+    sent: list[tuple[str, dict[str, Any]]],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A lock taken from the running task ends with lock_released outcome 'lost'."""
+    """A lock taken from the running task ends with lock_released outcome 'lost', and
+    a WARNING that it was lost before the task ended."""
 
     @app.task(base=SingletonTask, bind=True, shared=False)
     def job(self: Any) -> None:
         key = f"redislock:{{{self.lock.name}}}"
         write_fields(redislock_client, key, **{OWNER_FIELD: "someone-else"})
 
-    job.apply().get()
-    wait_for(lambda: any(name == "lock_released" for name, _ in sent), what="lock_released")
+    with caplog.at_level(logging.WARNING, logger="celery_redislock"):
+        result = job.apply()
+        wait_for(lambda: any(name == "lock_released" for name, _ in sent), what="lock_released")
+    result.get()
     released = [kw for name, kw in sent if name == "lock_released"]
     assert [kw["outcome"] for kw in released] == ["lost"]
+    name = job.lock_name((), {})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"lock {name} of {job.name}[{result.id}] was lost before the task ended" in warnings
     redislock_client.flushdb()
+
+
+def test_released_reports_a_release_that_could_not_be_confirmed(
+    app: Celery,
+    redislock_server: RedisServer,
+    redislock_client: redis.Redis,
+    sent: list[tuple[str, dict[str, Any]]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A release whose answer never came (the reply lost with its connection) ends
+    with lock_released outcome 'failed', and a WARNING that it could not be
+    confirmed; it is sent again in the background, and the lock ends free."""
+    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+        app.conf.redislock_url = proxy.url
+
+        @app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=3)
+        def job(self: Any) -> str:
+            # From now on every reply is lost; the release goes out as the body ends.
+            proxy.drop_replies()
+            return "done"
+
+        with caplog.at_level(logging.WARNING, logger="celery_redislock"):
+            result = job.apply()
+            wait_for(lambda: any(name == "lock_released" for name, _ in sent), what="lock_released")
+        proxy.heal()
+        key = f"redislock:{{{job.lock_name((), {})}}}"
+        wait_for(lambda: not held(redislock_client, key), what="the lock to be free")
+        flush()
+    assert result.get() == "done"
+    released = [kw for name, kw in sent if name == "lock_released"]
+    assert [(kw["task_id"], kw["outcome"]) for kw in released] == [(result.id, "failed")]
+    name = job.lock_name((), {})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert (
+        f"could not confirm the release of lock {name} of {job.name}[{result.id}]; it is "
+        "retried in the background, or expires by its TTL"
+    ) in warnings
 
 
 def test_conflict_names_holder_and_action(
@@ -144,21 +192,32 @@ def test_enqueue_dedup(
 
 
 def test_lost(
-    app: Celery, redislock_client: redis.Redis, sent: list[tuple[str, dict[str, Any]]]
+    app: Celery,
+    redislock_client: redis.Redis,
+    sent: list[tuple[str, dict[str, Any]]],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A lock deleted under a running task sends lock_lost from the heartbeat."""
+    """A lock deleted under a running task sends lock_lost from the heartbeat, and is
+    logged at WARNING."""
 
     @app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=0.6)
     def job(self: Any) -> None:
         redislock_client.delete(f"redislock:{{{self.lock.name}}}")
         wait_for(lambda: self.lock.lost, what="the heartbeat to notice")
 
-    job.apply().get()
+    with caplog.at_level(logging.WARNING, logger="celery_redislock"):
+        result = job.apply()
+        # Its release's signal comes once the answer is read: not during the next test.
+        wait_for(lambda: any(n == "lock_released" for n, _ in sent), what="lock_released")
+    result.get()
     lost = [kw for name, kw in sent if name == "lock_lost"]
     name = job.lock_name((), {})
-    assert lost == [{"task_id": lost[0]["task_id"], "name": name, "key": name}]
-    # Its release's signal comes once the answer is read: not during the next test.
-    wait_for(lambda: any(n == "lock_released" for n, _ in sent), what="lock_released")
+    assert lost == [{"task_id": result.id, "name": name, "key": name}]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert (
+        f"lock {name} of task {job.name}[{result.id}] was lost while it ran; "
+        "self.lock.check() will raise"
+    ) in warnings
 
 
 @pytest.mark.parametrize("store", ["url", "cluster client"])
