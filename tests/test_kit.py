@@ -115,6 +115,32 @@ def test_run_worker_returns_after_its_running_task_finished(
         close_app(app)
 
 
+def test_a_worker_given_less_time_to_stop_than_it_takes_leaves_the_next_able_to_start(
+    redislock_server: RedisServer,
+) -> None:
+    """A ``shutdown_timeout`` shorter than a worker takes to stop (about a second)
+    makes run_worker raise, saying so; the next worker of the process still starts
+    and runs tasks (Celery's own timeout leaves its process-wide stop flag set)."""
+    app = configure_app(Celery("kit-hasty", set_as_current=False), redislock_server.url)
+    app.conf.task_default_queue = "kit-hasty-queue"
+
+    @app.task(base=SingletonTask, shared=False, name="kit.hasty")
+    def hasty() -> bool:
+        return True
+
+    try:
+        with (
+            pytest.raises(RuntimeError, match="still stopping after shutdown_timeout"),
+            run_worker(app, concurrency=1, shutdown_timeout=0.05),
+        ):
+            pass
+        with run_worker(app, concurrency=1):
+            assert hasty.delay().get(timeout=20) is True
+    finally:
+        worker_state.should_terminate = None
+        close_app(app)
+
+
 def test_run_worker_raises_when_a_task_outlasts_shutdown_timeout(
     redislock_server: RedisServer, redislock_client: redis.Redis
 ) -> None:

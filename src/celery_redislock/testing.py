@@ -75,6 +75,7 @@ import pytest
 import redis
 from celery import _state as celery_state
 from celery.contrib.testing.worker import TestWorkController, start_worker
+from celery.worker import state as worker_state
 
 from celery_redislock.admin import LockInfo, glob_escape, list_locks, read_lock
 from celery_redislock.deployments import (
@@ -293,7 +294,18 @@ def run_worker(
             # connections; collect them now, quietly, not in some later test.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", ResourceWarning)
-                worker_cm.__exit__(None, None, None)
+                try:
+                    worker_cm.__exit__(None, None, None)
+                except RuntimeError:
+                    # Celery's wait for the worker thread ran out: it leaves the
+                    # process-wide stop flag set, which would stop every later
+                    # worker of this process before it is ready.
+                    _finish_stopping(worker)
+                    _wait_for_pool_threads(worker, deadline)
+                    raise RuntimeError(
+                        "the worker was still stopping after shutdown_timeout: raise it "
+                        "(a worker takes about a second to notice it is told to stop)"
+                    ) from None
                 _wait_for_pool_threads(worker, deadline)
                 gc.collect()
     finally:
@@ -354,6 +366,22 @@ class _Worker(TestWorkController):  # type: ignore[misc]
                 raise RuntimeError(
                     f"the worker was not ready within {self._startup_timeout:g} s{cause}"
                 ) from error
+
+
+#: How long, at most, a worker whose stop outlasted ``shutdown_timeout`` is given
+#: to finish stopping before ``run_worker`` raises (its loop notices the stop
+#: flag about once a second).
+STOP_GRACE = 5.0
+
+
+def _finish_stopping(worker: Any) -> None:
+    """Give the worker thread :data:`STOP_GRACE` to end, then clear Celery's stop
+    flag if it has, so that later workers of this process can start."""
+    thread = getattr(worker, "_thread", None)
+    if thread is not None:
+        thread.join(STOP_GRACE)
+    if thread is None or not thread.is_alive():
+        worker_state.should_terminate = None
 
 
 def _wait_for_pool_threads(worker: Any, deadline: float) -> None:
