@@ -1459,9 +1459,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         try:
             lock.release(wait=False, then=answered)
         except LockBackendError as exc:
-            logger.warning(
-                "could not release lock %s (it will expire by its TTL): %s", lock.name, exc
-            )
+            # The error says what becomes of the lock (retried in the background,
+            # or left to its TTL).
+            logger.warning("%s", exc)
             self._report_release(lock, held, "failed")
 
     def _report_release(self, lock: RedisLock, held: float, outcome: str) -> None:
