@@ -18,24 +18,29 @@ import redis
 from celery import Celery
 from celery import signals as celery_signals
 from celery.contrib.testing.mocks import TaskMessage
+from celery.exceptions import Reject
 from celery.worker.state import task_ready
 
 from celery_redislock import LockBackendError, RedisLock, SingletonTask
 from celery_redislock.early import Request, _process_gone
 from celery_redislock.lock import lock_keys
-from celery_redislock.scripts import LEASE_FIELD
+from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer
-from celery_redislock.task import _written_ahead
+from celery_redislock.task import _written_ahead, queued_owner
 from celery_redislock.transport import transport_for
 from tests.proxy import FaultProxy
 from tests.support import (
     client_left_clean,
     close_app,
     field,
+    gate,
     held,
     hold_count,
     in_process_worker,
     make_app,
+    record,
+    runs,
+    wait_for,
     wait_until,
 )
 
@@ -221,6 +226,29 @@ class _FailingStart(SingletonTask):
         raise RuntimeError("start failed")
 
 
+#: How many times _PutBackStart put each task id's message back.
+_PUT_BACK: dict[str, int] = {}
+
+
+class _PutBackStart(SingletonTask):
+    """A task class whose start (a resource not ready yet) sends the message back
+    before the task is called: once with ``Reject(requeue=True)``, or twice as its
+    retry (``retry_start``). It waits first for gate ``<argument>:behind``, which
+    the test opens once it has queued what the message must come back behind."""
+
+    retry_start = False
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        done = _PUT_BACK.get(task_id, 0)
+        if done == (2 if self.retry_start else 1):
+            return
+        _PUT_BACK[task_id] = done + 1
+        gate(f"{args[0]}:behind").wait(TIMEOUT)
+        if self.retry_start:
+            raise self.retry(countdown=0)
+        raise Reject("not yet", requeue=True)
+
+
 @pytest.fixture(scope="module", params=["solo", "threads"])
 def app(request: pytest.FixtureRequest, redislock_server: RedisServer) -> Iterator[Celery]:
     """An app whose tasks run on an in-process worker of the pool given."""
@@ -245,6 +273,45 @@ def app(request: pytest.FixtureRequest, redislock_server: RedisServer) -> Iterat
 
     @app.task(base=_FailingStart, shared=False, name="early.failing", lock_ttl=60)
     def failing(name: str) -> str:
+        return name
+
+    @app.task(
+        base=_FailingStart,
+        shared=False,
+        name="early.failing_ue",
+        lock_ttl=60,
+        lock_strategy="until_executed",
+    )
+    def failing_ue(name: str) -> str:
+        return name
+
+    put_back_options: list[tuple[str, dict[str, Any]]] = [
+        ("early.reject_ue", {"acks_late": True}),
+        ("early.retry_ue", {"retry_start": True}),
+        # Nothing written ahead (as on the prefork pool): only the reservation.
+        ("early.reject_ue_own", {"acks_late": True, "Request": "celery.worker.request:Request"}),
+        ("early.retry_ue_own", {"retry_start": True, "Request": "celery.worker.request:Request"}),
+    ]
+    for name, options in put_back_options:
+
+        @app.task(
+            base=_PutBackStart,
+            shared=False,
+            name=name,
+            lock_on=("arg",),
+            lock_ttl=60,
+            lock_strategy="until_executed",
+            **options,
+        )
+        def put_back(arg: str, _kind: str = name) -> str:
+            record(_kind, arg)
+            return arg
+
+    @app.task(shared=False, name="early.occupy", acks_late=True)
+    def occupy(name: str) -> str:
+        """Holds the worker's one slot until the test opens gate ``name`` (at most 20 s)."""
+        record("early.occupy", name)
+        gate(name).wait(TIMEOUT)
         return name
 
     @app.task(base=SingletonTask, shared=False, name="early.short", lock_ttl=1)
@@ -302,6 +369,76 @@ def test_a_task_that_never_starts_gives_its_lock_back(app: Celery, locks: redis.
     as the failure is recorded (the lock's TTL is a minute; ``locks`` waits 10 s)."""
     with pytest.raises(RuntimeError, match="start failed"):
         app.tasks["early.failing"].delay("c").get(timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("name", ["early.failing", "early.failing_ue"])
+def test_a_task_whose_start_failed_has_its_lock_free_once_its_failure_is_seen(
+    app: Celery, locks: redis.Redis, name: str
+) -> None:
+    """``before_start`` raised, so the task was never called: the hold written
+    ahead (and an until_executed message's reservation) is given back before the
+    tracer stores the failure, so a client that sees the failure finds the key
+    free, and sending the task again sends it. (A ``task_failure`` receiver, which
+    runs once the failure is stored, keeps the worker from going on until the test
+    has looked.)"""
+    task = app.tasks[name]
+    arg = uuid.uuid4().hex
+    key = lock_keys(task.lock_name((arg,), {})).lock
+    looked = threading.Event()
+
+    def slow_report(sender: Any = None, **_: Any) -> None:
+        if sender is task:
+            looked.wait(TIMEOUT)
+
+    celery_signals.task_failure.connect(slow_report, weak=False)
+    try:
+        result = task.delay(arg)
+        with pytest.raises(RuntimeError, match="start failed"):
+            result.get(timeout=TIMEOUT)
+        holder = field(locks, key, LEASE_FIELD)
+        again = task.delay(arg)
+    finally:
+        looked.set()
+        celery_signals.task_failure.disconnect(slow_report)
+    assert holder is None
+    assert again.id != result.id
+    with pytest.raises(RuntimeError, match="start failed"):
+        again.get(timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    "name", ["early.reject_ue", "early.retry_ue", "early.reject_ue_own", "early.retry_ue_own"]
+)
+def test_a_message_its_start_sent_back_keeps_its_reservation(
+    app: Celery, locks: redis.Redis, name: str
+) -> None:
+    """``Reject(requeue=True)`` from ``before_start`` of an acks_late until_executed
+    task, or ``self.retry()`` from it: the hold written ahead (or, with nothing
+    written ahead, the message's own reservation) goes to the reservation of the
+    message that comes back, as from the body, so a duplicate sent while that
+    message waits in the queue publishes nothing. The message then runs once (a
+    retry's retry, sent back again, too: not held up by its own reservation)."""
+    task = app.tasks[name]
+    arg = uuid.uuid4().hex
+    key = lock_keys(task.lock_name((arg,), {})).lock
+    result = task.delay(arg)
+    # The message comes back behind this one, which holds the worker's only slot.
+    app.tasks["early.occupy"].delay(arg)
+    gate(f"{arg}:behind").set()
+    try:
+        wait_for(lambda: arg in runs("early.occupy"), timeout=TIMEOUT, what="the slot taken")
+        assert _PUT_BACK.get(result.id) == 1
+        assert arg not in runs(name)
+        owner = field(locks, key, OWNER_FIELD)
+        duplicate = task.delay(arg)
+    finally:
+        gate(arg).set()
+    retries = 1 if "retry" in name else 0
+    assert owner == queued_owner(result.id, retries)
+    assert duplicate.id == result.id
+    assert result.get(timeout=TIMEOUT) == arg
+    assert runs(name).count(arg) == 1
+    assert _PUT_BACK[result.id] == (2 if retries else 1)
 
 
 def test_a_duplicate_found_ahead_is_still_a_conflict(app: Celery, locks: redis.Redis) -> None:

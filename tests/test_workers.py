@@ -264,6 +264,27 @@ def test_a_message_rejected_with_requeue_keeps_its_lock_while_it_waits_again(
     assert [r["run"] for r in records(client, "rejects_once")] == [1, 2]
 
 
+def test_an_until_executed_task_whose_start_failed_leaves_no_reservation(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """An until_executed task whose ``before_start`` raises is never called, so its
+    execution never takes its message's reservation over: the reservation is freed
+    before the failure is stored, and the task sent again is sent (not taken for a
+    duplicate of the failed one for ``lock_enqueue_ttl``) and runs."""
+    mod, client, launch = env
+    launch("start", concurrency=1)
+    first = mod.fails_to_start.delay("s")
+    with pytest.raises(RuntimeError, match="start failed"):
+        first.get(timeout=30)
+    assert lock_keys(client) == []
+    again = mod.fails_to_start.delay("s")
+    assert again.id != first.id
+    with pytest.raises(RuntimeError, match="start failed"):
+        again.get(timeout=30)
+    assert lock_keys(client) == []
+    assert records(client, "fails_to_start") == []
+
+
 def test_a_message_delivered_again_while_it_runs_is_not_run_beside_it(
     env: tuple[Any, redis.Redis, Callable[..., Worker]],
 ) -> None:

@@ -236,3 +236,17 @@ def dies_on_sigterm(self: Any, name: str) -> str:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(60)
     return name
+
+
+class FailingStart(SingletonTask):
+    """A task class whose start fails before the task is called."""
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        raise RuntimeError("start failed")
+
+
+@app.task(base=FailingStart, shared=False, lock_strategy="until_executed", lock_ttl=30)
+def fails_to_start(name: str) -> str:
+    """An until_executed task that never runs: its ``before_start`` raises."""
+    log("fails_to_start", name=name)
+    return name

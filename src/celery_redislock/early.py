@@ -15,9 +15,12 @@ there (and with a ``Request`` class that does not derive from this one) the
 task acquires as it starts.
 
 The acquire is kept for the task by the thread that runs it (a thread runs one
-task at a time). One written for a task that then never starts (its trace failed
-before the task was called) is given back as the worker records the failure, or
-at the latest when the thread accepts its next task, rather than left to its TTL.
+task at a time). One written for a task whose ``before_start`` raises is given
+back right there, before Celery stores the failure
+(:meth:`~celery_redislock.task.SingletonTask._start_failed`); one written for a
+task that never starts otherwise (its trace failed or skipped it before the task
+was called) is given back as the worker records the outcome, or at the latest
+when the thread accepts its next task, rather than left to its TTL.
 
 The request also frees the lock of a prefork child that died running the task
 (killed by the kernel's out-of-memory killer or a signal, or exited): the parent

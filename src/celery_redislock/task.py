@@ -36,6 +36,9 @@ success, exception, soft time limit    released in the body's ``finally``
 ``Ignore``, ``Reject``                 released (``Reject(requeue=True)`` hands an
                                        ``until_executed`` lock to the message's
                                        reservation, for the redelivery)
+``before_start`` raises                given back before the failure is stored,
+                                       the message's reservation freed (kept as
+                                       for the body's ``Reject``/``self.retry()``)
 revoked while queued                   ``until_*``: freed by the workers as soon as
                                        the revoke reaches them
                                        (:mod:`celery_redislock.revoke`); also by
@@ -62,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 import logging
 import os
@@ -450,6 +454,34 @@ def take_written_ahead(task_id: str) -> _Ahead | None:
     return _written_ahead.pop(me, None)
 
 
+#: Attribute marking a ``before_start`` wrapped by :func:`_guarded_start`.
+_GUARDED = "_redislock_guarded"
+
+
+def _guarded_start(start: Any) -> Any:
+    """``start``, a task class's ``before_start``, made to give back what the
+    execution holds when it raises (see :meth:`SingletonTask._start_failed`).
+
+    Celery's tracer calls ``before_start`` inside the task's ``try``, after the
+    worker accepted the task and before the task is called: an exception from it
+    ends the execution before ``__call__`` (which releases in its ``finally``),
+    and the tracer stores the outcome right away.
+    """
+
+    @functools.wraps(start)
+    def before_start(self: SingletonTask, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return start(self, *args, **kwargs)
+        except BaseException as exc:
+            # Only the outermost one, for a subclass's that calls its parent's.
+            if type(self).before_start is before_start:
+                self._start_failed(exc)
+            raise
+
+    setattr(before_start, _GUARDED, True)
+    return before_start
+
+
 def _in_workflow(options: Mapping[str, Any]) -> bool:
     """Whether ``apply_async``'s ``options`` send one step of a workflow: a chain's
     (the steps after it travel with it; the last step gets an empty list), a
@@ -780,6 +812,20 @@ class SingletonTask(Task):  # type: ignore[misc]
     # The worker node and process id of the last execution, and its holder
     # description without the time it began.
     _running_as: tuple[Any, str, str] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A before_start of a subclass (or of a mixin) runs after the worker
+        # accepted the task, inside the tracer's try: an exception from it must
+        # give back what the execution holds before the tracer stores the
+        # outcome. Celery calls no before_start for a class that has none.
+        start = inspect.getattr_static(cls, "before_start")
+        if (
+            inspect.isfunction(start)
+            and start is not Task.before_start
+            and not getattr(start, _GUARDED, False)
+        ):
+            cls.before_start = _guarded_start(start)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -1430,6 +1476,104 @@ class SingletonTask(Task):  # type: ignore[misc]
                 lock.lease,
                 exc,
             )
+
+    def _start_failed(self, exc: BaseException) -> None:
+        """Give back what the execution of the current request holds, whose
+        ``before_start`` raised ``exc``, before the tracer stores the outcome (a
+        client that sees it and sends the task again finds the key free): the
+        hold written ahead as the worker accepted the task
+        (:mod:`celery_redislock.early`), and an ``until_*`` message's
+        reservation, which the execution never took over.
+
+        Kept, as the reservation of the message that comes back, for a delivery
+        that comes: the message requeued by ``Reject(requeue=True)`` of an
+        ``acks_late`` task, or the retry ``self.retry()`` sent (as from the
+        body). An exception that is no ``Exception`` (the process ends) gives back
+        only the hold written ahead. Never raises: a store that fails leaves the
+        lock to its TTL, logged.
+        """
+        request = self.request
+        task_id = request.id
+        if request.called_directly or not task_id or getattr(request, _ENTERED, False):
+            # Not a start: called by hand, or from the running body.
+            return
+        written = take_written_ahead(task_id) if _written_ahead else None
+        if written is None and not isinstance(exc, Exception):
+            return
+        try:
+            if written is not None:
+                opts, name = written.opts, written.sent.lock.name
+            else:
+                opts = self.options_for_call(_sent_overrides(request))
+                if opts.strategy == WHILE_EXECUTING:
+                    return
+                name = self.lock_name(request.args, request.kwargs)
+            kept = None
+            if isinstance(exc, Exception):
+                kept = self._kept_for(exc, request, name, opts)
+            if written is not None:
+                self._give_back_ahead(written.sent, opts, kept)
+            if opts.strategy == WHILE_EXECUTING or not isinstance(exc, Exception):
+                return
+            retries = request_retries(request)
+            if kept is None:
+                # Only the message's reservation: never an execution's hold.
+                free_queued(self.lock_client, name, task_id, opts.prefix, retries)
+            elif written is None and kept[0] != retries:
+                # The message's reservation, handed to its retry's.
+                reservation = self._new_lock(
+                    name, task_id, queued_owner(task_id, retries), opts.enqueue_ttl,
+                    heartbeat=False, opts=opts,
+                )  # fmt: skip
+                self._reserve(reservation, opts, kept[1], kept[0])
+        except Exception as error:
+            logger.warning(
+                "could not give back the lock of %s[%s], whose start failed (it expires "
+                "by its TTL): %s",
+                self.name,
+                task_id,
+                error,
+            )
+
+    def _kept_for(
+        self, exc: Exception, request: Any, name: str, opts: LockOptions
+    ) -> tuple[int, float] | None:
+        """The retry count and TTL of the reservation lock ``name`` is kept as for
+        the delivery that comes after ``before_start`` raised ``exc``; ``None``
+        when none comes."""
+        if opts.strategy == WHILE_EXECUTING or request.is_eager:
+            return None
+        if isinstance(exc, Reject):
+            # Celery requeues the message of an acks_late task only.
+            if exc.requeue and self.acks_late:
+                return request_retries(request), opts.enqueue_ttl
+            return None
+        if isinstance(exc, Retry) and self._same_lock(exc.sig, name):
+            sent = exc.sig.options
+            delay = _seconds_until(sent.get("countdown") or sent.get("eta"))
+            return _retries(sent.get("retries")), opts.enqueue_ttl + delay
+        return None
+
+    def _give_back_ahead(
+        self, sent: SentAcquire, opts: LockOptions, kept: tuple[int, float] | None
+    ) -> None:
+        """Give back the hold written ahead for an execution that never started, or
+        hand it to the reservation ``kept`` (retry count, TTL) names.
+
+        Raises:
+            LockBackendError: its reply could not be read (the hold, if made,
+                expires by its TTL).
+        """
+        if kept is None:
+            sent.abandon()
+            return
+        if not sent.claim():
+            return
+        lock = sent.lock
+        if lock._acquire_sent(sent):
+            # Renewed no more before it changes hands.
+            lock.detach()
+            self._reserve(lock, opts, kept[1], kept[0])
 
     def _release(self, lock: RedisLock, held: float, taken_over_ok: bool = False) -> None:
         """Release without waiting for the answer: the request is written before the
