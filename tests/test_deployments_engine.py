@@ -812,9 +812,24 @@ def test_a_sentinel_managed_connection_idle_for_a_while_is_checked_with_the_sent
     assert lock.acquire(blocking=False)
     lock.release()
     assert (lock.transport.sends - sent, sentinels.sends - asked) == (2, 2)
+    # A release that does not wait takes no lock: it asks nothing first.
+    assert lock.acquire(blocking=False)
+    asked, sent = sentinels.sends, lock.transport.sends
+    lock.release(wait=False)
+    assert (lock.transport.sends - sent, sentinels.sends - asked) == (1, 0)
+    questions: list[object] = []
+    discover = transport_module._discover_master
+
+    def counted(*args: Any) -> Any:
+        questions.append(args)
+        return discover(*args)
+
+    monkeypatch.setattr(transport_module, "_discover_master", counted)
     deployment.sentinel_servers[0].kill()
     assert lock.acquire(blocking=False)
     lock.release()
+    # Sentinels that did not answer are left alone for a while (SENTINELS_REST).
+    assert len(questions) == 1
     client.close()
 
 

@@ -1172,11 +1172,13 @@ class RedisLock:
         # holds from a lock it lost, and so is a hold re-entered after the
         # heartbeat found it lost (the server still had it): losing it took it
         # off the heartbeat.
-        if self.heartbeat and (first or reply.outcome is Acquired.TAKEN):
+        now = time.monotonic()
+        if self.heartbeat and (first or reply.outcome is Acquired.TAKEN) and now < self._expiry:
             # Renewed an interval after the request was sent, not after its reply
             # was read: a reply read late (written ahead as a worker accepted the
-            # task) leaves the hold less of its TTL.
-            due = max(0.0, sent + self.renew_interval - time.monotonic())
+            # task) leaves the hold less of its TTL. One read after the TTL is lost
+            # as it is recorded (``lost``): the caller decides, not the heartbeat.
+            due = max(0.0, sent + self.renew_interval - now)
             self._lane = (self._heartbeat or get_heartbeat()).register(self, due)
         return True
 

@@ -108,9 +108,13 @@ MAX_IDLE = 8
 #: is at least this long; one idle for longer might: a primary frozen through a
 #: failover that comes back still takes writes until the Sentinels demote it.
 #: (An answer the Sentinels gave a moment ago does not vouch for it: they may
-#: have switched since.) Also how long Sentinels that could not be asked are
-#: left alone.
+#: have switched since.)
 PRIMARY_RECHECK = 1.0
+#: The most a request waits for the Sentinels' answer before it goes on (on the
+#: connection it has), in seconds: Sentinels that do not answer cost it no more.
+PRIMARY_QUESTION = 0.25
+#: How long Sentinels that could not be asked are left alone, in seconds.
+SENTINELS_REST = 10.0
 
 #: The socket type whose descriptor :meth:`_Link.io` may write to and read from
 #: directly: a plain one, where a socket is a file descriptor (POSIX); ``None``
@@ -339,7 +343,9 @@ class Transport:
         """
         # Replies owed on the link from before stay owed: they come first in the
         # stream, and the read that takes this request's reply takes them too.
-        link = self._write(commands, deadline)
+        # (A deferred request is a release: one that reaches a server no longer
+        # the primary takes no lock, and the Sentinels are not asked before it.)
+        link = self._write(commands, deadline, ask=False)
         with self._guard:
             self.sends += 1
             self._owed.setdefault(link, []).append((len(commands), handler, self.sends))
@@ -467,21 +473,22 @@ class Transport:
             self._close(stale, f"{self.describe(stale[0].address)} is no longer the primary")
         return address
 
-    def _still_primary(self, link: _Link, deadline: Deadline) -> bool:
+    def _still_primary(self, link: _Link, deadline: Deadline, ask: bool) -> bool:
         """Whether ``link``, an idle connection of a Sentinel-managed transport,
-        may be reused: its server is the primary the Sentinels last named, and it
-        had an answer within :data:`PRIMARY_RECHECK` or they name it again now
-        (asked with half the time left to ``deadline``). A busy connection costs
-        nothing more.
+        may be reused: its server is the primary the Sentinels last named, and,
+        with ``ask``, it had an answer within :data:`PRIMARY_RECHECK` or they name
+        it again now (asked for :data:`PRIMARY_QUESTION` at most, and half the
+        time left to ``deadline``). A busy connection costs nothing more.
 
-        Sentinels that cannot be asked now leave the connection in use (a failed
-        question is not repeated for :data:`PRIMARY_RECHECK`): their outage alone
-        does not stop the locks. A link found stale is closed.
+        Sentinels that cannot be asked now leave the connection in use (they are
+        not asked again for :data:`SENTINELS_REST`): their outage alone does not
+        stop the locks. A link found stale is closed.
         """
         now = time.monotonic()
-        if now - link.used > PRIMARY_RECHECK and now - self._unanswered_at > PRIMARY_RECHECK:
+        if ask and now - link.used > PRIMARY_RECHECK and now - self._unanswered_at > SENTINELS_REST:
             try:
-                self._ask_primary(Deadline(now + max(0.0, deadline.at - now) / 2))
+                budget = min(PRIMARY_QUESTION, max(0.0, deadline.at - now) / 2)
+                self._ask_primary(Deadline(now + budget))
             except RedisError as exc:
                 self._unanswered_at = now
                 logger.debug(
@@ -516,13 +523,16 @@ class Transport:
         if self._sentinel is not None:
             self.close_idle()
 
-    def _write(self, commands: Sequence[Sequence[Any]], deadline: Deadline) -> _Link:
+    def _write(
+        self, commands: Sequence[Sequence[Any]], deadline: Deadline, ask: bool = True
+    ) -> _Link:
         """Write ``commands`` whole on a connection (its owed replies left unread)
         and return it. A connection that could not be opened, or a write refused
         before its first byte, did not run the request (see :func:`may_have_run`);
-        a write cut short may have run the commands it sent whole."""
+        a write cut short may have run the commands it sent whole. ``ask``: see
+        :meth:`_still_primary`."""
         try:
-            link = self._checkout(deadline, settle=False)
+            link = self._checkout(deadline, settle=False, ask=ask)
         except RedisError as exc:
             ended(exc, ran=False)
             raise
@@ -533,9 +543,10 @@ class Transport:
             raise
         return link
 
-    def _checkout(self, deadline: Deadline, settle: bool = True) -> _Link:
+    def _checkout(self, deadline: Deadline, settle: bool = True, ask: bool = True) -> _Link:
         """An idle connection (or a new one); with ``settle``, the replies it owes
-        are read first (and a connection found broken is replaced)."""
+        are read first (and a connection found broken is replaced). ``ask``: see
+        :meth:`_still_primary`."""
         with self._guard:
             if self._pid != _process_id:
                 # A forked child never talks over its parent's sockets.
@@ -543,7 +554,7 @@ class Transport:
             link = self._idle.pop() if self._idle else None
         if link is not None and self._sentinel is not None:
             try:
-                fresh = self._still_primary(link, deadline)
+                fresh = self._still_primary(link, deadline, ask)
             except BaseException:
                 # Interrupted while the Sentinels were asked (a soft time limit):
                 # the connection goes back as it was, with the replies it owes.
@@ -841,6 +852,7 @@ class _Link:
         remaining = deadline.at - time.monotonic()
         if remaining <= 0:
             self.close()
+            transport._timed_out()
             raise RedisTimeoutError(
                 f"no reply from {transport.describe(self.address)} within the deadline"
             )
