@@ -344,6 +344,37 @@ def test_a_renewal_round_on_a_connection_gone_dark_holds_up_no_other_lock(
     long.release()
 
 
+def test_a_read_of_owed_answers_on_a_connection_gone_dark_holds_up_no_other_lock(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """The heartbeat's thread reading an answer a release that did not wait is owed,
+    on a connection gone dark, waits no later than the next renewal due on that
+    server, even one of a lock taken while it reads: a short lock on the same,
+    healthy server is renewed all the same."""
+    long = RedisLock(via_proxy, "long-owing", ttl=30)  # renewed every 10 s
+    assert long.acquire(blocking=False)
+    assert long.acquire(blocking=False)
+    assert proxy.silence_open() == 1
+    long.release(wait=False)  # the inner hold's answer is owed on the dark connection
+    wait_for(lambda: not long.transport._idle, what="the heartbeat's thread to read it")
+    lost: list[RedisLock] = []
+    short = RedisLock(via_proxy, "short-owing", ttl=0.6, on_lost=lost.append)
+    assert short.acquire(blocking=False)  # on a new connection: the server is healthy
+    taken = time.monotonic()
+    rival = RedisLock(direct, "short-owing", ttl=10, heartbeat=False)
+
+    while time.monotonic() < taken + 1.5:  # past the short lock's TTL: only renewals keep it
+        assert not rival.acquire(blocking=False)
+        time.sleep(0.02)
+
+    assert short.owned()
+    assert not short.lost
+    assert lost == []
+    short.release()
+    long.release()
+    wait_for(lambda: not held(direct, long.key), what="the long lock's releases to land")
+
+
 def test_an_answer_owed_on_a_dark_connection_costs_a_request_only_part_of_its_time(
     proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
 ) -> None:

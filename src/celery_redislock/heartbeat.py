@@ -317,9 +317,12 @@ class _Lane:
                     if pending:
                         self._send_pending(pending)
                     if drain is not None:
-                        self.drained += self.transport.drain(
-                            Deadline.after(self._budget()), written_by=drain
-                        )
+                        try:
+                            self.drained += self.transport.drain(
+                                self._movable(self._budget()), written_by=drain
+                            )
+                        finally:
+                            self.round = None
                 except BaseException:
                     # The round runs its users' code (the handlers of deferred
                     # replies): not even a SystemExit there may end the thread,
@@ -429,7 +432,7 @@ class _Lane:
                 until = min(until, min(others, default=math.inf))
                 budget = min(max(until - now, MIN_ROUND_TRIP), longest)
                 # A lock registered from now on brings it forward (see register()).
-                deadline = self.round = MovableDeadline(time.monotonic() + budget)
+                deadline = self._movable(budget)
         else:
             budget = min(max(until - now, MIN_ROUND_TRIP), longest)
             deadline = Deadline.after(budget)
@@ -554,6 +557,14 @@ class _Lane:
                 logger.exception("celery_redislock: on_lost callback for %s failed", lock.name)
 
     # Background requests.
+    def _movable(self, budget: float) -> MovableDeadline:
+        """The deadline, ``budget`` seconds away, of what the lane's thread does
+        next: a lock registered meanwhile that is due before it brings it forward
+        (see :meth:`register`). The caller sets :attr:`round` back to ``None``."""
+        with self.cond:
+            deadline = self.round = MovableDeadline(time.monotonic() + budget)
+        return deadline
+
     def _budget(self) -> float:
         """How long this round's other work (background requests, reading owed
         replies) may take: until the next renewal is due, within
@@ -568,9 +579,11 @@ class _Lane:
         now = self.clock()
         budget = max(MIN_ROUND_TRIP, min(self._budget(), *(p.until - now for p in due)))
         try:
-            results = run_calls(self.transport, [p.call for p in due], Deadline.after(budget))
+            results = run_calls(self.transport, [p.call for p in due], self._movable(budget))
         except RedisError as exc:
             results = [exc] * len(due)
+        finally:
+            self.round = None
         for at, (item, result) in enumerate(zip(due, results, strict=True)):
             redirect = item.redirect
             if isinstance(result, _REDIRECTS) and redirect is not None:
