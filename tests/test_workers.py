@@ -451,6 +451,8 @@ def test_a_task_cancelled_as_the_broker_connection_is_lost_leaves_no_lock_behind
     assert broker
     for connection in broker:
         client.client_kill_filter(_id=connection)
+    # This process's own went too: later tests get new ones, not a closed one.
+    mod.app.pool.force_close_all()
 
     def first_hold_gone() -> bool:
         return not held(client, key) or field(client, key, FENCE_FIELD) != str(first["token"])
