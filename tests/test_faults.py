@@ -311,6 +311,26 @@ def test_a_reply_owed_on_a_connection_gone_dark_holds_up_no_renewal(
     short.release()
 
 
+def assert_a_short_lock_is_renewed_meanwhile(
+    via_proxy: redis.Redis, direct: redis.Redis, name: str
+) -> RedisLock:
+    """Take a short lock ``name`` (TTL 0.6 s) on a new connection to the healthy
+    server, and check that past its TTL nobody else could take it, that it is
+    still held and not reported lost; return it, held."""
+    lost: list[RedisLock] = []
+    short = RedisLock(via_proxy, name, ttl=0.6, on_lost=lost.append)
+    assert short.acquire(blocking=False)
+    taken = time.monotonic()
+    rival = RedisLock(direct, name, ttl=10, heartbeat=False)
+    while time.monotonic() < taken + 1.5:  # past the short lock's TTL: only renewals keep it
+        assert not rival.acquire(blocking=False)
+        time.sleep(0.02)
+    assert short.owned()
+    assert not short.lost
+    assert lost == []
+    return short
+
+
 def test_a_renewal_round_on_a_connection_gone_dark_holds_up_no_other_lock(
     proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
 ) -> None:
@@ -325,19 +345,7 @@ def test_a_renewal_round_on_a_connection_gone_dark_holds_up_no_other_lock(
     assert proxy.silence_open() == 1
     # That round has taken it, and waits for its answer.
     wait_for(lambda: not long.transport._idle, what="the long lock's round to start")
-    lost: list[RedisLock] = []
-    short = RedisLock(via_proxy, "short", ttl=0.6, on_lost=lost.append)
-    assert short.acquire(blocking=False)  # on a new connection: the server is healthy
-    taken = time.monotonic()
-    rival = RedisLock(direct, "short", ttl=10, heartbeat=False)
-
-    while time.monotonic() < taken + 1.5:  # past the short lock's TTL: only renewals keep it
-        assert not rival.acquire(blocking=False)
-        time.sleep(0.02)
-
-    assert short.owned()
-    assert not short.lost
-    assert lost == []
+    short = assert_a_short_lock_is_renewed_meanwhile(via_proxy, direct, "short")
     wait_for(lambda: long.owned(), what="the long lock renewed on a new connection")
     assert not long.lost
     short.release()
@@ -357,19 +365,7 @@ def test_a_read_of_owed_answers_on_a_connection_gone_dark_holds_up_no_other_lock
     assert proxy.silence_open() == 1
     long.release(wait=False)  # the inner hold's answer is owed on the dark connection
     wait_for(lambda: not long.transport._idle, what="the heartbeat's thread to read it")
-    lost: list[RedisLock] = []
-    short = RedisLock(via_proxy, "short-owing", ttl=0.6, on_lost=lost.append)
-    assert short.acquire(blocking=False)  # on a new connection: the server is healthy
-    taken = time.monotonic()
-    rival = RedisLock(direct, "short-owing", ttl=10, heartbeat=False)
-
-    while time.monotonic() < taken + 1.5:  # past the short lock's TTL: only renewals keep it
-        assert not rival.acquire(blocking=False)
-        time.sleep(0.02)
-
-    assert short.owned()
-    assert not short.lost
-    assert lost == []
+    short = assert_a_short_lock_is_renewed_meanwhile(via_proxy, direct, "short-owing")
     short.release()
     long.release()
     wait_for(lambda: not held(direct, long.key), what="the long lock's releases to land")
