@@ -792,6 +792,32 @@ def test_a_timeout_on_a_sentinel_managed_primary_closes_every_idle_connection(
     client.close()
 
 
+def test_a_deadline_passed_before_a_read_on_a_sentinel_managed_primary_closes_every_idle_connection(
+    redislock_sentinel_factory: Callable[..., SentinelDeployment],
+) -> None:
+    """A read whose deadline has already passed as it begins (the caller's time ran
+    out between writing a request and reading its answer) fails as a timeout and,
+    on a Sentinel-managed primary, closes the transport's idle connections too, as
+    a read that waited its deadline out does: the next request makes a new one."""
+    deployment = redislock_sentinel_factory(replicas=0, sentinels=1, down_after_ms=60000)
+    client = deployment.client()
+    transport = transport_for(client)
+    deadline = Deadline.after(5)
+    links = [transport.write([("PING",)], deadline) for _ in range(3)]
+    for link in links:
+        assert transport.finish(link, 1, deadline) == [b"PONG"]
+    assert len(transport._idle) == 3
+    link = transport.write([("PING",)], deadline)
+    assert len(transport._idle) == 2
+    with pytest.raises(redis.TimeoutError, match="within the deadline"):
+        transport.finish(link, 1, Deadline(time.monotonic()))
+    assert transport._idle == []
+    assert [link.conn._sock for link in links] == [None, None, None]
+    assert transport.execute([("PING",)], Deadline.after(5)) == [b"PONG"]
+    assert len(transport._idle) == 1
+    client.close()
+
+
 def test_a_sentinel_managed_connection_idle_for_a_while_is_checked_with_the_sentinels(
     redislock_sentinel_factory: Callable[..., SentinelDeployment],
     monkeypatch: pytest.MonkeyPatch,

@@ -1705,6 +1705,54 @@ def test_a_lost_answer_read_after_the_next_hold_leaves_that_hold_alone(
     client.close()
 
 
+def test_a_hold_whose_answer_comes_after_its_ttl_is_left_to_the_caller(
+    proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """An acquire whose answer is read only once the hold's TTL (counted from when
+    the request was sent) has run out takes the lock on the server, but the hold is
+    lost as it is recorded: ``acquire()`` says it took it, ``lost`` is true at once
+    and ``check()`` raises, for the caller to act on. It is not put on the
+    heartbeat: never renewed, and no ``on_lost`` call from the heartbeat thread
+    about a hold the caller already sees lost."""
+    client = redis.Redis.from_url(proxy.url)
+    beat = Heartbeat()
+    reported: list[RedisLock] = []
+    lock = RedisLock(client, "answered-late", ttl=0.3, on_lost=reported.append, _heartbeat=beat)
+    # A second lock on the same lane, renewed often: its first renewal is a round
+    # that would have come after any the late hold was due in.
+    witness = RedisLock(
+        client, "answered-late:witness", ttl=30, heartbeat_interval=0.05, _heartbeat=beat
+    )
+    try:
+        assert lock.acquire(blocking=False)  # the connection made, the script loaded
+        lock.release()
+        # 0.2 s each way: the answer is read 0.4 s after the request was sent.
+        proxy.set_latency(0.2)
+        try:
+            assert lock.acquire(blocking=False)
+        finally:
+            proxy.set_latency(0)
+        assert lock.lost
+        with pytest.raises(LockLostError):
+            lock.check()
+        assert lock not in beat.held()
+        assert witness.acquire(blocking=False)
+        first = witness._expiry
+        wait_for(lambda: witness._expiry > first, what="the witness lock's first renewal")
+        assert reported == []
+        assert lock not in beat.held()
+        # Nothing renews it: the key expires on the server by its TTL.
+        wait_for(lambda: not held(direct, lock.key), what="the late hold's key to expire")
+        with pytest.raises(LockLostError):
+            lock.release()
+        assert reported == []
+    finally:
+        if witness.owned():
+            witness.release()
+        beat.stop()
+        client.close()
+
+
 #: Keeps the server busy for about a second (a slow script).
 _BUSY = """
 local t = redis.call('TIME')

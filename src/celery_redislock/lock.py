@@ -336,7 +336,8 @@ class RedisLock:
             of one lease exclude each other like any two owners.
         heartbeat: renew the lock in the background while held (default on).
         heartbeat_interval: seconds between renewals; default ``ttl / 3``.
-        on_lost: called with the lock, from the heartbeat thread, if it is lost.
+        on_lost: called with the lock, from the heartbeat thread, if it is lost
+            (not for a hold already lost as :meth:`acquire` returns it).
         blocking_timeout: how long ``with lock:`` waits before raising
             :class:`~celery_redislock.errors.LockTimeoutError`; ``None`` waits forever.
         call_timeout: deadline, in seconds, of a round trip that has none of its
@@ -669,6 +670,11 @@ class RedisLock:
 
     def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
         """Take the lock; return whether it was taken.
+
+        A hold whose answer is read only once its TTL (counted from when the
+        request was sent) has passed is taken, but :attr:`lost` as this returns:
+        the caller decides what to do with it (release it, ask again). It is not
+        renewed, and ``on_lost`` is not called for it.
 
         Arguments:
             blocking: wait for the lock if another owner holds it.
