@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import ssl
+import threading
+import time
 import uuid
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -23,8 +26,8 @@ from celery_redislock.scripts import OWNER_FIELD, SEPARATOR
 from celery_redislock.server import RedisServer, free_port
 from celery_redislock.store import describe_store, lock_store, store_url
 from celery_redislock.task import lock_store_url
-from celery_redislock.transport import router_for
-from tests.support import close_app, field, in_forked_child
+from celery_redislock.transport import Client, router_for
+from tests.support import close_app, field, in_forked_child, wait_for
 
 
 def make(name: str, **conf: Any) -> Celery:
@@ -246,6 +249,15 @@ def test_callable_returning_no_client_is_refused(redislock_server: RedisServer) 
     assert "redislock_client" in str(excinfo.value)
 
 
+def test_an_error_of_the_client_callable_itself_is_raised_as_it_is() -> None:
+    """A redislock_client callable that fails other than by reaching the store (one
+    that takes an argument, say) raises its own error at use, every time."""
+    app = make("needs-argument", redislock_client=lambda url: redis.Redis.from_url(url))
+    for _ in range(2):
+        with pytest.raises(TypeError, match="url"):
+            lock_store(app)
+
+
 def test_a_client_callable_that_cannot_reach_its_cluster_is_called_again(
     redislock_cluster: ClusterDeployment,
 ) -> None:
@@ -407,14 +419,174 @@ def _store_in_child(app: Celery, conn: Connection) -> None:
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_child_forked_while_the_store_is_being_built_builds_its_own(
-    redislock_server: RedisServer,
+    redislock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A process forked while another thread builds the lock store (the store's lock
-    held, say in a slow redislock_client callable) resolves its own in the child."""
-    app = make("fork-while-building", redislock_client=lambda: redislock_server.client())
+    """A process forked while the parent's redislock_client callable is still making
+    the client (in a thread that does not exist in the child), and while another
+    thread holds the store's lock, calls the callable itself and gets its own
+    client; the parent's call, once it returns, serves the parent."""
+    monkeypatch.setattr(store_module, "CLIENT_BUILD_WAIT", 0.1)
+    parent = os.getpid()
+    release = threading.Event()
+    made: list[redis.Redis] = []
+
+    def build() -> redis.Redis:
+        if os.getpid() == parent:
+            release.wait(30)
+        made.append(redislock_server.client())
+        return made[-1]
+
+    app = make("fork-while-building", redislock_client=build)
+    with pytest.raises(LockBackendError, match="still making it"):
+        lock_store(app)
     with store_module._guard:
         assert in_forked_child(_store_in_child, app) is True
+    release.set()
+    wait_for(lambda: made, what="the parent's call to return")
+    assert lock_store(app) is made[0]
     close_app(app)
+    made[0].close()
+
+
+@pytest.fixture(scope="module")
+def lone_cluster() -> Iterator[ClusterDeployment]:
+    """A Redis Cluster of one node, for this module's tests to freeze."""
+    with ClusterDeployment(masters=1) as cluster:
+        yield cluster
+
+
+class FrozenClusterClients:
+    """A redislock_client callable making a RedisCluster without socket timeouts (so
+    its question for the slot map waits for ever on a frozen node): records which
+    thread each call ran in, and the client each made."""
+
+    def __init__(self, cluster: ClusterDeployment) -> None:
+        self.node = cluster.nodes[0]
+        self.calls: list[int] = []
+        self.started: list[float] = []
+        self.made: dict[int, RedisCluster] = {}
+
+    def __call__(self) -> RedisCluster:
+        self.calls.append(threading.get_ident())
+        self.started.append(time.monotonic())
+        client = RedisCluster(
+            host=self.node.host,
+            port=self.node.port,
+            socket_timeout=None,
+            socket_connect_timeout=None,
+        )
+        self.made[threading.get_ident()] = client
+        return client
+
+    def all_returned(self) -> bool:
+        return len(self.made) == len(self.calls)
+
+    def close(self) -> None:
+        for client in self.made.values():
+            client.close()
+
+
+def uses_at_once(app: Celery, count: int) -> list[BaseException | Client]:
+    """What ``count`` threads asking for ``app``'s lock store at once got."""
+    outcomes: list[BaseException | Client] = []
+
+    def use() -> None:
+        try:
+            outcomes.append(lock_store(app))
+        except BaseException as exc:
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=use) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive(), "a use of the lock store hung"
+    return outcomes
+
+
+def test_a_client_callable_stuck_on_a_frozen_node_holds_no_use_past_the_wait(
+    lone_cluster: ClusterDeployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A redislock_client callable whose RedisCluster waits for a frozen node (SIGSTOP)
+    is called once, in a thread of its own, however many threads need the store:
+    each use waits CLIENT_BUILD_WAIT at most, then fails with LockBackendError saying
+    the client is still being made (a task execution then acts by
+    lock_on_redis_error, running no body under "fail"). The client it makes once the
+    node answers again is kept, and the next use takes it."""
+    monkeypatch.setattr(store_module, "CLIENT_BUILD_WAIT", 0.3)
+    build = FrozenClusterClients(lone_cluster)
+    app = make("frozen-cluster", redislock_client=build)
+    job = job_of(app)
+    with lone_cluster.nodes[0].paused():
+        failed = job.apply(("a",)).result
+        assert isinstance(failed, LockBackendError)
+        assert "app.conf.redislock_client has not returned within 0.3 s" in str(failed)
+        outcomes = uses_at_once(app, 4)
+        assert all(isinstance(outcome, LockBackendError) for outcome in outcomes), outcomes
+        assert all("still making it" in str(outcome) for outcome in outcomes)
+        assert len(build.calls) == 1
+    wait_for(build.all_returned, what="the call under way to return")
+    assert len(build.made) == 1
+    client = lock_store(app)
+    assert client is build.made[build.calls[0]]
+    assert all(outcome is client for outcome in uses_at_once(app, 3))
+    assert job.apply(("b",)).get()[1]
+    assert len(build.calls) == 1
+    close_app(app)
+    build.close()
+
+
+def test_a_client_callable_stuck_for_long_is_called_again_once(
+    lone_cluster: ClusterDeployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A redislock_client callable stuck for CLIENT_BUILD_ABANDON_WAITS waits blocks the
+    store no longer: the next use calls it again, once however many threads ask at
+    that moment, and its client, not the stuck call's, is the lock store."""
+    monkeypatch.setattr(store_module, "CLIENT_BUILD_WAIT", 0.2)
+    monkeypatch.setattr(store_module, "CLIENT_BUILD_ABANDON_WAITS", 1000)
+    build = FrozenClusterClients(lone_cluster)
+    app = make("stuck-cluster", redislock_client=build)
+    with lone_cluster.nodes[0].paused():
+        for _ in range(2):
+            with pytest.raises(LockBackendError, match="still making it"):
+                lock_store(app)
+        assert len(build.calls) == 1
+        # Given up on after 5 waits (1 s): wait past that since the call started.
+        monkeypatch.setattr(store_module, "CLIENT_BUILD_ABANDON_WAITS", 5)
+        time.sleep(max(0.0, build.started[0] + 1.1 - time.monotonic()))
+        outcomes = uses_at_once(app, 4)
+        assert all(isinstance(outcome, LockBackendError) for outcome in outcomes), outcomes
+        assert len(build.calls) == 2
+    wait_for(build.all_returned, what="both calls to return")
+    client = lock_store(app)
+    assert client is build.made[build.calls[1]]
+    assert job_of(app).apply(("a",)).get()[1]
+    assert len(build.calls) == 2
+    close_app(app)
+    build.close()
+
+
+def test_a_new_client_callable_is_called(redislock_server: RedisServer) -> None:
+    """A redislock_client callable set in place of another after the store was made is
+    called at the next use, and its client is the lock store."""
+    made: list[redis.Redis] = []
+
+    def build() -> redis.Redis:
+        made.append(redislock_server.client())
+        return made[-1]
+
+    def rebuild() -> redis.Redis:
+        return build()
+
+    app = make("new-callable", redislock_client=build)
+    assert lock_store(app) is made[0]
+    app.conf.redislock_client = rebuild
+    assert lock_store(app) is made[1]
+    assert len(made) == 2
+    close_app(app)
+    for client in made:
+        client.close()
 
 
 def test_sentinel_url_without_master_name_says_what_to_set(

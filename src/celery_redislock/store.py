@@ -7,10 +7,16 @@ defining its tasks, or between uses, works; the first of these that is set wins:
 1. ``app.conf.redislock_client``: a ready redis-py client (``redis.Redis``, a
    Sentinel ``master_for()`` client, ``redis.cluster.RedisCluster``) or a
    zero-argument callable returning one, called lazily once per process (after
-   ``fork()``, so a prefork child builds its own); one that fails to reach the
-   store (a ``RedisCluster`` asks for the slot map as it is made) raises
-   :class:`~celery_redislock.errors.LockBackendError`, as a lock call would, and
-   is called again at the next use;
+   ``fork()``, so a prefork child builds its own) in a thread of its own, one
+   call at a time however many threads need the store. A use waits for it
+   :data:`CLIENT_BUILD_WAIT` seconds at most; a callable that fails to reach
+   the store (a ``RedisCluster`` asks a node for the slot map as it is made) or
+   is still making the client then raises
+   :class:`~celery_redislock.errors.LockBackendError`, as a lock call would. A
+   client made after its callers stopped waiting is kept for the next use.
+   After a failed call the next use calls it again, as it does once a call has
+   been under way :data:`CLIENT_BUILD_ABANDON_WAITS` times the wait (that one
+   is left to end on its own, its outcome dropped);
 2. ``app.conf.redislock_url`` (``redis://``, ``rediss://``, ``unix://`` or
    ``sentinel://``), with ``app.conf.redislock_transport_options`` for Sentinel
    (``master_name``, ``sentinel_kwargs``, as Celery's
@@ -30,6 +36,7 @@ from __future__ import annotations
 import operator
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,13 +53,76 @@ from celery_redislock.client import (
     url_shown,
 )
 from celery_redislock.errors import LockBackendError
-from celery_redislock.transport import Client, describe_error
+from celery_redislock.transport import DEFAULT_CALL_TIMEOUT, Client, describe_error
 
 #: A lock store given directly: a client, or a callable that builds one.
 ClientSource = Client | Callable[[], Client]
 
-_built: weakref.WeakKeyDictionary[Any, tuple[int, Client]] = weakref.WeakKeyDictionary()
+#: Seconds a use of the lock store waits for its ``redislock_client`` callable
+#: to make the client (it runs in a thread of its own) before it fails with
+#: LockBackendError, as a round trip that long would: the caller (a task
+#: execution, a command) is never held longer by a constructor that hangs.
+CLIENT_BUILD_WAIT: float = DEFAULT_CALL_TIMEOUT
+
+#: After this many :data:`CLIENT_BUILD_WAIT` periods, a call of the callable that
+#: has not returned is given up on: the next use calls it again, in a new thread,
+#: and the old one is left to end on its own (its outcome dropped). A
+#: constructor stuck for ever (a frozen server, no socket timeout) thus blocks
+#: the store no longer than that, and leaves one thread behind per period.
+CLIENT_BUILD_ABANDON_WAITS: int = 12
+
+#: The client each app's callable made: (process id, the callable, its client).
+_built: weakref.WeakKeyDictionary[Any, tuple[int, object, Client]] = weakref.WeakKeyDictionary()
+#: The call of each app's callable under way, or ended and not yet taken up.
+_making: weakref.WeakKeyDictionary[Any, _Making] = weakref.WeakKeyDictionary()
 _guard = threading.Lock()
+
+
+class _Making:
+    """One call of a ``redislock_client`` callable, in a daemon thread of its own;
+    every use that needs the client meanwhile waits for this same call."""
+
+    def __init__(self, source: Callable[[], Client]) -> None:
+        self.source = source
+        self.started = time.monotonic()
+        self.done = threading.Event()
+        self.client: Client | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        """Call the callable in a new daemon thread (one that cannot start ends this
+        call with that error, for every use waiting for it)."""
+        thread = threading.Thread(target=self._run, name="redislock-client-build", daemon=True)
+        try:
+            thread.start()
+        except BaseException as exc:
+            self.error = exc
+            self.done.set()
+            raise
+
+    def _run(self) -> None:
+        """The thread: keep the client the callable returns, or what it raised (or a
+        ``TypeError`` if it returned no client), then wake the uses waiting."""
+        try:
+            client = self.source()
+            check_client_source(client, "the client app.conf.redislock_client returned")
+            if callable(client) and not isinstance(client, redis.Redis | RedisCluster):
+                raise TypeError("app.conf.redislock_client returned a callable, not a client")
+            self.client = client
+        except BaseException as exc:  # handed to the uses waiting for it
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def serves(self, source: object, now: float) -> bool:
+        """Whether a use of ``source`` should wait for this call rather than start
+        another: it calls ``source`` and has neither failed nor been under way for
+        :data:`CLIENT_BUILD_ABANDON_WAITS` waits."""
+        if self.source is not source:
+            return False
+        if self.done.is_set():
+            return self.error is None
+        return now - self.started < CLIENT_BUILD_WAIT * CLIENT_BUILD_ABANDON_WAITS
 
 
 def check_client_source(value: object, argument: str = "app.conf.redislock_client") -> None:
@@ -216,36 +286,64 @@ def _resolve(app: Any) -> Client:
     if isinstance(source, redis.Redis | RedisCluster):
         return source
     built = _built.get(app)
-    if built is None or built[0] != os.getpid():
-        with _guard:
-            built = _built.get(app)
-            if built is None or built[0] != os.getpid():
-                client: Client = _built_by(source)
-                check_client_source(client, "the client app.conf.redislock_client returned")
-                if callable(client) and not isinstance(client, redis.Redis | RedisCluster):
-                    raise TypeError("app.conf.redislock_client returned a callable, not a client")
-                built = _built[app] = (os.getpid(), client)
-    return built[1]
+    if built is not None and built[0] == os.getpid() and built[1] is source:
+        return built[2]
+    return _made_by(app, source)
 
 
-def _built_by(source: Callable[[], Client]) -> Client:
-    """The client the ``redislock_client`` callable ``source`` returns.
+def _made_by(app: Any, source: Callable[[], Client]) -> Client:
+    """The client ``app``'s ``redislock_client`` callable ``source`` makes: one call
+    at a time per app and process, in a thread of its own, waited for
+    :data:`CLIENT_BUILD_WAIT` seconds at most.
 
     Raises:
-        LockBackendError: it failed to reach the store (a ``RedisCluster`` asks a
-            node for the slot map as it is made); nothing is kept, so the next
-            use calls it again.
+        LockBackendError: the call failed to reach the store (a ``RedisCluster``
+            asks a node for the slot map as it is made), or has not returned
+            within the wait; the message says what to check.
+        Exception: any other error of the callable (a ``TypeError`` from one
+            that takes arguments, say), or a ``TypeError`` if it returned no client.
     """
-    try:
-        return source()
-    except (RedisError, RedisClusterException, OSError) as exc:
-        reason = describe_error(exc) if isinstance(exc, RedisError) else str(exc)
+    pid = os.getpid()
+    with _guard:
+        built = _built.get(app)
+        if built is not None and built[0] == pid and built[1] is source:
+            return built[2]
+        making = _making.get(app)
+        fresh = making is None or not making.serves(source, time.monotonic())
+        if fresh:
+            # A call of another callable (the setting changed), a failed one or one
+            # under way for too long is dropped: it ends unseen.
+            making = _making[app] = _Making(source)
+    assert making is not None
+    if fresh:
+        making.start()
+    if not making.done.wait(CLIENT_BUILD_WAIT):
         raise LockBackendError(
-            f"could not make the lock store's client: app.conf.redislock_client raised "
-            f"{type(exc).__name__}: {reason} (check that the servers it names are up and "
-            "reachable from this host, with the addresses, credentials and TLS settings it "
-            "gives; it is called again at the next use)"
-        ) from exc
+            f"could not make the lock store's client: app.conf.redislock_client has not "
+            f"returned within {CLIENT_BUILD_WAIT:g} s and is still making it (check that the "
+            "servers it names are up and answer, and give the client a socket_connect_timeout "
+            "and socket_timeout; a later use takes the client once it is made)"
+        )
+    error = making.error
+    if error is not None:
+        if isinstance(error, RedisError | RedisClusterException | OSError):
+            reason = describe_error(error) if isinstance(error, RedisError) else str(error)
+            raise LockBackendError(
+                f"could not make the lock store's client: app.conf.redislock_client raised "
+                f"{type(error).__name__}: {reason} (check that the servers it names are up and "
+                "reachable from this host, with the addresses, credentials and TLS settings it "
+                "gives; it is called again at the next use)"
+            ) from error
+        raise error
+    client = making.client
+    assert client is not None
+    with _guard:
+        if _making.get(app) is making:
+            del _making[app]
+        built = _built.get(app)
+        if built is None or built[0] != pid or built[1] is not source:
+            built = _built[app] = (pid, source, client)
+    return built[2]
 
 
 def describe_store(app: Any, url: str | None = None) -> str:
@@ -260,10 +358,12 @@ def describe_store(app: Any, url: str | None = None) -> str:
 
 def _forget_after_fork() -> None:
     """A forked child builds its own clients (see ``redislock_client``), under a lock
-    of its own: another thread of the parent may have held this one as it forked."""
+    of its own: another thread of the parent may have held this one as it forked,
+    and a call of the callable the parent had under way has no thread in the child."""
     global _guard
     _resolved.clear()
     _built.clear()
+    _making.clear()
     _guard = threading.Lock()
 
 
