@@ -403,3 +403,139 @@ def test_a_revoked_copy_dropped_at_its_eta_leaves_the_running_delivery_its_lock(
         task_revoked.disconnect(seen)
         if running.owned():
             running.release()
+
+
+#: Ways to revoke by stamps, as (the stamp the matching message carries, the
+#: ``revoke_by_stamped_headers`` arguments for stamp ``value``, under header ``batch``).
+STAMP_REVOKES: list[tuple[Callable[[str], Any], Callable[[str], dict[str, Any]]]] = [
+    (lambda value: value, lambda value: {"headers": {"batch": value}}),
+    # A stamp with several values (``append_stamps``) matches one of a list.
+    (
+        lambda value: ["first", value],
+        lambda value: {"headers": {"batch": [f"{value}-other", value]}},
+    ),
+    # ``celery control revoke_by_stamped_headers batch=<value>`` sends a list.
+    (lambda value: value, lambda value: {"headers": [f"batch={value}"]}),
+    (
+        lambda value: value,
+        lambda value: {"headers": {"batch": value}, "terminate": True, "signal": "SIGTERM"},
+    ),
+]
+STAMP_REVOKE_IDS = ["one value", "several values", "header list", "terminate"]
+
+
+@pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize(("stamp", "arguments"), STAMP_REVOKES, ids=STAMP_REVOKE_IDS)
+def test_countdown_task_revoked_by_its_stamp_frees_key(
+    app: Celery,
+    tasks: SimpleNamespace,
+    locks: redis.Redis,
+    broker: redis.Redis,
+    stamp: Callable[[str], Any],
+    arguments: Callable[[str], dict[str, Any]],
+) -> None:
+    """A countdown task the worker holds, revoked by a stamp it carries
+    (``revoke_by_stamped_headers``), frees its key; a resend gets a new id and runs.
+    Held messages whose stamps do not match keep theirs, and so does a matching
+    message still in the broker (the lock does not know its stamps)."""
+    value = unique("batch")
+    name, other_value, other_header, in_broker = (
+        unique(kind) for kind in ("stamped", "v", "h", "b")
+    )
+    sent = {
+        name: tasks.once.s(name).stamp(batch=stamp(value)).apply_async(countdown=60),
+        other_value: tasks.once.s(other_value).stamp(batch=other_value).apply_async(countdown=60),
+        other_header: tasks.once.s(other_header).stamp(lot=value).apply_async(countdown=60),
+        in_broker: tasks.once.s(in_broker).stamp(batch=value).apply_async(queue=NOBODY),
+    }
+    countdowns = [sent[held_name].id for held_name in (name, other_value, other_header)]
+    wait_for(
+        lambda: all(scheduled_here(task_id) for task_id in countdowns),
+        what="the worker to schedule the countdowns",
+    )
+    marker_name = unique("marker")
+    marker = tasks.once.apply_async((marker_name,), queue=NOBODY)
+    app.control.broadcast("revoke_by_stamped_headers", arguments=arguments(value))
+    # Revokes are handled in order: once the next one is done, so is the first.
+    app.control.revoke(marker.id)
+    wait_for(
+        lambda: not held(locks, lock_key(tasks.once, marker_name)),
+        timeout=FREED_WITHIN,
+        what="the revokes to be handled",
+    )
+    assert not held(locks, lock_key(tasks.once, name))
+    kept = [other_value, other_header, in_broker]
+    assert all(held(locks, lock_key(tasks.once, kept_name)) for kept_name in kept)
+    again = tasks.once.delay(name)
+    assert again.id != sent[name].id
+    assert again.get(timeout=TIMEOUT) == again.id
+    assert not ran("rv.once", sent[name].id)
+    app.control.revoke([sent[kept_name].id for kept_name in kept])
+    kept_keys = [lock_key(tasks.once, kept_name) for kept_name in kept]
+    wait_for(lambda: not any(held(locks, key) for key in kept_keys), timeout=FREED_WITHIN)
+
+
+def terminate_by_id(app: Celery, running: Any, waiting: Any, _value: str) -> None:
+    """``app.control.revoke([ids], terminate=True)``."""
+    app.control.revoke([running.id, waiting.id], terminate=True, signal="SIGTERM")
+
+
+def terminate_by_stamp(app: Celery, _running: Any, _waiting: Any, value: str) -> None:
+    """``app.control.revoke_by_stamped_headers(headers, terminate=True)``."""
+    app.control.revoke_by_stamped_headers({"batch": value}, terminate=True, signal="SIGTERM")
+
+
+@pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize("terminate", [terminate_by_id, terminate_by_stamp], ids=["id", "stamp"])
+def test_a_terminate_the_pool_cannot_carry_out_frees_the_waiting_task_all_the_same(
+    app: Celery,
+    tasks: SimpleNamespace,
+    locks: redis.Redis,
+    broker: redis.Redis,
+    terminate: Callable[[Celery, Any, Any, str], None],
+) -> None:
+    """A revoke with ``terminate`` that reaches a running task and one waiting for its
+    countdown: the threads pool cannot signal the running task (Celery's handler
+    fails, having recorded the revoke), which runs on and keeps its lock until it
+    ends; the waiting task's key is freed all the same."""
+    value = unique("batch")
+    running_name, waiting_name = unique("running"), unique("waiting")
+    running = tasks.hold.s(running_name).stamp(batch=value).apply_async()
+    waiting = tasks.once.s(waiting_name).stamp(batch=value).apply_async(countdown=60)
+    wait_for(lambda: ran("rv.hold", running.id), what="the task to start")
+    wait_for(lambda: scheduled_here(waiting.id), what="the worker to schedule the countdown")
+    marker_name = unique("marker")
+    marker = tasks.once.apply_async((marker_name,), queue=NOBODY)
+    terminate(app, running, waiting, value)
+    # Revokes are handled in order: once the next one is done, so is the first.
+    app.control.revoke(marker.id)
+    wait_for(
+        lambda: not held(locks, lock_key(tasks.once, marker_name)),
+        timeout=FREED_WITHIN,
+        what="the revokes to be handled",
+    )
+    assert not held(locks, lock_key(tasks.once, waiting_name))
+    assert held(locks, lock_key(tasks.hold, running_name))
+    gate(running_name).set()
+    assert running.get(timeout=TIMEOUT) == "done"
+    again = tasks.once.delay(waiting_name)
+    assert again.id != waiting.id
+    assert again.get(timeout=TIMEOUT) == again.id
+
+
+@pytest.mark.usefixtures("worker")
+def test_a_message_revoked_by_its_stamp_before_a_worker_held_it_frees_its_key_when_dropped(
+    app: Celery, tasks: SimpleNamespace, locks: redis.Redis
+) -> None:
+    """A message revoked by its stamps before it reached the worker (the sweep cannot
+    match it: the lock does not store stamps) keeps its key until the worker drops
+    it at its ETA, which frees it."""
+    value, name = unique("batch"), unique("late")
+    replies = app.control.revoke_by_stamped_headers(
+        {"batch": value}, reply=True, limit=1, timeout=TIMEOUT
+    )
+    assert replies
+    result = tasks.once.s(name).stamp(batch=value).apply_async(countdown=0.5)
+    wait_for(lambda: result.state == "REVOKED", what="the worker to drop the message")
+    wait_for(lambda: not held(locks, lock_key(tasks.once, name)), timeout=FREED_WITHIN)
+    assert not ran("rv.once", result.id)

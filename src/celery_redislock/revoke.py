@@ -2,33 +2,48 @@
 
 ``AsyncResult.revoke()``, ``app.control.revoke()`` and ``app.control.terminate()``
 broadcast Celery's ``revoke`` remote-control command to every running worker
-(``celery control terminate`` its ``terminate`` command, which revokes too). Celery itself only
-drops a revoked message when a worker gets to it — at its ETA, or once a busy
-worker has a free slot — and the ``task_revoked`` handler frees the lock then.
-Until that moment the lock taken by ``apply_async`` would keep the key, and a
-``delay()`` with the same arguments would return the revoked task's id.
+(``celery control terminate`` its ``terminate`` command, which revokes too), and
+``app.control.revoke_by_stamped_headers()`` (Celery 5.3+) its
+``revoke_by_stamped_headers`` command, which revokes the tasks whose stamps match.
+Celery itself only drops a revoked message when a worker gets to it — at its
+ETA, or once a busy worker has a free slot — and the ``task_revoked`` handler
+frees the lock then. Until that moment the lock taken by ``apply_async`` would
+keep the key, and a ``delay()`` with the same arguments would return the revoked
+task's id.
 
 :class:`RevokedLockRelease` is a consumer bootstep that a SingletonTask adds to
 ``app.steps["consumer"]`` when it is bound to the app, so every worker of an app
 with singleton tasks runs it, in the process that handles control commands (the
-prefork pool's parent). It gives its worker's remote-control node ``revoke``
-and ``terminate`` handlers that run Celery's own and then, for each revoked task id, frees the
-``until_*`` lock still held for the task's message:
+prefork pool's parent). It gives its worker's remote-control node ``revoke``,
+``terminate`` and ``revoke_by_stamped_headers`` handlers that run Celery's own
+and then free the ``until_*`` lock still held for the message of each task
+revoked:
 
 * a request this worker holds and has not started (waiting for its ETA or a
-  slot): the lock name comes from the task and its arguments;
+  slot), revoked by id or by its stamps (matched as Celery matches them when it
+  gets to the request, :func:`revoked_by_stamps`): the lock name comes from the
+  task and its arguments;
 * an id it does not know (the message still sits in the broker): the lock is
   found by a bounded ``SCAN`` of the lock keys and a pipelined ``GET`` of their
   lease and owner fields.
+
+A message revoked by its stamps that no worker holds yet (still in the broker)
+keeps its key: the lock does not store a message's stamps. The key frees when a
+worker drops the message, when ``lock_enqueue_ttl`` runs out, or with
+``celery redislock release``.
 
 Only a lock still owned by the message — its owner is
 :func:`~celery_redislock.task.queued_owner` of the task id — is freed, by an
 owner-checked release: once an execution has taken the lock over, nothing here
 touches it, so a revoke that reaches a task already running (Celery lets it
-finish), a copy of a message waiting here for its ETA while another delivery of
-it runs, or several workers freeing the same lock do no harm. The Redis work
-runs on one background thread per worker, which merges the ids of revokes sent
-in a burst into one scan; failures are logged and never reach the worker.
+finish, or with ``terminate`` signals it: its hold is left to its end), a copy of
+a message waiting here for its ETA while another delivery of it runs, or several
+workers freeing the same lock do no harm. A ``terminate`` the pool cannot carry
+out (the threads and solo pools cannot signal a running task) makes Celery's
+handler fail once it has recorded the revoke: the waiting tasks that revoke
+reaches are freed all the same. The Redis work runs on one background
+thread per worker, which merges the revokes sent in a burst into one sweep;
+failures are logged and never reach the worker.
 
 With no worker running, Celery drops the broadcast: the key then frees when
 ``lock_enqueue_ttl`` runs out, or with ``celery redislock release``.
@@ -39,7 +54,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import redis
@@ -89,6 +104,24 @@ class RevokeSweeper:
         self._thread: threading.Thread | None = None
         self._guard = threading.Lock()
 
+    def handled(self, command: str, arguments: Mapping[str, Any], failed: bool = False) -> None:
+        """Hand over a revoking control ``command`` with its ``arguments``, once
+        Celery has handled it.
+
+        ``failed``: Celery's handler raised. It records the revoke first (the ids in
+        ``worker_state.revoked``, the stamps in ``worker_state.revoked_stamps``), then
+        signals the running tasks with ``terminate``, which a pool may fail to do
+        (the threads and solo pools cannot): what it recorded is revoked all the
+        same, and only that is handed over.
+        """
+        if command == STAMPS_COMMAND:
+            self.revoked_by_stamps()
+            return
+        task_ids = maybe_list(arguments.get("task_id")) or []
+        if failed:
+            task_ids = [task_id for task_id in task_ids if task_id in worker_state.revoked]
+        self.revoked(task_ids)
+
     def revoked(self, task_ids: Iterable[str]) -> None:
         """Hand over the ids of a ``revoke`` command (called after Celery's own handling).
 
@@ -104,15 +137,38 @@ class RevokeSweeper:
                 continue
             if request in worker_state.active_requests:
                 continue  # running: Celery lets it finish, and it releases its lock
-            task = request.task
+            item = _pending(request)
+            if item is not None:
+                pending.append(item)
+        self._hand_over(pending, unknown)
+
+    def revoked_by_stamps(self) -> None:
+        """Hand over the requests this worker holds, not started, that Celery's
+        revoked stamps (``revoke_by_stamped_headers``, this one included, already
+        handled) make it drop when it gets to them.
+
+        Messages this worker does not hold cannot be matched: the lock does not
+        store their stamps.
+        """
+        revoked_stamps = dict(worker_state.revoked_stamps)
+        if not revoked_stamps:
+            return
+        pending: list[_Pending] = []
+        for request in list(worker_state.requests.values()):
+            if request in worker_state.active_requests:
+                continue  # running: Celery lets it finish (or signals it), and it releases
             try:
-                if not _locks_while_queued(task):
-                    continue
-                name = task.lock_name(request.args, request.kwargs)
+                matches = revoked_by_stamps(request, revoked_stamps)
             except Exception as exc:
-                logger.warning("could not name the lock of revoked task %s: %s", task_id, exc)
+                logger.warning("could not match the stamps of task %s: %s", request.id, exc)
                 continue
-            pending.append(_Pending(task, name, task_id, request_retries(request)))
+            if matches:
+                item = _pending(request)
+                if item is not None:
+                    pending.append(item)
+        self._hand_over(pending, set())
+
+    def _hand_over(self, pending: list[_Pending], unknown: set[str]) -> None:
         if pending or unknown:
             self._start()
             self._queue.put((pending, unknown))
@@ -194,6 +250,50 @@ class RevokeSweeper:
             except Exception as exc:
                 logger.warning("no lock store for task %s: %s", getattr(task, "name", task), exc)
         return list(stores.values())
+
+
+def _pending(request: Any) -> _Pending | None:
+    """The lock to free for ``request``, a revoked request this worker holds and has
+    not started: ``None`` when its task takes no lock while queued (or its lock
+    cannot be named, which is logged)."""
+    task = request.task
+    try:
+        if not _locks_while_queued(task):
+            return None
+        name = task.lock_name(request.args, request.kwargs)
+    except Exception as exc:
+        logger.warning("could not name the lock of revoked task %s: %s", request.id, exc)
+        return None
+    return _Pending(task, name, request.id, request_retries(request))
+
+
+def revoked_by_stamps(request: Any, revoked_stamps: Mapping[str, Any]) -> bool:
+    """Whether ``revoked_stamps`` (header: revoked value or values, as in
+    ``celery.worker.state.revoked_stamps``) revoke ``request`` by its stamps.
+
+    The test Celery's ``Request.revoked()`` makes as the worker gets to a request,
+    which it cannot be asked alone (it drops the request when it matches): a
+    stamped header of the request that has revoked values matches when its value
+    is one of them (or equals them), or, for a stamp with several values, when
+    one of those is.
+    """
+    stamped_headers = getattr(request, "stamped_headers", None) or []
+    if not stamped_headers:
+        return False
+    stamps = request.stamps
+    for header in stamped_headers:
+        if header not in revoked_stamps:
+            continue
+        revoked = revoked_stamps[header]
+        stamped = stamps.get(header)
+        if stamped is None:
+            continue
+        if isinstance(stamped, (list, tuple)):
+            if any(value in maybe_list(revoked) for value in stamped):
+                return True
+        elif stamped in maybe_list(revoked) or stamped == revoked:
+            return True
+    return False
 
 
 def _locks_while_queued(task: object) -> bool:
@@ -279,20 +379,31 @@ def _text(value: bytes | str | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
-#: The remote-control commands that revoke tasks by id.
-REVOKING_COMMANDS = ("revoke", "terminate")
+#: The remote-control command that revokes tasks by their stamps (Celery 5.3+).
+STAMPS_COMMAND = "revoke_by_stamped_headers"
+
+#: The remote-control commands that revoke tasks: by id, or by their stamps.
+REVOKING_COMMANDS = ("revoke", "terminate", STAMPS_COMMAND)
 
 
-def _then_sweep(original: Any, sweeper: RevokeSweeper) -> Any:
-    """A control handler that runs ``original``, then has ``sweeper`` free the
-    locks of the task ids it revoked."""
+def _then_sweep(original: Any, sweeper: RevokeSweeper, command: str) -> Any:
+    """A control handler for ``command`` that runs ``original``, then has
+    ``sweeper`` free the locks of the tasks it revoked (also when ``original``
+    raised: see :meth:`RevokeSweeper.handled`)."""
 
-    def handler(state: Any, **arguments: Any) -> Any:
-        reply = original(state, **arguments)
+    def sweep(arguments: Mapping[str, Any], failed: bool) -> None:
         try:
-            sweeper.revoked(maybe_list(arguments.get("task_id")) or [])
+            sweeper.handled(command, arguments, failed)
         except Exception as exc:  # the control command's reply must not change
             logger.warning("could not free the locks of revoked tasks: %s", exc)
+
+    def handler(state: Any, **arguments: Any) -> Any:
+        try:
+            reply = original(state, **arguments)
+        except BaseException:
+            sweep(arguments, failed=True)
+            raise
+        sweep(arguments, failed=False)
         return reply
 
     handler.redislock_wrapped = True  # type: ignore[attr-defined]
@@ -303,9 +414,9 @@ class RevokedLockRelease(bootsteps.StartStopStep):  # type: ignore[misc]
     """Consumer bootstep: after Celery's ``revoke``, free the ``until_*`` locks of revoked tasks.
 
     Added to ``app.steps["consumer"]`` when a SingletonTask is bound to the app.
-    It wraps the ``revoke`` and ``terminate`` handlers of this worker's own
-    remote-control node (the shared registry of commands, ``Panel.data``, is left
-    as it is).
+    It wraps the ``revoke``, ``terminate`` and ``revoke_by_stamped_headers``
+    handlers of this worker's own remote-control node (the shared registry of
+    commands, ``Panel.data``, is left as it is).
     """
 
     requires = ("celery.worker.consumer.control:Control",)
@@ -316,9 +427,10 @@ class RevokedLockRelease(bootsteps.StartStopStep):  # type: ignore[misc]
         self.sweeper: RevokeSweeper | None = None
 
     def start(self, c: Any) -> None:
-        """Wrap the node's ``revoke`` and ``terminate`` handlers (once: a consumer
-        restart starts steps again). ``terminate`` (``celery control terminate``)
-        calls Celery's revoke function itself, not the node's ``revoke`` handler."""
+        """Wrap the node's revoking handlers (once: a consumer restart starts steps
+        again; a Celery without ``revoke_by_stamped_headers`` has only the others).
+        ``terminate`` (``celery control terminate``) calls Celery's revoke function
+        itself, not the node's ``revoke`` handler."""
         control = c.blueprint.steps.get(CONTROL_STEP)
         node = getattr(getattr(control, "box", None), "node", None)
         if node is None:
@@ -330,7 +442,7 @@ class RevokedLockRelease(bootsteps.StartStopStep):  # type: ignore[misc]
                 continue
             if self.sweeper is None:
                 self.sweeper = RevokeSweeper(c.app)
-            handlers[command] = _then_sweep(original, self.sweeper)
+            handlers[command] = _then_sweep(original, self.sweeper, command)
         node.handlers = handlers
 
     def shutdown(self, c: Any) -> None:

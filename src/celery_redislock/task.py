@@ -40,7 +40,8 @@ success, exception, soft time limit    released in the body's ``finally``
                                        the message's reservation freed (kept as
                                        for the body's ``Reject``/``self.retry()``)
 revoked while queued                   ``until_*``: freed by the workers as soon as
-                                       the revoke reaches them
+                                       the revoke reaches them (revoked by its
+                                       stamps: a message a worker holds)
                                        (:mod:`celery_redislock.revoke`); also by
                                        the ``task_revoked`` handler when a worker
                                        drops the message
