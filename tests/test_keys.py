@@ -20,6 +20,7 @@ import pytest
 from celery import Celery
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kombu import serialization
 from kombu.utils import json as kombu_json
 
 from celery_redislock import KeyDerivationError, SingletonTask
@@ -645,6 +646,40 @@ def test_lock_key_gets_every_spelling_of_a_call_by_name_with_defaults(app: Celer
     assert key != sync_account.lock_name((4,), {})
 
 
+def test_lock_key_that_cannot_take_what_args_or_kwargs_receive_is_refused(app: Celery) -> None:
+    """What a task's ``*args`` or ``**kwargs`` receives comes to a ``lock_key``
+    callable on top of the named arguments, by position or by name: one without
+    ``*_`` (for ``*args``) or ``**_`` (for ``**kwargs``) is refused when the task
+    is defined, naming ``lock_key`` and what to add; with them, calls with extra
+    arguments have a key."""
+    app.finalize()
+    with pytest.raises(ValueError, match=r"lock_key .*\*\*options.*add \*\*_ "):
+
+        @app.task(base=SingletonTask, shared=False, lock_key=lambda account: account)
+        def sync_options(account: int, **options: Any) -> None:
+            """Sample body."""
+
+    with pytest.raises(ValueError, match=r"lock_key .* \*accounts.*add \*_ "):
+
+        @app.task(base=SingletonTask, shared=False, lock_key=lambda first, **_: first)
+        def sync_batch(first: int, *accounts: int, dry_run: bool = False) -> None:
+            """Sample body."""
+
+    @app.task(base=SingletonTask, shared=False, lock_key=lambda account, **_: account)
+    def sync_taking_options(account: int, **options: Any) -> None:
+        """Sample body."""
+
+    key = sync_taking_options.lock_name((1,), {})
+    assert key == sync_taking_options.lock_name((1,), {"dry_run": True, "since": None})
+
+    @app.task(base=SingletonTask, shared=False, lock_key=lambda first, *_, **__: first)
+    def sync_taking_batch(first: int, *accounts: int, dry_run: bool = False) -> None:
+        """Sample body."""
+
+    key = sync_taking_batch.lock_name((1,), {})
+    assert sync_taking_batch.lock_name((1, 2, 3), {"dry_run": True}) == key
+
+
 def test_lock_key_sees_the_arguments_as_a_worker_receives_them(app: Celery) -> None:
     """The key a send reserves is the one its execution takes: a ``lock_key``
     callable is given the arguments as they come out of the task's serializer on
@@ -671,6 +706,81 @@ def test_lock_key_sees_the_arguments_as_a_worker_receives_them(app: Celery) -> N
 
     # Pickle delivers the member itself: so does the producer's side.
     assert sync_pickled.lock_name((Region.EU,), {}) != sync_pickled.lock_name(("eu",), {})
+
+
+class SyncMode(str, enum.Enum):
+    """A ``str`` Enum used as a default: JSON delivers a member passed as its value."""
+
+    FULL = "full"
+    QUICK = "quick"
+
+
+class Unsent:
+    """A sentinel no serializer carries (pickle included)."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a sentinel is not sent")
+
+
+#: A default no serializer can carry: the same object on the producer and the worker.
+UNSET = Unsent()
+
+
+def received(args: tuple[Any, ...], kwargs: dict[str, Any], serializer: str) -> tuple[Any, Any]:
+    """A call's arguments as a worker receives them, through ``serializer``."""
+    body = [list(args), kwargs]
+    content_type, encoding, data = serialization.dumps(body, serializer=serializer)  # type: ignore[no-untyped-call,unused-ignore]
+    sent = serialization.loads(data, content_type, encoding, force=True)  # type: ignore[no-untyped-call,unused-ignore]
+    return sent[0], sent[1]
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+def test_a_default_and_the_same_value_passed_are_one_call(app: Celery, serializer: str) -> None:
+    """Every spelling of a call gets one lock name, a default and the same value
+    passed included, on the producer and on the worker alike: a ``lock_key``
+    callable is given the defaults as a worker receives them too (under JSON a
+    ``str`` Enum member as its value, a tuple as a list), and a default the
+    serializer cannot carry as it is; so is the key made of the arguments."""
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        serializer=serializer,
+        lock_key=lambda account, mode, shape, since: f"{account}:{mode}:{shape}",
+    )
+    def sync(
+        account: int, mode: SyncMode = SyncMode.FULL, shape: Any = (1, 2), since: Any = UNSET
+    ) -> None:
+        """Sample body: one default cannot be sent."""
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        serializer=serializer,
+        lock_key=lambda account, mode, shape: f"{account}:{mode}:{shape}",
+    )
+    def sync_sendable(account: int, mode: SyncMode = SyncMode.FULL, shape: Any = (1, 2)) -> None:
+        """Sample body: every default can be sent."""
+
+    @app.task(base=SingletonTask, shared=False, serializer=serializer)
+    def sync_by_arguments(
+        account: int, mode: SyncMode = SyncMode.FULL, shape: Any = (1, 2)
+    ) -> None:
+        """Sample body."""
+
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((1,), {}),
+        ((1, SyncMode.FULL), {}),
+        ((1, SyncMode.FULL, (1, 2)), {}),
+        ((), {"account": 1, "mode": SyncMode.FULL}),
+    ]
+    if serializer == "json":  # which delivers a tuple as a list (pickle keeps each as it is)
+        calls.append(((1,), {"shape": [1, 2]}))
+    for task in (sync, sync_sendable, sync_by_arguments):
+        names = {task.lock_name(args, kwargs) for args, kwargs in calls}
+        names |= {task.lock_name(*received(args, kwargs, serializer)) for args, kwargs in calls}
+        assert len(names) == 1, task.name
+        assert names != {task.lock_name((1, SyncMode.QUICK), {})}
 
 
 def test_lock_key_that_raises_names_lock_key(app: Celery) -> None:

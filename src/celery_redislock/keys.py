@@ -288,12 +288,14 @@ class KeyBuilder:
             message has gone through the task's serializer (a tuple becomes a
             list, a ``str`` Enum member its value under JSON). A callable
             ``lock_key`` sees them so on the producer too, so that the key a send
-            reserves is the one its execution takes. Applied to what a worker
-            received already, it changes nothing.
+            reserves is the one its execution takes, and sees the defaults so as
+            well, so that a default and the same value passed are one call.
+            Applied to what a worker received already, it changes nothing.
 
     Raises:
         ValueError: ``lock_on`` names a parameter the task does not have, or
-            ``lock_key`` cannot take the task's arguments by name.
+            ``lock_key`` cannot take the task's arguments by name (those its
+            ``*args`` and ``**kwargs`` receive included).
     """
 
     def __init__(
@@ -373,21 +375,57 @@ class KeyBuilder:
     def _from_lock_key(
         self, lock_key: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """What a callable ``lock_key`` returns for a call, given the arguments as
-        a worker receives them, by name and with defaults applied."""
-        if self.delivered is not None:
-            # Arguments the serializer refuses never reach a worker: they are only
-            # run in the caller's process (apply()), which sees them as they are.
-            with contextlib.suppress(Exception):
-                args, kwargs = self.delivered(args, kwargs)
+        """What a callable ``lock_key`` returns for a call, given the arguments by
+        name and with defaults applied, as a worker receives them.
+
+        The defaults are applied before the serializer's round trip, so that they
+        go through it as a value passed does: ``f(1)`` and ``f(1, Mode.FULL)``
+        (``Mode.FULL`` the default, a ``str`` Enum member that JSON delivers as its
+        value) give the callable the same. On a worker, whose values have been
+        through the round trip already, it changes nothing: both sides agree.
+        """
+        given_args, given_kwargs = args, kwargs
         if self.signature is not None:
             args, kwargs = self._by_name(args, kwargs)
+        if self.delivered is not None:
+            args, kwargs = self._as_delivered(
+                self.delivered, given_args, given_kwargs, args, kwargs
+            )
         try:
             return lock_key(*args, **kwargs)
         except Exception as exc:
             raise KeyDerivationError(
                 f"lock_key of task {self.task_name!r} raised {type(exc).__name__}: {exc}"
             ) from exc
+
+    @staticmethod
+    def _as_delivered(
+        delivered: Delivered,
+        given_args: tuple[Any, ...],
+        given_kwargs: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``args`` and ``kwargs`` (a call given as ``given_args`` and
+        ``given_kwargs``, bound with defaults applied) as a worker receives them."""
+        with contextlib.suppress(Exception):
+            return delivered(args, kwargs)
+        try:
+            delivered(given_args, given_kwargs)
+        except Exception:
+            # A value the serializer refuses never reaches a worker: the call is
+            # only run in the caller's process (apply()), which sees it as it is.
+            return args, kwargs
+        # A default the serializer refuses (a sentinel object()) is the same object
+        # on both sides: leave it as it is, and put each other value through alone.
+
+        def one(value: Any) -> Any:
+            try:
+                return delivered((value,), {})[0][0]
+            except Exception:
+                return value
+
+        return tuple(map(one, args)), {name: one(value) for name, value in kwargs.items()}
 
     def _by_name(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -488,7 +526,8 @@ class KeyBuilder:
 
 def _check_takes(lock_key: Callable[..., Any], signature: inspect.Signature, task: str) -> None:
     """Raise ``ValueError`` if ``lock_key`` cannot be called with the arguments of
-    ``signature`` as :meth:`KeyBuilder._by_name` passes them."""
+    ``signature`` as :meth:`KeyBuilder._by_name` passes them, whatever its
+    ``*args`` and ``**kwargs`` receive."""
     try:
         takes = inspect.signature(lock_key)
     except (TypeError, ValueError):
@@ -513,3 +552,17 @@ def _check_takes(lock_key: Callable[..., Any], signature: inspect.Signature, tas
             f"given by name with defaults applied ({', '.join(given) or 'none'}): {exc}; "
             "take the ones it needs and **_ for the rest"
         ) from exc
+    # The values a task's *args or **kwargs receives come on top of those, under
+    # names and in numbers no fixed parameter list can take.
+    kinds = {p.kind for p in takes.parameters.values()}
+    for kind, stars, extra, given_as in (
+        (inspect.Parameter.VAR_POSITIONAL, "*", "positional", "by position"),
+        (inspect.Parameter.VAR_KEYWORD, "**", "keyword", "by name"),
+    ):
+        var = next((p.name for p in parameters if p.kind is kind), None)
+        if var is not None and kind not in kinds:
+            raise ValueError(
+                f"lock_key of task {task!r} cannot take the extra {extra} arguments "
+                f"the task's {stars}{var} receives, which it is given {given_as}; "
+                f"add {stars}_ to its parameters"
+            )
