@@ -770,6 +770,50 @@ def test_a_primary_frozen_through_a_failover_gives_no_second_hold_when_it_comes_
     assert not [s for s in senders if str(s).rpartition(":")[2] in ports]
 
 
+@pytest.mark.slow
+def test_a_release_that_does_not_wait_after_a_frozen_primary_comes_back_frees_the_lock_on_the_new_one(
+    redislock_sentinel_factory: Callable[..., SentinelDeployment],
+) -> None:
+    """A primary frozen (SIGSTOP) through a failover comes back still answering as
+    a primary. A release that does not wait (how a task releases), sent on the
+    connection idle since before the freeze, asks the Sentinels first like any
+    request: it frees the lock on the new primary, where it was held, not the old
+    primary's stale copy. Its answer does not make the connection to the old
+    primary look sound: the next acquire on the same client takes its lock on the
+    new primary, and a fresh client is refused that lock (no two holders)."""
+    deployment = redislock_sentinel_factory(replicas=1, sentinels=3)
+    client, rival_client = deployment.client(), deployment.client()
+    held = RedisLock(client, "sentinel-deferred:held", ttl=30, heartbeat=False)
+    after = RedisLock(client, "sentinel-deferred:after", ttl=30, heartbeat=False)
+    rival = RedisLock(rival_client, after.name, ttl=30, heartbeat=False)
+    old = deployment.master()
+    outcomes: list[object] = []
+    try:
+        assert held.acquire(blocking=False)
+        direct = old.client()
+        assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+        direct.close()
+        with old.paused():
+            new = deployment.wait_for_failover(timeout=30, old=old)
+        admin = new.client()
+        assert fields(admin, held.key).get(OWNER_FIELD) == held.owner
+        held.release(wait=False, then=outcomes.append)
+        held.transport.drain(Deadline.after(5))
+        assert outcomes == ["released"]
+        assert OWNER_FIELD not in fields(admin, held.key)
+        assert after.acquire(blocking=False)
+        assert after.transport.primary == (new.host, new.port)
+        assert fields(admin, after.key).get(OWNER_FIELD) == after.owner
+        assert not rival.acquire(blocking=False)
+        admin.close()
+    finally:
+        for lock in (after, rival):
+            if lock.owned():
+                lock.release()
+        client.close()
+        rival_client.close()
+
+
 def test_a_timeout_on_a_sentinel_managed_primary_closes_every_idle_connection(
     redislock_sentinel_factory: Callable[..., SentinelDeployment],
 ) -> None:
@@ -838,11 +882,12 @@ def test_a_sentinel_managed_connection_idle_for_a_while_is_checked_with_the_sent
     assert lock.acquire(blocking=False)
     lock.release()
     assert (lock.transport.sends - sent, sentinels.sends - asked) == (2, 2)
-    # A release that does not wait takes no lock: it asks nothing first.
+    # A release that does not wait asks first too: written to a server no longer
+    # the primary, it would leave the lock held on the new one.
     assert lock.acquire(blocking=False)
     asked, sent = sentinels.sends, lock.transport.sends
     lock.release(wait=False)
-    assert (lock.transport.sends - sent, sentinels.sends - asked) == (1, 0)
+    assert (lock.transport.sends - sent, sentinels.sends - asked) == (1, 1)
     questions: list[object] = []
     discover = transport_module._discover_master
 

@@ -21,8 +21,9 @@ from celery.contrib.testing.mocks import TaskMessage
 from celery.exceptions import Reject
 from celery.worker.state import task_ready
 
-from celery_redislock import LockBackendError, RedisLock, SingletonTask
+from celery_redislock import LockBackendError, RedisLock, SingletonTask, signals
 from celery_redislock.early import Request, _process_gone
+from celery_redislock.heartbeat import Heartbeat
 from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer
@@ -203,6 +204,37 @@ class TestEngine:
         assert lock._acquire_sent(ahead)
         assert wait_until(lambda: locks.pttl(lock.key) > 2_500, timeout=0.8)
         lock.release()
+
+    def test_a_reply_read_after_its_ttl_is_left_to_the_caller(self, locks: redis.Redis) -> None:
+        """A written-ahead acquire whose reply is read only once the hold's TTL has
+        passed (counted from when it was written) is taken but lost as it is read,
+        and left to its caller (the task gives it back and asks anew): it is not put
+        on the heartbeat, so neither renewed nor reported lost through ``on_lost``,
+        even after a later renewal round on the same server."""
+        beat = Heartbeat()
+        reported: list[RedisLock] = []
+        lock = RedisLock(locks, uuid.uuid4().hex, ttl=0.3, on_lost=reported.append, _heartbeat=beat)
+        witness = RedisLock(
+            locks, uuid.uuid4().hex, ttl=30, heartbeat_interval=0.05, _heartbeat=beat
+        )
+        try:
+            ahead = lock._send_acquire()
+            assert ahead is not None
+            time.sleep(0.5)  # the hold's TTL runs out before its reply is read
+            assert lock._acquire_sent(ahead)
+            assert lock.lost
+            assert lock not in beat.held()
+            assert witness.acquire(blocking=False)
+            first = witness._expiry
+            wait_for(lambda: witness._expiry > first, what="the witness lock's first renewal")
+            assert reported == []
+            assert lock not in beat.held()
+            lock.release(wait=False)
+        finally:
+            if witness.owned():
+                witness.release()
+            beat.stop()
+        assert wait_until(lambda: not held(locks, lock.key))
 
     def test_not_written_ahead_when_replicas_must_confirm(self, locks: redis.Redis) -> None:
         lock = RedisLock(locks, uuid.uuid4().hex, ttl=30, min_replicas=1)
@@ -467,14 +499,25 @@ def test_a_hold_written_ahead_that_expired_before_the_task_started_is_asked_for_
             # The hold written ahead (a TTL of 1 s, not yet renewed) runs out.
             assert wait_until(lambda: rival.acquire(blocking=False), timeout=10)
 
+    lost: list[Any] = []
+
+    def on_lost(sender: Any = None, **fields: Any) -> None:
+        lost.append(fields)
+
     celery_signals.task_prerun.connect(slow_start, weak=False)
+    signals.lock_lost.connect(on_lost, weak=False, dispatch_uid="written-ahead-expired")
     try:
         result = task.delay(name).get(timeout=TIMEOUT)
     finally:
         celery_signals.task_prerun.disconnect(slow_start)
-    assert result["skipped"] is True
-    assert rival.owned()
-    rival.release()
+    try:
+        assert result["skipped"] is True
+        assert rival.owned()
+        # The stale hold was given back, not reported lost: the task never ran under it.
+        assert lost == []
+    finally:
+        signals.lock_lost.disconnect(on_lost, dispatch_uid="written-ahead-expired")
+        rival.release()
 
 
 def test_prefork_parent_writes_nothing(app: Celery, locks: redis.Redis) -> None:

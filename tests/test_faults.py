@@ -1705,21 +1705,25 @@ def test_a_lost_answer_read_after_the_next_hold_leaves_that_hold_alone(
     client.close()
 
 
-def test_a_hold_whose_answer_comes_after_its_ttl_is_left_to_the_caller(
+def test_a_hold_whose_answer_comes_after_its_ttl_is_reported_lost(
     proxy: FaultProxy, direct: redis.Redis
 ) -> None:
     """An acquire whose answer is read only once the hold's TTL (counted from when
     the request was sent) has run out takes the lock on the server, but the hold is
     lost as it is recorded: ``acquire()`` says it took it, ``lost`` is true at once
-    and ``check()`` raises, for the caller to act on. It is not put on the
-    heartbeat: never renewed, and no ``on_lost`` call from the heartbeat thread
-    about a hold the caller already sees lost."""
+    and ``check()`` raises. The heartbeat reports it lost as for any hold whose
+    local deadline passes: ``on_lost`` is called once, from the heartbeat thread,
+    and the hold is never renewed (its key expires on the server by its TTL)."""
     client = redis.Redis.from_url(proxy.url)
     beat = Heartbeat()
-    reported: list[RedisLock] = []
-    lock = RedisLock(client, "answered-late", ttl=0.3, on_lost=reported.append, _heartbeat=beat)
-    # A second lock on the same lane, renewed often: its first renewal is a round
-    # that would have come after any the late hold was due in.
+    reported: list[tuple[RedisLock, threading.Thread]] = []
+
+    def on_lost(lost: RedisLock) -> None:
+        reported.append((lost, threading.current_thread()))
+
+    lock = RedisLock(client, "answered-late", ttl=0.3, on_lost=on_lost, _heartbeat=beat)
+    # A second lock on the same lane, renewed often: its renewals are rounds that
+    # come after any the late hold was due in.
     witness = RedisLock(
         client, "answered-late:witness", ttl=30, heartbeat_interval=0.05, _heartbeat=beat
     )
@@ -1735,17 +1739,18 @@ def test_a_hold_whose_answer_comes_after_its_ttl_is_left_to_the_caller(
         assert lock.lost
         with pytest.raises(LockLostError):
             lock.check()
+        wait_for(lambda: reported, what="on_lost for the hold answered after its TTL")
+        assert [lost for lost, _ in reported] == [lock]
+        assert reported[0][1] is not threading.current_thread()
         assert lock not in beat.held()
         assert witness.acquire(blocking=False)
         first = witness._expiry
         wait_for(lambda: witness._expiry > first, what="the witness lock's first renewal")
-        assert reported == []
-        assert lock not in beat.held()
         # Nothing renews it: the key expires on the server by its TTL.
         wait_for(lambda: not held(direct, lock.key), what="the late hold's key to expire")
         with pytest.raises(LockLostError):
             lock.release()
-        assert reported == []
+        assert len(reported) == 1
     finally:
         if witness.owned():
             witness.release()

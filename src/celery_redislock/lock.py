@@ -337,7 +337,7 @@ class RedisLock:
         heartbeat: renew the lock in the background while held (default on).
         heartbeat_interval: seconds between renewals; default ``ttl / 3``.
         on_lost: called with the lock, from the heartbeat thread, if it is lost
-            (not for a hold already lost as :meth:`acquire` returns it).
+            (a hold already lost as :meth:`acquire` returns it included).
         blocking_timeout: how long ``with lock:`` waits before raising
             :class:`~celery_redislock.errors.LockTimeoutError`; ``None`` waits forever.
         call_timeout: deadline, in seconds, of a round trip that has none of its
@@ -673,8 +673,9 @@ class RedisLock:
 
         A hold whose answer is read only once its TTL (counted from when the
         request was sent) has passed is taken, but :attr:`lost` as this returns:
-        the caller decides what to do with it (release it, ask again). It is not
-        renewed, and ``on_lost`` is not called for it.
+        another may hold the lock by then. It is not renewed, and, with the
+        heartbeat on, the heartbeat reports it lost at once (``on_lost``), as any
+        hold whose local deadline passes.
 
         Arguments:
             blocking: wait for the lock if another owner holds it.
@@ -1111,11 +1112,13 @@ class RedisLock:
             args = (*args, self._info)
         return Call(ACQUIRE_SCRIPT, (self.key, self.queue_key), args)
 
-    def _try_acquire(self, deadline: Deadline, request: str, entry: str = "") -> bool:
+    def _try_acquire(
+        self, deadline: Deadline, request: str, entry: str = "", late_to_caller: bool = False
+    ) -> bool:
         """One acquire round trip; record the hold, or who holds the lock instead.
 
         A waiter (with its queue ``entry``) that finds the lock held is queued
-        (keeping its place).
+        (keeping its place). ``late_to_caller``: see :meth:`_record`.
         """
         self._read_owed(deadline)
         call = self._acquire_call(request, entry)
@@ -1146,11 +1149,19 @@ class RedisLock:
             self._landed(ahead)
         if wait and reply.outcome is Acquired.TAKEN:
             self._check_replicas(raw[1], request, deadline)
-        return self._record(reply, sent, request)
+        return self._record(reply, sent, request, late_to_caller)
 
-    def _record(self, reply: AcquireReply, sent: float, request: str) -> bool:
+    def _record(
+        self, reply: AcquireReply, sent: float, request: str, late_to_caller: bool = False
+    ) -> bool:
         """Keep what an acquire sent at ``sent`` found: the hold it made (registered
-        with the heartbeat), or who holds the lock instead; return whether it holds."""
+        with the heartbeat), or who holds the lock instead; return whether it holds.
+
+        A hold read only once its TTL had passed is registered too, due at once:
+        the heartbeat finds it lost and reports it (``on_lost``), as for any hold
+        whose local deadline passes. With ``late_to_caller`` (a task's acquire
+        written ahead, whose caller gives such a hold back and asks anew) it is
+        left off the heartbeat instead: not renewed, and not reported lost."""
         if reply.outcome is Acquired.HELD:
             self.blocked_by = reply.holder
             self._blocked_owner = reply.owner
@@ -1179,11 +1190,15 @@ class RedisLock:
         # heartbeat found it lost (the server still had it): losing it took it
         # off the heartbeat.
         now = time.monotonic()
-        if self.heartbeat and (first or reply.outcome is Acquired.TAKEN) and now < self._expiry:
+        late = now >= self._expiry
+        if (
+            self.heartbeat
+            and (first or reply.outcome is Acquired.TAKEN)
+            and not (late and late_to_caller)
+        ):
             # Renewed an interval after the request was sent, not after its reply
             # was read: a reply read late (written ahead as a worker accepted the
-            # task) leaves the hold less of its TTL. One read after the TTL is lost
-            # as it is recorded (``lost``): the caller decides, not the heartbeat.
+            # task) leaves the hold less of its TTL.
             due = max(0.0, sent + self.renew_interval - now)
             self._lane = (self._heartbeat or get_heartbeat()).register(self, due)
         return True
@@ -1223,7 +1238,9 @@ class RedisLock:
 
         Its reply is read now (by the deadline :meth:`_send_acquire` gives). A try
         that failed is sent again with the same request id, which the script
-        recognises if the first one ran.
+        recognises if the first one ran. A hold whose reply came after its TTL is
+        :attr:`lost` as this returns and left to the caller (to give back): it is
+        not put on the heartbeat, so not reported lost.
 
         Raises:
             LockBackendError: as :meth:`acquire`.
@@ -1243,7 +1260,9 @@ class RedisLock:
                 raise
             if isinstance(reply, list):
                 ahead.transport.scripts.add(ACQUIRE_SCRIPT.sha)
-                acquired = self._record(AcquireReply.parse(reply), ahead.sent, ahead.request)
+                acquired = self._record(
+                    AcquireReply.parse(reply), ahead.sent, ahead.request, late_to_caller=True
+                )
                 return acquired
             if ahead.written and may_have_run(reply):
                 self._unconfirmed = ahead.sent
@@ -1255,7 +1274,7 @@ class RedisLock:
                 ) from reply
             # Not run (NOSCRIPT: the server lost its scripts), not known to
             # have run, or an error the usual round trip reports or follows.
-            acquired = self._try_acquire(deadline, ahead.request)
+            acquired = self._try_acquire(deadline, ahead.request, late_to_caller=True)
             return acquired
         finally:
             if not acquired and self._unconfirmed is not None:

@@ -343,9 +343,10 @@ class Transport:
         """
         # Replies owed on the link from before stay owed: they come first in the
         # stream, and the read that takes this request's reply takes them too.
-        # (A deferred request is a release: one that reaches a server no longer
-        # the primary takes no lock, and the Sentinels are not asked before it.)
-        link = self._write(commands, deadline, ask=False)
+        # A connection due for a check is checked first (see _still_primary()):
+        # a release written to a server no longer the primary would leave the
+        # lock on the new one held, and the answer read would vouch for the link.
+        link = self._write(commands, deadline)
         with self._guard:
             self.sends += 1
             self._owed.setdefault(link, []).append((len(commands), handler, self.sends))
@@ -473,19 +474,20 @@ class Transport:
             self._close(stale, f"{self.describe(stale[0].address)} is no longer the primary")
         return address
 
-    def _still_primary(self, link: _Link, deadline: Deadline, ask: bool) -> bool:
+    def _still_primary(self, link: _Link, deadline: Deadline) -> bool:
         """Whether ``link``, an idle connection of a Sentinel-managed transport,
-        may be reused: its server is the primary the Sentinels last named, and,
-        with ``ask``, it had an answer within :data:`PRIMARY_RECHECK` or they name
-        it again now (asked for :data:`PRIMARY_QUESTION` at most, and half the
-        time left to ``deadline``). A busy connection costs nothing more.
+        may be reused: its server is the primary the Sentinels last named, and it
+        had an answer within :data:`PRIMARY_RECHECK` or they name it again now
+        (asked for :data:`PRIMARY_QUESTION` at most, and half the time left to
+        ``deadline``), whatever the request, a deferred one too. A busy
+        connection costs nothing more.
 
         Sentinels that cannot be asked now leave the connection in use (they are
         not asked again for :data:`SENTINELS_REST`): their outage alone does not
         stop the locks. A link found stale is closed.
         """
         now = time.monotonic()
-        if ask and now - link.used > PRIMARY_RECHECK and now - self._unanswered_at > SENTINELS_REST:
+        if now - link.used > PRIMARY_RECHECK and now - self._unanswered_at > SENTINELS_REST:
             try:
                 budget = min(PRIMARY_QUESTION, max(0.0, deadline.at - now) / 2)
                 self._ask_primary(Deadline(now + budget))
@@ -523,16 +525,13 @@ class Transport:
         if self._sentinel is not None:
             self.close_idle()
 
-    def _write(
-        self, commands: Sequence[Sequence[Any]], deadline: Deadline, ask: bool = True
-    ) -> _Link:
+    def _write(self, commands: Sequence[Sequence[Any]], deadline: Deadline) -> _Link:
         """Write ``commands`` whole on a connection (its owed replies left unread)
         and return it. A connection that could not be opened, or a write refused
         before its first byte, did not run the request (see :func:`may_have_run`);
-        a write cut short may have run the commands it sent whole. ``ask``: see
-        :meth:`_still_primary`."""
+        a write cut short may have run the commands it sent whole."""
         try:
-            link = self._checkout(deadline, settle=False, ask=ask)
+            link = self._checkout(deadline, settle=False)
         except RedisError as exc:
             ended(exc, ran=False)
             raise
@@ -543,10 +542,9 @@ class Transport:
             raise
         return link
 
-    def _checkout(self, deadline: Deadline, settle: bool = True, ask: bool = True) -> _Link:
+    def _checkout(self, deadline: Deadline, settle: bool = True) -> _Link:
         """An idle connection (or a new one); with ``settle``, the replies it owes
-        are read first (and a connection found broken is replaced). ``ask``: see
-        :meth:`_still_primary`."""
+        are read first (and a connection found broken is replaced)."""
         with self._guard:
             if self._pid != _process_id:
                 # A forked child never talks over its parent's sockets.
@@ -554,7 +552,7 @@ class Transport:
             link = self._idle.pop() if self._idle else None
         if link is not None and self._sentinel is not None:
             try:
-                fresh = self._still_primary(link, deadline, ask)
+                fresh = self._still_primary(link, deadline)
             except BaseException:
                 # Interrupted while the Sentinels were asked (a soft time limit):
                 # the connection goes back as it was, with the replies it owes.
