@@ -11,8 +11,14 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from celery.exceptions import Reject
-from celery.signals import before_task_publish, task_postrun
+from celery.exceptions import Reject, Retry
+from celery.signals import (
+    before_task_publish,
+    task_failure,
+    task_postrun,
+    task_retry,
+    task_revoked,
+)
 
 from celery_redislock import RedisLock, SingletonTask, signals
 from celery_redislock.heartbeat import get_heartbeat
@@ -688,3 +694,193 @@ def test_an_eager_retry_that_propagates_leaves_no_lock_behind(
             app.conf.task_always_eager = False
             app.conf.task_eager_propagates = False
     assert field(redislock_client, lock_keys(name).lock, OWNER_FIELD) is None
+
+
+def _lock_free(client: redis.Redis, name: str) -> bool:
+    return field(client, lock_keys(name).lock, OWNER_FIELD) is None
+
+
+@pytest.mark.parametrize("order", ["retry_first", "sender_first"])
+def test_a_retry_sent_as_its_sender_runs_on_that_fails_to_start_leaves_the_lock_free(
+    app: Celery, redislock_client: redis.Redis, order: str
+) -> None:
+    """``until_executed``: an execution sends its retry with ``self.retry(throw=False)``
+    and runs on; the retry's ``before_start`` raises. Whether that happens while the
+    sender still holds the lock (it hands its hold to the retry's reservation only as
+    it ends) or after, nothing is left holding the lock for the retry: it is free once
+    both have ended, and the same call sent again runs."""
+    failed = threading.Event()
+    runs: list[int] = []
+
+    class FailsOnRetry(SingletonTask):
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            if self.request.retries:
+                if order == "sender_first":
+                    key = lock_keys(self.lock_name((), {})).lock
+                    # Handed to the retry's reservation (which the hold taken as the
+                    # worker accepted the retry may have taken over since).
+                    wait_for(
+                        lambda: str(field(redislock_client, key, OWNER_FIELD)).endswith(
+                            (queued_owner(task_id, 1), ":1")
+                        ),
+                        what="the sender to hand its hold to the retry's reservation",
+                    )
+                raise RuntimeError("not ready for the retry")
+
+    @app.task(
+        base=FailsOnRetry, bind=True, shared=False, lock_strategy="until_executed", lock_ttl=30,
+        max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> None:
+        runs.append(int(self.request.retries))
+        if self.request.retries == 0 and len(runs) == 1:
+            self.retry(countdown=0, throw=False)
+            if order == "retry_first":
+                wait_for(failed.is_set, what="the retry's start to fail")
+
+    def on_failure(task_id: str = "", **_: Any) -> None:
+        failed.set()
+
+    task_failure.connect(on_failure, sender=job, weak=False)
+    try:
+        with in_process_worker(app, concurrency=2):
+            first = job.delay()
+            wait_for(failed.is_set, what="the retry's start to fail")
+            name = job.lock_name((), {})
+            wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+            again = job.delay()
+            assert again.id != first.id
+            again.get(timeout=15)
+    finally:
+        task_failure.disconnect(on_failure, sender=job)
+    assert runs == [0, 0]
+
+
+@pytest.mark.parametrize("order", ["retry_first", "sender_first"])
+def test_a_retry_sent_as_its_sender_runs_on_that_is_revoked_leaves_the_lock_free(
+    app: Celery, redislock_client: redis.Redis, order: str
+) -> None:
+    """``until_executed``: an execution sends its retry (with a countdown) with
+    ``self.retry(throw=False)`` and runs on; the task is revoked, and the worker
+    drops the retry's message at its ETA. Whether that happens while the sender
+    still holds the lock or after it handed its hold to the retry's reservation,
+    the lock is free once both have ended, and the same call sent again runs."""
+    dropped = threading.Event()
+    runs: list[int] = []
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> None:
+        runs.append(int(self.request.retries))
+        if self.request.retries == 0 and len(runs) == 1:
+            self.retry(countdown=0.5, throw=False)
+            self.app.control.revoke(self.request.id)
+            if order == "retry_first":
+                wait_for(dropped.is_set, what="the worker to drop the revoked retry")
+
+    def on_revoked(request: Any = None, **_: Any) -> None:
+        dropped.set()
+
+    # Connected after celery_redislock's own receiver, so called after it.
+    task_revoked.connect(on_revoked, sender=job, weak=False)
+    try:
+        with in_process_worker(app, concurrency=2):
+            first = job.delay()
+            wait_for(dropped.is_set, what="the worker to drop the revoked retry")
+            name = job.lock_name((), {})
+            wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+            again = job.delay()
+            assert again.id != first.id
+            again.get(timeout=15)
+    finally:
+        task_revoked.disconnect(on_revoked, sender=job)
+    assert runs == [0, 0]
+
+
+def test_a_retry_sent_from_before_start_finds_its_reservation_at_once(
+    app: Celery, redislock_client: redis.Redis, conflicts: list[tuple[str, str]]
+) -> None:
+    """``until_executed``, threads pool: ``before_start`` sends the retry and raises
+    it. The hold taken as the worker accepted the task is handed to the retry's
+    reservation before the retry is sent, so a retry that starts before the failed
+    start has ended takes its reservation over at once: it never finds the lock held
+    by the delivery that sent it (and never waits for it)."""
+    runs: list[int] = []
+
+    class RetriesAtStart(SingletonTask):
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            if self.request.retries == 0:
+                try:
+                    self.retry(countdown=0)
+                except Retry as exc:
+                    # The retry runs, or finds the lock held, before this start ends.
+                    wait_for(lambda: runs or conflicts, what="the retry to start")
+                    raise exc from None
+
+    @app.task(
+        base=RetriesAtStart, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> int:
+        runs.append(int(self.request.retries))
+        return int(self.request.retries)
+
+    with in_process_worker(app, concurrency=2):
+        assert job.delay().get(timeout=15) == 1
+        name = job.lock_name((), {})
+        wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+    assert runs == [1]
+    assert conflicts == []
+
+
+def test_a_retry_sent_by_a_failed_start_while_its_sender_runs_on_is_handed_the_lock(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """``until_executed``: an execution sends its retry with ``self.retry(throw=False)``
+    and runs on; that retry's ``before_start`` sends a retry of its own and raises it
+    while the sender still holds the lock. As the sender ends, its hold goes on to the
+    second retry's reservation (not to the first retry's, which nobody would take
+    over), and the second retry runs."""
+    retried = threading.Event()
+    runs: list[int] = []
+
+    class RetriesOnRetry(SingletonTask):
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            if self.request.retries == 1:
+                raise self.retry(countdown=0)
+            if self.request.retries == 2:
+                key = lock_keys(self.lock_name((), {})).lock
+                # No wait for the lock: it is passed on to this retry's reservation.
+                wait_for(
+                    lambda: str(field(redislock_client, key, OWNER_FIELD)).endswith(
+                        (queued_owner(task_id, 2), ":2")
+                    ),
+                    what="the lock to be passed on to the second retry's reservation",
+                )
+
+    @app.task(
+        base=RetriesOnRetry, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, max_retries=2,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> int:
+        runs.append(int(self.request.retries))
+        if self.request.retries == 0:
+            self.retry(countdown=0, throw=False)
+            wait_for(retried.is_set, what="the first retry's start to send the second")
+        return int(self.request.retries)
+
+    def on_retry(**_: Any) -> None:
+        retried.set()
+
+    task_retry.connect(on_retry, sender=job, weak=False)
+    try:
+        with in_process_worker(app, concurrency=3):
+            job.delay()
+            wait_for(lambda: 2 in runs, what="the second retry to run")
+            name = job.lock_name((), {})
+            wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+    finally:
+        task_retry.disconnect(on_retry, sender=job)
+    assert runs == [0, 2]

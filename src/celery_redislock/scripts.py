@@ -819,6 +819,53 @@ end
 return redis.call('ZREM', KEYS[2], ARGV[5])
 """)
 
+#: Leave word, beside the lock, that a delivery of retry ARGV[2] of lease ARGV[1]
+#: ended without running (it failed to start, or was dropped as revoked) while an
+#: execution of an earlier delivery of its message holds the lock: the one that
+#: sent it with ``self.retry(throw=False)`` and runs on (or a reservation of an
+#: earlier delivery, which a failed start passes on to this retry), which hands
+#: its hold to that retry's reservation as it ends, and reads the word then
+#: (nobody else would ever take that reservation over). One step, so that the word is left only while
+#: that execution still holds the lock: once it has handed the hold over, the
+#: caller frees the reservation itself.
+#:
+#: KEYS[1] the lock key; KEYS[2] the word's key
+#: ARGV[1] lease (task id); ARGV[2] the retry count (above 0); ARGV[3] the word's
+#: TTL in ms; ARGV[4] the word: what the execution does with its hold instead ("":
+#: free it)
+#: Returns 1 when the word was left, 2 when the retry's reservation holds the lock
+#: (nothing changed), 0 otherwise (nothing changed).
+DROPPED = (
+    _CHECK_TTL
+    + _READ
+    + _lua("""
+local bad = check_ttl(ARGV[3])
+if bad then return bad end
+local lock = read()
+local owner = lock[$OWNER]
+if not owner or ARGV[1] == '' or lock[$LEASE] ~= ARGV[1] then return 0 end
+-- The retry count of the holder: a reservation's (``<lease>:queued`` is the first
+-- delivery's, ``<lease>:<count>:queued`` a retry's), or an execution's (its owner
+-- token ends in ``:<count>``, or names none: 0).
+local count
+local suffix = $RESERVATION
+local reserved = string.sub(owner, -#suffix) == suffix
+if reserved then
+    if string.sub(owner, 1, #ARGV[1]) ~= ARGV[1] then return 0 end
+    local middle = string.sub(owner, #ARGV[1] + 1, -#suffix - 1)
+    count = middle == '' and 0 or tonumber(string.match(middle, '^:(%d+)$$') or '')
+else
+    count = tonumber(string.match(owner, ':(%d+)$$') or '0')
+end
+if reserved and count == tonumber(ARGV[2]) then return 2 end
+-- A hold of an earlier delivery of the message: it hands its hold on, and reads
+-- the word as it does.
+if not count or count >= tonumber(ARGV[2]) then return 0 end
+redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
+return 1
+""")
+)
+
 
 def decode_lock(raw: bytes | str | None) -> dict[str, str]:
     """A lock key's value as its fields (stored name -> value), the empty ones left
@@ -873,6 +920,7 @@ EXTEND_SCRIPT = Script("EXTEND", EXTEND)
 RELEASE_LEASE_SCRIPT = Script("RELEASE_LEASE", RELEASE_LEASE)
 FORCE_RELEASE_SCRIPT = Script("FORCE_RELEASE", FORCE_RELEASE)
 LEAVE_SCRIPT = Script("LEAVE", LEAVE)
+DROPPED_SCRIPT = Script("DROPPED", DROPPED)
 
 
 def run_calls(

@@ -32,19 +32,24 @@ success, exception, soft time limit    released in the body's ``finally``
 ``self.retry()``                       released; ``until_executed`` hands it to the
                                        queued retry (same task id), TTL covering
                                        the countdown (with ``throw=False``, as the
-                                       execution ends)
+                                       execution ends: freed instead if a delivery
+                                       of the retry ended unrun meanwhile, see
+                                       :func:`free_dropped`)
 ``Ignore``, ``Reject``                 released (``Reject(requeue=True)`` hands an
                                        ``until_executed`` lock to the message's
                                        reservation, for the redelivery)
 ``before_start`` raises                given back before the failure is stored,
                                        the message's reservation freed (kept as
-                                       for the body's ``Reject``/``self.retry()``)
+                                       for the body's ``Reject``/``self.retry()``;
+                                       a retry's, whose sender runs on, freed as
+                                       the sender ends)
 revoked while queued                   ``until_*``: freed by the workers as soon as
                                        the revoke reaches them (revoked by its
                                        stamps: a message a worker holds)
                                        (:mod:`celery_redislock.revoke`); also by
                                        the ``task_revoked`` handler when a worker
-                                       drops the message
+                                       drops the message (a retry's, whose sender
+                                       runs on, as the sender ends)
 terminated while running               released in the body's ``finally`` if the
 (``revoke(terminate=True)``)           signal raises in it (``SIGTERM``), or as
                                        the task ends if it lives through the
@@ -115,16 +120,31 @@ from celery_redislock.lock import (
     check_stored,
     check_timeout,
     check_ttl,
+    lock_keys,
     release_lease,
 )
-from celery_redislock.scripts import HOLDER_FIELDS, RESERVATION_SUFFIX, SEPARATOR
+from celery_redislock.scripts import (
+    DROPPED_SCRIPT,
+    HOLDER_FIELDS,
+    RESERVATION_SUFFIX,
+    SEPARATOR,
+    Call,
+    send,
+)
 from celery_redislock.store import (
     check_client_source,
     check_transport_options,
     lock_store,
     store_url,
 )
-from celery_redislock.transport import Client, flush
+from celery_redislock.transport import (
+    DEFAULT_CALL_TIMEOUT,
+    Client,
+    Deadline,
+    backend_errors,
+    flush,
+    router_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +245,80 @@ def free_queued(client: Client, name: str, task_id: str, prefix: str, retries: i
     except LockNotOwnedError:
         return False
     return True
+
+
+#: Seconds, at least, the word that a retry's delivery ended without running lasts
+#: (see :func:`free_dropped`): the execution that sent the retry and runs on
+#: reads it as it ends, if that is within this time.
+DROPPED_WORD_TTL = 86_400.0
+
+
+def dropped_key(name: str, task_id: str, retries: int, prefix: str) -> str:
+    """The key of the word that a delivery of retry ``retries`` of ``task_id``
+    ended without running, beside lock ``name``'s key (in its cluster slot)."""
+    return f"{lock_keys(name, prefix).lock}:dropped:{task_id}:{retries}"
+
+
+def _leave_word(
+    client: Client, name: str, task_id: str, prefix: str, retries: int, word: str, ttl: float
+) -> int:
+    """Leave ``word`` (what to do with the hold instead of keeping it for retry
+    ``retries``: ``""`` free it, ``"<count> <ms>"`` pass it on to that retry's
+    reservation for that long) for the holder of an earlier delivery of the
+    message, if one holds lock ``name``: 1 if it did, 2 if the retry's reservation
+    holds it instead (0: neither; nothing changed).
+
+    Raises:
+        LockBackendError: the lock store could not be reached.
+    """
+    key = lock_keys(name, prefix).lock
+    ms = max(1, int(max(ttl, DROPPED_WORD_TTL) * 1000))
+    call = Call(
+        DROPPED_SCRIPT, [key, dropped_key(name, task_id, retries, prefix)],
+        [task_id, retries, ms, word],
+    )  # fmt: skip
+    with backend_errors(f"leave word beside lock {name!r}"):
+        return int(send(router_for(client), key, call, Deadline.after(DEFAULT_CALL_TIMEOUT)))
+
+
+def free_dropped(
+    client: Client, name: str, task_id: str, prefix: str, retries: int, ttl: float
+) -> bool:
+    """Free lock ``name`` for a delivery of ``task_id``'s message (``retries``: its
+    retry count) that ended without running, as :func:`free_queued` does; return
+    whether it did.
+
+    A retry's reservation may not be there yet: the execution that sent the retry
+    (``self.retry(throw=False)``) may still run on, and hand its hold to the
+    reservation only as it ends. Word is then left beside the lock (for at least
+    ``ttl`` seconds, and :data:`DROPPED_WORD_TTL`), which that execution reads as
+    it hands over, and frees the lock instead: nothing would take the reservation
+    over. In one step with the check that it still holds the lock, so that a hold
+    handed over meanwhile is freed here.
+
+    Raises:
+        LockBackendError: the lock store could not be reached.
+    """
+    if free_queued(client, name, task_id, prefix, retries):
+        return True
+    if retries < 1 or _leave_word(client, name, task_id, prefix, retries, "", ttl) != 2:
+        return False
+    # Handed to the reservation meanwhile.
+    return free_queued(client, name, task_id, prefix, retries)
+
+
+def _read_word(client: Client, name: str, task_id: str, retries: int, prefix: str) -> str | None:
+    """The word a delivery of retry ``retries`` left (see :func:`_leave_word`), if any.
+
+    Raises:
+        LockBackendError: the lock store could not be reached.
+    """
+    key = dropped_key(name, task_id, retries, prefix)
+    with backend_errors(f"read word beside lock {name!r}"):
+        raw = send(router_for(client), key, ("GET", key), Deadline.after(DEFAULT_CALL_TIMEOUT))
+    if raw is None:
+        return None
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
 
 
 def queued_retries(owner: str | None, task_id: str) -> int | None:
@@ -1056,12 +1150,14 @@ class SingletonTask(Task):  # type: ignore[misc]
             # Its own retry: the running execution hands its hold to the reservation.
             acquired = lock.acquire(blocking=False) if running is None else running._hand_over(lock)
         except LockBackendError as exc:
+            self._drop_start_hold(running)
             self._unavailable(key, task_id, exc, opts)
             if opts.on_redis_error == "run":
                 logger.warning("%s; enqueuing %s[%s] unlocked", exc, self.name, task_id)
                 return super().apply_async(args, kwargs, task_id, **options)
             raise
         if not acquired:
+            self._drop_start_hold(running)
             holder = lock.blocked_by
             if (
                 retries
@@ -1193,7 +1289,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     ) -> Retry:
         """Celery's ``retry``. With ``throw=False`` the execution runs on after
         sending the retry, so it keeps its lock until it ends (the retry waits for
-        it); an ``until_executed`` one then hands the lock to the retry."""
+        it); an ``until_executed`` one then hands the lock to the retry (or frees
+        it, if a delivery of the retry ended without running meanwhile: see
+        :func:`free_dropped`)."""
         request = self.request
         runs_on = not throw and not request.called_directly
         if runs_on:
@@ -1214,9 +1312,55 @@ class SingletonTask(Task):  # type: ignore[misc]
         its own retry (which it hands the hold to)."""
         if not self._own_retry(task_id):
             return None
-        handle = getattr(self.request, "redislock", None)
+        request = self.request
+        handle = getattr(request, "redislock", None)
+        if handle is None and not getattr(request, _ENTERED, False):
+            # Not started: self.retry() from before_start.
+            return None if getattr(request, _RUNS_ON, False) else self._held_at_start(task_id, name)
         lock = handle._lock if handle is not None else None
         return lock if lock is not None and lock.name == name and lock.holding else None
+
+    def _held_at_start(self, task_id: str, name: str) -> RedisLock | None:
+        """The hold of lock ``name`` written ahead for the current execution
+        (:mod:`celery_redislock.early`), which has not started: its
+        ``before_start`` sends its retry (``until_executed``). Read now, so that
+        it is handed to the retry's reservation before the retry is sent: a retry
+        that started before the failed start gave it back would wait for it."""
+        me = threading.get_ident()
+        written = _written_ahead.get(me)
+        if (
+            written is None
+            or written.task_id != task_id
+            or written.opts.strategy != UNTIL_EXECUTED
+            or written.sent.lock.name != name
+        ):
+            return None
+        _written_ahead.pop(me, None)
+        if not written.sent.claim():
+            return None
+        lock = written.sent.lock
+        try:
+            acquired = lock._acquire_sent(written.sent)
+        except LockBackendError as exc:
+            logger.warning(
+                "could not read the lock %s taken for %s[%s]: %s", name, self.name, task_id, exc
+            )
+            return None
+        if acquired and lock.lost:
+            # Read after its TTL: another may hold the lock by now.
+            lock.release(wait=False, then=_no_report)
+            return None
+        return lock if acquired else None
+
+    def _drop_start_hold(self, lock: RedisLock | None) -> None:
+        """Give back a hold :meth:`_held_at_start` read that could not be handed
+        to the retry's reservation: nobody else would."""
+        if lock is None or not lock.holding or getattr(self.request, _ENTERED, False):
+            return
+        try:
+            lock.release(wait=False, then=_no_report)
+        except LockBackendError as exc:
+            logger.warning("%s (lock %s expires by its TTL)", exc, lock.name)
 
     # Execution side.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -1422,7 +1566,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                         if sent is not None:
                             # (It may wait for its countdown, as one just sent.)
                             retries, ttl = sent[0], opts.enqueue_ttl + sent[1]
-                        self._reserve(lock, opts, ttl, retries)
+                        # (A retry sent as it ran on may have ended unrun meanwhile.)
+                        self._reserve(lock, opts, ttl, retries, heed=sent is not None)
                 else:
                     self._release(lock, time.monotonic() - taken, retrying)
 
@@ -1451,7 +1596,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         except Exception:
             return False
 
-    def _reserve(self, lock: RedisLock, opts: LockOptions, ttl: float, retries: int) -> None:
+    def _reserve(
+        self, lock: RedisLock, opts: LockOptions, ttl: float, retries: int, heed: bool = False
+    ) -> bool:
         """Hand an execution's hold to the reservation of its message coming back
         with retry count ``retries``: after ``Reject(requeue=True)`` of an
         ``until_executed`` task, an eager ``self.retry()``, or a retry the
@@ -1460,14 +1607,19 @@ class SingletonTask(Task):  # type: ignore[misc]
         over at once, while nobody else can (a copy of an earlier delivery of the
         message included, for a retry's). If the lock store fails, the hold stays
         as it is and the redelivery waits until it expires, or (a hand-over whose
-        answer was lost) the lock is freed."""
+        answer was lost) the lock is freed. Returns whether the hold moved.
+
+        With ``heed``, for a retry that was sent while the hold was kept (by the
+        execution running on, or by a start that failed), the hold then goes
+        where the word a delivery of that retry left says, if it ended without
+        running meanwhile (see :meth:`_heed_dropped`)."""
         owner = queued_owner(lock.lease, retries)
         try:
             reservation = self._new_lock(
                 lock.name, lock.lease, owner, ttl, heartbeat=False, opts=opts
             )
             reservation._handed_from = lock.owner
-            reservation.acquire(blocking=False)
+            moved = reservation.acquire(blocking=False)
         except LockBackendError as exc:
             logger.warning(
                 "could not keep lock %s for the redelivery of %s[%s]; it waits for the "
@@ -1477,6 +1629,58 @@ class SingletonTask(Task):  # type: ignore[misc]
                 lock.lease,
                 exc,
             )
+            return False
+        if moved and heed:
+            try:
+                self._heed_dropped(lock.name, lock.lease, retries, opts)
+            except LockBackendError as exc:
+                logger.warning(
+                    "could not check whether retry %d of %s[%s] ended without running; "
+                    "if it did, lock %s expires by its TTL: %s",
+                    retries,
+                    self.name,
+                    lock.lease,
+                    lock.name,
+                    exc,
+                )
+        return moved
+
+    def _heed_dropped(self, name: str, task_id: str, retries: int, opts: LockOptions) -> None:
+        """Once the hold of lock ``name`` went to the reservation of retry
+        ``retries`` of ``task_id``: if a delivery of that retry ended without
+        running while the hold was still kept for it (it failed to start, or was
+        dropped as revoked; see :func:`free_dropped`), free the reservation, which
+        nobody would take over, or pass it on to the retry that failed start sent
+        (and heed that one's word in turn).
+
+        Raises:
+            LockBackendError: the lock store could not be reached.
+        """
+        client = self.lock_client
+        # Each word names a later retry: a chain of them ends.
+        while True:
+            word = _read_word(client, name, task_id, retries, opts.prefix)
+            if word is None:
+                return
+            count, _, ms = word.partition(" ")
+            then, ttl = _number(count), _number(ms)
+            if then is None or ttl is None or then <= retries:
+                logger.info(
+                    "%s[%s]: its retry %d ended without running; lock %s freed",
+                    self.name,
+                    task_id,
+                    retries,
+                    name,
+                )
+                free_queued(client, name, task_id, opts.prefix, retries)
+                return
+            reservation = self._new_lock(
+                name, task_id, queued_owner(task_id, retries), opts.enqueue_ttl,
+                heartbeat=False, opts=opts,
+            )  # fmt: skip
+            if not self._reserve(reservation, opts, ttl / 1000, then):
+                return
+            retries = then
 
     def _start_failed(self, exc: BaseException) -> None:
         """Give back what the execution of the current request holds, whose
@@ -1489,8 +1693,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         Kept, as the reservation of the message that comes back, for a delivery
         that comes: the message requeued by ``Reject(requeue=True)`` of an
         ``acks_late`` task, or the retry ``self.retry()`` sent (as from the
-        body). An exception that is no ``Exception`` (the process ends) gives back
-        only the hold written ahead. Never raises: a store that fails leaves the
+        body). A retry's delivery whose reservation is not there yet (the
+        execution that sent it runs on after ``self.retry(throw=False)``) leaves
+        that execution word to free it, or pass it on, as it ends (see
+        :func:`free_dropped`). An exception that is no ``Exception`` (the process
+        ends) gives back only the hold written ahead. Never raises: a store that fails leaves the
         lock to its TTL, logged.
         """
         request = self.request
@@ -1512,21 +1719,21 @@ class SingletonTask(Task):  # type: ignore[misc]
             kept = None
             if isinstance(exc, Exception):
                 kept = self._kept_for(exc, request, name, opts)
+            moved = False
             if written is not None:
-                self._give_back_ahead(written.sent, opts, kept)
+                moved = self._give_back_ahead(written.sent, opts, kept)
             if opts.strategy == WHILE_EXECUTING or not isinstance(exc, Exception):
                 return
             retries = request_retries(request)
             if kept is None:
                 # Only the message's reservation: never an execution's hold.
-                free_queued(self.lock_client, name, task_id, opts.prefix, retries)
-            elif written is None and kept[0] != retries:
-                # The message's reservation, handed to its retry's.
-                reservation = self._new_lock(
-                    name, task_id, queued_owner(task_id, retries), opts.enqueue_ttl,
-                    heartbeat=False, opts=opts,
-                )  # fmt: skip
-                self._reserve(reservation, opts, kept[1], kept[0])
+                if opts.strategy == UNTIL_EXECUTED and not request.is_eager:
+                    client = self.lock_client
+                    free_dropped(client, name, task_id, opts.prefix, retries, opts.enqueue_ttl)
+                else:
+                    free_queued(self.lock_client, name, task_id, opts.prefix, retries)
+            elif kept[0] != retries and not moved:
+                self._pass_on(name, task_id, retries, kept, opts)
         except Exception as error:
             logger.warning(
                 "could not give back the lock of %s[%s], whose start failed (it expires "
@@ -1555,11 +1762,40 @@ class SingletonTask(Task):  # type: ignore[misc]
             return _retries(sent.get("retries")), opts.enqueue_ttl + delay
         return None
 
+    def _pass_on(
+        self, name: str, task_id: str, retries: int, kept: tuple[int, float], opts: LockOptions
+    ) -> None:
+        """Hand the reservation of the message of ``task_id`` with retry count
+        ``retries``, whose start failed, to the reservation ``kept`` (retry count,
+        TTL) names: the retry the start sent.
+
+        A retry's reservation (``until_executed``) may not be there yet: the
+        execution that sent that retry may still run on (``self.retry(throw=False)``)
+        and hand its hold over only as it ends. It is then left word to pass the
+        hold on to ``kept`` as it does (see :func:`free_dropped`).
+
+        Raises:
+            LockBackendError: the lock store could not be reached.
+        """
+        reservation = self._new_lock(
+            name, task_id, queued_owner(task_id, retries), opts.enqueue_ttl,
+            heartbeat=False, opts=opts,
+        )  # fmt: skip
+        if self._reserve(reservation, opts, kept[1], kept[0], heed=True):
+            return
+        if not retries or opts.strategy != UNTIL_EXECUTED:
+            return
+        word = f"{kept[0]} {max(1, int(kept[1] * 1000))}"
+        if _leave_word(self.lock_client, name, task_id, opts.prefix, retries, word, kept[1]) == 2:
+            # Handed to this retry's reservation meanwhile.
+            self._reserve(reservation, opts, kept[1], kept[0], heed=True)
+
     def _give_back_ahead(
         self, sent: SentAcquire, opts: LockOptions, kept: tuple[int, float] | None
-    ) -> None:
+    ) -> bool:
         """Give back the hold written ahead for an execution that never started, or
-        hand it to the reservation ``kept`` (retry count, TTL) names.
+        hand it to the reservation ``kept`` (retry count, TTL) names; return
+        whether it was handed over.
 
         Raises:
             LockBackendError: its reply could not be read (the hold, if made,
@@ -1567,14 +1803,17 @@ class SingletonTask(Task):  # type: ignore[misc]
         """
         if kept is None:
             sent.abandon()
-            return
+            return False
         if not sent.claim():
-            return
+            return False
         lock = sent.lock
-        if lock._acquire_sent(sent):
-            # Renewed no more before it changes hands.
-            lock.detach()
-            self._reserve(lock, opts, kept[1], kept[0])
+        if not lock._acquire_sent(sent):
+            return False
+        # Renewed no more before it changes hands.
+        lock.detach()
+        return self._reserve(
+            lock, opts, kept[1], kept[0], heed=kept[0] != _generation(lock.owner, lock.lease or "")
+        )
 
     def _release(self, lock: RedisLock, held: float, taken_over_ok: bool = False) -> None:
         """Release without waiting for the answer: the request is written before the
@@ -1882,13 +2121,16 @@ def _release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     if not isinstance(sender, SingletonTask) or request is None or not request.id:
         return
     try:
-        free_queued(
-            sender.lock_client,
-            sender.lock_name(request.args, request.kwargs),
-            request.id,
-            sender.lock_options.prefix,
-            request_retries(request),
-        )
+        options = sender.lock_options
+        name = sender.lock_name(request.args, request.kwargs)
+        retries = request_retries(request)
+        if options.strategy == UNTIL_EXECUTED:
+            # The execution that sent this retry may still hold the lock for it.
+            free_dropped(
+                sender.lock_client, name, request.id, options.prefix, retries, options.enqueue_ttl
+            )
+        else:
+            free_queued(sender.lock_client, name, request.id, options.prefix, retries)
     except Exception as exc:  # a signal handler must not break the worker
         logger.warning("could not free the lock of revoked task %s: %s", request.id, exc)
 
