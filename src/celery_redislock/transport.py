@@ -641,8 +641,11 @@ class Transport:
                 else:
                     result = broken
                 handed += 1
+                # _hand_over(), inline: this reads every release that did not wait.
                 try:
-                    _hand_over(handler, result)
+                    handler(result)
+                except Exception:
+                    logger.exception("celery_redislock: a deferred reply's handler failed")
                 except BaseException as exc:
                     raised = raised or exc
         finally:
@@ -1366,7 +1369,8 @@ def run(
     ran = False
     while True:
         try:
-            replies = transport.execute(commands, deadline)
+            # execute(), inline: this is every request's path.
+            replies = transport.finish(transport.write(commands, deadline), len(commands), deadline)
         except RedisError as exc:
             ran = ran or may_have_run(exc)
             if not isinstance(exc, TRANSIENT):
