@@ -224,20 +224,19 @@ def counting_writes() -> Iterator[WriteCounter]:
     The count is taken at the lowest level every redis-py client shares
     (``send_packed_command``), so it covers clients the benchmark does not
     control (the peers' clients), and where the lock engine writes to its own
-    connections' sockets (``_Link.io``).
+    connections' sockets (``_Link.send``).
     """
     counter = WriteCounter()
     original: Callable[..., Any] = AbstractConnection.send_packed_command
-    engine_io: Callable[..., Any] = _Link.io
+    engine_send: Callable[..., Any] = _Link.send
 
     def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> Any:
         counter._count()
         return original(self, command, check_health)
 
-    def counted_engine_io(self: _Link, method: str, *args: Any) -> Any:
-        if method == "sendall":
-            counter._count()
-        return engine_io(self, method, *args)
+    def counted_engine_send(self: _Link, *args: Any) -> Any:
+        counter._count()
+        return engine_send(self, *args)
 
     deferred: Callable[..., Any] | None = getattr(Transport, "send_deferred", None)
 
@@ -247,14 +246,14 @@ def counting_writes() -> Iterator[WriteCounter]:
         return deferred(self, *args, **kwargs)
 
     AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
-    _Link.io = counted_engine_io  # type: ignore[method-assign,assignment]
+    _Link.send = counted_engine_send  # type: ignore[method-assign,assignment]
     if deferred is not None:
         setattr(Transport, "send_deferred", counted_deferred)  # noqa: B010 - patched for the count
     try:
         yield counter
     finally:
         AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
-        _Link.io = engine_io  # type: ignore[method-assign]
+        _Link.send = engine_send  # type: ignore[method-assign]
         if deferred is not None:
             setattr(Transport, "send_deferred", deferred)  # noqa: B010 - restored
 

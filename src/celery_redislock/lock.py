@@ -763,16 +763,19 @@ class RedisLock:
             LockLostError: this object held it, but it expired or was taken over.
             LockBackendError: Redis could not be reached; see above.
         """
-        deadline = self._call_deadline(None)
-        # Before anything changes here: an interruption leaves the hold as it was.
-        self._read_owed(deadline)
+        now = time.monotonic()
+        deadline = Deadline(now + self.call_timeout)
+        if self._unanswered:
+            # Before anything changes here: an interruption leaves the hold as it was.
+            self._read_owed(deadline)
+            now = time.monotonic()
         request = request_id()
         inner = self._holds > 1
         args: tuple[Any, ...] = (
             self.owner,
             self.wake_prefix,
             request,
-            self._free_ttl_ms(),
+            self._free_ttl_ms(now),
             "",
             "" if self.token is None else self.token,
             self._released or "",
@@ -792,14 +795,14 @@ class RedisLock:
             # before this one's answer is read); unknown again if it fails.
             self._last_change = request
         if not wait:
-            self._release_later(args, resend, then)
+            self._release_later(args, resend, then, now)
             return
         call = self._release_call(args)
         if self._holds == 1:
             # The last hold: off the heartbeat before the release lands, so that a
             # renewal answered after it cannot report this lock lost.
             self._stop_renewal()
-        ahead = self._ahead()
+        ahead = self._ahead() if self._behind else ()
         try:
             result = Released(self._run(call, deadline, before=ahead))
         except RedisError as exc:
@@ -834,11 +837,11 @@ class RedisLock:
         """The RELEASE script call of this lock with these ARGV."""
         return Call(RELEASE_SCRIPT, (self.key, self.queue_key), args)
 
-    def _free_ttl_ms(self) -> int:
-        """How long the key outlives this release (the RELEASE script's ARGV[4]):
-        0 (its expiry stays the lock's own) while enough of the hold's local
-        deadline is left, which the server's expiry is never earlier than."""
-        left = self._expiry - time.monotonic()
+    def _free_ttl_ms(self, now: float) -> int:
+        """How long the key outlives a release sent ``now`` (the RELEASE script's
+        ARGV[4]): 0 (its expiry stays the lock's own) while enough of the hold's
+        local deadline is left, which the server's expiry is never earlier than."""
+        left = self._expiry - now
         return 0 if left > self.call_timeout + KEEP_EXPIRY_MARGIN else FENCE_TTL_MS
 
     def _release_later(
@@ -846,10 +849,11 @@ class RedisLock:
         args: tuple[Any, ...],
         resend: tuple[Any, ...],
         then: Callable[[ReleaseOutcome], Any] | None,
+        now: float,
     ) -> None:
         """``release(wait=False)`` of a RELEASE call with these ARGV (``resend``: those
-        it is sent again with, in the background): write the release, drop the
-        hold, read the answer later."""
+        it is sent again with, in the background), sent ``now``: write the release,
+        drop the hold, read the answer later."""
         with self._state:
             if self._holds == 0:
                 raise LockNotOwnedError(self.name)
@@ -864,41 +868,32 @@ class RedisLock:
             # The count is 0 already: renewal stops now, whatever the send does.
             self._stop_renewal()
         transport = self._router.single or self.transport
-        ahead = self._ahead()
+        ahead = self._ahead() if self._behind else ()
         with self._state:
             self._unanswered += 1
-            self._owed_by = os.getpid()
+            self._owed_by = _process_id
             self._owed_on = transport
+        # Whether this release still counts as unanswered (see _settled()).
         counted = [True]
 
-        def settled() -> None:
+        def answered(result: list[Any] | RedisError) -> None:
+            # _settled(), inline: this runs on every release.
             with self._state:
                 if counted:
                     counted.clear()
                     self._unanswered -= 1
-
-        def answered(result: list[Any] | RedisError) -> None:
-            settled()
             reply = result if isinstance(result, RedisError) else result[len(ahead)]
-            outcome: ReleaseOutcome = "released"
-            again = _send_again(reply)
-            if result is not reply:
-                if ahead and not again:
+            outcome: ReleaseOutcome
+            if not isinstance(reply, Exception):
+                # It ran, so the server has the script now: the next goes by digest.
+                if ahead:
                     self._landed(ahead)
-                if not isinstance(reply, NoScriptError):
-                    # It ran, so the server has the script now: the next goes by digest.
-                    transport.scripts.add(RELEASE_SCRIPT.sha)
-            if again:
-                # Not run, not known to have run, or refused by a replica: send it
-                # again (it is recognised if it did run).
-                self._send_later(
-                    self._release_call(resend), max(until, time.monotonic() + MIN_CALL), last
-                )
-                outcome = "retrying"
-            elif isinstance(reply, Exception):
-                logger.warning("celery_redislock: releasing lock %s failed: %s", self.name, reply)
-                outcome = "failed"
-            elif reply == Released.NOT_OWNED:
+                transport.scripts.add(RELEASE_SCRIPT.sha)
+                if reply != Released.NOT_OWNED:
+                    # The usual answer: nothing more to do.
+                    if then is not None:
+                        then("released")
+                    return
                 with self._state:
                     if self.token == token:
                         self._lost = True
@@ -909,7 +904,27 @@ class RedisLock:
                         self.name,
                     )
                 outcome = "lost"
-            if outcome != "released" and self._last_change == args[2]:
+            else:
+                again = _send_again(reply)
+                if result is not reply:
+                    if ahead and not again:
+                        self._landed(ahead)
+                    if not isinstance(reply, NoScriptError):
+                        # It ran (its error was the script's).
+                        transport.scripts.add(RELEASE_SCRIPT.sha)
+                if again:
+                    # Not run, not known to have run, or refused by a replica: send it
+                    # again (it is recognised if it did run).
+                    self._send_later(
+                        self._release_call(resend), max(until, time.monotonic() + MIN_CALL), last
+                    )
+                    outcome = "retrying"
+                else:
+                    logger.warning(
+                        "celery_redislock: releasing lock %s failed: %s", self.name, reply
+                    )
+                    outcome = "failed"
+            if self._last_change == args[2]:
                 self._last_change = None
             if then is not None:
                 then(outcome)
@@ -925,16 +940,16 @@ class RedisLock:
         try:
             transport.send_deferred(
                 [*(call.by_text() for call, _until in ahead), command] if ahead else [command],
-                Deadline(time.monotonic() + self.call_timeout),
+                Deadline(now + self.call_timeout),
                 answered,
             )
         except RedisError as exc:
-            settled()
+            self._settled(counted)
             with self._state:
                 self._holds += 1
             self._release_failed(self._release_call(resend), exc)
         except BaseException:
-            settled()
+            self._settled(counted)
             # Raised asynchronously while it was written: it may not have gone.
             self._send_later(
                 self._release_call(resend), max(until, time.monotonic() + MIN_CALL), last
@@ -942,6 +957,15 @@ class RedisLock:
             raise
         if lane is None or lane.transport is not transport or not lane.drain_later():
             self._beat().drain_later(transport)
+
+    def _settled(self, counted: list[bool]) -> None:
+        """A release that did not wait is answered, or failed as it was written:
+        no longer unanswered (see :meth:`_read_owed`), once only (``counted`` is
+        emptied)."""
+        with self._state:
+            if counted:
+                counted.clear()
+                self._unanswered -= 1
 
     def extend(self, ttl: float | None = None) -> None:
         """Reset the remaining TTL to ``ttl`` seconds (default: the lock's TTL).
@@ -1120,12 +1144,13 @@ class RedisLock:
         A waiter (with its queue ``entry``) that finds the lock held is queued
         (keeping its place). ``late_to_caller``: see :meth:`_record`.
         """
-        self._read_owed(deadline)
+        if self._unanswered:
+            self._read_owed(deadline)
         call = self._acquire_call(request, entry)
         wait = self._replica_wait(deadline) if self.min_replicas else ()
         sent = self._tried = time.monotonic()
         self._held_fence = None
-        ahead = self._ahead()
+        ahead = self._ahead() if self._behind else ()
         try:
             before = [c for c, _ in ahead] if ahead else ()
             raw = send(self._router, self.key, call, deadline, wait, before)
@@ -1199,7 +1224,7 @@ class RedisLock:
             # Renewed an interval after the request was sent, not after its reply
             # was read: a reply read late (written ahead as a worker accepted the
             # task) leaves the hold less of its TTL.
-            due = max(0.0, sent + self.renew_interval - now)
+            due = max(0.0, sent + self.heartbeat_interval - now)
             self._lane = (self._heartbeat or get_heartbeat()).register(self, due)
         return True
 
@@ -1603,7 +1628,7 @@ class RedisLock:
         reads it, too late to go first."""
         if not self._unanswered:
             return
-        if self._owed_by != os.getpid() or self._owed_on is None:
+        if self._owed_by != _process_id or self._owed_on is None:
             # A forked child: the answers are its parent's to read.
             self._unanswered = 0
             return
@@ -1749,7 +1774,13 @@ def release_lease(
         return bool(send(router_for(client), key, call, Deadline.after(timeout)))
 
 
+# This process's id, kept here rather than asked of the kernel on every release.
+_process_id = os.getpid()
+
+
 def _new_state_guard_after_fork() -> None:
+    global _process_id
+    _process_id = os.getpid()
     # The parent's heartbeat (or another of its threads) may have held the
     # guard as the process forked; that thread does not exist here to free it.
     RedisLock._state = threading.Lock()

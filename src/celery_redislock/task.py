@@ -1394,11 +1394,13 @@ class SingletonTask(Task):  # type: ignore[misc]
                     prefix=opts.prefix,
                 )
             kept = self._lock_kind = (client, opts, _process.pid, shared, now + STORE_RECHECK)
-        retries = request_retries(request)
+        # request_retries(), for a first delivery (the usual one) without a call.
+        retries = getattr(request, "retries", None)
+        retries = request_retries(request) if retries != 0 else 0
         lock = RedisLock._from_shared(
             kept[3],
             key,
-            _execution_owner(retries),
+            _execution_owner(retries) if retries else owner_token(),
             task_id,
             self._holder_text(running=True, request=request),
         )

@@ -116,8 +116,8 @@ PRIMARY_QUESTION = 0.25
 #: How long Sentinels that could not be asked are left alone, in seconds.
 SENTINELS_REST = 10.0
 
-#: The socket type whose descriptor :meth:`_Link.io` may write to and read from
-#: directly: a plain one, where a socket is a file descriptor (POSIX); ``None``
+#: The socket type whose descriptor :meth:`_Link.send` and :meth:`_Link.receive`
+#: may write to and read from directly: a plain one, where a socket is a file descriptor (POSIX); ``None``
 #: elsewhere (on Windows a socket is not one), where every call goes through the
 #: socket's own methods.
 _PLAIN_SOCKET: type[socket.socket] | None = socket.socket if os.name == "posix" else None
@@ -292,7 +292,17 @@ class Transport:
             redis.ConnectionError, redis.TimeoutError: the request could not be
                 written (nothing was sent, or not all of it).
         """
-        link = self._write(commands, deadline)
+        # _write(), inline: this is every request's path.
+        try:
+            link = self._checkout(deadline, settle=False)
+        except RedisError as exc:
+            ended(exc, ran=False)
+            raise
+        try:
+            link.send(pack(commands), deadline, self)
+        except BaseException:
+            self._checkin(link, False)
+            raise
         self.sends += 1
         return link
 
@@ -536,7 +546,7 @@ class Transport:
             ended(exc, ran=False)
             raise
         try:
-            link.io("sendall", pack(commands), deadline, self)
+            link.send(pack(commands), deadline, self)
         except BaseException:
             self._checkin(link, False)
             raise
@@ -629,8 +639,11 @@ class Transport:
                 else:
                     result = broken
                 handed += 1
+                # _hand_over(), inline: this reads every release that did not wait.
                 try:
-                    _hand_over(handler, result)
+                    handler(result)
+                except Exception:
+                    logger.exception("celery_redislock: a deferred reply's handler failed")
                 except BaseException as exc:
                     raised = raised or exc
         finally:
@@ -808,10 +821,6 @@ def _bounded_handshake(connection_class: type[Any]) -> type[Any]:
     return bounded
 
 
-#: What each socket operation of :meth:`_Link.io` does, for its error messages.
-_DOING = {"sendall": "writing to", "recv": "reading from"}
-
-
 class _Incomplete(Exception):
     """The bytes read so far end inside a reply."""
 
@@ -868,31 +877,58 @@ class _Link:
             self.timeout = max(0.001, remaining * (1 - TIMEOUT_SLACK / 2))
             sock.settimeout(self.timeout)
 
-    def io(
-        self,
-        method: str,
-        argument: Any,
-        deadline: Deadline,
-        transport: Transport,
-        ready: bool = False,
-    ) -> Any:
-        """Call the socket's ``method`` with ``argument``, by ``deadline``:
-        ``"sendall"`` with whole requests, or ``"recv"`` with the most bytes to take.
+    def send(self, data: bytes, deadline: Deadline, transport: Transport) -> None:
+        """Write ``data`` (whole requests) by ``deadline``.
 
         CPython polls a socket that has a timeout before each send and receive, a
         system call that is wasted when the kernel can take the bytes, or has them,
         at once. So on a plain POSIX socket (not TLS, not wrapped) a write is first
-        tried as one ``write(2)``, and a receive that is ``ready`` (for the replies
-        of a request written a while ago) as one ``read(2)``. The socket always has
-        a timeout, so neither blocks: what they do not finish is left to the
-        socket's method, bounded by its timeout.
+        tried as one ``write(2)`` (and a receive that is ``ready`` as one
+        ``read(2)``, see :meth:`receive`). The socket always has a timeout, so
+        neither blocks: what they do not finish is left to the socket's method,
+        bounded by its timeout.
+
+        Raises:
+            redis.ConnectionError, redis.TimeoutError: it failed or ran out of
+                time (the connection is then closed). Refused before a byte was
+                written, the request did not run (see :func:`may_have_run`).
+        """
+        try:
+            # bound()'s test of the timeout kept, inline: this runs on every request.
+            remaining = deadline.at - time.monotonic()
+            if not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining:
+                self.bound(deadline, transport)
+            sock = self.conn._sock
+            if type(sock) is _PLAIN_SOCKET:
+                try:
+                    written = os.write(sock.fileno(), data)
+                except BlockingIOError:
+                    written = 0
+                except OSError as exc:
+                    # Nothing was sent: the request did not run.
+                    raise ended(self._failed(exc, "writing to", transport), ran=False) from None
+                if written == len(data):
+                    return
+                sock.sendall(memoryview(data)[written:])
+            else:
+                sock.sendall(data)
+        except RedisError:
+            self.close()
+            raise
+        except (OSError, AttributeError) as exc:
+            raise self._failed(exc, "writing to", transport) from None
+
+    def receive(self, deadline: Deadline, transport: Transport, ready: bool = False) -> bytes:
+        """Receive what has come in by ``deadline`` (nothing: the server closed the
+        connection). ``ready``: the replies of a request written a while ago, which
+        are likely in already: taken with one ``read(2)`` (see :meth:`send`).
 
         Raises:
             redis.ConnectionError, redis.TimeoutError: it failed or ran out of
                 time (the connection is then closed).
+            _Step: a step of a read under a :class:`MovableDeadline` passed, not
+                the deadline (the connection is sound).
         """
-        # Whether the write failing now sends no byte: the request did not run.
-        unsent = False
         try:
             # bound()'s test of the timeout kept, inline: this runs on every request.
             remaining = deadline.at - time.monotonic()
@@ -900,43 +936,36 @@ class _Link:
                 not remaining * (1 - TIMEOUT_SLACK) <= self.timeout <= remaining
                 or type(deadline) is MovableDeadline
             ):
-                self.bound(deadline, transport, step=method == "recv")
+                self.bound(deadline, transport, step=True)
             sock = self.conn._sock
-            if type(sock) is _PLAIN_SOCKET:
-                if method == "sendall":
-                    unsent = True
-                    try:
-                        written = os.write(sock.fileno(), argument)
-                    except BlockingIOError:
-                        written = 0
-                    unsent = False
-                    if written == len(argument):
-                        return None
-                    argument = memoryview(argument)[written:]
-                elif ready:
-                    try:
-                        return os.read(sock.fileno(), argument)
-                    except BlockingIOError:
-                        pass
-            return getattr(sock, method)(argument)
+            if ready and type(sock) is _PLAIN_SOCKET:
+                try:
+                    return os.read(sock.fileno(), 65536)
+                except BlockingIOError:
+                    pass
+            received: bytes = sock.recv(65536)
+            return received
         except RedisError:
             self.close()
             raise
-        except TimeoutError:
-            if method == "recv" and type(deadline) is MovableDeadline and not deadline.expired():
+        except TimeoutError as exc:
+            if type(deadline) is MovableDeadline and not deadline.expired():
                 # A step: the connection is sound, the read goes on (see read()).
                 raise _Step from None
-            self.close()
-            transport._timed_out()
-            raise RedisTimeoutError(
-                f"timed out {_DOING[method]} {transport.describe(self.address)}"
-            ) from None
+            raise self._failed(exc, "reading from", transport) from None
         except (OSError, AttributeError) as exc:
-            self.close()
-            error = RedisConnectionError(
-                f"error while {_DOING[method]} {transport.describe(self.address)}: {exc}"
-            )
-            raise (ended(error, ran=False) if unsent else error) from None
+            raise self._failed(exc, "reading from", transport) from None
+
+    def _failed(self, exc: BaseException, doing: str, transport: Transport) -> RedisError:
+        """Close the connection after ``exc``, raised while ``doing`` it (``"writing
+        to"``, ``"reading from"``), and return the error that says so."""
+        self.close()
+        if isinstance(exc, TimeoutError):
+            transport._timed_out()
+            return RedisTimeoutError(f"timed out {doing} {transport.describe(self.address)}")
+        return RedisConnectionError(
+            f"error while {doing} {transport.describe(self.address)}: {exc}"
+        )
 
     def close(self) -> None:
         self.unread = b""
@@ -948,7 +977,7 @@ class _Link:
     ) -> list[Any]:
         """Read ``count`` replies; error replies come back as exceptions among them.
         ``ready``: they were asked for a while ago, so they are likely in already
-        (see :meth:`io`).
+        (see :meth:`receive`).
 
         Raises:
             redis.ConnectionError, redis.TimeoutError: the replies did not all
@@ -985,9 +1014,9 @@ class _Link:
                     replies.append(reply)
                     continue
             try:
-                received = self.io("recv", 65536, deadline, transport, ready)
+                received = self.receive(deadline, transport, ready)
             except _Step:
-                # The deadline may have been brought forward: io() looks at it.
+                # The deadline may have been brought forward: receive() looks at it.
                 continue
             ready = False
             if not received:
@@ -1338,7 +1367,8 @@ def run(
     ran = False
     while True:
         try:
-            replies = transport.execute(commands, deadline)
+            # execute(), inline: this is every request's path.
+            replies = transport.finish(transport.write(commands, deadline), len(commands), deadline)
         except RedisError as exc:
             ran = ran or may_have_run(exc)
             if not isinstance(exc, TRANSIENT):
@@ -1350,7 +1380,10 @@ def run(
                 transport.close_idle()
         else:
             for reply in replies:
-                if isinstance(reply, ReadOnlyError) or held_off(reply) == "BUSY":
+                # (A ReadOnlyError is a ResponseError; the usual reply is neither.)
+                if isinstance(reply, ResponseError) and (
+                    isinstance(reply, ReadOnlyError) or held_off(reply) == "BUSY"
+                ):
                     break
             else:
                 return replies
