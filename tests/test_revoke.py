@@ -222,27 +222,85 @@ def test_revoking_a_running_task_keeps_its_lock(
 
 
 @pytest.mark.usefixtures("worker")
-def test_a_retry_revoked_while_it_waits_for_a_slot_frees_its_reservation(
+def test_a_retry_revoked_while_it_waits_in_the_worker_frees_its_reservation(
     app: Celery, tasks: SimpleNamespace, locks: redis.Redis
 ) -> None:
     """A retry's reservation names its retry count: revoked while the worker holds it
-    behind busy slots, the retry's key is freed all the same."""
-    busy = [unique("busy") for _ in range(4)]
-    running = [tasks.hold.delay(name) for name in busy]
-    wait_for(lambda: all(ran("rv.hold", r.id) for r in running), what="the slots to fill")
+    (waiting for its countdown), the retry's key is freed all the same."""
     name = unique("retry")
     key = lock_key(tasks.once, name)
-    retry = tasks.once.apply_async((name,), retries=1)
+    retry = tasks.once.apply_async((name,), retries=1, countdown=60)
     assert field(locks, key, OWNER_FIELD) == queued_owner(retry.id, 1)
-    wait_for(lambda: retry.id in worker_state.requests, what="the worker to hold the retry")
+    wait_for(lambda: scheduled_here(retry.id), what="the worker to hold the retry")
     app.control.revoke(retry.id)
     wait_for(lambda: not held(locks, key), timeout=FREED_WITHIN, what="the key to be freed")
-    for gate_name in busy:
-        gate(gate_name).set()
+    again = tasks.once.delay(name)
+    assert again.id != retry.id
+    assert again.get(timeout=TIMEOUT) == again.id
+    assert not ran("rv.once", retry.id)
+
+
+def revoke_handed_by_id(app: Celery, result: Any, _value: str) -> None:
+    """``app.control.revoke(id)``."""
+    app.control.revoke(result.id)
+
+
+def revoke_handed_by_stamp(app: Celery, _result: Any, value: str) -> None:
+    """``app.control.revoke_by_stamped_headers()``."""
+    app.control.revoke_by_stamped_headers({"batch": value})
+
+
+@pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize(
+    "revoke", [revoke_handed_by_id, revoke_handed_by_stamp], ids=["by id", "by stamp"]
+)
+@pytest.mark.parametrize("pool_handle", [True, False], ids=["pool handle", "no pool handle"])
+def test_a_task_revoked_once_handed_to_the_pool_keeps_its_reservation(
+    app: Celery,
+    tasks: SimpleNamespace,
+    locks: redis.Redis,
+    worker: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    revoke: Callable[[Celery, Any, str], None],
+    pool_handle: bool,
+) -> None:
+    """The threads pool queues the tasks it was handed that no thread is free for,
+    and runs them whatever is revoked later (Celery looks once, as it hands a task
+    over): revoked there, a task keeps its reservation, a ``delay()`` with the same
+    arguments is deduplicated to it, and it runs. The same with a pool that gives
+    Celery no handle of the task (as the eventlet pool)."""
+    pool = worker.pool
+    if not pool_handle:
+        hand_over = pool.on_apply
+
+        def without_handle(*args: Any, **kwargs: Any) -> None:
+            hand_over(*args, **kwargs)
+
+        monkeypatch.setattr(pool, "on_apply", without_handle)
+    busy = [unique("busy") for _ in range(4)]
+    running = [tasks.hold.delay(busy_name) for busy_name in busy]
+    wait_for(lambda: all(ran("rv.hold", r.id) for r in running), what="the slots to fill")
+    value, name = unique("batch"), unique("handed")
+    key = lock_key(tasks.once, name)
+    sent = tasks.once.s(name).stamp(batch=value).apply_async()
+    wait_for(lambda: pool.executor._work_queue.qsize() == 1, what="the pool to queue the task")
+    revoke(app, sent, value)
+    # Revokes are handled in order: once the next one is done, so is the first.
+    marker_name = unique("marker")
+    marker = tasks.once.apply_async((marker_name,), queue=NOBODY)
+    app.control.revoke(marker.id)
+    wait_for(
+        lambda: not held(locks, lock_key(tasks.once, marker_name)),
+        timeout=FREED_WITHIN,
+        what="the revokes to be handled",
+    )
+    assert field(locks, key, OWNER_FIELD) == queued_owner(sent.id)
+    assert tasks.once.delay(name).id == sent.id
+    for busy_name in busy:
+        gate(busy_name).set()
     assert [r.get(timeout=TIMEOUT) for r in running] == ["done"] * 4
-    # (The threads pool had taken the message already: Celery may run it all the same.)
-    wait_for(lambda: retry.state in ("SUCCESS", "REVOKED"), what="the retry to be settled")
-    wait_for(lambda: not held(locks, key), what="the key to stay free")
+    wait_for(lambda: ran("rv.once", sent.id), what="the task handed to the pool to run")
+    assert [run_id for run_name, run_id in runs("rv.once") if run_name == name] == [sent.id]
 
 
 def _queued(

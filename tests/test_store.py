@@ -589,6 +589,74 @@ def test_a_new_client_callable_is_called(redislock_server: RedisServer) -> None:
         client.close()
 
 
+def test_a_client_method_of_a_configuration_object_is_called_once(
+    lone_cluster: ClusterDeployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A redislock_client given as a method of a configuration object
+    (``config_from_object()`` of an instance) is a new bound method at every read of
+    the setting: it is the same source all the same, called once however many uses
+    wait for it while its node is frozen (each use does not leave a stuck call of its
+    own behind), and its client is kept once made."""
+    monkeypatch.setattr(store_module, "CLIENT_BUILD_WAIT", 0.2)
+    build = FrozenClusterClients(lone_cluster)
+
+    class Config:
+        broker_url = "memory://"
+
+        def redislock_client(self) -> RedisCluster:
+            return build()
+
+    app = Celery("method-config", set_as_current=False)
+    app.config_from_object(Config())
+    assert app.conf.get("redislock_client") is not app.conf.get("redislock_client")
+    with lone_cluster.nodes[0].paused():
+        for _ in range(3):
+            with pytest.raises(LockBackendError, match="still making it"):
+                lock_store(app)
+        outcomes = uses_at_once(app, 3)
+        assert all(isinstance(outcome, LockBackendError) for outcome in outcomes), outcomes
+        assert len(build.calls) == 1
+    wait_for(build.all_returned, what="the call under way to return")
+    assert lock_store(app) is build.made[build.calls[0]]
+    assert all(lock_store(app) is build.made[build.calls[0]] for _ in range(3))
+    assert len(build.calls) == 1
+    close_app(app)
+    build.close()
+
+
+def test_a_client_callable_replaced_while_it_makes_its_client_is_not_kept(
+    redislock_server: RedisServer,
+) -> None:
+    """redislock_client replaced by another thread while a use waits for the old
+    callable: that use gets the old callable's client, but it is not kept as the
+    store of the new setting: the next use calls the new callable and gets its client."""
+    entered, release = threading.Event(), threading.Event()
+    old_client, new_client = redislock_server.client(), redislock_server.client()
+
+    def old() -> redis.Redis:
+        entered.set()
+        release.wait(30)
+        return old_client
+
+    def new() -> redis.Redis:
+        return new_client
+
+    app = make("replaced-callable", redislock_client=old)
+    got: list[Client] = []
+    first = threading.Thread(target=lambda: got.append(lock_store(app)))
+    first.start()
+    assert entered.wait(30)
+    app.conf.redislock_client = new
+    release.set()
+    first.join(30)
+    assert got == [old_client]
+    assert lock_store(app) is new_client
+    assert all(lock_store(app) is new_client for _ in range(3))
+    close_app(app)
+    old_client.close()
+    new_client.close()
+
+
 def test_sentinel_url_without_master_name_says_what_to_set(
     redislock_sentinel: SentinelDeployment,
 ) -> None:

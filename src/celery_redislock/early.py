@@ -52,6 +52,7 @@ from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import Terminated, WorkerLostError
+from celery.worker import state as worker_state
 from celery.worker.request import Request as _CeleryRequest
 
 from celery_redislock.admin import LockInfo, force_release, read_lock
@@ -65,6 +66,11 @@ logger = logging.getLogger(__name__)
 #: hard time limit: reported before the child is killed). ``Terminated``: a child
 #: the worker sent a signal to (a terminate, a cancel), reported once reaped.
 _PROCESS_GONE = (WorkerLostError, Terminated, SystemExit, KeyboardInterrupt)
+
+#: Request attribute set as the worker takes its last look at whether a request it
+#: reserved is revoked, on the way to the pool: past that look the pool runs the
+#: task, whatever is revoked later (see :mod:`celery_redislock.revoke`).
+HANDED_TO_POOL = "redislock_handed_to_pool"
 
 #: How often, in seconds, the worker looks whether a pool process killed for its
 #: task's hard time limit is gone.
@@ -100,6 +106,14 @@ def _process_gone(pid: int) -> bool:
 class Request(_CeleryRequest):  # type: ignore[misc]
     """The worker request of a :class:`~celery_redislock.task.SingletonTask` (its
     ``Request``): writes the task's acquire as the worker accepts it."""
+
+    def revoked(self) -> bool:
+        # Celery asks this of a reserved request once, as it hands it to the pool
+        # (at receipt, before it reserves it, too): marked before the answer, a
+        # revoke recorded after it is seen to come too late to drop the task.
+        if self in worker_state.reserved_requests:
+            setattr(self, HANDED_TO_POOL, True)
+        return bool(super().revoked())
 
     def on_accepted(self, pid: int, time_accepted: float) -> None:
         task = self.task

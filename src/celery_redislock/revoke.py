@@ -19,13 +19,25 @@ prefork pool's parent). It gives its worker's remote-control node ``revoke``,
 and then free the ``until_*`` lock still held for the message of each task
 revoked:
 
-* a request this worker holds and has not started (waiting for its ETA or a
-  slot), revoked by id or by its stamps (matched as Celery matches them when it
-  gets to the request, :func:`revoked_by_stamps`): the lock name comes from the
-  task and its arguments;
+* a request this worker holds and has not handed to its pool yet (waiting for
+  its ETA, a rate limit or, on the prefork pool, a free process), revoked by id or
+  by its stamps (matched as Celery matches them when it gets to the request,
+  :func:`revoked_by_stamps`): the lock name comes from the task and its
+  arguments;
 * an id it does not know (the message still sits in the broker): the lock is
   found by a bounded ``SCAN`` of the lock keys and a pipelined ``GET`` of their
   lease and owner fields.
+
+A request already handed to the pool keeps its lock: Celery looks whether a
+request is revoked once, as it hands it over, and the pool runs it whatever is
+revoked later (the threads pool queues the requests it prefetched that no thread
+is free for; the green pools wait for a free slot with the request in hand). Its
+execution takes the lock over, and until then a ``delay()`` with the same
+arguments is deduplicated to it. A request is taken as handed over once Celery
+has kept the pool's handle of it, or once it has asked whether the request is
+revoked on the way to the pool (noted by
+:class:`~celery_redislock.early.Request`, ``SingletonTask``'s request class: the
+eventlet pool keeps no handle).
 
 A message revoked by its stamps that no worker holds yet (still in the broker)
 keeps its key: the lock does not store a message's stamps. The key frees when a
@@ -63,6 +75,7 @@ from celery.utils.functional import maybe_list
 from celery.worker import state as worker_state
 from redis.cluster import RedisCluster
 
+from celery_redislock.early import HANDED_TO_POOL
 from celery_redislock.lock import name_from_key
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD, decode_lock
 from celery_redislock.task import (
@@ -135,8 +148,8 @@ class RevokeSweeper:
             if request is None:
                 unknown.add(task_id)
                 continue
-            if request in worker_state.active_requests:
-                continue  # running: Celery lets it finish, and it releases its lock
+            if request in worker_state.active_requests or handed_to_pool(request):
+                continue  # running, or will run: its execution takes the lock over
             item = _pending(request)
             if item is not None:
                 pending.append(item)
@@ -155,8 +168,8 @@ class RevokeSweeper:
             return
         pending: list[_Pending] = []
         for request in list(worker_state.requests.values()):
-            if request in worker_state.active_requests:
-                continue  # running: Celery lets it finish (or signals it), and it releases
+            if request in worker_state.active_requests or handed_to_pool(request):
+                continue  # running, or will run: its execution takes the lock over
             try:
                 matches = revoked_by_stamps(request, revoked_stamps)
             except Exception as exc:
@@ -250,6 +263,20 @@ class RevokeSweeper:
             except Exception as exc:
                 logger.warning("no lock store for task %s: %s", getattr(task, "name", task), exc)
         return list(stores.values())
+
+
+def handed_to_pool(request: Any) -> bool:
+    """Whether the worker has handed ``request`` to its pool (or is on the way to):
+    Celery does not look whether it is revoked again, and the pool runs it.
+
+    Celery keeps the pool's handle of a request it handed over (the threads,
+    prefork and gevent pools give one); ``SingletonTask``'s request class notes
+    the last look too, before the pool is asked (the eventlet pool gives no handle,
+    and a green pool waits for a free slot before it returns).
+    """
+    return getattr(request, "_apply_result", None) is not None or bool(
+        getattr(request, HANDED_TO_POOL, False)
+    )
 
 
 def _pending(request: Any) -> _Pending | None:

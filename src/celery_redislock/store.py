@@ -118,11 +118,19 @@ class _Making:
         """Whether a use of ``source`` should wait for this call rather than start
         another: it calls ``source`` and has neither failed nor been under way for
         :data:`CLIENT_BUILD_ABANDON_WAITS` waits."""
-        if self.source is not source:
+        if not same_source(self.source, source):
             return False
         if self.done.is_set():
             return self.error is None
         return now - self.started < CLIENT_BUILD_WAIT * CLIENT_BUILD_ABANDON_WAITS
+
+
+def same_source(known: object, source: object) -> bool:
+    """Whether ``source`` is the ``redislock_client`` value ``known``: the same object,
+    or an equal one. A method of a configuration object (``config_from_object()``
+    of an instance whose class defines ``redislock_client``) is a new bound method
+    at every read of the setting, equal to the others (same object, same function)."""
+    return known is source or known == source
 
 
 def check_client_source(value: object, argument: str = "app.conf.redislock_client") -> None:
@@ -260,10 +268,17 @@ def lock_store(app: Any, url: str | None = None) -> Client:
         and all(map(operator.is_, known[1], settings))
     ):
         return known[2]
-    client = _resolve(app)
+    source, client = _resolve(app)
     # Read after resolving, which may have loaded the app's configuration (it
-    # replaces the pending one until then).
-    _resolved[app] = (app.conf, _settings(app), client)
+    # replaces the pending one until then). Kept only if the settings did not
+    # change meanwhile (another thread's assignment while a callable made the
+    # client): the new settings with the old store would serve every later use.
+    # Not kept, the next use resolves again.
+    after = _settings(app)
+    if same_source(source, app.conf.get("redislock_client")) and (
+        not settings or (len(settings) == len(after) and all(map(operator.is_, settings, after)))
+    ):
+        _resolved[app] = (app.conf, after, client)
     return client
 
 
@@ -276,19 +291,20 @@ def _settings(app: Any) -> tuple[Any, ...]:
     return tuple(map(changes.get, _STORE_SETTINGS))
 
 
-def _resolve(app: Any) -> Client:
-    """:func:`lock_store` without the cache."""
+def _resolve(app: Any) -> tuple[ClientSource | None, Client]:
+    """:func:`lock_store` without the cache: the ``redislock_client`` value it used
+    (``None``: none was set) and the client."""
     source = app.conf.get("redislock_client")
     if source is None:
         store, options = store_url(app)
-        return get_client(store, options)
+        return None, get_client(store, options)
     check_client_source(source)
     if isinstance(source, redis.Redis | RedisCluster):
-        return source
+        return source, source
     built = _built.get(app)
-    if built is not None and built[0] == os.getpid() and built[1] is source:
-        return built[2]
-    return _made_by(app, source)
+    if built is not None and built[0] == os.getpid() and same_source(built[1], source):
+        return source, built[2]
+    return source, _made_by(app, source)
 
 
 def _made_by(app: Any, source: Callable[[], Client]) -> Client:
@@ -306,7 +322,7 @@ def _made_by(app: Any, source: Callable[[], Client]) -> Client:
     pid = os.getpid()
     with _guard:
         built = _built.get(app)
-        if built is not None and built[0] == pid and built[1] is source:
+        if built is not None and built[0] == pid and same_source(built[1], source):
             return built[2]
         making = _making.get(app)
         fresh = making is None or not making.serves(source, time.monotonic())
@@ -341,7 +357,7 @@ def _made_by(app: Any, source: Callable[[], Client]) -> Client:
         if _making.get(app) is making:
             del _making[app]
         built = _built.get(app)
-        if built is None or built[0] != pid or built[1] is not source:
+        if built is None or built[0] != pid or not same_source(built[1], source):
             built = _built[app] = (pid, source, client)
     return built[2]
 

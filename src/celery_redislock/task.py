@@ -45,7 +45,8 @@ success, exception, soft time limit    released in the body's ``finally``
                                        the sender ends)
 revoked while queued                   ``until_*``: freed by the workers as soon as
                                        the revoke reaches them (revoked by its
-                                       stamps: a message a worker holds)
+                                       stamps: a message a worker holds; one
+                                       handed to the pool runs, and keeps it)
                                        (:mod:`celery_redislock.revoke`); also by
                                        the ``task_revoked`` handler when a worker
                                        drops the message (a retry's, whose sender
