@@ -29,6 +29,7 @@ from celery_redislock.scripts import (
     COUNT_FIELD,
     EXTEND,
     FENCE_FIELD,
+    GRANT_MS,
     OWNER_FIELD,
     RELEASE,
     Call,
@@ -998,6 +999,60 @@ def test_waiter_that_gives_up_unsure_whether_it_queued_leaves_the_queue(
     proxy.heal()
     wait_for(lambda: direct.zcard(holder.queue_key) == 0, timeout=10, what="the waiter to leave")
     holder.release()
+
+
+def test_a_lock_handed_to_a_waiter_that_gave_up_in_the_dark_is_a_new_hold_of_its_next_acquire(
+    proxy: FaultProxy, server: RedisServer, direct: redis.Redis
+) -> None:
+    """A waiter that gives up while the server cannot be reached cannot leave the
+    queue: its entry stays, and a release hands the lock to it. The same lock object's
+    next acquire takes that hold as a new one (one hold, a higher fencing token), not
+    as a second hold of a lock it never had: its release frees the lock, and the
+    waiter queued behind gets its turn."""
+    holder = RedisLock(server.url, "gave-up-in-the-dark", ttl=30)
+    assert holder.acquire()
+    lock = RedisLock(proxy.url, "gave-up-in-the-dark", ttl=30, call_timeout=0.5)
+    outcome: list[object] = []
+
+    def wait_then_give_up() -> None:
+        try:
+            outcome.append(lock.acquire(timeout=0.5))
+        except LockBackendError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=wait_then_give_up)
+    thread.start()
+    wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
+    proxy.blackhole()
+    thread.join(15)
+    assert len(outcome) == 1
+    assert outcome[0] is not True  # gave up: False, or the server could not be reached
+    wait_for(
+        lambda: not any(what.startswith("leaving") for what in sent_in_background(lock)),
+        what="the leave to be given up",
+    )
+    proxy.heal()
+    assert direct.zcard(holder.queue_key) == 1  # its entry stayed
+    behind = RedisLock(server.url, "gave-up-in-the-dark", ttl=30)
+    got, behind_thread = acquire_in_thread(behind, 30)
+    wait_for(lambda: direct.zcard(holder.queue_key) == 2, what="the second waiter in the queue")
+    holder.release()
+    assert field(direct, lock.key, OWNER_FIELD) == lock.owner  # handed to the entry left
+    granted = int(field(direct, lock.key, FENCE_FIELD) or 0)
+
+    assert lock.acquire(blocking=False)
+    assert stored_hold_count(direct, lock.key) == 1
+    assert lock.token is not None
+    assert lock.token > granted
+    assert int(field(direct, lock.key, FENCE_FIELD) or 0) == lock.token
+    assert direct.pttl(lock.key) > GRANT_MS
+    lock.release()
+
+    behind_thread.join(15)
+    assert got == [True]
+    assert field(direct, lock.key, OWNER_FIELD) == behind.owner
+    behind.release()
+    assert not held(direct, lock.key)
 
 
 def test_local_deadline_is_seen_without_the_heartbeat(server: RedisServer) -> None:

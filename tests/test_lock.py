@@ -44,6 +44,7 @@ from celery_redislock.scripts import (
     FIELDS,
     GRANT_MARK,
     GRANT_MS,
+    GRANTED_TO,
     LEASE_FIELD,
     OWNER_FIELD,
     QUEUED_FIELD,
@@ -1134,6 +1135,35 @@ def test_a_handed_lock_is_confirmed_by_a_round_trip_without_heartbeat(
     assert waiter_lock.token == int(fields[FENCE_FIELD])
     waiter_lock.release()
     assert not held(client, waiter_lock)
+
+
+def test_a_handed_hold_kept_without_a_round_trip_is_re_entered_by_its_owner(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """A waiter holds the lock a release hands it as it reads its wake-up, while the
+    server still marks the hold as handed to that waiter: an acquire of the same owner
+    then (the same object, one of whose earlier waits gave up, or another object)
+    re-enters it, as any hold of its owner, and only the last release frees it."""
+    holder = RedisLock(client, "kept-handed", ttl=60)
+    assert holder.acquire()
+    lock = RedisLock(client, "kept-handed", ttl=60, owner="kept-owner")
+    cleanup.append(lock)
+    assert lock.acquire(timeout=0.1) is False  # a wait given up
+    assert queued(client, holder) == 0
+    handed_over(client, holder, lock)
+    assert stored(client, lock)[REQUEST_FIELD].startswith(GRANTED_TO)  # not confirmed
+    other = RedisLock(client, "kept-handed", ttl=60, owner="kept-owner")
+
+    assert lock.acquire(blocking=False)
+    assert other.acquire(blocking=False)
+
+    assert hold_count(client, lock.key) == 3
+    assert other.token == lock.token
+    other.release()
+    lock.release()
+    assert held(client, lock)
+    lock.release()
+    assert not held(client, lock)
 
 
 def test_a_waiter_gone_since_it_queued_keeps_the_lock_only_for_the_grant(

@@ -39,6 +39,7 @@ before it, so until then the hold is certain; once it passes,
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -128,6 +129,10 @@ RECHECK = 5.0
 #: case the first has gone) waits before it asks for the lock: the first, which
 #: usually takes it within a millisecond, does not have to race it.
 SPARE_HEAD_START = 0.005
+
+#: How many of its waiters that gave up a lock object remembers (see
+#: ``RedisLock._leave_queue``): each one's queue entry may outlive it.
+GONE_WAITERS = 4
 
 #: Default key prefix.
 DEFAULT_PREFIX = "redislock"
@@ -430,6 +435,11 @@ class RedisLock:
     # The owner token of a hold of this lock's lease that its holder hands to this
     # object: the next acquire takes it over (see scripts.ACQUIRE, ARGV[8]).
     _handed_from = ""
+    # The ids of this object's last waiters that gave up (at most GONE_WAITERS,
+    # space-separated): a queue entry of theirs may outlive them, and a hold a
+    # release hands to one is nobody's, which the next acquire takes anew rather
+    # than re-enter (see scripts.ACQUIRE, ARGV[9]).
+    _gone_waiters = ""
 
     # The state set by _fill() (every lock has all of it).
     #: The lock's name, and the Redis keys of its value and of its waiter queue.
@@ -1129,8 +1139,10 @@ class RedisLock:
             (self._position or "") if entry else "",
         )
         # The description is left out, not sent empty, when there is none (unless
-        # a hand-over follows it).
-        if self._handed_from:
+        # a hand-over or gone waiters follow it).
+        if self._gone_waiters:
+            args = (*args, self._info, self._handed_from, self._gone_waiters)
+        elif self._handed_from:
             args = (*args, self._info, self._handed_from)
         elif self._info:
             args = (*args, self._info)
@@ -1547,7 +1559,17 @@ class RedisLock:
     def _leave_queue(self, entry: str) -> None:
         """Leave the waiter queue, so the next release wakes somebody still waiting,
         and give back the lock if a release handed it over meanwhile (in the
-        background if Redis does not answer at once)."""
+        background if Redis does not answer at once).
+
+        The waiter is remembered as gone: its entry may stay all the same (a
+        leave that never lands, a failover to a replica that missed it), and the
+        hold a release may hand to it later is this object's next acquire's to
+        take anew.
+        """
+        waiter = str(json.loads(entry)[0])
+        with self._state:
+            gone = [waiter, *self._gone_waiters.split()][:GONE_WAITERS]
+            self._gone_waiters = " ".join(gone)
         call = Call(
             LEAVE_SCRIPT,
             [self.key, self.queue_key],

@@ -62,7 +62,9 @@ token and an expiry of :data:`GRANT_MS` (the waiter's own TTL if shorter), marks
 the request field ``GRANTED_TO + waiter id`` until the waiter confirms, and sends
 the token after :data:`GRANT_MARK`. The waiter holds the lock as it reads the
 message, with no round trip of its own; a waiter that has gone keeps the others
-out for ``GRANT_MS`` at most. (An entry that is only an id is woken to ask, and
+out for ``GRANT_MS`` at most. (An acquire of the same owner re-enters such a hold,
+unconfirmed as it is, unless it names the waiter as one of its own that gave up:
+the hold is nobody's then, and it takes it anew.) (An entry that is only an id is woken to ask, and
 the free lock is kept for the woken for ``RESERVE_MS``.)
 
 The spare's message ends in :data:`SPARE_MARK`; it gives the first a head start
@@ -501,7 +503,10 @@ end
 #: per HOLDER_FIELDS name, in that order, up to the last that is not empty, joined
 #: by SEPARATOR (absent or empty for none); ARGV[8] optionally, the owner token
 #: of a hold of the same lease the caller takes over (handed over by its holder,
-#: or a retry's reservation)
+#: or a retry's reservation; absent or empty for none); ARGV[9] optionally, the
+#: ids of the caller's waiters that gave up, space-separated: a hold a release
+#: handed to one of them (found unconfirmed) is nobody's, and is taken as a new
+#: one, not re-entered
 #: Returns {1, fence, releases} when newly taken (or taken over, or a hold a release
 #: handed to this waiter confirmed; releases: the ids of the releases the lock
 #: remembers, absent for none), {2, fence} when re-entered,
@@ -569,7 +574,18 @@ local function reservation(owner, lease)
         and string.match(string.sub(owner, #lease + 2), '^%d+' .. $RESERVATION .. '$$') ~= nil
 end
 local lock = parse(current)
-if lock[$OWNER] == ARGV[1] then
+-- A hold a release handed to a waiter of the caller's that gave up (its queue
+-- entry outlived it: a leave that never landed, or a failover that brought the
+-- entry back) is held by nobody: the caller takes it anew, below, rather than
+-- re-enter it. (A hold handed to any other waiter of this owner may be held by
+-- it, unconfirmed: a waiter holds a handed lock as it reads its wake-up.)
+local orphan = false
+if lock[$OWNER] == ARGV[1] and (ARGV[9] or '') ~= '' and lock[$REQ]
+        and string.sub(lock[$REQ], 1, #$GRANTED_TO) == $GRANTED_TO then
+    local gone = ' ' .. string.sub(lock[$REQ], #$GRANTED_TO + 1) .. ' '
+    orphan = string.find(' ' .. ARGV[9] .. ' ', gone, 1, true) ~= nil
+end
+if lock[$OWNER] == ARGV[1] and not orphan then
     local fence = tonumber(lock[$FENCE])
     if waiter ~= '' and lock[$REQ] == $GRANTED_TO .. waiter then
         -- Handed to this waiter by a release: the hold is confirmed, with its full TTL.
@@ -595,7 +611,7 @@ end
 local wait_ms, holder, owner, taken = nil, '', '', 0
 -- Another owner's hold of the caller's lease is the caller's to take if it is
 -- the lease's reservation, or the caller names it (see RESERVATION_SUFFIX).
-if lock[$OWNER] and (ARGV[3] == '' or lock[$LEASE] ~= ARGV[3]
+if lock[$OWNER] and not orphan and (ARGV[3] == '' or lock[$LEASE] ~= ARGV[3]
         or (lock[$OWNER] ~= ARGV[3] .. $RESERVATION and lock[$OWNER] ~= ARGV[8])) then
     wait_ms, holder, taken = redis.call('PTTL', KEYS[1]), lock[$LEASE] or '', 1
     if ARGV[3] ~= '' and holder == ARGV[3] then owner = lock[$OWNER] end
