@@ -1179,6 +1179,82 @@ def test_a_subscription_that_went_silent_is_replaced(
     waiter.release()
 
 
+def test_a_waiter_takes_the_lock_handed_to_it_through_a_network_blip(
+    proxy: FaultProxy, server: RedisServer, direct: redis.Redis
+) -> None:
+    """The waiter's connections are reset and new ones go unanswered for half a
+    second (a network blip) as the holder releases, handing the lock to it. Its
+    process subscribes again on a new connection once the network is back, rather
+    than wait a call's timeout for the answer the blip swallowed, and the waiter
+    takes the lock handed to it (another owner asking meanwhile does not get it)
+    instead of raising LockBackendError."""
+    holder = RedisLock(server.url, "blip", ttl=60)
+    assert holder.acquire()
+    waiter = RedisLock(redis.Redis.from_url(proxy.url), "blip", ttl=60)
+    hub = hub_for(waiter.transport, waiter.prefix)
+    outcome, waiting = outcome_in_thread(lambda: waiter.acquire(timeout=30))
+    wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
+    wait_for(lambda: hub.subscribed, what="the wake-up subscription")
+    other = RedisLock(direct, "blip", ttl=60)
+    taken_by_other = 0
+    proxy.blackhole()
+    proxy.reset_all()
+    healing = threading.Timer(0.5, proxy.heal)
+    healing.start()
+    try:
+        holder.release()
+        guard = time.monotonic() + 30
+        while waiting.is_alive() and time.monotonic() < guard:
+            if other.acquire(blocking=False):
+                taken_by_other += 1
+                other.release()
+            time.sleep(0.05)
+        waiting.join(5)
+    finally:
+        healing.join()
+        proxy.heal()
+    assert outcome == [True]
+    assert taken_by_other == 0
+    assert waiter.owned()
+    waiter.release()
+
+
+def test_a_waiter_whose_process_cannot_subscribe_asks_for_the_lock_all_the_same(
+    proxy: FaultProxy, server: RedisServer, direct: redis.Redis
+) -> None:
+    """A waiter's wake-up subscription is gone and cannot be made again (the
+    server dropped it; new connections are refused, the waiter's open one still
+    answers): that is no failure to reach Redis. Past a call's timeout the waiter
+    asks for the lock without it, again every UNSUBSCRIBED_RECHECK seconds, and
+    takes it once it is released, rather than raise LockBackendError."""
+    holder = RedisLock(server.url, "unsubscribed", ttl=60)
+    assert holder.acquire()
+    waiter = RedisLock(redis.Redis.from_url(proxy.url), "unsubscribed", ttl=60, call_timeout=1)
+    hub = hub_for(waiter.transport, waiter.prefix)
+    outcome, waiting = outcome_in_thread(lambda: waiter.acquire(timeout=30))
+    wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
+    wait_for(lambda: hub.subscribed, what="the wake-up subscription")
+    proxy.refuse()
+    try:
+        direct.client_kill_filter(_type="pubsub")
+        wait_for(lambda: not hub.subscribed, what="the subscription to break")
+        asked = direct.info("commandstats")["cmdstat_evalsha"]["calls"]
+        # Asked again and again while the lock stays held (a hang guard only).
+        wait_for(
+            lambda: direct.info("commandstats")["cmdstat_evalsha"]["calls"] >= asked + 3,
+            what="the waiter asking without a subscription",
+        )
+        assert outcome == []
+        holder.release()
+        waiting.join(30)
+        assert outcome == [True]
+        assert not hub.subscribed
+        assert waiter.owned()
+    finally:
+        proxy.heal()
+    waiter.release()
+
+
 def test_a_lock_evicted_by_the_server_is_lost_and_fenced(
     server: RedisServer, direct: redis.Redis
 ) -> None:

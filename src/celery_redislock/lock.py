@@ -126,6 +126,11 @@ KEEP_EXPIRY_MARGIN = 1.0
 #: way.)
 RECHECK = 5.0
 
+#: The longest, in seconds, a waiter without a wake-up subscription (its process
+#: could not subscribe again yet, after a break or a network blip) waits before it
+#: asks for the lock again; it asks at once when the subscription is back.
+UNSUBSCRIBED_RECHECK = 0.5
+
 #: How long, in seconds, the second waiter a release wakes (the spare, woken in
 #: case the first has gone) waits before it asks for the lock: the first, which
 #: usually takes it within a millisecond, does not have to race it.
@@ -1403,12 +1408,18 @@ class RedisLock:
         after the first try that finds the lock held (``found_held``: a try before
         this call found it so).
 
-        The process's wake-up subscription must be live before each try, or a
-        wake-up could slip by between the try and the wait. A broken subscription
-        or a failed try is retried with a short pause; a waiter that has failed to
-        reach Redis for ``call_timeout`` seconds in a row (or whose time ran out
-        after a failure) raises, but for one whose last try, having found the lock
-        held before, timed out with the time: that returns ``False``.
+        The process's wake-up subscription must be live before a try, or a
+        wake-up could slip by between the try and the wait: a waiter waits for it
+        (a call's timeout at most), and tries without it if it is not back by then.
+        Without it, no wake-up can come: the waiter asks again every
+        :data:`UNSUBSCRIBED_RECHECK` seconds, and at once when it is back. A
+        subscription not in place is no failure to reach Redis by itself: only a
+        failed try is (one without the subscription counts from when it went, or
+        from the last try answered since). A failed try is retried with a short
+        pause; a waiter that has failed to reach Redis for ``call_timeout`` seconds
+        in a row (or whose time ran out after a failure) raises, but for one whose
+        last try, having found the lock held before, timed out with the time: that
+        returns ``False``.
         """
         hub = hub_for(self.transport, self.prefix)
         waiter = hub.join()
@@ -1418,6 +1429,12 @@ class RedisLock:
         failing_since: float | None = None
         pause = 0.01
         last_try = False
+        # Whether the last try was made with the subscription in place (or there
+        # was none yet): the next waits for it, if it broke, before it goes.
+        subscribed = True
+        # Without it, since when the waiter has heard nothing from Redis (None:
+        # it has it).
+        unheard_since: float | None = None
         # Whether a try whose answer was lost may have queued the entry without
         # this waiter learning its position.
         unsure = False
@@ -1429,12 +1446,15 @@ class RedisLock:
                     # Re-armed first: a break of the subscription right after it is
                     # confirmed wakes this waiter, which then waits for it again.
                     hub.rearm(waiter)
-                    if not hub.wait_ready(self._call_deadline(ends)) and not (
-                        # With its time up, the waiter waits no more after this
-                        # try: it needs no subscription to miss no wake-up.
-                        ends is not None and time.monotonic() >= ends
-                    ):
-                        raise RedisTimeoutError("the wake-up subscription is not in place")
+                    # After a try without it, the wait for it is already over.
+                    subscribed = hub.wait_ready(
+                        self._call_deadline(ends) if subscribed else Deadline(0.0)
+                    )
+                    if subscribed:
+                        unheard_since = None
+                    elif unheard_since is None:
+                        unheard_since = now
+                    now = time.monotonic()
                     trying = True
                     if self._try_acquire(self._call_deadline(ends), request, entry):
                         acquired = True
@@ -1448,12 +1468,16 @@ class RedisLock:
                     if stop is not None and stop():
                         return False
                     failing_since, pause = None, 0.01
+                    if not subscribed:
+                        unheard_since = time.monotonic()
                     if self._pttl > 0:
                         wait = min(self._pttl / 1000, RECHECK)
                     else:
                         # Just expired; or a key without expiry (only an operator's
                         # PERSIST makes one), asked about again every RECHECK.
                         wait = RECHECK if self._pttl == -1 else 0.001
+                    if not subscribed:
+                        wait = min(wait, UNSUBSCRIBED_RECHECK)
                     if ends is not None:
                         remaining = ends - time.monotonic()
                         if remaining <= 0 or last_try:
@@ -1461,6 +1485,13 @@ class RedisLock:
                         # Sleeping to the deadline: the try after it is the last.
                         last_try = remaining <= wait
                         wait = min(wait, remaining)
+                    if not subscribed:
+                        # No wake-up can come: asked again after the pause, or as
+                        # soon as the subscription is back (one sent before it is
+                        # lost).
+                        if hub.wait_ready(Deadline.after(wait)):
+                            last_try = False
+                        continue
                     if hub.wait(waiter, wait):
                         last_try = False
                         if waiter.spare:
@@ -1501,7 +1532,11 @@ class RedisLock:
                 # another try.
                 if not is_transient(error.__cause__):
                     raise error
-                failing_since = now if failing_since is None else failing_since
+                if failing_since is None:
+                    # A try that fails without the subscription confirms what its
+                    # absence suggested: Redis has been out of reach since it went
+                    # (or since the last try it answered).
+                    failing_since = now if unheard_since is None else unheard_since
                 out_of_time = ends is not None and time.monotonic() + pause >= ends
                 failing_long = time.monotonic() - failing_since >= self.call_timeout
                 timed_out = trying and isinstance(cause, RedisTimeoutError)

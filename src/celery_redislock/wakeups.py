@@ -15,10 +15,12 @@ reading to another. A lone waiter, the usual case in a worker process, so wakes
 up in its own thread, without a hand-off from a reader thread to it.
 
 The subscription must be in place before a waiter queues itself, or a wake-up
-sent in between would be lost: :meth:`WakeHub.wait_ready` blocks until it is.
-When a reader finds the subscription broken, the hub wakes every waiter (each
-then re-checks the lock and waits for the hub to be subscribed again) and
-subscribes again.
+sent in between would be lost: :meth:`WakeHub.wait_ready` blocks until it is (a
+waiter it keeps waiting too long asks for the lock without it, now and then,
+until it is back). When a reader finds the subscription broken, the hub wakes
+every waiter (each then re-checks the lock and waits for the hub to be
+subscribed again) and subscribes again, on a new connection
+(:data:`SUBSCRIBE_WAIT`).
 
 A subscription can also die without a word: a firewall or load balancer that
 forgets an idle connection passes nothing on and closes nothing, and the server
@@ -71,6 +73,15 @@ PROBE_AFTER = 1.0
 #: as long as any call waits for an answer, so that a server busy for a moment
 #: (a slow command, a fork) is not taken for a lost subscription.
 PROBE_WAIT = DEFAULT_CALL_TIMEOUT
+
+#: Seconds the hub waits for the server to confirm a new subscription, the
+#: first time it subscribes after a break (or at all); each failed attempt
+#: doubles it for the next, on a new connection, up to :data:`PROBE_WAIT`. A
+#: request lost in a network blip is never answered on its connection, however
+#: soon the network is back: a short first wait lets a new connection subscribe
+#: soon after, while a server busy for longer (a slow command, a fork) is still
+#: given as long as any call to answer before long.
+SUBSCRIBE_WAIT = 1.0
 
 _process = secrets.token_hex(8)
 _counter = itertools.count(1)
@@ -346,6 +357,7 @@ class WakeHub:
 
     def _run(self) -> None:
         pause = 0.05
+        handshake = SUBSCRIBE_WAIT
         me = threading.current_thread()
         while True:
             with self._guard:
@@ -355,8 +367,8 @@ class WakeHub:
                     return
             conn: Any = None
             try:
-                conn, rest = self._subscribe()
-                pause = 0.05
+                conn, rest = self._subscribe(handshake)
+                pause, handshake = 0.05, SUBSCRIBE_WAIT
                 with self._guard:
                     self._conn, self._unread = conn, rest
                     self._heard, self._probed = time.monotonic(), None
@@ -365,6 +377,8 @@ class WakeHub:
                 if self._watch(conn):
                     return
             except Exception as exc:  # the thread must not die with waiters relying on it
+                if conn is None and isinstance(exc, RedisTimeoutError):
+                    handshake = min(PROBE_WAIT, handshake * 2)
                 self._set_state(False, exc if isinstance(exc, RedisError) else None)
                 with self._guard:
                     waiting = bool(self._waiters)
@@ -407,11 +421,12 @@ class WakeHub:
                     return True
                 self._guard.wait(_POLL)
 
-    def _subscribe(self) -> tuple[Any, bytes]:
-        """A connection subscribed to the channel, and what was read after the
-        confirmation. Replies are read here rather than by redis-py, whose reader
-        would hold on to what it read ahead: only the handshake goes through it."""
-        deadline = Deadline.after(DEFAULT_CALL_TIMEOUT)
+    def _subscribe(self, timeout: float) -> tuple[Any, bytes]:
+        """A new connection subscribed to the channel within ``timeout`` seconds
+        (connecting included), and what was read after the confirmation. Replies
+        are read here rather than by redis-py, whose reader would hold on to what
+        it read ahead: only the handshake goes through it."""
+        deadline = Deadline.after(timeout)
         conn = self.transport.connection(deadline)
         try:
             self.transport.bound(conn, deadline.remaining())
