@@ -131,40 +131,28 @@ def holder(
     return 0
 
 
-def waiter(url: str, name: str, resource: str, report_key: str, threads: int = 1) -> int:
+def waiter(url: str, name: str, resource: str, report_key: str) -> int:
     """Wait for lock ``name`` (60 s TTL), write to ``resource`` once with its fencing
-    token, and release it; with ``threads``, as many waiters, each in a thread.
+    token, and release it.
 
-    Each reports ``waiting`` (owner, pid) before it asks, ``acquired`` (token),
+    Reports ``waiting`` (owner, pid) before it asks, ``acquired`` (token),
     ``wrote`` (whether the fence accepted the write) and ``released``.
     """
     client = redis.Redis.from_url(url)
-    failed: list[int] = []
 
     def report(event: str, **fields: Any) -> None:
         client.rpush(report_key, json.dumps({"event": event, **fields}))
 
-    def wait() -> None:
-        lock = RedisLock(url, name, ttl=60)
-        report("waiting", owner=lock.owner, pid=os.getpid())
-        if not lock.acquire(timeout=60):
-            report("not-acquired")
-            failed.append(1)
-            return
-        report("acquired", token=lock.token)
-        report("wrote", accepted=fenced_write(client, resource, lock.token, "child", lock.key))
-        lock.release()
-        report("released")
-
-    if threads == 1:
-        wait()
-    else:
-        running = [threading.Thread(target=wait) for _ in range(threads)]
-        for thread in running:
-            thread.start()
-        for thread in running:
-            thread.join()
-    return 1 if failed else 0
+    lock = RedisLock(url, name, ttl=60)
+    report("waiting", owner=lock.owner, pid=os.getpid())
+    if not lock.acquire(timeout=60):
+        report("not-acquired")
+        return 1
+    report("acquired", token=lock.token)
+    report("wrote", accepted=fenced_write(client, resource, lock.token, "child", lock.key))
+    lock.release()
+    report("released")
+    return 0
 
 
 def soak(
@@ -251,7 +239,6 @@ def main(argv: list[str]) -> int:
     queued.add_argument("name")
     queued.add_argument("resource")
     queued.add_argument("report_key")
-    queued.add_argument("--threads", type=int, default=1)
     many = commands.add_parser("soak")
     many.add_argument("lock_url")
     many.add_argument("record_url")
@@ -265,7 +252,7 @@ def main(argv: list[str]) -> int:
             args.url, args.name, args.resource, args.report_key, args.ttl, args.freeze_after_check
         )
     if args.command == "waiter":
-        return waiter(args.url, args.name, args.resource, args.report_key, args.threads)
+        return waiter(args.url, args.name, args.resource, args.report_key)
     return soak(
         args.lock_url, args.record_url, args.label, args.ttl, args.threads, args.names.split(",")
     )

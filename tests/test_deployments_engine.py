@@ -60,8 +60,7 @@ from tests.support import (
 #: * ``+evalsha`` every operation, ``+eval`` the first use of a script on a server;
 #: * the commands the scripts run (one that follows a first write is checked before it):
 #:   GET SET PEXPIRE PTTL TIME ZADD ZRANGE ZREM PUBLISH;
-#: * ``+subscribe`` to wait for a release;
-#: * ``+pubsub|numsub`` for a release to tell a queued waiter whose process is gone.
+#: * ``+subscribe`` to wait for a release.
 #:
 #: Nothing else. The engine's connections authenticate with ``AUTH`` (RESP2), which
 #: every user may send, and send no ``HELLO``, ``PING``, ``CLIENT SETINFO`` or
@@ -86,7 +85,6 @@ MINIMAL_ACL: tuple[str, ...] = (
     "+zrem",
     "+publish",
     "+subscribe",
-    "+pubsub|numsub",
 )
 
 #: Seconds within which a waiter must get a lock after its release (generous: the

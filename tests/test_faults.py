@@ -33,7 +33,6 @@ from celery_redislock.scripts import (
     OWNER_FIELD,
     RELEASE,
     Call,
-    queue_entry,
 )
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import pack, transport_for
@@ -1091,55 +1090,6 @@ def test_waiter_whose_subscription_is_reset_still_wakes_on_release(
     thread.join(15)
     assert got == [True]
     waiter.release()
-
-
-def test_a_waiter_whose_subscription_broke_at_a_release_keeps_its_place(
-    proxy: FaultProxy, server: RedisServer, direct: redis.Redis
-) -> None:
-    """A release finds the first waiter's process without a subscription (it is
-    subscribing again after a break): it does not hand it the lock, which it could not
-    hear of, but keeps it free for it and takes it out of the queue. Another owner
-    takes the lock meanwhile; the waiter, subscribed again, queues in its old place,
-    ahead of the waiter that queued after it, and the next release hands it the lock."""
-    holder = RedisLock(server.url, "broke-at-release", ttl=60)
-    assert holder.acquire()
-    waiter = RedisLock(redis.Redis.from_url(proxy.url), "broke-at-release", ttl=30)
-    got, thread = acquire_in_thread(waiter, 30)
-    channel = hub_for(waiter.transport, waiter.prefix).channel
-    wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
-    wait_for(lambda: direct.pubsub_numsub(channel)[0][1] == 1, what="the wake-up subscription")
-    (entry,) = direct.zrange(holder.queue_key, 0, -1)
-    # Behind it, a waiter of another process that listens (and never answers).
-    behind = queue_entry("behind-process.1", "behind-owner", 30_000, "", "")
-    direct.zadd(holder.queue_key, {behind: 1e30})
-    listener = direct.pubsub()  # type: ignore[no-untyped-call,unused-ignore]
-    listener.subscribe(f"{holder.wake_prefix}behind-process")
-    try:
-        assert listener.get_message(timeout=5) is not None
-        proxy.refuse()
-        proxy.reset_all()
-        wait_for(lambda: direct.pubsub_numsub(channel)[0][1] == 0, what="the break")
-        holder.release()
-        assert field(direct, holder.key, OWNER_FIELD) is None  # handed to nobody
-        assert direct.zrange(holder.queue_key, 0, -1) == [behind.encode()]
-        other = RedisLock(server.url, "broke-at-release", ttl=60)
-        wait_for(lambda: other.acquire(blocking=False), what="the lock kept for the woken")
-        proxy.heal()
-        wait_for(
-            lambda: direct.zrange(holder.queue_key, 0, -1) == [entry, behind.encode()],
-            what="the waiter queued again in its old place",
-        )
-        wait_for(lambda: direct.pubsub_numsub(channel)[0][1] == 1, what="the new subscription")
-        other.release()
-        assert field(direct, holder.key, OWNER_FIELD) == waiter.owner
-        thread.join(30)
-        assert got == [True]
-        assert waiter.token is not None
-        assert other.token is not None
-        assert waiter.token > other.token
-        waiter.release()
-    finally:
-        listener.close()
 
 
 def test_a_subscription_that_went_silent_is_replaced(

@@ -37,14 +37,7 @@ from celery_redislock import (
 from celery_redislock import lock as lock_module
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.ids import REQUEST_ID_DIGITS, request_id
-from celery_redislock.lock import (
-    DEFAULT_PREFIX,
-    FENCE_TTL_MS,
-    lock_keys,
-    name_from_key,
-    release_lease,
-    wake_channel_prefix,
-)
+from celery_redislock.lock import FENCE_TTL_MS, lock_keys, name_from_key, release_lease
 from celery_redislock.scripts import (
     COUNT_FIELD,
     FENCE_FIELD,
@@ -59,7 +52,6 @@ from celery_redislock.scripts import (
     RELEASED_FIELD,
     REQUEST_FIELD,
     RESERVATION_SUFFIX,
-    RESERVED_FIELD,
     SPARE_MARK,
     Acquired,
     Call,
@@ -144,42 +136,11 @@ def wait_behind(
     return waiter_lock, Waiter(waiter_lock, timeout=timeout)
 
 
-class Listening:
-    """Subscriptions to the wake channels of processes that do not exist: to a
-    release, each such process is alive (a waiter of a frozen process, or one
-    whose wake-up is lost, which never answers)."""
-
-    def __init__(self, client: redis.Redis) -> None:
-        self.client = client
-        self.subscriptions: list[Any] = []
-
-    def __call__(self, *processes: str, prefix: str = DEFAULT_PREFIX) -> None:
-        pubsub = self.client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]
-        pubsub.subscribe(*(f"{wake_channel_prefix(prefix)}{process}" for process in processes))
-        for _ in processes:
-            assert pubsub.get_message(timeout=5) is not None  # confirmed
-        self.subscriptions.append(pubsub)
-
-    def close(self) -> None:
-        for pubsub in self.subscriptions:
-            pubsub.close()
-
-
-@pytest.fixture
-def listening(client: redis.Redis) -> Iterator[Listening]:
-    """Subscribes the wake channels of made-up processes, for this test."""
-    subscriptions = Listening(client)
-    yield subscriptions
-    subscriptions.close()
-
-
 def held_ahead_of_a_gone_waiter(
-    client: redis.Redis, name: str, listening: Listening, gone_ttl_ms: int = 60_000
+    client: redis.Redis, name: str, gone_ttl_ms: int = 60_000
 ) -> RedisLock:
-    """Lock ``name``, held, with the queue entry of a waiter that never answers (with
-    a TTL of ``gone_ttl_ms``) first in its queue: its process still listens to its
-    wake channel (frozen, say), so a release hands it the lock."""
-    listening("gone-process")
+    """Lock ``name``, held, with the queue entry of a waiter whose process is gone
+    (with a TTL of ``gone_ttl_ms``) first in its queue."""
     holder = RedisLock(client, name, ttl=60)
     assert holder.acquire()
     gone = scripts.queue_entry("gone-process.1", "gone-owner", gone_ttl_ms, "", "")
@@ -962,7 +923,7 @@ def test_expiry_wakes_waiter_and_old_holder_lost_it(
 
 
 def test_release_wakes_the_first_two_and_marks_the_spare(
-    client: redis.Redis, cleanup: list[RedisLock], listening: Listening
+    client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:
     """A release wakes the two oldest waiters, each on its own process's channel; the
     second's message carries the spare mark, and the spare keeps its place at the
@@ -970,7 +931,6 @@ def test_release_wakes_the_first_two_and_marks_the_spare(
     holder = RedisLock(client, "spare-mark", ttl=60)
     assert holder.acquire()
     cleanup.append(holder)
-    listening("proc-a", "proc-b", "proc-c")
     for position, waiter_id in enumerate(("proc-a.1", "proc-b.7", "proc-c.3"), start=1):
         client.zadd(holder.queue_key, {waiter_id: position})
     write_fields(client, holder.key, q="1")
@@ -992,14 +952,13 @@ def test_release_wakes_the_first_two_and_marks_the_spare(
 
 
 def test_the_spare_stays_queued_and_the_queue_keeps_its_expiry(
-    client: redis.Redis, cleanup: list[RedisLock], listening: Listening
+    client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:
     """With exactly two waiters queued, a release takes the first out of the queue and
     leaves the spare in it: the queue expires when it would have."""
     holder = RedisLock(client, "spare-expiry", ttl=60)
     assert holder.acquire()
     cleanup.append(holder)
-    listening("proc-a", "proc-b")
     client.zadd(holder.queue_key, {"proc-a.1": 1, "proc-b.2": 2})
     client.pexpire(holder.queue_key, 90_000)
     write_fields(client, holder.key, q="1")
@@ -1208,12 +1167,12 @@ def test_a_handed_hold_kept_without_a_round_trip_is_re_entered_by_its_owner(
 
 
 def test_a_waiter_gone_since_it_queued_keeps_the_lock_only_for_the_grant(
-    client: redis.Redis, cleanup: list[RedisLock], listening: Listening
+    client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:
     """The first waiter's process died while it was queued: the release hands it the
     lock all the same, for GRANT_MS at most. The live waiter behind it (woken as the
     spare) gets the lock once that runs out, long before the holder's 60 s TTL."""
-    holder = held_ahead_of_a_gone_waiter(client, "handed-gone", listening)
+    holder = held_ahead_of_a_gone_waiter(client, "handed-gone")
     waiter_lock, waiter = wait_behind(holder, cleanup)
     assert wait_until(lambda: queued(client, holder) == 2)
     holder.release()
@@ -1228,13 +1187,13 @@ def test_a_waiter_gone_since_it_queued_keeps_the_lock_only_for_the_grant(
 
 
 def test_a_waiter_taking_the_lock_after_a_grant_ran_out_keeps_the_others_woken(
-    client: redis.Redis, cleanup: list[RedisLock], listening: Listening
+    client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:
     """A grant that nobody confirmed runs out with its key, and with it the flag that
     says waiters are queued: the waiter that takes the lock then sets the flag again
     while others are queued behind it, so its release wakes the next one rather than
     leaving it asleep until its re-check."""
-    holder = held_ahead_of_a_gone_waiter(client, "grant-ran-out", listening)
+    holder = held_ahead_of_a_gone_waiter(client, "grant-ran-out")
     second, first_waiter = wait_behind(holder, cleanup)
     assert wait_until(lambda: queued(client, holder) == 2)
     third, second_waiter = wait_behind(holder, cleanup)
@@ -1251,7 +1210,7 @@ def test_a_waiter_taking_the_lock_after_a_grant_ran_out_keeps_the_others_woken(
 
 
 def test_a_lock_taken_without_waiting_after_a_grant_ran_out_is_handed_on_at_its_release(
-    client: redis.Redis, cleanup: list[RedisLock], listening: Listening
+    client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:
     """A caller that does not wait can take the lock once a grant nobody confirmed has
     run out (its key gone, with the queued flag), before the spare woken behind it
@@ -1259,7 +1218,7 @@ def test_a_lock_taken_without_waiting_after_a_grant_ran_out_is_handed_on_at_its_
     release of that hold hands the lock to it rather than leaving it asleep until its
     re-check."""
     # A 0.3 s grant, and a spare that waits out a 2 s one (its own TTL's).
-    holder = held_ahead_of_a_gone_waiter(client, "grant-ran-out-taken", listening, gone_ttl_ms=300)
+    holder = held_ahead_of_a_gone_waiter(client, "grant-ran-out-taken", gone_ttl_ms=300)
     spare, waiter = wait_behind(holder, cleanup)
     assert wait_until(lambda: queued(client, holder) == 2)
     holder.release()
@@ -1278,11 +1237,11 @@ def test_a_lock_taken_without_waiting_after_a_grant_ran_out_is_handed_on_at_its_
 
 
 def test_a_spare_behind_a_grant_shorter_than_grant_ms_waits_only_that_long(
-    client: redis.Redis, cleanup: list[RedisLock], listening: Listening
+    client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:
     """A grant lasts the first waiter's TTL when that is shorter than GRANT_MS: the
     spare woken behind it asks once that has run out, not after the full GRANT_MS."""
-    holder = held_ahead_of_a_gone_waiter(client, "short-grant", listening, gone_ttl_ms=300)
+    holder = held_ahead_of_a_gone_waiter(client, "short-grant", gone_ttl_ms=300)
     _spare, waiter = wait_behind(holder, cleanup, ttl=0.3)
     assert wait_until(lambda: queued(client, holder) == 2)
     holder.release()
@@ -1294,14 +1253,13 @@ def test_a_spare_behind_a_grant_shorter_than_grant_ms_waits_only_that_long(
 
 
 def test_a_waiter_that_leaves_gives_back_a_lock_handed_to_it(
-    client: redis.Redis, cleanup: list[RedisLock], listening: Listening
+    client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:
     """A waiter that gives up just as a release hands it the lock (its wake-up not read)
     gives the lock back as it leaves the queue, and the next waiter is handed it."""
     holder = RedisLock(client, "handed-left", ttl=60)
     assert holder.acquire()
     leaving = RedisLock(client, "handed-left", ttl=60)
-    listening("left-process", "next-process")
     entry = scripts.queue_entry("left-process.1", leaving.owner, 60_000, "", "")
     after = scripts.queue_entry("next-process.2", "next-owner", 60_000, "", "")
     client.zadd(holder.queue_key, {entry: 1, after: 2})
@@ -1314,59 +1272,26 @@ def test_a_waiter_that_leaves_gives_back_a_lock_handed_to_it(
     assert client.zcard(holder.queue_key) == 0
 
 
-def test_waiters_gone_ahead_of_a_live_one_leave_the_queue_at_the_next_release(
-    client: redis.Redis, cleanup: list[RedisLock]
+def test_waiters_gone_ahead_of_a_live_one_hold_it_up_only_until_it_asks_again(
+    client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Eight queued waiters are gone (a worker killed with them: their process has
-    no subscription to its wake channel). The release hands none of them the lock:
-    it keeps it free for the first for a moment, takes them all out of the queue, and
-    wakes the live waiter behind them as the spare, which takes it. Only the live
-    waiter's entry is left, so the next release finds no gone one."""
+    """The first two queued waiters are gone (a worker killed with them): the release
+    hands the lock to the first and wakes the second, neither of which answers. The
+    live waiter behind them, asleep until the holder's TTL it saw, asks again after
+    RECHECK at the latest and takes the lock, long before that TTL."""
+    monkeypatch.setattr(lock_module, "RECHECK", 0.5)
     holder = RedisLock(client, "ghosts-ahead", ttl=60)
     assert holder.acquire()
-    ghosts = {queue_entry(f"gone{n}.1", f"gone-owner-{n}", 30_000, "", ""): n + 1 for n in range(8)}
+    ghosts = {queue_entry(f"gone{n}.1", f"gone-owner-{n}", 30_000, "", ""): n + 1 for n in range(2)}
     client.zadd(holder.queue_key, ghosts)
-    live, waiter = wait_behind(holder, cleanup, timeout=30)
-    assert wait_until(lambda: queued(client, holder) == 9)
+    live = RedisLock(client, "ghosts-ahead", ttl=60)
+    got, thread = acquire_in_thread(live, None)  # no deadline: it asks only when it must
+    assert wait_until(lambda: queued(client, holder) == 3)
     holder.release()
-    fields_now = stored(client, holder)
-    assert OWNER_FIELD not in fields_now
-    assert fields_now[RESERVED_FIELD] == f"gone0.1 {only_waiter_id(client, holder)}"
-    assert queued(client, holder) == 1
-    assert wait_until(waiter.done, timeout=20)
-    assert (waiter.error, waiter.result) == (None, True)
+    thread.join(20)
+    assert got == [True]
     live.release()
-    assert queued(client, holder) == 0
-
-
-def only_waiter_id(client: redis.Redis, lock: RedisLock) -> str:
-    """The waiter id of the one entry left in ``lock``'s queue."""
-    (entry,) = cast(list[bytes], client.zrange(lock.queue_key, 0, -1))
-    return str(json.loads(entry)[0])
-
-
-def test_a_release_looks_at_a_bounded_number_of_gone_waiters(
-    client: redis.Redis, cleanup: list[RedisLock], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A release looks at SKIPPED_MAX waiters at most behind a first one found
-    gone: more gone ahead of a live one are left to the next release, and the live
-    one, woken by nobody, asks again after RECHECK and takes the free lock."""
-    monkeypatch.setattr(lock_module, "RECHECK", 0.5)
-    holder = RedisLock(client, "many-ghosts", ttl=60)
-    assert holder.acquire()
-    count = scripts.SKIPPED_MAX + 4
-    ghosts = {queue_entry(f"gone{n}.1", f"owner-{n}", 30_000, "", ""): n + 1 for n in range(count)}
-    client.zadd(holder.queue_key, ghosts)
-    live, waiter = wait_behind(holder, cleanup, timeout=30)
-    assert wait_until(lambda: queued(client, holder) == count + 1)
-    holder.release()
-    # The first, and the SKIPPED_MAX behind it, are out; the rest and the live one stay.
-    assert queued(client, holder) == count - 1 - scripts.SKIPPED_MAX + 1
-    assert stored(client, holder)[RESERVED_FIELD] == "gone0.1"
-    assert wait_until(waiter.done, timeout=20)
-    assert (waiter.error, waiter.result) == (None, True)
-    live.release()  # the next release takes the rest out
-    assert queued(client, holder) == 0
+    client.delete(holder.queue_key)
 
 
 def test_a_spare_handed_the_lock_before_it_pauses_keeps_the_hand_over(
@@ -1415,7 +1340,7 @@ def test_a_spare_whose_subscription_broke_before_it_pauses_keeps_the_wake_up(
 
 
 def test_a_wake_up_read_after_a_later_try_does_not_hand_over_the_lock(
-    client: redis.Redis, listening: Listening
+    client: redis.Redis,
 ) -> None:
     """A waiter whose process stalled with a wake-up unread: the hold it handed over
     ran out, another owner took the lock, and the waiter tried again and queued before
@@ -1424,7 +1349,6 @@ def test_a_wake_up_read_after_a_later_try_does_not_hand_over_the_lock(
     holder = RedisLock(client, "handed-stale", ttl=60)
     assert holder.acquire()
     waiter = RedisLock(client, "handed-stale", ttl=60)
-    listening("stale-process")
     entry = scripts.queue_entry("stale-process.1", waiter.owner, 60_000, "", "")
     assert not waiter._try_acquire(waiter._call_deadline(None), "1000000002", entry)
     holder.release()  # handed to the waiter, whose wake-up goes unread
@@ -2065,13 +1989,13 @@ def run_call(lock: RedisLock, call: Call) -> Any:
 
 
 def test_a_release_sent_again_after_the_grant_it_made_ran_out_reads_as_not_held(
-    client: redis.Redis, listening: Listening
+    client: redis.Redis,
 ) -> None:
     """The limit of the releases a lock remembers: they live in its key, which,
     once a release handed the lock to a waiter that never confirms it, lives only
     for the grant. The same release sent again within the grant is recognised;
     after it, it answers that the lock was not held, and changes nothing."""
-    holder = held_ahead_of_a_gone_waiter(client, "grant-ran-out", listening, gone_ttl_ms=1_000)
+    holder = held_ahead_of_a_gone_waiter(client, "grant-ran-out", gone_ttl_ms=1_000)
     call = release_call(holder, "")
     assert run_call(holder, call) == Released.FREED
     assert run_call(holder, call) == Released.FREED  # recognised: the grant's key remembers it

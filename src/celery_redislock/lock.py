@@ -118,12 +118,11 @@ FENCE_TTL_MS = 3_600_000
 KEEP_EXPIRY_MARGIN = 1.0
 
 #: The longest, in seconds, a waiter waits for a wake-up before it asks again. A
-#: release wakes the first two queued waiters; should neither answer (frozen, or
-#: more waiters of a killed worker ahead than a release takes out of the queue,
-#: ``scripts.SKIPPED_MAX``), nothing wakes the next waiter, which, asleep until
-#: the holder's TTL it last saw, would leave the lock free for as long. (A
-#: wake-up lost with a subscription that died unnoticed is made up for the same
-#: way.)
+#: release wakes the first two queued waiters; should both be gone (a worker
+#: killed with several waiting tasks), their grants lapse and wake nobody, and the
+#: next waiter, asleep until the holder's TTL it last saw, would leave the lock
+#: free for as long. (A wake-up lost with a subscription that died unnoticed is
+#: made up for the same way.)
 RECHECK = 5.0
 
 #: The longest, in seconds, a waiter without a wake-up subscription (its process

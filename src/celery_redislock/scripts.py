@@ -67,20 +67,6 @@ unconfirmed as it is, unless it names the waiter as one of its own that gave up:
 the hold is nobody's then, and it takes it anew.) (An entry that is only an id is woken to ask, and
 the free lock is kept for the woken for ``RESERVE_MS``.)
 
-**Gone waiters.** Before it hands the lock over, a release asks the server
-whether the first waiter's process is subscribed to its wake channel (``PUBSUB
-NUMSUB``, which sends nothing). One that is not (its process was killed with its
-waiters queued, or is subscribing again after a break, or is subscribed to
-another server) is not handed the lock, which it might never take: it is woken to
-ask (a wake-up that reaches it through another server is enough), the free lock
-is kept for it for ``RESERVE_MS``, and the spare is the first waiter behind it
-whose process is subscribed, which takes the lock after its head start. The
-waiters without a subscription among the :data:`SKIPPED_MAX` behind the first
-leave the queue unwoken; one that is alive asks again (when it is subscribed
-again, or at its next re-check) and queues in its old place, as every waiter
-keeps its first queue position. A server whose ACL refuses ``PUBSUB NUMSUB`` is
-not asked: every waiter is taken for subscribed, and handed the lock.
-
 The spare's message ends in :data:`SPARE_MARK`; it gives the first a head start
 (``celery_redislock.lock.SPARE_HEAD_START``) rather than race it for the lock,
 and then asks (taking the lock if the first never came). Behind a handed lock
@@ -203,13 +189,6 @@ GRANT_MARK = " grant "
 #: queued keeps the others out only briefly.
 GRANT_MS = 2000
 
-#: The most queued waiters one release looks at behind a first waiter found
-#: without a subscription to its wake channel, for a spare that has one: those
-#: without one among them leave the queue (a worker killed with many waiters
-#: queued is cleared by one release, or a few), and the release stays a bounded
-#: amount of work however long the queue.
-SKIPPED_MAX = 16
-
 #: What the request field holds while a handed-over hold is not yet confirmed by
 #: its waiter: this, followed by the waiter id.
 GRANTED_TO = "g:"
@@ -272,7 +251,6 @@ def _lua(text: str) -> str:
         GRANTED_TO=f"'{GRANTED_TO}'",
         RESERVATION=f"'{RESERVATION_SUFFIX}'",
         GRANT_MS=GRANT_MS,
-        SKIPPED_MAX=SKIPPED_MAX,
         RELEASE_HISTORY=RELEASES_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
     )
 
@@ -436,37 +414,6 @@ local function entry(member)
     return member, nil
 end
 
--- The wake channel of a waiter id (nil for an id that names no process).
-local function channel(id)
-    local process = string.match(id, '^([^.]+)%.')
-    return process and (ARGV[2] .. process) or nil
-end
-
--- Which of ``ids`` may be listening: false for a waiter whose process has no
--- subscription to its wake channel on this server (gone, or between two
--- subscriptions), true otherwise; all true where the server cannot be asked (an
--- ACL without PUBSUB NUMSUB: everyone is taken for listening, as before).
-local function listening(ids)
-    local result, channels, at = {}, {}, {}
-    for i, id in ipairs(ids) do
-        result[i] = true
-        local name = channel(id)
-        if name then
-            channels[#channels + 1] = name
-            at[#channels] = i
-        end
-    end
-    if #channels == 0 or (redis.acl_check_cmd and not redis.acl_check_cmd('pubsub', 'numsub')) then
-        return result
-    end
-    local counts = redis.pcall('PUBSUB', 'NUMSUB', unpack(channels))
-    if type(counts) ~= 'table' or counts.err then return result end
-    for k = 1, #channels do
-        result[at[k]] = tonumber(counts[2 * k]) ~= 0
-    end
-    return result
-end
-
 local function free(lock)
     -- The first two queued waiters, read before the first write (refused, a read
     -- writes nothing).
@@ -485,31 +432,6 @@ local function free(lock)
         local id, handed = entry(next[i])
         woken[#woken + 1] = id
         if i == 1 then grant = handed end
-    end
-    -- The entries that leave the queue (the first, and waiters found gone).
-    local leaving = {next[1]}
-    if #next > 0 and not listening({woken[1]})[1] then
-        -- The first has no subscription here: its process is gone (killed with
-        -- its waiters queued), or between two subscriptions, or subscribed to
-        -- another server. It is not handed the lock, which it might never take:
-        -- the lock is kept for it for RESERVE_MS, and it is woken to ask (a wake-up
-        -- that reaches it elsewhere is enough), with the spare, the first waiter
-        -- behind it that has a subscription, taking it after its head start. The
-        -- others without one (at most SKIPPED_MAX) leave the queue unwoken: one
-        -- that is alive asks again and queues in its old place.
-        grant = nil
-        local behind = redis.call('ZRANGE', KEYS[2], 1, $SKIPPED_MAX)
-        local ids = {}
-        for i, member in ipairs(behind) do ids[i] = entry(member) end
-        local live = listening(ids)
-        woken = {woken[1]}
-        for i, member in ipairs(behind) do
-            if live[i] then
-                woken[2] = ids[i]
-                break
-            end
-            leaving[#leaving + 1] = member
-        end
     end
     local messages = {}
     if grant then
@@ -546,15 +468,15 @@ local function free(lock)
         end
     end
     if #next > 0 then
-        -- Only the first (and those found gone) leave the queue: the spare leaves
-        -- it only by taking the lock, so while it lets the first go ahead the
-        -- next release still finds it at the front.
-        redis.call('ZREM', KEYS[2], unpack(leaving))
+        -- Only the first leaves the queue: the second (the spare) leaves it only
+        -- by taking the lock, so while it lets the first go ahead the next
+        -- release still finds it at the front.
+        redis.call('ZREM', KEYS[2], next[1])
     end
     for i, message in ipairs(messages) do
-        local name = channel(woken[i])
-        if name then
-            redis.call('PUBLISH', name, message)
+        local process = string.match(woken[i], '^([^.]+)%.')
+        if process then
+            redis.call('PUBLISH', ARGV[2] .. process, message)
         end
     end
     return 1
