@@ -21,6 +21,7 @@ from celery.signals import (
 )
 
 from celery_redislock import RedisLock, SingletonTask, signals
+from celery_redislock.admin import force_release
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import OWNER_FIELD
@@ -884,3 +885,231 @@ def test_a_retry_sent_by_a_failed_start_while_its_sender_runs_on_is_handed_the_l
     finally:
         task_retry.disconnect(on_retry, sender=job)
     assert runs == [0, 2]
+
+
+def _words(client: redis.Redis) -> list[bytes]:
+    """The keys of the word left beside a lock by a retry's delivery that ended unrun."""
+    return list(client.scan_iter(match="*:dropped:*"))
+
+
+@pytest.mark.parametrize("first_sender", ["ends", "loses_its_hold"])
+def test_word_left_for_an_earlier_use_of_a_task_id_does_not_free_its_next_retry(
+    app: Celery, redislock_client: redis.Redis, first_sender: str
+) -> None:
+    """``until_executed``: a retry sent with ``self.retry(throw=False)`` fails to start
+    while its sender runs on, and leaves word for it. A sender that ends frees the
+    lock, and deletes the word as it reads it; one that lost its hold meanwhile (freed
+    by an operator and taken by another, as when its worker died and the TTL ran
+    out) never reads it. The task id is used again (an id the caller derives, or the
+    message delivered again after its worker died): that execution's own retry,
+    which waits for its countdown, keeps the lock reserved (the word left for the
+    earlier hold is not for this one), and a duplicate publishes nothing."""
+    failed, ended = threading.Event(), threading.Event()
+    state = {"round": 1}
+    runs: list[tuple[int, int]] = []
+    seen: dict[str, str | None] = {}
+    senders: list[str] = []
+
+    class FailsOnFirstRetry(SingletonTask):
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            if self.request.retries and state["round"] == 1:
+                raise RuntimeError("not ready for the retry")
+
+    @app.task(
+        base=FailsOnFirstRetry, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> None:
+        runs.append((state["round"], int(self.request.retries)))
+        if self.request.retries == 0:
+            self.retry(countdown=1.5 if state["round"] == 2 else 0, throw=False)
+            if state["round"] == 1:
+                wait_for(failed.is_set, what="the retry's start to fail")
+                if first_sender == "loses_its_hold":
+                    assert force_release(redislock_client, name)
+                    assert other.acquire(blocking=False)
+
+    name = job.lock_name((), {})
+    key = lock_keys(name).lock
+    other = RedisLock(redislock_client, name, ttl=30, heartbeat=False)
+
+    def on_failure(**_: Any) -> None:
+        failed.set()
+
+    def on_postrun(task_id: str = "", task: Any = None, **_: Any) -> None:
+        if not task.request.retries:
+            senders.append(task_id)
+            if len(senders) == 2:
+                seen["owner"] = field(redislock_client, key, OWNER_FIELD)
+                ended.set()
+
+    task_failure.connect(on_failure, sender=job, weak=False)
+    task_postrun.connect(on_postrun, sender=job, weak=False)
+    try:
+        with in_process_worker(app, concurrency=2):
+            job.apply_async(task_id="derived-id")
+            wait_for(failed.is_set, what="the retry's start to fail")
+            wait_for(lambda: len(senders) == 1, what="the sender to end")
+            if first_sender == "loses_its_hold":
+                assert len(_words(redislock_client)) == 1
+                other.release()
+            else:
+                # Read and deleted by the sender.
+                assert _words(redislock_client) == []
+            assert _lock_free(redislock_client, name)
+            state["round"] = 2
+            job.apply_async(task_id="derived-id")
+            wait_for(ended.is_set, what="the second sender to end")
+            assert seen["owner"] == queued_owner("derived-id", 1)
+            assert job.delay().id == "derived-id"
+            wait_for(lambda: (2, 1) in runs, what="the second round's retry to run")
+            wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+    finally:
+        task_failure.disconnect(on_failure, sender=job)
+        task_postrun.disconnect(on_postrun, sender=job)
+    assert runs == [(1, 0), (2, 0), (2, 1)]
+    assert _words(redislock_client) == []
+
+
+def test_word_to_pass_the_lock_on_left_for_an_earlier_use_of_a_task_id_is_not_heeded(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """``until_executed``: a retry sent with ``self.retry(throw=False)`` sends a second
+    retry from its ``before_start`` and raises it while its sender runs on; the sender
+    passes its hold on to the second retry as it ends. The task id is used again:
+    that execution's own retry, sent with a countdown, runs (it is not taken for a
+    copy the second retry superseded), and the lock is free once it has."""
+    retried = threading.Event()
+    state = {"round": 1}
+    runs: list[tuple[int, int]] = []
+
+    class RetriesOnFirstRetry(SingletonTask):
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            if state["round"] == 2:
+                return
+            if self.request.retries == 1:
+                raise self.retry(countdown=0)
+            if self.request.retries == 2:
+                key = lock_keys(self.lock_name((), {})).lock
+                # Passed on to this retry's reservation: no wait for the lock.
+                wait_for(
+                    lambda: str(field(redislock_client, key, OWNER_FIELD)).endswith(
+                        (queued_owner(task_id, 2), ":2")
+                    ),
+                    what="the lock to be passed on to the second retry's reservation",
+                )
+
+    @app.task(
+        base=RetriesOnFirstRetry, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, max_retries=2,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> int:
+        runs.append((state["round"], int(self.request.retries)))
+        if self.request.retries == 0:
+            self.retry(countdown=0.5 if state["round"] == 2 else 0, throw=False)
+            if state["round"] == 1:
+                wait_for(retried.is_set, what="the first retry's start to send the second")
+        return int(self.request.retries)
+
+    def on_retry(**_: Any) -> None:
+        retried.set()
+
+    name = job.lock_name((), {})
+    task_retry.connect(on_retry, sender=job, weak=False)
+    try:
+        with in_process_worker(app, concurrency=3):
+            job.apply_async(task_id="derived-id")
+            wait_for(lambda: (1, 2) in runs, what="the second retry to run")
+            wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+            state["round"] = 2
+            job.apply_async(task_id="derived-id")
+            wait_for(lambda: (2, 1) in runs, timeout=10, what="the second round's retry to run")
+            wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+    finally:
+        task_retry.disconnect(on_retry, sender=job)
+    assert runs == [(1, 0), (1, 2), (2, 0), (2, 1)]
+    assert _words(redislock_client) == []
+
+
+@pytest.mark.parametrize("second", ["runs", "fails_to_start", "first_fails_after_the_hand_over"])
+def test_a_retry_sent_twice_as_its_sender_runs_on_keeps_the_lock_while_a_copy_may_run(
+    app: Celery, redislock_client: redis.Redis, second: str
+) -> None:
+    """``until_executed``: an execution calls ``self.retry(throw=False)`` twice (two
+    messages with the same retry count); the first one's ``before_start`` raises
+    while the sender still runs on. As the sender ends, the lock is reserved for the
+    second, which waits for its countdown (a duplicate publishes nothing) and runs;
+    if the second fails to start too, before the sender ends, the lock is freed. A
+    first copy that fails to start only after the hand-over frees the reservation:
+    the second, waiting for its countdown, no longer holds the lock (a duplicate is
+    published), and runs all the same."""
+    failed = threading.Semaphore(0)
+    starts: list[int] = []
+    runs: list[int] = []
+    seen: dict[str, str | None] = {}
+
+    class FailsOnRetry(SingletonTask):
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            if self.request.retries:
+                starts.append(1)
+                if second == "first_fails_after_the_hand_over" and len(starts) == 1:
+                    wait_for(lambda: "owner" in seen, what="the sender to end")
+                if len(starts) == 1 or second == "fails_to_start":
+                    raise RuntimeError("not ready for the retry")
+
+    @app.task(
+        base=FailsOnRetry, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> None:
+        runs.append(int(self.request.retries))
+        if runs == [0]:
+            self.retry(countdown=0, throw=False)
+            if second == "first_fails_after_the_hand_over":
+                self.retry(countdown=1.5, throw=False)
+                return
+            wait_for(lambda: failed.acquire(blocking=False), what="the first copy to fail")
+            if second == "runs":
+                self.retry(countdown=1.5, throw=False)
+            else:
+                self.retry(countdown=0, throw=False)
+                wait_for(lambda: failed.acquire(blocking=False), what="the second to fail")
+
+    name = job.lock_name((), {})
+    key = lock_keys(name).lock
+
+    def on_failure(**_: Any) -> None:
+        failed.release()
+
+    def on_postrun(task: Any = None, **_: Any) -> None:
+        if not task.request.retries and "owner" not in seen:
+            seen["owner"] = field(redislock_client, key, OWNER_FIELD)
+
+    task_failure.connect(on_failure, sender=job, weak=False)
+    task_postrun.connect(on_postrun, sender=job, weak=False)
+    try:
+        with in_process_worker(app, concurrency=2):
+            first = job.delay()
+            wait_for(lambda: "owner" in seen, what="the sender to end")
+            if second == "fails_to_start":
+                assert seen["owner"] is None
+                assert runs == [0]
+            else:
+                if second == "runs":
+                    assert seen["owner"] == queued_owner(first.id, 1)
+                    assert job.delay().id == first.id
+                else:
+                    # (Or taken over as the worker accepted the first copy.)
+                    assert str(seen["owner"]).endswith((queued_owner(first.id, 1), ":1"))
+                    wait_for(lambda: failed.acquire(blocking=False), what="the first to fail")
+                    assert _lock_free(redislock_client, name)
+                    duplicate = job.delay()
+                    assert duplicate.id != first.id
+                    duplicate.get(timeout=15)
+                wait_for(lambda: 1 in runs, what="the second copy to run")
+                wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+                assert sorted(runs) == ([0, 1] if second == "runs" else [0, 0, 1])
+    finally:
+        task_failure.disconnect(on_failure, sender=job)
+        task_postrun.disconnect(on_postrun, sender=job)
+    assert _words(redislock_client) == []

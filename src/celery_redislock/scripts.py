@@ -836,19 +836,27 @@ return redis.call('ZREM', KEYS[2], ARGV[5])
 """)
 
 #: Leave word, beside the lock, that a delivery of retry ARGV[2] of lease ARGV[1]
-#: ended without running (it failed to start, or was dropped as revoked) while an
-#: execution of an earlier delivery of its message holds the lock: the one that
+#: ended without running (it failed to start, or was dropped as revoked) while a
+#: hold of an earlier delivery of its message holds the lock: the execution that
 #: sent it with ``self.retry(throw=False)`` and runs on (or a reservation of an
 #: earlier delivery, which a failed start passes on to this retry), which hands
 #: its hold to that retry's reservation as it ends, and reads the word then
-#: (nobody else would ever take that reservation over). One step, so that the word is left only while
-#: that execution still holds the lock: once it has handed the hold over, the
-#: caller frees the reservation itself.
+#: (nobody else would ever take that reservation over). One step, so that the
+#: word is left only while such a hold holds the lock: once it has been handed to
+#: the retry's reservation, the caller frees the reservation itself.
+#:
+#: The word is ``<fence> <count> <ms> <id>...``: the fencing token of the hold it
+#: is meant for (so that only that hold, or one it passes on to, acts on it; a
+#: later hold of the same lease, the task id reused or the message delivered
+#: again, never does), what to do instead (``0 0``: free the lock; else pass it on
+#: to retry ``<count>``'s reservation for ``<ms>`` ms), and the ids of the
+#: deliveries that ended so (how many of the retry's copies did; the same id
+#: again, a request sent again, counts once). A pass-on wins over a free.
 #:
 #: KEYS[1] the lock key; KEYS[2] the word's key
 #: ARGV[1] lease (task id); ARGV[2] the retry count (above 0); ARGV[3] the word's
-#: TTL in ms; ARGV[4] the word: what the execution does with its hold instead ("":
-#: free it)
+#: TTL in ms; ARGV[4] what the hold does instead (``<count> <ms>``, ``0 0`` to free
+#: it); ARGV[5] the id of this delivery's word (no spaces)
 #: Returns 1 when the word was left, 2 when the retry's reservation holds the lock
 #: (nothing changed), 0 otherwise (nothing changed).
 DROPPED = (
@@ -877,7 +885,18 @@ if reserved and count == tonumber(ARGV[2]) then return 2 end
 -- A hold of an earlier delivery of the message: it hands its hold on, and reads
 -- the word as it does.
 if not count or count >= tonumber(ARGV[2]) then return 0 end
-redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
+local fence, word, ids = lock[$FENCE], ARGV[4], ARGV[5]
+local old = redis.call('GET', KEYS[2])
+if old then
+    local for_fence, old_word, seen = string.match(old, '^(%d+) (%d+ %d+) (.*)$$')
+    -- (Another hold's word is stale: this one replaces it.)
+    if for_fence == fence then
+        if string.find(' ' .. seen .. ' ', ' ' .. ids .. ' ', 1, true) then return 1 end
+        if word == '0 0' then word = old_word end
+        ids = seen .. ' ' .. ids
+    end
+end
+redis.call('SET', KEYS[2], fence .. ' ' .. word .. ' ' .. ids, 'PX', ARGV[3])
 return 1
 """)
 )

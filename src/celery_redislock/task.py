@@ -33,8 +33,8 @@ success, exception, soft time limit    released in the body's ``finally``
                                        queued retry (same task id), TTL covering
                                        the countdown (with ``throw=False``, as the
                                        execution ends: freed instead if a delivery
-                                       of the retry ended unrun meanwhile, see
-                                       :func:`free_dropped`)
+                                       of the retry (of each copy sent) ended
+                                       unrun meanwhile, see :func:`free_dropped`)
 ``Ignore``, ``Reject``                 released (``Reject(requeue=True)`` hands an
                                        ``until_executed`` lock to the message's
                                        reservation, for the redelivery)
@@ -107,7 +107,7 @@ from celery_redislock.errors import (
     NoLockError,
     TaskSkippedError,
 )
-from celery_redislock.ids import owner_token
+from celery_redislock.ids import owner_token, request_id
 from celery_redislock.keys import Delivered, KeyBuilder, KeySource
 from celery_redislock.lock import (
     DEFAULT_PREFIX,
@@ -126,10 +126,13 @@ from celery_redislock.lock import (
 )
 from celery_redislock.scripts import (
     DROPPED_SCRIPT,
+    FENCE_FIELD,
     HOLDER_FIELDS,
+    OWNER_FIELD,
     RESERVATION_SUFFIX,
     SEPARATOR,
     Call,
+    decode_lock,
     send,
 )
 from celery_redislock.store import (
@@ -212,7 +215,8 @@ _RUNS_ON = "redislock_runs_on"
 
 #: Request attribute: the retry count and delay (s) of a retry an execution sent
 #: while it runs on (``self.retry(throw=False)``), whose reservation it hands its
-#: hold to as it ends (``until_executed``).
+#: hold to as it ends (``until_executed``), and how many copies of it the
+#: execution sent (each call sends one; the longest delay is kept).
 _SENT_RETRY = "redislock_sent_retry"
 
 
@@ -260,14 +264,28 @@ def dropped_key(name: str, task_id: str, retries: int, prefix: str) -> str:
     return f"{lock_keys(name, prefix).lock}:dropped:{task_id}:{retries}"
 
 
+class _Word(NamedTuple):
+    """The word a delivery of a retry that ended without running left (see
+    :func:`free_dropped`)."""
+
+    #: The fencing token of the hold it was left for.
+    fence: int
+    #: The retry whose reservation that hold goes to instead (0: none, it is freed).
+    then: int
+    #: That reservation's TTL, in ms.
+    ms: int
+    #: How many deliveries of the retry ended so.
+    drops: int
+
+
 def _leave_word(
     client: Client, name: str, task_id: str, prefix: str, retries: int, word: str, ttl: float
 ) -> int:
     """Leave ``word`` (what to do with the hold instead of keeping it for retry
-    ``retries``: ``""`` free it, ``"<count> <ms>"`` pass it on to that retry's
-    reservation for that long) for the holder of an earlier delivery of the
-    message, if one holds lock ``name``: 1 if it did, 2 if the retry's reservation
-    holds it instead (0: neither; nothing changed).
+    ``retries``: ``"0 0"`` free it, ``"<count> <ms>"`` pass it on to that retry's
+    reservation for that long) for the hold of an earlier delivery of the message,
+    if one holds lock ``name``, tied to that hold's fencing token: 1 if it did, 2 if
+    the retry's reservation holds it instead (0: neither; nothing changed).
 
     Raises:
         LockBackendError: the lock store could not be reached.
@@ -276,7 +294,7 @@ def _leave_word(
     ms = max(1, int(max(ttl, DROPPED_WORD_TTL) * 1000))
     call = Call(
         DROPPED_SCRIPT, [key, dropped_key(name, task_id, retries, prefix)],
-        [task_id, retries, ms, word],
+        [task_id, retries, ms, word, request_id()],
     )  # fmt: skip
     with backend_errors(f"leave word beside lock {name!r}"):
         return int(send(router_for(client), key, call, Deadline.after(DEFAULT_CALL_TIMEOUT)))
@@ -292,34 +310,43 @@ def free_dropped(
     A retry's reservation may not be there yet: the execution that sent the retry
     (``self.retry(throw=False)``) may still run on, and hand its hold to the
     reservation only as it ends. Word is then left beside the lock (for at least
-    ``ttl`` seconds, and :data:`DROPPED_WORD_TTL`), which that execution reads as
-    it hands over, and frees the lock instead: nothing would take the reservation
-    over. In one step with the check that it still holds the lock, so that a hold
-    handed over meanwhile is freed here.
+    ``ttl`` seconds, and :data:`DROPPED_WORD_TTL`), tied to that execution's hold
+    (its fencing token), which it reads (and deletes) as it hands over, and frees
+    the lock instead: nothing would take the reservation over. In one step with
+    the check that it still holds the lock, so that a hold handed over meanwhile
+    is freed here. A later hold of the same task id (the id reused, or the message
+    delivered again) never acts on that word.
 
     Raises:
         LockBackendError: the lock store could not be reached.
     """
     if free_queued(client, name, task_id, prefix, retries):
         return True
-    if retries < 1 or _leave_word(client, name, task_id, prefix, retries, "", ttl) != 2:
+    if retries < 1 or _leave_word(client, name, task_id, prefix, retries, "0 0", ttl) != 2:
         return False
     # Handed to the reservation meanwhile.
     return free_queued(client, name, task_id, prefix, retries)
 
 
-def _read_word(client: Client, name: str, task_id: str, retries: int, prefix: str) -> str | None:
-    """The word a delivery of retry ``retries`` left (see :func:`_leave_word`), if any.
+def _take_word(client: Client, name: str, task_id: str, retries: int, prefix: str) -> _Word | None:
+    """The word a delivery of retry ``retries`` left (see :func:`_leave_word`), if
+    any, deleted as it is read: it is read once the hold has gone to that retry's
+    reservation, after which none is left for it, and no other hold acts on it.
 
     Raises:
         LockBackendError: the lock store could not be reached.
     """
     key = dropped_key(name, task_id, retries, prefix)
     with backend_errors(f"read word beside lock {name!r}"):
-        raw = send(router_for(client), key, ("GET", key), Deadline.after(DEFAULT_CALL_TIMEOUT))
+        raw = send(router_for(client), key, ("GETDEL", key), Deadline.after(DEFAULT_CALL_TIMEOUT))
     if raw is None:
         return None
-    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    parts = (raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)).split(" ")
+    numbers = [_number(part) for part in parts[:3]]
+    if len(parts) < 4 or None in numbers:
+        return None
+    fence, then, ms = cast("list[int]", numbers)
+    return _Word(fence, then, ms, len(parts) - 3)
 
 
 def queued_retries(owner: str | None, task_id: str) -> int | None:
@@ -1136,7 +1163,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         running = self._own_hold(task_id, key)
         if running is not None and getattr(self.request, _RUNS_ON, False):
             # The execution runs on: it hands its hold over as it ends.
-            setattr(self.request, _SENT_RETRY, (retries, delay))
+            before = getattr(self.request, _SENT_RETRY, None)
+            sent = (retries, delay, 1)
+            if before is not None and before[0] == retries:
+                # Another copy of the same retry: each must end unrun for a free.
+                sent = (retries, max(delay, before[1]), before[2] + 1)
+            setattr(self.request, _SENT_RETRY, sent)
             running = None
         try:
             # (Making the lock resolves the store: its client may fail to reach it.)
@@ -1291,8 +1323,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         """Celery's ``retry``. With ``throw=False`` the execution runs on after
         sending the retry, so it keeps its lock until it ends (the retry waits for
         it); an ``until_executed`` one then hands the lock to the retry (or frees
-        it, if a delivery of the retry ended without running meanwhile: see
-        :func:`free_dropped`)."""
+        it, if a delivery of the retry ended without running meanwhile, of each
+        copy when it sent the retry more than once: see :func:`free_dropped`)."""
         request = self.request
         runs_on = not throw and not request.called_directly
         if runs_on:
@@ -1570,7 +1602,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                             # (It may wait for its countdown, as one just sent.)
                             retries, ttl = sent[0], opts.enqueue_ttl + sent[1]
                         # (A retry sent as it ran on may have ended unrun meanwhile.)
-                        self._reserve(lock, opts, ttl, retries, heed=sent is not None)
+                        self._reserve(
+                            lock, opts, ttl, retries, heed=sent is not None,
+                            copies=sent[2] if sent is not None else 1,
+                        )  # fmt: skip
                 else:
                     self._release(lock, time.monotonic() - taken, retrying)
 
@@ -1600,7 +1635,14 @@ class SingletonTask(Task):  # type: ignore[misc]
             return False
 
     def _reserve(
-        self, lock: RedisLock, opts: LockOptions, ttl: float, retries: int, heed: bool = False
+        self,
+        lock: RedisLock,
+        opts: LockOptions,
+        ttl: float,
+        retries: int,
+        heed: bool = False,
+        copies: int = 1,
+        fence: int | None = None,
     ) -> bool:
         """Hand an execution's hold to the reservation of its message coming back
         with retry count ``retries``: after ``Reject(requeue=True)`` of an
@@ -1613,9 +1655,37 @@ class SingletonTask(Task):  # type: ignore[misc]
         answer was lost) the lock is freed. Returns whether the hold moved.
 
         With ``heed``, for a retry that was sent while the hold was kept (by the
-        execution running on, or by a start that failed), the hold then goes
-        where the word a delivery of that retry left says, if it ended without
-        running meanwhile (see :meth:`_heed_dropped`)."""
+        execution running on, or by a start that failed; ``copies`` of it), the
+        hold then goes where the word a delivery of that retry left for this hold
+        says, if it ended without running meanwhile (see :meth:`_heed_dropped`).
+        ``fence``: the hold's fencing token, if ``lock`` does not know it (a
+        reservation read, not taken)."""
+        reservation = self._take_reservation(lock, opts, ttl, retries)
+        if reservation is None:
+            return False
+        if heed:
+            held = fence if fence is not None else lock.token
+            try:
+                self._heed_dropped(
+                    reservation, retries, opts, [] if held is None else [held], copies
+                )
+            except LockBackendError as exc:
+                logger.warning(
+                    "could not check whether retry %d of %s[%s] ended without running; "
+                    "if it did, lock %s expires by its TTL: %s",
+                    retries,
+                    self.name,
+                    lock.lease,
+                    lock.name,
+                    exc,
+                )
+        return True
+
+    def _take_reservation(
+        self, lock: RedisLock, opts: LockOptions, ttl: float, retries: int
+    ) -> RedisLock | None:
+        """The reservation of retry ``retries`` (TTL ``ttl``) that ``lock``'s hold
+        was handed to (see :meth:`_reserve`), ``None`` if it did not move."""
         owner = queued_owner(lock.lease, retries)
         try:
             reservation = self._new_lock(
@@ -1632,42 +1702,62 @@ class SingletonTask(Task):  # type: ignore[misc]
                 lock.lease,
                 exc,
             )
-            return False
-        if moved and heed:
-            try:
-                self._heed_dropped(lock.name, lock.lease, retries, opts)
-            except LockBackendError as exc:
-                logger.warning(
-                    "could not check whether retry %d of %s[%s] ended without running; "
-                    "if it did, lock %s expires by its TTL: %s",
-                    retries,
-                    self.name,
-                    lock.lease,
-                    lock.name,
-                    exc,
-                )
-        return moved
+            return None
+        return reservation if moved else None
 
-    def _heed_dropped(self, name: str, task_id: str, retries: int, opts: LockOptions) -> None:
-        """Once the hold of lock ``name`` went to the reservation of retry
-        ``retries`` of ``task_id``: if a delivery of that retry ended without
-        running while the hold was still kept for it (it failed to start, or was
-        dropped as revoked; see :func:`free_dropped`), free the reservation, which
-        nobody would take over, or pass it on to the retry that failed start sent
-        (and heed that one's word in turn).
+    def _heed_dropped(
+        self,
+        reservation: RedisLock,
+        retries: int,
+        opts: LockOptions,
+        fences: list[int],
+        copies: int,
+    ) -> None:
+        """Once a hold (its fencing token among ``fences``) went to ``reservation``,
+        retry ``retries``'s: if a delivery of that retry ended without running
+        while the hold was still kept for it (it failed to start, or was dropped
+        as revoked; see :func:`free_dropped`), free the reservation, which nobody
+        would take over, or pass it on to the retry that failed start sent (and
+        heed that one's word in turn).
+
+        Only word left for that hold is acted on: word left for another hold of
+        the task id (an earlier use of the id, an earlier delivery of the
+        message) is stale, and the reservation is kept for the retry. So it is
+        while fewer deliveries ended unrun than ``copies`` of the retry were sent:
+        another is on its way. Either way the word is gone once read.
 
         Raises:
             LockBackendError: the lock store could not be reached.
         """
-        client = self.lock_client
+        client, name, task_id = self.lock_client, reservation.name, reservation.lease
         # Each word names a later retry: a chain of them ends.
         while True:
-            word = _read_word(client, name, task_id, retries, opts.prefix)
+            word = _take_word(client, name, task_id, retries, opts.prefix)
             if word is None:
                 return
-            count, _, ms = word.partition(" ")
-            then, ttl = _number(count), _number(ms)
-            if then is None or ttl is None or then <= retries:
+            if word.fence not in fences:
+                logger.info(
+                    "%s[%s]: word left for another hold of lock %s about its retry %d "
+                    "ignored; the lock is kept for that retry",
+                    self.name,
+                    task_id,
+                    name,
+                    retries,
+                )
+                return
+            if word.drops < copies:
+                logger.info(
+                    "%s[%s]: %d of the %d copies of its retry %d ended without running; "
+                    "lock %s is kept for the others",
+                    self.name,
+                    task_id,
+                    word.drops,
+                    copies,
+                    retries,
+                    name,
+                )
+                return
+            if word.then <= retries:
                 logger.info(
                     "%s[%s]: its retry %d ended without running; lock %s freed",
                     self.name,
@@ -1677,13 +1767,12 @@ class SingletonTask(Task):  # type: ignore[misc]
                 )
                 free_queued(client, name, task_id, opts.prefix, retries)
                 return
-            reservation = self._new_lock(
-                name, task_id, queued_owner(task_id, retries), opts.enqueue_ttl,
-                heartbeat=False, opts=opts,
-            )  # fmt: skip
-            if not self._reserve(reservation, opts, ttl / 1000, then):
+            following = self._take_reservation(reservation, opts, word.ms / 1000, word.then)
+            if following is None:
                 return
-            retries = then
+            if reservation.token is not None:
+                fences.append(reservation.token)
+            reservation, retries, copies = following, word.then, 1
 
     def _start_failed(self, exc: BaseException) -> None:
         """Give back what the execution of the current request holds, whose
@@ -1784,14 +1873,32 @@ class SingletonTask(Task):  # type: ignore[misc]
             name, task_id, queued_owner(task_id, retries), opts.enqueue_ttl,
             heartbeat=False, opts=opts,
         )  # fmt: skip
-        if self._reserve(reservation, opts, kept[1], kept[0], heed=True):
+        # (Word left for the reservation names its fencing token.)
+        fence = self._reserved_fence(reservation)
+        if self._reserve(reservation, opts, kept[1], kept[0], heed=True, fence=fence):
             return
         if not retries or opts.strategy != UNTIL_EXECUTED:
             return
         word = f"{kept[0]} {max(1, int(kept[1] * 1000))}"
         if _leave_word(self.lock_client, name, task_id, opts.prefix, retries, word, kept[1]) == 2:
             # Handed to this retry's reservation meanwhile.
-            self._reserve(reservation, opts, kept[1], kept[0], heed=True)
+            fence = self._reserved_fence(reservation)
+            self._reserve(reservation, opts, kept[1], kept[0], heed=True, fence=fence)
+
+    def _reserved_fence(self, reservation: RedisLock) -> int | None:
+        """The fencing token of ``reservation``'s hold, if it holds its lock (a
+        read: the hold was made by another).
+
+        Raises:
+            LockBackendError: the lock store could not be reached.
+        """
+        key, deadline = reservation.key, Deadline.after(DEFAULT_CALL_TIMEOUT)
+        with backend_errors(f"read lock {reservation.name!r}"):
+            raw = send(router_for(self.lock_client), key, ("GET", key), deadline)
+        fields = decode_lock(raw)
+        if fields.get(OWNER_FIELD) != reservation.owner:
+            return None
+        return _number(fields.get(FENCE_FIELD, ""))
 
     def _give_back_ahead(
         self, sent: SentAcquire, opts: LockOptions, kept: tuple[int, float] | None
