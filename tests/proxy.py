@@ -49,6 +49,8 @@ class _Link:
         self.reset_requested = False
         # A black hole of this connection's own (see FaultProxy.silence_open).
         self.silenced = False
+        # The reply to the request just forwarded is to be lost (drop_reply_to).
+        self.drop_next_reply = False
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="fault-proxy-link", daemon=True)
 
@@ -104,12 +106,14 @@ class _Link:
                 if client in ready:
                     data = client.recv(65536)
                     client_open = bool(data)
+                    if data and proxy.take_marked(data):
+                        self.drop_next_reply = True
                     if data and not self.dark:
                         to_server.append((time.monotonic() + proxy.latency, data))
                 if upstream in ready:
                     data = upstream.recv(65536)
                     upstream_open = bool(data)
-                    if data and proxy.take_drop():
+                    if data and (self.drop_next_reply or proxy.take_drop()):
                         # The reply exists, so the server ran the command: lose it.
                         _reset(client)
                         return
@@ -142,6 +146,7 @@ class FaultProxy:
     * :meth:`set_latency` delays every chunk in both directions;
     * :meth:`reset_all` resets every open connection once;
     * :meth:`drop_replies` lets requests through but loses replies and resets;
+    * :meth:`drop_reply_to` does that to the reply to a request naming a marker;
     * :meth:`refuse` resets new connections as soon as they are accepted;
     * :meth:`close_port` stops listening, so the system refuses new connections;
     * :meth:`blackhole` forwards nothing and closes nothing;
@@ -158,6 +163,12 @@ class FaultProxy:
         self.refusing = False
         self._drops_left: int | None = 0  # None: drop every reply until heal()
         self._close_after_drops = False
+        # drop_reply_to(): the marker, how many such requests pass first, how many
+        # replies to lose.
+        self._marker = b""
+        self._marked_skip = 0
+        self._marked_left = 0
+        self.marked_drops = 0
         self._guard = threading.Lock()
         self._links: list[_Link] = []
         self._accepted = 0
@@ -297,6 +308,30 @@ class FaultProxy:
             self._close_port()
         return True
 
+    def drop_reply_to(self, marker: bytes, count: int = 1, skip: int = 0) -> None:
+        """Lose the replies to the next ``count`` requests whose bytes contain
+        ``marker``, after ``skip`` of them went through, as :meth:`drop_replies`
+        does: each runs on the server, and its connection is reset before the reply
+        arrives. For a client that waits for each reply before its next request
+        (no pipelining); :attr:`marked_drops` counts the replies lost so."""
+        if count < 0 or skip < 0:
+            raise ValueError("count and skip cannot be negative")
+        with self._guard:
+            self._marker, self._marked_skip, self._marked_left = marker, skip, count
+
+    def take_marked(self, data: bytes) -> bool:
+        """Whether the reply to the request ``data`` is to be lost (uses up one
+        drop of :meth:`drop_reply_to`)."""
+        with self._guard:
+            if self._marked_left == 0 or self._marker not in data:
+                return False
+            if self._marked_skip:
+                self._marked_skip -= 1
+                return False
+            self._marked_left -= 1
+            self.marked_drops += 1
+            return True
+
     def refuse(self) -> None:
         """Reset each new connection right after accepting it; open ones keep working."""
         self.refusing = True
@@ -334,6 +369,7 @@ class FaultProxy:
         with self._guard:
             self._drops_left = 0
             self._close_after_drops = False
+            self._marked_left = 0
         self.latency = 0.0
         self.refusing = False
         self.blackholed = False

@@ -27,6 +27,7 @@ from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.task import REDELIVERY_GRACE, free_queued, queued_owner, skipped_result
+from tests.proxy import FaultProxy
 from tests.support import close_app, field, in_process_worker, make_app, wait_for
 
 
@@ -1113,3 +1114,109 @@ def test_a_retry_sent_twice_as_its_sender_runs_on_keeps_the_lock_while_a_copy_ma
         task_failure.disconnect(on_failure, sender=job)
         task_postrun.disconnect(on_postrun, sender=job)
     assert _words(redislock_client) == []
+
+
+@pytest.mark.parametrize("lost", ["read", "delete"])
+def test_a_lost_answer_about_the_word_a_failed_retry_left_still_frees_the_lock(
+    redislock_server: RedisServer, redislock_client: redis.Redis, lost: str
+) -> None:
+    """``until_executed``: the retry an execution sent with ``self.retry(throw=False)``
+    fails to start while the execution runs on, and leaves word to free the lock. As
+    the execution ends, the answer to its read of that word (or to its delete of it)
+    is lost after the server ran it, and the request is sent again: the lock is
+    freed all the same, and no word is left behind."""
+    failed = threading.Event()
+    seen: dict[str, str | None] = {}
+    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+        app = make_app(redislock_server.url, "lostword")
+        app.conf.redislock_url = proxy.url_for(0)
+
+        class FailsOnRetry(SingletonTask):
+            def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+                if self.request.retries:
+                    raise RuntimeError("not ready for the retry")
+
+        @app.task(
+            base=FailsOnRetry, bind=True, shared=False, lock_strategy="until_executed",
+            lock_ttl=30, lock_enqueue_ttl=600, max_retries=1,
+        )  # fmt: skip
+        def job(self: SingletonTask) -> None:
+            if self.request.retries == 0:
+                self.retry(countdown=0, throw=False)
+                wait_for(failed.is_set, what="the retry's start to fail")
+                wait_for(lambda: _words(redislock_client), what="the retry's word")
+                # The first request about the word from here on is the read.
+                proxy.drop_reply_to(_words(redislock_client)[0], skip=int(lost == "delete"))
+
+        key = lock_keys(job.lock_name((), {})).lock
+
+        def on_postrun(task: Any = None, **_: Any) -> None:
+            if not task.request.retries:
+                seen["owner"] = field(redislock_client, key, OWNER_FIELD)
+
+        task_failure.connect(lambda **_: failed.set(), sender=job, weak=False)
+        task_postrun.connect(on_postrun, sender=job, weak=False)
+        try:
+            with in_process_worker(app, concurrency=2):
+                job.delay()
+                wait_for(lambda: "owner" in seen, what="the sender to end")
+        finally:
+            task_postrun.disconnect(on_postrun, sender=job)
+            close_app(app)
+        assert proxy.marked_drops == 1
+    assert seen["owner"] is None
+    assert _words(redislock_client) == []
+
+
+@pytest.mark.parametrize("propagates", [False, True], ids=["caught", "propagates"])
+def test_a_retry_whose_send_failed_is_not_counted_as_sent(
+    app: Celery, redislock_client: redis.Redis, propagates: bool
+) -> None:
+    """``until_executed``: ``self.retry(throw=False)`` whose send fails (its
+    arguments cannot be serialized: Celery raises ``Reject``, nothing was sent)
+    sends no copy that could take the lock over. Caught, and the retry sent again
+    (one message), which fails to start while the execution runs on: the lock is
+    free as the execution ends, not kept for a second copy. Propagated: the
+    execution ends with the lock free, not handed to the reservation of a retry
+    that never comes."""
+    failed = threading.Event()
+    errors: list[BaseException] = []
+    seen: dict[str, str | None] = {}
+
+    class FailsOnRetry(SingletonTask):
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            if self.request.retries:
+                raise RuntimeError("not ready for the retry")
+
+    @app.task(
+        base=FailsOnRetry, bind=True, shared=False, lock_strategy="until_executed",
+        lock_key="fixed", lock_ttl=30, lock_enqueue_ttl=600, max_retries=3,
+    )  # fmt: skip
+    def job(self: SingletonTask, **_: Any) -> None:
+        if self.request.retries:
+            return
+        if propagates:
+            self.retry(kwargs={"unsendable": object()}, countdown=0, throw=False)
+        try:
+            self.retry(kwargs={"unsendable": object()}, countdown=0, throw=False)
+        except Reject as exc:
+            errors.append(exc)
+        self.retry(countdown=0, throw=False)
+        wait_for(failed.is_set, what="the retry's start to fail")
+
+    key = lock_keys(job.lock_name((), {})).lock
+
+    def on_postrun(task: Any = None, **_: Any) -> None:
+        if not task.request.retries:
+            seen["owner"] = field(redislock_client, key, OWNER_FIELD)
+
+    task_failure.connect(lambda **_: failed.set(), sender=job, weak=False)
+    task_postrun.connect(on_postrun, sender=job, weak=False)
+    try:
+        with in_process_worker(app, concurrency=2):
+            job.delay()
+            wait_for(lambda: "owner" in seen, what="the sender to end")
+    finally:
+        task_postrun.disconnect(on_postrun, sender=job)
+    assert seen["owner"] is None
+    assert len(errors) == int(not propagates)

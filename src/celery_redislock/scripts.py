@@ -902,6 +902,19 @@ return 1
 )
 
 
+#: Delete the word a delivery of a retry left (see :data:`DROPPED`) once the hold
+#: it was left for has acted on it, only if it still reads as it did: sent again
+#: after its answer was lost, it deletes nothing more.
+#:
+#: KEYS[1] the word's key; ARGV[1] the word as it was read
+#: Returns 1 when the word was deleted, 0 when it was gone or changed (nothing
+#: changed).
+FORGET_WORD = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 def decode_lock(raw: bytes | str | None) -> dict[str, str]:
     """A lock key's value as its fields (stored name -> value), the empty ones left
     out; ``{}`` for no value."""
@@ -956,6 +969,7 @@ RELEASE_LEASE_SCRIPT = Script("RELEASE_LEASE", RELEASE_LEASE)
 FORCE_RELEASE_SCRIPT = Script("FORCE_RELEASE", FORCE_RELEASE)
 LEAVE_SCRIPT = Script("LEAVE", LEAVE)
 DROPPED_SCRIPT = Script("DROPPED", DROPPED)
+FORGET_WORD_SCRIPT = Script("FORGET_WORD", FORGET_WORD)
 
 
 def run_calls(

@@ -127,6 +127,7 @@ from celery_redislock.lock import (
 from celery_redislock.scripts import (
     DROPPED_SCRIPT,
     FENCE_FIELD,
+    FORGET_WORD_SCRIPT,
     HOLDER_FIELDS,
     OWNER_FIELD,
     RESERVATION_SUFFIX,
@@ -216,7 +217,8 @@ _RUNS_ON = "redislock_runs_on"
 #: Request attribute: the retry count and delay (s) of a retry an execution sent
 #: while it runs on (``self.retry(throw=False)``), whose reservation it hands its
 #: hold to as it ends (``until_executed``), and how many copies of it the
-#: execution sent (each call sends one; the longest delay is kept).
+#: execution sent (each call whose send returned counts one; the longest delay is
+#: kept).
 _SENT_RETRY = "redislock_sent_retry"
 
 
@@ -276,6 +278,8 @@ class _Word(NamedTuple):
     ms: int
     #: How many deliveries of the retry ended so.
     drops: int
+    #: The word as it was read.
+    text: str
 
 
 def _leave_word(
@@ -328,25 +332,44 @@ def free_dropped(
     return free_queued(client, name, task_id, prefix, retries)
 
 
-def _take_word(client: Client, name: str, task_id: str, retries: int, prefix: str) -> _Word | None:
+def _read_word(client: Client, name: str, task_id: str, retries: int, prefix: str) -> _Word | None:
     """The word a delivery of retry ``retries`` left (see :func:`_leave_word`), if
-    any, deleted as it is read: it is read once the hold has gone to that retry's
-    reservation, after which none is left for it, and no other hold acts on it.
+    any. Only read (a read whose answer was lost is sent again, and finds it
+    still there): the hold it was left for deletes it once it acted on it (see
+    :func:`_forget_word`).
 
     Raises:
         LockBackendError: the lock store could not be reached.
     """
     key = dropped_key(name, task_id, retries, prefix)
     with backend_errors(f"read word beside lock {name!r}"):
-        raw = send(router_for(client), key, ("GETDEL", key), Deadline.after(DEFAULT_CALL_TIMEOUT))
+        raw = send(router_for(client), key, ("GET", key), Deadline.after(DEFAULT_CALL_TIMEOUT))
     if raw is None:
         return None
-    parts = (raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)).split(" ")
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    parts = text.split(" ")
     numbers = [_number(part) for part in parts[:3]]
     if len(parts) < 4 or None in numbers:
         return None
     fence, then, ms = cast("list[int]", numbers)
-    return _Word(fence, then, ms, len(parts) - 3)
+    return _Word(fence, then, ms, len(parts) - 3, text)
+
+
+def _forget_word(
+    client: Client, name: str, task_id: str, retries: int, prefix: str, word: _Word
+) -> None:
+    """Delete ``word``, read by :func:`_read_word`, once it was acted on: after
+    the hold went to retry ``retries``'s reservation, none is left for it, and no
+    other hold acts on it. Only if it still reads the same, so that a delete sent
+    again (its answer lost) is harmless. A word that cannot be deleted is left to
+    expire: no hold acts on it again."""
+    key = dropped_key(name, task_id, retries, prefix)
+    call = Call(FORGET_WORD_SCRIPT, [key], [word.text])
+    try:
+        with backend_errors(f"delete word beside lock {name!r}"):
+            send(router_for(client), key, call, Deadline.after(DEFAULT_CALL_TIMEOUT))
+    except LockBackendError as exc:
+        logger.info("word %s, acted on, is left to expire: %s", key, exc)
 
 
 def queued_retries(owner: str | None, task_id: str) -> int | None:
@@ -1161,6 +1184,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
         retries = _retries(options.get("retries"))
         running = self._own_hold(task_id, key)
+        # What the execution records once the retry is sent (only then: a send
+        # that raises sent no copy that could take the hold over).
+        sent: tuple[int, float, int] | None = None
         if running is not None and getattr(self.request, _RUNS_ON, False):
             # The execution runs on: it hands its hold over as it ends.
             before = getattr(self.request, _SENT_RETRY, None)
@@ -1168,7 +1194,6 @@ class SingletonTask(Task):  # type: ignore[misc]
             if before is not None and before[0] == retries:
                 # Another copy of the same retry: each must end unrun for a free.
                 sent = (retries, max(delay, before[1]), before[2] + 1)
-            setattr(self.request, _SENT_RETRY, sent)
             running = None
         try:
             # (Making the lock resolves the store: its client may fail to reach it.)
@@ -1187,7 +1212,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             self._unavailable(key, task_id, exc, opts)
             if opts.on_redis_error == "run":
                 logger.warning("%s; enqueuing %s[%s] unlocked", exc, self.name, task_id)
-                return super().apply_async(args, kwargs, task_id, **options)
+                return self._publish(args, kwargs, task_id, options, sent)
             raise
         if not acquired:
             self._drop_start_hold(running)
@@ -1208,7 +1233,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     holder,
                     key,
                 )
-                return super().apply_async(args, kwargs, task_id, **options)
+                return self._publish(args, kwargs, task_id, options, sent)
             logger.info("%s: duplicate of %s not enqueued (lock %s)", self.name, holder, key)
             _send(signals.lock_conflict, self, key, task_id=task_id, holder=holder, action="dedup")
             if opts.on_duplicate == "raise":
@@ -1217,7 +1242,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 return self.AsyncResult(holder)
             raise LockConflictError(key, holder)
         try:
-            return super().apply_async(args, kwargs, task_id, **options)
+            return self._publish(args, kwargs, task_id, options, sent)
         except BaseException:
             # Nothing was sent: free the key for the next attempt.
             try:
@@ -1225,6 +1250,23 @@ class SingletonTask(Task):  # type: ignore[misc]
             except LockBackendError as exc:
                 logger.warning("could not free %s after a failed send: %s", key, exc)
             raise
+
+    def _publish(
+        self,
+        args: Any,
+        kwargs: Any,
+        task_id: str,
+        options: dict[str, Any],
+        sent: tuple[int, float, int] | None,
+    ) -> Any:
+        """Send the message (Celery's ``apply_async``); once it is sent, record
+        ``sent`` on the running execution: the retry it sent as it runs on (see
+        :data:`_SENT_RETRY`). A send that raises records nothing, so the execution
+        does not keep its hold for a copy that was never sent."""
+        result = super().apply_async(args, kwargs, task_id, **options)
+        if sent is not None:
+            setattr(self.request, _SENT_RETRY, sent)
+        return result
 
     def apply(self, *args: Any, **options: Any) -> Any:
         """Run the task here and now (Celery's ``apply``, with its arguments), locked
@@ -1724,7 +1766,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         the task id (an earlier use of the id, an earlier delivery of the
         message) is stale, and the reservation is kept for the retry. So it is
         while fewer deliveries ended unrun than ``copies`` of the retry were sent:
-        another is on its way. Either way the word is gone once read.
+        another is on its way. Either way the word is deleted once acted on.
 
         Raises:
             LockBackendError: the lock store could not be reached.
@@ -1732,47 +1774,68 @@ class SingletonTask(Task):  # type: ignore[misc]
         client, name, task_id = self.lock_client, reservation.name, reservation.lease
         # Each word names a later retry: a chain of them ends.
         while True:
-            word = _take_word(client, name, task_id, retries, opts.prefix)
+            word = _read_word(client, name, task_id, retries, opts.prefix)
             if word is None:
                 return
-            if word.fence not in fences:
-                logger.info(
-                    "%s[%s]: word left for another hold of lock %s about its retry %d "
-                    "ignored; the lock is kept for that retry",
-                    self.name,
-                    task_id,
-                    name,
-                    retries,
-                )
-                return
-            if word.drops < copies:
-                logger.info(
-                    "%s[%s]: %d of the %d copies of its retry %d ended without running; "
-                    "lock %s is kept for the others",
-                    self.name,
-                    task_id,
-                    word.drops,
-                    copies,
-                    retries,
-                    name,
-                )
-                return
-            if word.then <= retries:
-                logger.info(
-                    "%s[%s]: its retry %d ended without running; lock %s freed",
-                    self.name,
-                    task_id,
-                    retries,
-                    name,
-                )
-                free_queued(client, name, task_id, opts.prefix, retries)
-                return
-            following = self._take_reservation(reservation, opts, word.ms / 1000, word.then)
+            following = self._heed_word(reservation, word, retries, opts, fences, copies)
+            _forget_word(client, name, task_id, retries, opts.prefix, word)
             if following is None:
                 return
             if reservation.token is not None:
                 fences.append(reservation.token)
             reservation, retries, copies = following, word.then, 1
+
+    def _heed_word(
+        self,
+        reservation: RedisLock,
+        word: _Word,
+        retries: int,
+        opts: LockOptions,
+        fences: list[int],
+        copies: int,
+    ) -> RedisLock | None:
+        """Act on ``word``, left by a delivery of retry ``retries`` whose
+        reservation holds the lock now (see :meth:`_heed_dropped`): the reservation
+        of the retry it is passed on to, if it was; ``None`` if it was kept or
+        freed.
+
+        Raises:
+            LockBackendError: the lock store could not be reached.
+        """
+        client, name, task_id = self.lock_client, reservation.name, reservation.lease
+        if word.fence not in fences:
+            logger.info(
+                "%s[%s]: word left for another hold of lock %s about its retry %d "
+                "ignored; the lock is kept for that retry",
+                self.name,
+                task_id,
+                name,
+                retries,
+            )
+            return None
+        if word.drops < copies:
+            logger.info(
+                "%s[%s]: %d of the %d copies of its retry %d ended without running; "
+                "lock %s is kept for the others",
+                self.name,
+                task_id,
+                word.drops,
+                copies,
+                retries,
+                name,
+            )
+            return None
+        if word.then <= retries:
+            logger.info(
+                "%s[%s]: its retry %d ended without running; lock %s freed",
+                self.name,
+                task_id,
+                retries,
+                name,
+            )
+            free_queued(client, name, task_id, opts.prefix, retries)
+            return None
+        return self._take_reservation(reservation, opts, word.ms / 1000, word.then)
 
     def _start_failed(self, exc: BaseException) -> None:
         """Give back what the execution of the current request holds, whose
