@@ -45,9 +45,9 @@ worker drops the message, when ``lock_enqueue_ttl`` runs out, or with
 ``celery redislock release``.
 
 Only a lock still owned by the message — its owner is
-:func:`~celery_redislock.task.queued_owner` of the task id — is freed, by an
-owner-checked release: once an execution has taken the lock over, nothing here
-touches it, so a revoke that reaches a task already running (Celery lets it
+:func:`~celery_redislock.reservations.queued_owner` of the task id — is freed,
+by an owner-checked release: once an execution has taken the lock over, nothing
+here touches it, so a revoke that reaches a task already running (Celery lets it
 finish, or with ``terminate`` signals it: its hold is left to its end), a copy of
 a message waiting here for its ETA while another delivery of it runs, or several
 workers freeing the same lock do no harm. A ``terminate`` the pool cannot carry
@@ -77,14 +77,9 @@ from redis.cluster import RedisCluster
 
 from celery_redislock.early import HANDED_TO_POOL
 from celery_redislock.lock import name_from_key
+from celery_redislock.reservations import free_queued, queued_retries
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD, decode_lock
-from celery_redislock.task import (
-    WHILE_EXECUTING,
-    SingletonTask,
-    free_queued,
-    queued_retries,
-    request_retries,
-)
+from celery_redislock.task import WHILE_EXECUTING, SingletonTask, request_retries
 from celery_redislock.transport import Client
 
 logger = logging.getLogger(__name__)

@@ -196,10 +196,11 @@ GRANTED_TO = "g:"
 #: What ends the owner token of a hold that reserves the lock for its lease (a
 #: message sent but not yet started). ``<task id>:queued`` is handed to the first
 #: other owner of the lease that asks. A retry's, ``<task id>:<retries>:queued``
-#: (see :func:`~celery_redislock.task.queued_owner`), goes only to an acquire that
-#: names it, as any other hold changes owner only when its holder hands it over
-#: (an acquire that names the holder's owner token: a task handing its lock to
-#: its own retry): a copy of an older delivery of the message does not take it.
+#: (see :func:`~celery_redislock.reservations.queued_owner`), goes only to an
+#: acquire that names it, as any other hold changes owner only when its holder
+#: hands it over (an acquire that names the holder's owner token: a task handing
+#: its lock to its own retry): a copy of an older delivery of the message does
+#: not take it.
 #: Two owners of one lease exclude each other like any two owners, so that a
 #: message delivered twice never runs twice at once.
 RESERVATION_SUFFIX = ":queued"

@@ -34,7 +34,8 @@ success, exception, soft time limit    released in the body's ``finally``
                                        the countdown (with ``throw=False``, as the
                                        execution ends: freed instead if a delivery
                                        of the retry (of each copy sent) ended
-                                       unrun meanwhile, see :func:`free_dropped`)
+                                       unrun meanwhile, see
+                                       :mod:`celery_redislock.dropped`)
 ``Ignore``, ``Reject``                 released (``Reject(requeue=True)`` hands an
                                        ``until_executed`` lock to the message's
                                        reservation, for the redelivery)
@@ -98,16 +99,19 @@ from kombu import serialization
 
 from celery_redislock import signals
 from celery_redislock.client import check_url
+from celery_redislock.dropped import DROPPED_WORD_TTL as DROPPED_WORD_TTL
+from celery_redislock.dropped import Word, forget_word, leave_word, read_word
+from celery_redislock.dropped import dropped_key as dropped_key
+from celery_redislock.dropped import free_dropped as free_dropped
 from celery_redislock.errors import (
     DuplicateTaskError,
     LockBackendError,
     LockConflictError,
     LockLostError,
-    LockNotOwnedError,
     NoLockError,
     TaskSkippedError,
 )
-from celery_redislock.ids import owner_token, request_id
+from celery_redislock.ids import owner_token
 from celery_redislock.keys import Delivered, KeyBuilder, KeySource
 from celery_redislock.lock import (
     DEFAULT_PREFIX,
@@ -121,18 +125,17 @@ from celery_redislock.lock import (
     check_stored,
     check_timeout,
     check_ttl,
-    lock_keys,
     release_lease,
 )
+from celery_redislock.reservations import ascii_number
+from celery_redislock.reservations import free_queued as free_queued
+from celery_redislock.reservations import queued_owner as queued_owner
+from celery_redislock.reservations import queued_retries as queued_retries
 from celery_redislock.scripts import (
-    DROPPED_SCRIPT,
     FENCE_FIELD,
-    FORGET_WORD_SCRIPT,
     HOLDER_FIELDS,
     OWNER_FIELD,
-    RESERVATION_SUFFIX,
     SEPARATOR,
-    Call,
     decode_lock,
     send,
 )
@@ -222,167 +225,6 @@ _RUNS_ON = "redislock_runs_on"
 _SENT_RETRY = "redislock_sent_retry"
 
 
-def queued_owner(task_id: str, retries: int = 0) -> str:
-    """The owner token of the lock ``apply_async`` takes for a message it sends
-    (``retries``: the message's retry count).
-
-    Only that message's own execution (same task id, same lease) replaces it, with
-    an owner of its own; so a lock still owned by this token belongs to a message
-    nobody has started yet. A retry's reservation (``retries`` above 0) names its
-    retry count, and only a delivery with that count takes it over: a copy of an
-    earlier delivery of the message (delivered again by the broker) does not.
-    """
-    if retries > 0:
-        return f"{task_id}:{retries}{RESERVATION_SUFFIX}"
-    return task_id + RESERVATION_SUFFIX
-
-
-def free_queued(client: Client, name: str, task_id: str, prefix: str, retries: int = 0) -> bool:
-    """Free lock ``name`` if the message of ``task_id`` (``retries``: its retry
-    count) still owns it, by its reservation (:func:`queued_owner`); return whether
-    it did.
-
-    The release compares the owner on the server: a lock an execution has taken
-    over (with an owner of its own) is left alone.
-    """
-    owner = queued_owner(task_id, retries)
-    lock = RedisLock(client, name, owner=owner, lease=task_id, heartbeat=False, prefix=prefix)
-    try:
-        lock.release()
-    except LockNotOwnedError:
-        return False
-    return True
-
-
-#: Seconds, at least, the word that a retry's delivery ended without running lasts
-#: (see :func:`free_dropped`): the execution that sent the retry and runs on
-#: reads it as it ends, if that is within this time.
-DROPPED_WORD_TTL = 86_400.0
-
-
-def dropped_key(name: str, task_id: str, retries: int, prefix: str) -> str:
-    """The key of the word that a delivery of retry ``retries`` of ``task_id``
-    ended without running, beside lock ``name``'s key (in its cluster slot)."""
-    return f"{lock_keys(name, prefix).lock}:dropped:{task_id}:{retries}"
-
-
-class _Word(NamedTuple):
-    """The word a delivery of a retry that ended without running left (see
-    :func:`free_dropped`)."""
-
-    #: The fencing token of the hold it was left for.
-    fence: int
-    #: The retry whose reservation that hold goes to instead (0: none, it is freed).
-    then: int
-    #: That reservation's TTL, in ms.
-    ms: int
-    #: How many deliveries of the retry ended so.
-    drops: int
-    #: The word as it was read.
-    text: str
-
-
-def _leave_word(
-    client: Client, name: str, task_id: str, prefix: str, retries: int, word: str, ttl: float
-) -> int:
-    """Leave ``word`` (what to do with the hold instead of keeping it for retry
-    ``retries``: ``"0 0"`` free it, ``"<count> <ms>"`` pass it on to that retry's
-    reservation for that long) for the hold of an earlier delivery of the message,
-    if one holds lock ``name``, tied to that hold's fencing token: 1 if it did, 2 if
-    the retry's reservation holds it instead (0: neither; nothing changed).
-
-    Raises:
-        LockBackendError: the lock store could not be reached.
-    """
-    key = lock_keys(name, prefix).lock
-    ms = max(1, int(max(ttl, DROPPED_WORD_TTL) * 1000))
-    call = Call(
-        DROPPED_SCRIPT, [key, dropped_key(name, task_id, retries, prefix)],
-        [task_id, retries, ms, word, request_id()],
-    )  # fmt: skip
-    with backend_errors(f"leave word beside lock {name!r}"):
-        return int(send(router_for(client), key, call, Deadline.after(DEFAULT_CALL_TIMEOUT)))
-
-
-def free_dropped(
-    client: Client, name: str, task_id: str, prefix: str, retries: int, ttl: float
-) -> bool:
-    """Free lock ``name`` for a delivery of ``task_id``'s message (``retries``: its
-    retry count) that ended without running, as :func:`free_queued` does; return
-    whether it did.
-
-    A retry's reservation may not be there yet: the execution that sent the retry
-    (``self.retry(throw=False)``) may still run on, and hand its hold to the
-    reservation only as it ends. Word is then left beside the lock (for at least
-    ``ttl`` seconds, and :data:`DROPPED_WORD_TTL`), tied to that execution's hold
-    (its fencing token), which it reads (and deletes) as it hands over, and frees
-    the lock instead: nothing would take the reservation over. In one step with
-    the check that it still holds the lock, so that a hold handed over meanwhile
-    is freed here. A later hold of the same task id (the id reused, or the message
-    delivered again) never acts on that word.
-
-    Raises:
-        LockBackendError: the lock store could not be reached.
-    """
-    if free_queued(client, name, task_id, prefix, retries):
-        return True
-    if retries < 1 or _leave_word(client, name, task_id, prefix, retries, "0 0", ttl) != 2:
-        return False
-    # Handed to the reservation meanwhile.
-    return free_queued(client, name, task_id, prefix, retries)
-
-
-def _read_word(client: Client, name: str, task_id: str, retries: int, prefix: str) -> _Word | None:
-    """The word a delivery of retry ``retries`` left (see :func:`_leave_word`), if
-    any. Only read (a read whose answer was lost is sent again, and finds it
-    still there): the hold it was left for deletes it once it acted on it (see
-    :func:`_forget_word`).
-
-    Raises:
-        LockBackendError: the lock store could not be reached.
-    """
-    key = dropped_key(name, task_id, retries, prefix)
-    with backend_errors(f"read word beside lock {name!r}"):
-        raw = send(router_for(client), key, ("GET", key), Deadline.after(DEFAULT_CALL_TIMEOUT))
-    if raw is None:
-        return None
-    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-    parts = text.split(" ")
-    numbers = [_number(part) for part in parts[:3]]
-    if len(parts) < 4 or None in numbers:
-        return None
-    fence, then, ms = cast("list[int]", numbers)
-    return _Word(fence, then, ms, len(parts) - 3, text)
-
-
-def _forget_word(
-    client: Client, name: str, task_id: str, retries: int, prefix: str, word: _Word
-) -> None:
-    """Delete ``word``, read by :func:`_read_word`, once it was acted on: after
-    the hold went to retry ``retries``'s reservation, none is left for it, and no
-    other hold acts on it. Only if it still reads the same, so that a delete sent
-    again (its answer lost) is harmless. A word that cannot be deleted is left to
-    expire: no hold acts on it again."""
-    key = dropped_key(name, task_id, retries, prefix)
-    call = Call(FORGET_WORD_SCRIPT, [key], [word.text])
-    try:
-        with backend_errors(f"delete word beside lock {name!r}"):
-            send(router_for(client), key, call, Deadline.after(DEFAULT_CALL_TIMEOUT))
-    except LockBackendError as exc:
-        logger.info("word %s, acted on, is left to expire: %s", key, exc)
-
-
-def queued_retries(owner: str | None, task_id: str) -> int | None:
-    """The retry count of the message whose reservation (:func:`queued_owner`) of
-    ``task_id`` owner token ``owner`` is; ``None`` if it is none of them."""
-    if owner is None or not owner.startswith(task_id) or not owner.endswith(RESERVATION_SUFFIX):
-        return None
-    middle = owner[len(task_id) : -len(RESERVATION_SUFFIX)]
-    if not middle:
-        return 0
-    return _number(middle[1:]) if middle[0] == ":" else None
-
-
 def _execution_owner(retries: int) -> str:
     """A new owner token for an execution of a message with retry count ``retries``,
     which a retry's (above 0) names, as its reservation does."""
@@ -396,12 +238,7 @@ def _generation(owner: str | None, task_id: str) -> int:
     if queued is not None:
         return queued
     _, colon, count = (owner or "").rpartition(":")
-    return (_number(count) or 0) if colon else 0
-
-
-def _number(text: str) -> int | None:
-    """``text`` as a number, if it is written in ASCII digits only."""
-    return int(text) if text.isascii() and text.isdigit() else None
+    return (ascii_number(count) or 0) if colon else 0
 
 
 def _retries(value: object) -> int:
@@ -1774,11 +1611,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         client, name, task_id = self.lock_client, reservation.name, reservation.lease
         # Each word names a later retry: a chain of them ends.
         while True:
-            word = _read_word(client, name, task_id, retries, opts.prefix)
+            word = read_word(client, name, task_id, retries, opts.prefix)
             if word is None:
                 return
             following = self._heed_word(reservation, word, retries, opts, fences, copies)
-            _forget_word(client, name, task_id, retries, opts.prefix, word)
+            forget_word(client, name, task_id, retries, opts.prefix, word)
             if following is None:
                 return
             if reservation.token is not None:
@@ -1788,7 +1625,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _heed_word(
         self,
         reservation: RedisLock,
-        word: _Word,
+        word: Word,
         retries: int,
         opts: LockOptions,
         fences: list[int],
@@ -1943,7 +1780,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         if not retries or opts.strategy != UNTIL_EXECUTED:
             return
         word = f"{kept[0]} {max(1, int(kept[1] * 1000))}"
-        if _leave_word(self.lock_client, name, task_id, opts.prefix, retries, word, kept[1]) == 2:
+        if leave_word(self.lock_client, name, task_id, opts.prefix, retries, word, kept[1]) == 2:
             # Handed to this retry's reservation meanwhile.
             fence = self._reserved_fence(reservation)
             self._reserve(reservation, opts, kept[1], kept[0], heed=True, fence=fence)
@@ -1961,7 +1798,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         fields = decode_lock(raw)
         if fields.get(OWNER_FIELD) != reservation.owner:
             return None
-        return _number(fields.get(FENCE_FIELD, ""))
+        return ascii_number(fields.get(FENCE_FIELD, ""))
 
     def _give_back_ahead(
         self, sent: SentAcquire, opts: LockOptions, kept: tuple[int, float] | None
