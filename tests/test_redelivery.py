@@ -837,6 +837,18 @@ def test_a_retry_sent_from_before_start_finds_its_reservation_at_once(
     assert conflicts == []
 
 
+def _wait_until_passed_on_to_the_second_retry(
+    client: redis.Redis, task: SingletonTask, task_id: str
+) -> None:
+    """Wait, in the second retry's ``before_start``, until the lock has been passed
+    on to its reservation (it asks for no lock: the hold is already its own)."""
+    key = lock_keys(task.lock_name((), {})).lock
+    wait_for(
+        lambda: str(field(client, key, OWNER_FIELD)).endswith((queued_owner(task_id, 2), ":2")),
+        what="the lock to be passed on to the second retry's reservation",
+    )
+
+
 def test_a_retry_sent_by_a_failed_start_while_its_sender_runs_on_is_handed_the_lock(
     app: Celery, redislock_client: redis.Redis
 ) -> None:
@@ -853,14 +865,7 @@ def test_a_retry_sent_by_a_failed_start_while_its_sender_runs_on_is_handed_the_l
             if self.request.retries == 1:
                 raise self.retry(countdown=0)
             if self.request.retries == 2:
-                key = lock_keys(self.lock_name((), {})).lock
-                # No wait for the lock: it is passed on to this retry's reservation.
-                wait_for(
-                    lambda: str(field(redislock_client, key, OWNER_FIELD)).endswith(
-                        (queued_owner(task_id, 2), ":2")
-                    ),
-                    what="the lock to be passed on to the second retry's reservation",
-                )
+                _wait_until_passed_on_to_the_second_retry(redislock_client, self, task_id)
 
     @app.task(
         base=RetriesOnRetry, bind=True, shared=False, lock_strategy="until_executed",
@@ -899,7 +904,7 @@ def test_word_left_for_an_earlier_use_of_a_task_id_does_not_free_its_next_retry(
 ) -> None:
     """``until_executed``: a retry sent with ``self.retry(throw=False)`` fails to start
     while its sender runs on, and leaves word for it. A sender that ends frees the
-    lock, and deletes the word as it reads it; one that lost its hold meanwhile (freed
+    lock, and deletes the word once it has acted on it; one that lost its hold meanwhile (freed
     by an operator and taken by another, as when its worker died and the TTL ran
     out) never reads it. The task id is used again (an id the caller derives, or the
     message delivered again after its worker died): that execution's own retry,
@@ -991,14 +996,7 @@ def test_word_to_pass_the_lock_on_left_for_an_earlier_use_of_a_task_id_is_not_he
             if self.request.retries == 1:
                 raise self.retry(countdown=0)
             if self.request.retries == 2:
-                key = lock_keys(self.lock_name((), {})).lock
-                # Passed on to this retry's reservation: no wait for the lock.
-                wait_for(
-                    lambda: str(field(redislock_client, key, OWNER_FIELD)).endswith(
-                        (queued_owner(task_id, 2), ":2")
-                    ),
-                    what="the lock to be passed on to the second retry's reservation",
-                )
+                _wait_until_passed_on_to_the_second_retry(redislock_client, self, task_id)
 
     @app.task(
         base=RetriesOnFirstRetry, bind=True, shared=False, lock_strategy="until_executed",
