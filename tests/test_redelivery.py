@@ -837,6 +837,43 @@ def test_a_retry_sent_from_before_start_finds_its_reservation_at_once(
     assert conflicts == []
 
 
+def test_a_retry_from_before_start_that_cannot_be_sent_gives_the_hold_back(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """``until_executed``, threads pool: ``before_start`` sends the retry, and making
+    its reservation raises something other than a Redis error (here a countdown
+    past the longest TTL a lock takes). The hold taken as the worker accepted the
+    task is given back, not left renewed by the heartbeat: the lock is free, and
+    the same call sent again runs."""
+    runs: list[int] = []
+    tried: list[str] = []
+
+    class RetriesAtStart(SingletonTask):
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            if not tried:
+                tried.append(task_id)
+                self.retry(countdown=400_000_000)
+
+    @app.task(
+        base=RetriesAtStart, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> int:
+        runs.append(int(self.request.retries))
+        return 7
+
+    with in_process_worker(app, concurrency=2):
+        first = job.delay()
+        with pytest.raises(Exception, match="ttl"):
+            first.get(timeout=15)
+        name = job.lock_name((), {})
+        wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+        again = job.delay()
+        assert again.id != first.id
+        assert again.get(timeout=15) == 7
+    assert runs == [0]
+
+
 def _wait_until_passed_on_to_the_second_retry(
     client: redis.Redis, task: SingletonTask, task_id: str
 ) -> None:

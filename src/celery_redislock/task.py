@@ -1051,6 +1051,12 @@ class SingletonTask(Task):  # type: ignore[misc]
                 logger.warning("%s; enqueuing %s[%s] unlocked", exc, self.name, task_id)
                 return self._publish(args, kwargs, task_id, options, sent)
             raise
+        except BaseException:
+            # A reservation that could not be made (an option out of range, an
+            # interruption): the hold read for a failed start goes back, not on
+            # renewing with nobody to release it.
+            self._drop_start_hold(running)
+            raise
         if not acquired:
             self._drop_start_hold(running)
             holder = lock.blocked_by
