@@ -49,7 +49,8 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    each kind run eagerly, as in section 1, in processes of its own under
    ``valgrind --tool=callgrind``, with 50 and then 350 tasks; the difference of
    the instruction counts per task. A count: it moves by a few percent at most
-   from run to run.
+   from run to run. Then the same count for the worker's side alone: a solo
+   worker under valgrind drains 40, then 240 tasks of each kind queued for it.
 5. Interleaved: one solo worker drains batches in which the kinds of section 2
    take turns task by task (which kind comes first rotates from round to
    round): batches of no-op tasks, then, for each other ``--work-ms`` value,
@@ -1136,6 +1137,80 @@ def count_instructions(kind_index: int, count: int, url: str, lock_url: str) -> 
     return int(counted.group(1))
 
 
+@app.task(name="bench.stop_worker", shared=False)
+def stop_worker() -> None:
+    """End the worker that runs it at once (a counted worker's last task)."""
+    os._exit(0)
+
+
+#: How many tasks the two counted workers of a kind run (see :data:`INSTRUCTION_RUNS`).
+WORKER_INSTRUCTION_RUNS = (40, 240)
+
+
+def count_worker_instructions(kind_index: int, count: int, url: str, lock_url: str) -> int:
+    """Instructions of a solo ``celery worker`` under valgrind that drains ``count``
+    tasks of one kind, queued before it starts, then :func:`stop_worker`."""
+    kind = task_kinds()[kind_index]
+    # A queue of its own: the two counted workers of a kind run at once.
+    queue = f"{QUEUE}-counted-{uuid.uuid4().hex[:8]}"
+    round_id = uuid.uuid4().hex
+    for i in range(count):
+        kind.task.apply_async((round_id, i, 0.0), queue=queue)
+    stop_worker.apply_async(queue=queue)
+    command = [
+        "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+        sys.executable, "-m", "celery", "--app", "bench_task:app", "--quiet", "worker",
+        "--pool", "solo", "--loglevel", "WARNING", "--without-mingle", "--without-gossip",
+        "--without-heartbeat", "--queues", queue, "--hostname", f"counted-{round_id[:8]}@%h",
+    ]  # fmt: skip
+    environment = {
+        **os.environ, URL_ENV: url, LOCK_URL_ENV: lock_url, "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
+    }  # fmt: skip
+    done = subprocess.run(
+        command, cwd=HERE, env=environment, capture_output=True, text=True, timeout=900
+    )
+    counted = re.search(r"Collected : (\d+)", done.stderr)
+    if counted is None:
+        raise RuntimeError(f"valgrind worker run failed ({done.returncode}): {done.stderr[-500:]}")
+    return int(counted.group(1))
+
+
+def bench_worker_instructions(url: str, lock_url: str, findings: Findings) -> None:
+    """Section 4, in a worker: the client instructions a solo worker spends per
+    task of each kind (valgrind), the producer left out."""
+    low, high = WORKER_INSTRUCTION_RUNS
+    print(
+        f"   In a solo worker: each kind's tasks queued ({low}, then {high}), then a worker"
+        " started under valgrind drains them and stops; the difference per task. The"
+        " worker's side only: celery-once and celery-singleton take their locks in"
+        " apply_async, which the eager counts above include and these do not"
+    )
+    print(f"   {'kind':<30} {'instructions':>12} {'above plain':>12}")
+    counts: dict[str, float] = {}
+    for index, kind in enumerate(task_kinds()):
+        if kind.task is None:
+            continue
+        with ThreadPoolExecutor(2) as both:
+            runs = [
+                both.submit(count_worker_instructions, index, n, url, lock_url) for n in (low, high)
+            ]
+            few, many = (run.result() for run in runs)
+        counts[kind.label] = per_task = (many - few) / (high - low)
+        above = per_task - counts.get("plain task", per_task)
+        print(f"   {kind.label:<30} {per_task / 1e3:11,.0f}k {above / 1e3:+11,.0f}k")
+    plain_count = counts.get("plain task")
+    if plain_count is None:
+        return
+    for label in ("SingletonTask", *PEERS, *FLOORS):
+        if label in counts:
+            findings.add(
+                7,
+                f"{label}: client instructions per task in a solo worker above a plain task",
+                f"{(counts[label] - plain_count) / 1e3:,.0f}k",
+            )
+
+
 def bench_instructions(url: str, lock_url: str, findings: Findings) -> None:
     """Section 4: the client's instructions per eager task of each kind (valgrind)."""
     low, high = INSTRUCTION_RUNS
@@ -1251,6 +1326,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_contention(url, lock_url, 1 if options.quick else 3, findings)
         if 4 in sections and not options.quick:
             bench_instructions(url, lock_url, findings)
+            if shutil.which("valgrind") is not None:
+                bench_worker_instructions(url, lock_url, findings)
         if 5 in sections:
             cpus = pin_apart([url, lock_url]) if options.pin else None
             for work in works:
