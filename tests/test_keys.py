@@ -783,6 +783,48 @@ def test_a_default_and_the_same_value_passed_are_one_call(app: Celery, serialize
         assert names != {task.lock_name((1, SyncMode.QUICK), {})}
 
 
+def test_one_call_sent_pickled_and_as_json_to_a_pickle_task_is_two_values(app: Celery) -> None:
+    """A pickle task receives a ``str`` Enum member from a pickled message and its
+    value from a JSON one: a ``lock_key`` that formats it makes two names of one
+    call, one that takes its value makes one; a JSON task sees both as the value."""
+
+    def task(serializer: str, lock_key: Any) -> Any:
+        @app.task(
+            base=SingletonTask,
+            shared=False,
+            name=f"t.sync_{serializer}_{len(app.tasks)}",
+            serializer=serializer,
+            lock_key=lock_key,
+        )
+        def sync(region: Any) -> None:
+            """Sample body."""
+
+        return sync
+
+    formatted = task("pickle", lambda region: f"region-{region}")
+    by_value = task("pickle", lambda region: f"region-{Region(region).value}")
+    as_json = task("json", lambda region: f"region-{region}")
+    pickled, sent_as_json = received((Region.EU,), {}, "pickle"), received((Region.EU,), {}, "json")
+    assert formatted.lock_name(*pickled) != formatted.lock_name(*sent_as_json)
+    assert by_value.lock_name(*pickled) == by_value.lock_name(*sent_as_json)
+    assert as_json.lock_name(*pickled) == as_json.lock_name(*sent_as_json)
+
+
+def test_a_dict_shaped_like_a_typed_json_value_arrives_as_another_value(app: Celery) -> None:
+    """Under JSON, kombu decodes a dict with the keys ``__type__`` and ``__value__``
+    as the type it names: the worker derives the name of that value, not the
+    dict's (the limit the key documentation warns about)."""
+
+    @app.task(base=SingletonTask, shared=False)
+    def store(doc: Any) -> None:
+        """Sample body."""
+
+    doc = {"__type__": "decimal", "__value__": "1"}
+    args, kwargs = received((doc,), {}, "json")
+    assert args == [Decimal("1")]
+    assert store.lock_name(args, kwargs) != store.lock_name((doc,), {})
+
+
 def test_lock_key_that_raises_names_lock_key(app: Celery) -> None:
     """A ``lock_key`` callable that raises gives a KeyDerivationError naming it."""
 

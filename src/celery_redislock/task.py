@@ -71,6 +71,7 @@ the message delivered again meanwhile  the copy waits for the earlier delivery's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -643,6 +644,20 @@ def lock_store_url(app: Any) -> str:
     return store_url(app)[0]
 
 
+def _round_trip(
+    args: tuple[Any, ...], kwargs: dict[str, Any], serializer: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` as a message encoded with ``serializer`` delivers them."""
+    content_type, encoding, data = serialization.dumps(  # type: ignore[no-untyped-call,unused-ignore]
+        [list(args), kwargs], serializer=serializer
+    )
+    # Made here from the caller's own values: read whatever the worker accepts.
+    sent_args, sent_kwargs = serialization.loads(  # type: ignore[no-untyped-call,unused-ignore]
+        data, content_type, encoding, force=True
+    )
+    return tuple(sent_args), dict(sent_kwargs)
+
+
 def _delivered_by(task_class: type[Task]) -> Delivered:
     """What a worker receives of a call's arguments, once they have gone through
     the task's serializer (read at each call: Celery sets it as the task binds)."""
@@ -650,15 +665,7 @@ def _delivered_by(task_class: type[Task]) -> Delivered:
     def delivered(
         args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        serializer = getattr(task_class, "serializer", None) or "json"
-        content_type, encoding, data = serialization.dumps(  # type: ignore[no-untyped-call,unused-ignore]
-            [list(args), kwargs], serializer=serializer
-        )
-        # Made here from the caller's own values: read whatever the worker accepts.
-        sent_args, sent_kwargs = serialization.loads(  # type: ignore[no-untyped-call,unused-ignore]
-            data, content_type, encoding, force=True
-        )
-        return tuple(sent_args), dict(sent_kwargs)
+        return _round_trip(args, kwargs, getattr(task_class, "serializer", None) or "json")
 
     return delivered
 
@@ -910,11 +917,15 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def lock_name(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
         """The lock name of a call: ``<task name>:<digest of its key material>``."""
+        return self._builder()(args, kwargs)
+
+    def _builder(self) -> KeyBuilder:
+        """This task's :class:`KeyBuilder`."""
         builder = self._key_builder
         if builder is None or builder.task_name != self.name:
             # A class-based task may get its name only on the instance.
             builder = self._key_builder = self._make_key_builder(self.name)
-        return builder(args, kwargs)
+        return builder
 
     def _new_lock(
         self, key: str, task_id: str, owner: str, ttl: float, heartbeat: bool, opts: LockOptions
@@ -1017,7 +1028,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             # By name: a base class between this one and Celery's may name fewer.
             return super().apply_async(args, kwargs, task_id, **options)
         task_id = task_id or uuid()
-        key = self.lock_name(args, kwargs)
+        key = self.lock_name(*self._as_sent(args, kwargs, options))
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
         retries = _retries(options.get("retries"))
         running = self._own_hold(task_id, key)
@@ -1093,6 +1104,44 @@ class SingletonTask(Task):  # type: ignore[misc]
             except LockBackendError as exc:
                 logger.warning("could not free %s after a failed send: %s", key, exc)
             raise
+
+    def _as_sent(self, args: Any, kwargs: Any, options: Mapping[str, Any]) -> tuple[Any, Any]:
+        """A call's arguments as its message delivers them to a worker, so that
+        the name a send reserves is the one the execution derives.
+
+        Celery dumps the pydantic models of a ``pydantic=True`` task to dicts
+        unless the message is pickled; and a ``serializer=`` given to this call
+        delivers the arguments as it, not the task's serializer, encodes them
+        (a ``str`` Enum member as its value under JSON), which a callable
+        ``lock_key`` sees once the worker's own round trip is done.
+        """
+        dump = getattr(self, "_dump_pydantic_arguments", None)
+        if dump is not None:
+            # As Celery decides it: this call's serializer, else the task's.
+            chosen = (
+                options["serializer"]
+                if "serializer" in options
+                else self._get_exec_options().get("serializer")
+            )
+            if chosen != "pickle":
+                args, kwargs = dump(args, kwargs)
+        # The worker puts what it receives through the task's serializer (see
+        # _delivered_by); the message goes as Celery encodes it.
+        serializer = (
+            options.get("serializer")
+            or getattr(self, "serializer", None)
+            or self.app.conf.task_serializer
+        )
+        if (
+            serializer != (getattr(type(self), "serializer", None) or "json")
+            and self._builder().delivered is not None
+            and isinstance(args or (), list | tuple)
+            and isinstance(kwargs or {}, Mapping)
+        ):
+            with contextlib.suppress(Exception):
+                # A value this serializer refuses is refused by the send too.
+                args, kwargs = _round_trip(tuple(args or ()), dict(kwargs or {}), serializer)
+        return args, kwargs
 
     def _publish(
         self,
