@@ -198,9 +198,8 @@ class Request(_CeleryRequest):  # type: ignore[misc]
             LockBackendError: the lock store could not be reached.
         """
         task = self.task
-        held = read_lock(
-            task.lock_client, task.lock_name(self.args, self.kwargs), task.lock_options.prefix
-        )
+        name = task._message_name(self, self.args, self.kwargs)
+        held = read_lock(task.lock_client, name, task.lock_options.prefix)
         if (
             held is None
             or held.holder != self.id

@@ -282,7 +282,7 @@ def _pending(request: Any) -> _Pending | None:
     try:
         if not _locks_while_queued(task):
             return None
-        name = task.lock_name(request.args, request.kwargs)
+        name = task._message_name(request, request.args, request.kwargs)
     except Exception as exc:
         logger.warning("could not name the lock of revoked task %s: %s", request.id, exc)
         return None

@@ -207,6 +207,10 @@ PER_CALL_OPTIONS = frozenset(
 #: Message header carrying a call's overrides to the worker.
 _OVERRIDES_HEADER = "redislock_options"
 
+#: Message header of an ``until_*`` message: the lock name its send reserved,
+#: which its execution takes (and frees) rather than deriving one of its own.
+_NAME_HEADER = "redislock_name"
+
 #: ``apply_async`` option that re-queues without taking the enqueue-time lock.
 _NO_ENQUEUE_LOCK = "redislock_no_enqueue_lock"
 
@@ -390,6 +394,23 @@ def _sent_overrides(request: Any) -> Any:
     found = getattr(request, _OVERRIDES_HEADER, None)
     if found is None:
         found = (getattr(request, "headers", None) or {}).get(_OVERRIDES_HEADER)
+    return found
+
+
+def _sent_name(request: Any) -> Any:
+    """The lock name the send of ``request``'s message reserved (a header), if
+    any: an execution's context holds its message's headers as attributes, a
+    worker's request in its ``request_dict``.
+
+    An eager run (``apply()``) has none: its context keeps the headers it was
+    given apart (``headers``), and those of an eager retry are copied from the
+    call it retries, which may have other arguments; it runs in the process that
+    reserved, and derives the name as the send did.
+    """
+    found = getattr(request, _NAME_HEADER, None)
+    if found is None:
+        headers = getattr(request, "request_dict", None)
+        found = headers.get(_NAME_HEADER) if headers else None
     return found
 
 
@@ -919,6 +940,24 @@ class SingletonTask(Task):  # type: ignore[misc]
         """The lock name of a call: ``<task name>:<digest of its key material>``."""
         return self._builder()(args, kwargs)
 
+    def _message_name(self, request: Any, args: Any, kwargs: Any) -> str:
+        """The lock name of the message behind ``request`` (an execution's context
+        or a worker's request), whose arguments are ``args`` and ``kwargs``.
+
+        An ``until_*`` message carries the name its send reserved (see
+        :meth:`apply_async`): that one, whatever this process would derive (a
+        producer of another version, a ``lock_key`` that gives another result
+        here, or raises), so that the execution takes over and frees the very
+        reservation that was made. A message without it (from an earlier
+        release) and a ``while_executing`` one, which nothing reserved, are
+        named here (:meth:`lock_name`).
+        """
+        if self.lock_options.strategy != WHILE_EXECUTING:
+            sent = _sent_name(request)
+            if sent is not None:
+                return check_name(sent, f"message header {_NAME_HEADER!r}")
+        return self.lock_name(args, kwargs)
+
     def _builder(self) -> KeyBuilder:
         """This task's :class:`KeyBuilder`."""
         builder = self._key_builder
@@ -1013,6 +1052,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         ``lock_options={...}`` overrides lock options for this call only (see
         :data:`PER_CALL_OPTIONS`); they travel with the message, so the
         execution uses them too. A bad one raises here, naming it.
+
+        The name an ``until_*`` send reserves travels with the message too (see
+        :meth:`_message_name`): the execution takes that one, whatever the worker
+        would derive.
         """
         skip_lock = options.pop(_NO_ENQUEUE_LOCK, False)
         overrides = options.pop(CALL_OPTIONS, None)
@@ -1025,10 +1068,15 @@ class SingletonTask(Task):  # type: ignore[misc]
             options["headers"] = {**(options.get("headers") or {}), _OVERRIDES_HEADER: overrides}
         options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
         if opts.strategy == WHILE_EXECUTING or skip_lock:
+            # (A re-queue of a message that met a holder keeps the name it was
+            # sent with, which the holder holds.)
             # By name: a base class between this one and Celery's may name fewer.
             return super().apply_async(args, kwargs, task_id, **options)
         task_id = task_id or uuid()
         key = self.lock_name(*self._as_sent(args, kwargs, options))
+        # The name its execution takes: this one, not one the worker derives (a
+        # retry's headers, copied from its request, name the first send's).
+        options["headers"] = {**(options.get("headers") or {}), _NAME_HEADER: key}
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
         retries = _retries(options.get("retries"))
         running = self._own_hold(task_id, key)
@@ -1392,7 +1440,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             if opts.strategy == UNTIL_EXECUTING:
                 return
             task_id = check_name(message.id, "task id")
-            key = self.lock_name(message.args, message.kwargs)
+            key = self._message_name(message, message.args, message.kwargs)
             lock = self._execution_lock(key, task_id, opts, message)
         except Exception:
             # Raised again as the task starts, and reported then.
@@ -1414,7 +1462,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             key, task_id, asked = lock.name, lock.lease, ahead.sent
         else:
             task_id = request.id or uuid()
-            key = self.lock_name(args, kwargs)
+            key = self._message_name(request, args, kwargs)
             opts = self.options_for_call(_sent_overrides(request))
             if opts.strategy == UNTIL_EXECUTING:
                 try:
@@ -1762,7 +1810,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 opts = self.options_for_call(_sent_overrides(request))
                 if opts.strategy == WHILE_EXECUTING:
                     return
-                name = self.lock_name(request.args, request.kwargs)
+                name = self._message_name(request, request.args, request.kwargs)
             kept = None
             if isinstance(exc, Exception):
                 kept = self._kept_for(exc, request, name, opts)
@@ -2187,7 +2235,7 @@ def _release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         return
     try:
         options = sender.lock_options
-        name = sender.lock_name(request.args, request.kwargs)
+        name = sender._message_name(request, request.args, request.kwargs)
         retries = request_retries(request)
         if options.strategy == UNTIL_EXECUTED:
             # The execution that sent this retry may still hold the lock for it.
