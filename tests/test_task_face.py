@@ -159,6 +159,41 @@ def test_misspelt_setting_warns_once_naming_the_closest(redislock_server: RedisS
         def two() -> None: ...
 
 
+def test_a_misspelt_task_option_fails_at_definition_naming_it(
+    redislock_server: RedisServer,
+) -> None:
+    """A keyword given to the task as a ``lock_*`` option SingletonTask does not
+    have fails as the task is defined, naming it and the option meant; a method
+    or property of the task's own named ``lock_*`` is no option, and passes."""
+    app = make_app(redislock_server.url, "misspelt")
+    app.finalize()  # Tasks are made as they are defined.
+    try:
+        with pytest.raises(TypeError, match=r"lock_on_conflict .* did you mean on_conflict\?"):
+
+            @app.task(base=SingletonTask, shared=False, lock_on_conflict="retry")
+            def one() -> None: ...
+
+        with pytest.raises(TypeError, match=r"lock_ttl_seconds .* did you mean lock_ttl\?"):
+
+            @app.task(base=SingletonTask, shared=False, lock_ttl_seconds=600)
+            def two() -> None: ...
+
+        class Own(SingletonTask):
+            def lock_for_report(self) -> str:
+                return "mine"
+
+            @property
+            def lock_label(self) -> str:
+                return "mine"
+
+        @app.task(base=Own, shared=False, lock_ttl=5)
+        def three() -> None: ...
+
+        assert three.lock_options.ttl == 5
+    finally:
+        close_app(app)
+
+
 def test_upper_case_setting_is_named_in_lower_case(redislock_server: RedisServer) -> None:
     """A setting spelt in capitals is pointed to its lower-case name."""
     app = Celery("caps", set_as_current=False)

@@ -309,6 +309,11 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("lock_on_duplicate", "on_duplicate", "redislock_on_duplicate", "return"),
 )
 
+#: The names a task's lock options are given by (``lock_ttl=...`` in ``@app.task``).
+OPTION_ATTRIBUTES = frozenset(
+    {option.attribute for option in OPTIONS} | {"lock_on", "lock_key", "lock_url"}
+)
+
 
 #: Every ``app.conf`` setting celery_redislock reads.
 KNOWN_SETTINGS: frozenset[str] = frozenset(
@@ -606,6 +611,40 @@ def _check_option(option: _Option, value: object, source: str) -> object:
     return check_ttl(value, source, expiry=option.field in ("ttl", "enqueue_ttl"))
 
 
+def _check_option_names(task_class: type[SingletonTask]) -> None:
+    """Refuse a value given to the task as an option SingletonTask does not have.
+
+    ``@app.task(base=SingletonTask, lock_on_conflict="retry")`` makes a class
+    attribute of any keyword, so a misspelt option would otherwise be ignored
+    without a word, its default left in force. Only plain values named ``lock_*``
+    count: methods and properties of that name are the task's own business.
+
+    Raises:
+        TypeError: an unknown ``lock_*`` option; the message names it and the
+            closest known one.
+    """
+    for klass in task_class.__mro__:
+        if klass is SingletonTask:
+            return
+        for name, value in vars(klass).items():
+            if (
+                not name.startswith("lock_")
+                or hasattr(SingletonTask, name)
+                or callable(value)
+                or isinstance(value, property | staticmethod | classmethod)
+            ):
+                continue
+            known = sorted(OPTION_ATTRIBUTES)
+            if name[len("lock_") :] in OPTION_ATTRIBUTES:
+                close = [name[len("lock_") :]]
+            else:
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else f"the options are {', '.join(known)}"
+            raise TypeError(
+                f"{name} is not a SingletonTask option (task class {klass.__qualname__}); {hint}"
+            )
+
+
 def resolve_options(task_class: type[SingletonTask], app: Any) -> LockOptions:
     """The options of ``task_class`` on ``app``: its own attributes, else ``app.conf``.
 
@@ -616,6 +655,7 @@ def resolve_options(task_class: type[SingletonTask], app: Any) -> LockOptions:
         TypeError, ValueError: a value is invalid; the message names the option
             (``lock_ttl``) or the setting (``app.conf.redislock_ttl``) it came from.
     """
+    _check_option_names(task_class)
     values: dict[str, object] = {}
     for option in OPTIONS:
         value, source = getattr(task_class, option.attribute), option.attribute
