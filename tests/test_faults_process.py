@@ -32,7 +32,7 @@ import pytest
 import redis
 
 from celery_redislock import RedisLock
-from celery_redislock.scripts import OWNER_FIELD
+from celery_redislock.scripts import OWNER_FIELD, QUEUED_FIELD
 from celery_redislock.server import RedisServer
 from tests.fault_children import SOAK_HOLDS, SOAK_STATS, SOAK_STOP, fence_log, fenced_write
 from tests.proxy import FaultProxy
@@ -570,6 +570,48 @@ def test_waiter_frozen_while_handed_the_lock_takes_its_turn_after_the_next(
         writes = fence_log(client, "res")
         assert [w["writer"] for w in writes] == ["parent", "parent", "child"]
         assert all(w["accepted"] and w["current"] for w in writes), writes
+    finally:
+        end(child)
+    assert lock_keys(client) == []
+    client.close()
+
+
+def test_an_expired_lock_goes_to_the_first_asker_and_the_waiter_queues_behind_it(
+    redislock_server_factory: Callable[..., RedisServer], tmp_path: Path
+) -> None:
+    """A lock that expires is handed to nobody: the first request the server sees after
+    the expiry takes it, though a waiter (a process, SIGSTOPped here as the TTL runs
+    out) was queued first and the caller does not wait. Resumed, the waiter asks,
+    finds the lock held, queues again, and gets it at the new holder's release."""
+    server = redislock_server_factory()
+    client = server.client()
+    holder = RedisLock(client, "expired-first-asker", ttl=1, heartbeat=False)
+    assert holder.acquire()
+    child = queued_waiter(client, server, tmp_path, holder)
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        wait_for(lambda: not held(client, holder.key), what="the holder's TTL to run out")
+        newcomer = RedisLock(client, holder.name, ttl=60)
+        assert newcomer.acquire(blocking=False)
+        assert client.zcard(holder.queue_key) == 1  # the stopped waiter's entry stays
+        assert field(client, holder.key, QUEUED_FIELD) is None  # taken as a free lock
+        os.kill(child.pid, signal.SIGCONT)
+        wait_for(
+            lambda: (
+                any(e["event"] == "acquired" for e in entries(client, "report"))
+                or field(client, holder.key, QUEUED_FIELD) == "1"
+            ),
+            what="the resumed waiter to ask again",
+        )
+        assert not [e for e in entries(client, "report") if e["event"] == "acquired"]
+        assert newcomer.owned()
+        assert fenced_write(client, "res", newcomer.token, "parent", newcomer.key)
+        newcomer.release()
+        assert exit_code(child, 30) == 0, tail(tmp_path / "waiter.log")
+        reports = {e["event"]: e for e in entries(client, "report")}
+        assert newcomer.token is not None
+        assert reports["acquired"]["token"] > newcomer.token
+        assert reports["wrote"]["accepted"] is True
     finally:
         end(child)
     assert lock_keys(client) == []
