@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import NoPermissionError
+from redis.exceptions import ClusterDownError, NoPermissionError, TryAgainError
 from redis.sentinel import Sentinel
 
 from celery_redislock import LockBackendError, LockLostError, RedisLock, signals
@@ -43,8 +43,10 @@ from celery_redislock.wakeups import PROBE_AFTER, PROBE_WAIT, hub_for
 from tests.proxy import FaultProxy
 from tests.support import (
     fields,
+    hold_count,
     migrate_keys,
     migrating,
+    node_command,
     settle,
     wait_for,
     write_fields,
@@ -638,6 +640,226 @@ def test_cluster_release_read_later_follows_its_moving_slot(
         again = RedisLock(client, "migrating-release", ttl=10)
         assert again.acquire(blocking=False)
         again.release()
+    finally:
+        client.close()
+
+
+def test_cluster_release_refused_before_any_key_of_its_moving_slot_moved_says_why(
+    redislock_cluster: ClusterDeployment,
+) -> None:
+    """While a held lock's slot is being moved, before any of its keys has, Redis
+    refuses a request about both of its keys (TRYAGAIN) as the lock has no waiter
+    queue: only one of the two keys is there. A release() that cannot wait for the
+    move says so, not that the keys are split between two primaries, and what to
+    do; sent again in the background, it lands once the move is called off."""
+    client = redislock_cluster.client()
+    lock = RedisLock(client, "moving-unmoved", ttl=30, call_timeout=0.3)
+    assert lock.acquire(blocking=False)
+    slot = client.keyslot(lock.key)  # type: ignore[no-untyped-call]
+    source, target = migrating(redislock_cluster, slot)
+    admin = source.client()
+    try:
+        with pytest.raises(LockBackendError, match="could not release") as excinfo:
+            lock.release()
+        assert isinstance(excinfo.value.__cause__, TryAgainError)
+        said = str(excinfo.value)
+        assert "only one of the two keys is on the primary it reaches" in said
+        assert "not existing at all (a lock with no waiters has no queue" in said
+        assert "split between" not in said
+        assert "redis-cli --cluster fix" in said
+        assert "retried in the background" in said
+    finally:
+        for node in (target, source):
+            node_command(node, "CLUSTER", "SETSLOT", slot, "STABLE")
+    try:
+        wait_for(
+            lambda: OWNER_FIELD not in fields(admin, lock.key),
+            timeout=30,
+            what="the release to land once the move is called off",
+        )
+    finally:
+        admin.delete(lock.key)
+        admin.close()
+        client.close()
+
+
+# Cluster: a shard's failover, during which every node answers CLUSTERDOWN.
+
+
+@pytest.fixture(scope="module")
+def failover_cluster() -> Iterator[ClusterDeployment]:
+    """Three primaries with a replica each, for the failovers of this module's tests
+    (each one fails over a shard and leaves the cluster settled again)."""
+    with ClusterDeployment(masters=3, replicas_per_master=1) as cluster:
+        yield cluster
+
+
+def _names_elsewhere(
+    cluster: ClusterDeployment,
+    client: RedisCluster,
+    victim: RedisServer,
+    prefix: str,
+    count: int = 2,
+) -> list[str]:
+    """``count`` lock names whose keys live on one primary other than ``victim``."""
+    homes: dict[int, list[str]] = {}
+    for name in (f"{prefix}:{i}" for i in range(1000)):
+        home = cluster.primary_for_slot(client.keyslot(lock_keys(name)[0]))  # type: ignore[no-untyped-call]
+        if home is not victim:
+            homes.setdefault(home.port, []).append(name)
+            if len(homes[home.port]) == count:
+                return homes[home.port]
+    raise AssertionError(f"no {count} names on one healthy primary")
+
+
+def _cluster_state(node: RedisServer) -> str:
+    info = node_command(node, "CLUSTER", "INFO")
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return next(line for line in text.splitlines() if line.startswith("cluster_state:"))
+
+
+def _replica_of(node: RedisServer) -> int | None:
+    """The port of the primary ``node`` replicates (``None`` for a primary)."""
+    role = node_command(node, "ROLE")
+    return int(role[2]) if role[0] in (b"slave", "slave") else None
+
+
+@contextlib.contextmanager
+def _shard_failing_over(
+    cluster: ClusterDeployment, victim: RedisServer, healthy: RedisServer
+) -> Iterator[Callable[[], None]]:
+    """Freeze ``victim`` (SIGSTOP), a primary, and hold its failover back (its
+    replica's ``cluster-replica-no-failover``) until the block calls what this
+    yields: meanwhile the cluster is down, and ``healthy`` (another primary)
+    answers ``CLUSTERDOWN`` to every request about a key. The call lets the
+    replica take over and waits for the cluster to be up again. The frozen node
+    goes on afterwards and rejoins as a replica; the cluster is left settled."""
+    replica = next(node for node in cluster.nodes if _replica_of(node) == victim.port)
+
+    def fail_over() -> None:
+        node_command(replica, "CONFIG", "SET", "cluster-replica-no-failover", "no")
+        wait_for(
+            lambda: _cluster_state(healthy) == "cluster_state:ok",
+            timeout=30,
+            what="the replica's take-over",
+        )
+
+    node_command(replica, "CONFIG", "SET", "cluster-replica-no-failover", "yes")
+    try:
+        victim.pause()
+        try:
+            wait_for(
+                lambda: _cluster_state(healthy) == "cluster_state:fail",
+                timeout=30,
+                what="the cluster to find the frozen primary failed",
+            )
+            yield fail_over
+        finally:
+            node_command(replica, "CONFIG", "SET", "cluster-replica-no-failover", "no")
+            victim.resume()
+    finally:
+        cluster.wait_until_ok(30)
+
+
+@pytest.mark.slow
+def test_cluster_releases_refused_while_a_shard_fails_over_land_once_it_is_up(
+    failover_cluster: ClusterDeployment,
+) -> None:
+    """While another shard fails over, the cluster is down and a healthy primary
+    answers CLUSTERDOWN (refused unrun). A release() there that cannot wait for the
+    failover in its call_timeout raises, saying why, and a release(wait=False) (a
+    task's) learns the same from its answer; both are sent again in the background
+    and free their locks once the cluster is up, rather than leave them to their
+    TTL: another caller takes them. A lock held through the failover there is
+    renewed again after it, not lost."""
+    cluster = failover_cluster
+    client = cluster.client()
+    try:
+        victim = cluster.primaries()[0]
+        *names, kept_name = _names_elsewhere(cluster, client, victim, "clusterdown-release", 3)
+        healthy = cluster.primary_for_slot(client.keyslot(lock_keys(kept_name)[0]))  # type: ignore[no-untyped-call]
+        waited = RedisLock(client, names[0], ttl=60, call_timeout=0.5)
+        later = RedisLock(client, names[1], ttl=60)
+        kept = RedisLock(client, kept_name, ttl=10)
+        for lock in (waited, later, kept):
+            assert lock.acquire(blocking=False)
+        admin = healthy.client()
+        outcomes: list[str] = []
+        with _shard_failing_over(cluster, victim, healthy) as fail_over:
+            with pytest.raises(LockBackendError, match="CLUSTERDOWN") as excinfo:
+                waited.release()
+            assert isinstance(excinfo.value.__cause__, ClusterDownError)
+            assert "retried in the background" in str(excinfo.value)
+            later.release(wait=False, then=outcomes.append)
+            # Its answer, read now rather than by the heartbeat's thread (which may
+            # be busy asking the refusing server again meanwhile).
+            later.transport.drain(Deadline.after(5))
+            wait_for(lambda: outcomes, timeout=30, what="the answer to the release")
+            assert outcomes == ["retrying"]
+            fail_over()
+            for lock in (waited, later):
+                wait_for(
+                    lambda lock=lock: OWNER_FIELD not in fields(admin, lock.key),  # type: ignore[misc]
+                    timeout=30,
+                    what=f"the release of {lock.name!r} to land",
+                )
+        remaining = admin.pttl(kept.key)
+        wait_for(
+            lambda: kept.lost or admin.pttl(kept.key) > remaining,
+            timeout=kept.ttl,
+            what="a renewal of the lock held through the failover",
+        )
+        assert not kept.lost
+        assert fields(admin, kept.key).get(OWNER_FIELD) == kept.owner
+        kept.release()
+        admin.close()
+        for name in names:
+            rival = RedisLock(client, name, ttl=10)
+            assert rival.acquire(blocking=False)
+            rival.release()
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_cluster_acquire_while_a_shard_fails_over_waits_for_it_within_its_deadline(
+    failover_cluster: ClusterDeployment,
+) -> None:
+    """An acquire on a healthy primary while another shard fails over (CLUSTERDOWN,
+    refused unrun) is asked again within its call_timeout rather than failing at
+    once, and takes the lock once the cluster is up: held once, with a fencing
+    token above the last holder's."""
+    cluster = failover_cluster
+    client = cluster.client()
+    try:
+        victim = cluster.primaries()[0]
+        name, _ = _names_elsewhere(cluster, client, victim, "clusterdown-acquire")
+        healthy = cluster.primary_for_slot(client.keyslot(lock_keys(name)[0]))  # type: ignore[no-untyped-call]
+        first = RedisLock(client, name, ttl=10)
+        assert first.acquire(blocking=False)
+        first.release()
+        lock = RedisLock(client, name, ttl=30, call_timeout=60)
+        transport = lock.transport
+        with _shard_failing_over(cluster, victim, healthy) as fail_over:
+            before = transport.sends
+            thread, outcome = in_thread(lambda: lock.acquire(blocking=False))
+            wait_for(
+                lambda: transport.sends >= before + 3 or "ended" in outcome,
+                timeout=30,
+                what="the acquire to be refused and asked again",
+            )
+            assert "ended" not in outcome, outcome.get("error")
+            fail_over()
+            thread.join(60)
+        assert outcome.get("result") is True, outcome.get("error")
+        assert first.token is not None
+        assert lock.token is not None
+        assert lock.token > first.token
+        admin = healthy.client()
+        assert fields(admin, lock.key).get(OWNER_FIELD) == lock.owner
+        assert hold_count(admin, lock.key) == 1
+        admin.close()
+        lock.release()
     finally:
         client.close()
 

@@ -1625,9 +1625,9 @@ class RedisLock:
         """A release failed: stop renewing and raise. One that may not have run,
         or may land later (no answer, no script, a replica answering after a
         failover) or that the server refused for now (it cannot write: a disk,
-        missing replicas, a long script) is retried in the background; one the
-        server refused for good (an ACL, a key of another kind) would only be
-        refused again."""
+        missing replicas, a long script, its cluster down during a failover) is
+        retried in the background; one the server refused for good (an ACL, a
+        key of another kind) would only be refused again."""
         # Whether it landed is not known.
         self._last_change = None
         with self._state:
@@ -1742,8 +1742,9 @@ _SEND_AGAIN = (*_NOT_RUN, ReadOnlyError, AskError, MovedError, TryAgainError)
 
 def _send_again(exc: object) -> bool:
     """Whether a release that failed with ``exc`` is sent again in the background:
-    one of :data:`_SEND_AGAIN`, or refused by a server that takes it once it can
-    write again (:func:`~celery_redislock.transport.held_off`)."""
+    one of :data:`_SEND_AGAIN`, or refused unrun by a server that takes it once it
+    can write again, or once its cluster is up again
+    (:func:`~celery_redislock.transport.held_off`)."""
     return isinstance(exc, _SEND_AGAIN) or held_off(exc) is not None
 
 

@@ -1014,8 +1014,9 @@ def run_calls(
 
 
 #: Pause, in seconds, before sending again a request the server answered with
-#: ``TRYAGAIN``: its keys are split between two primaries by a slot's migration,
-#: which moves the rest shortly. Sent again until the deadline.
+#: ``TRYAGAIN``: its slot is being migrated, and only some of its keys are on the
+#: primary it reached (the others moved already, or do not exist), which the
+#: migration's end settles. Sent again until the deadline.
 TRYAGAIN_PAUSE = 0.05
 
 

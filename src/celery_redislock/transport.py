@@ -15,7 +15,9 @@ each round trip against a :class:`Deadline` chosen by the caller:
   the primary, and a timeout closes the idle connections too: a primary frozen
   through a failover still takes writes when it comes back, until it is demoted;
 * :func:`run` retries transient errors a bounded number of times within the
-  deadline. It is meant for requests the server recognises when they arrive a
+  deadline, and a request refused unrun by a stalled server (loading its data,
+  busy with a long script, or a cluster node while its cluster is down) as often
+  as the deadline allows. It is meant for requests the server recognises when they arrive a
   second time (the engine's scripts carry a request id for that), so a retried
   request whose first attempt did land never acts twice.
 
@@ -45,6 +47,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import (
     AskError,
     BusyLoadingError,
+    ClusterDownError,
     MovedError,
     NoPermissionError,
     OutOfMemoryError,
@@ -82,11 +85,20 @@ LOADING_PAUSE = 0.1
 
 #: Codes of the errors by which a server refuses a request, none of which it ran,
 #: for a state it leaves on its own or by an operator's hand: busy running a
-#: script or function past ``busy-reply-threshold`` (``BUSY``), or refusing writes
+#: script or function past ``busy-reply-threshold`` (``BUSY``), refusing writes
 #: because it cannot save to disk (``MISCONF``, under
 #: ``stop-writes-on-bgsave-error``) or has fewer replicas than
-#: ``min-replicas-to-write`` (``NOREPLICAS``).
-HELD_OFF = ("BUSY", "MISCONF", "NOREPLICAS")
+#: ``min-replicas-to-write`` (``NOREPLICAS``), or a Redis Cluster node refusing
+#: every request about a key while the cluster is down (``CLUSTERDOWN``: a
+#: primary has failed and no replica has taken its slots over yet). A cluster
+#: node checks its state before it runs a command, and answers ``CLUSTERDOWN``
+#: instead.
+HELD_OFF = ("BUSY", "MISCONF", "NOREPLICAS", "CLUSTERDOWN")
+
+#: Codes of the refusals (:data:`HELD_OFF`) that :func:`run` asks again about
+#: until the deadline: states that usually end within a call's time (a long
+#: script, a cluster's failover), not by an operator's hand.
+STALLED = ("BUSY", "CLUSTERDOWN")
 
 #: Errors after which the request may be sent again: the connection broke, the
 #: reply did not come in time, the server is still loading its data, or it was
@@ -1357,7 +1369,10 @@ def run(
 ) -> list[Any]:
     """:meth:`Transport.execute`, retried on transient errors within ``deadline``.
 
-    Only for requests that are safe to send twice.
+    A request refused unrun because the server is loading its data (``LOADING``)
+    or is stalled (:data:`STALLED`) is asked again every :data:`LOADING_PAUSE`
+    until the deadline, not counted as a try. Only for requests that are safe to
+    send twice.
 
     Raises:
         redis.RedisError: the last error, once the attempts or the time ran out.
@@ -1382,7 +1397,7 @@ def run(
             for reply in replies:
                 # (A ReadOnlyError is a ResponseError; the usual reply is neither.)
                 if isinstance(reply, ResponseError) and (
-                    isinstance(reply, ReadOnlyError) or held_off(reply) == "BUSY"
+                    isinstance(reply, ReadOnlyError) or held_off(reply) in STALLED
                 ):
                     break
             else:
@@ -1390,10 +1405,11 @@ def run(
             error = reply
             if isinstance(error, ReadOnlyError):
                 transport.reset()
-        if isinstance(error, BusyLoadingError) or held_off(error) == "BUSY":
+        if isinstance(error, BusyLoadingError) or held_off(error) in STALLED:
             # Refused unrun while the server reads its data or runs a long
-            # script: asked again until the deadline, however long that takes,
-            # rather than counted as a try (the server is stalled, not lost).
+            # script, or while its cluster is down (a failover under way):
+            # asked again until the deadline, however long that takes, rather
+            # than counted as a try (the server is stalled, not lost).
             pause = LOADING_PAUSE
         else:
             attempt += 1
@@ -1448,6 +1464,9 @@ def held_off(exc: object) -> str | None:
     may be sent again later. ``None`` for any other error, or a reply."""
     if not isinstance(exc, ResponseError):
         return None
+    if isinstance(exc, ClusterDownError):
+        # redis-py drops the code from the error's text.
+        return "CLUSTERDOWN"
     text = str(exc)
     for code in HELD_OFF:
         # Redis 6.2 reports an error raised in a script after where it was raised.
@@ -1457,9 +1476,10 @@ def held_off(exc: object) -> str | None:
 
 
 def is_transient(exc: object) -> bool:
-    """Whether another try may soon cure ``exc``: one of :data:`TRANSIENT`, or a
-    server busy running a script (``BUSY``)."""
-    return isinstance(exc, TRANSIENT) or held_off(exc) == "BUSY"
+    """Whether another try may soon cure ``exc``: one of :data:`TRANSIENT`, a
+    server busy running a script (``BUSY``), or a cluster down while a failover
+    is under way (``CLUSTERDOWN``)."""
+    return isinstance(exc, TRANSIENT) or held_off(exc) in STALLED
 
 
 def describe_error(exc: BaseException) -> str:
@@ -1490,6 +1510,15 @@ def describe_error(exc: BaseException) -> str:
             f"{exc} (the lock store refuses writes because fewer replicas than its "
             f"min-replicas-to-write are connected: bring them back. {_NO_WRITES})"
         )
+    if code == "CLUSTERDOWN":
+        return (
+            f"{exc} (CLUSTERDOWN: the Redis Cluster refuses requests while a primary has "
+            "failed and no replica has taken its slots over yet, or while a slot has no "
+            "primary; it answers again once a replica is promoted, usually within a few "
+            "cluster-node-timeouts. If it lasts, CLUSTER NODES shows the failed primary "
+            "(bring it back, or give it a replica) or the slots with none (assign them). "
+            f"{_NO_WRITES})"
+        )
     if code == "BUSY":
         return (
             f"{exc} (the lock store is busy running a script or function past its "
@@ -1516,8 +1545,12 @@ def slot_moving(exc: AskError | TryAgainError) -> str:
             f"({reply} to {exc.host}:{exc.port})"
         )
     else:
-        what = "a lock's keys are split between two primaries while their cluster slot is moved"
-        what += f" (TRYAGAIN: {exc})"
+        what = (
+            "a request about both of a lock's keys (the lock and its waiter queue) was "
+            "refused while their cluster slot is moved: Redis refuses one while only one "
+            "of the two keys is on the primary it reaches, the other having moved already "
+            f"or not existing at all (a lock with no waiters has no queue; TRYAGAIN: {exc})"
+        )
     return (
         f"{what}, and the request could not follow in time: try again once the move has "
         "ended; a move left half-way (a `redis-cli --cluster reshard` that stopped) is "
