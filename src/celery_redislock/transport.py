@@ -547,6 +547,9 @@ class Transport:
             try:
                 return self._ask_primary(Deadline(now + budget))
             except RedisError as exc:
+                if not _sentinels_silent(exc):
+                    # The primary they named last is down: no use connecting there.
+                    raise
                 self._unanswered_at = now
                 logger.debug(
                     "celery_redislock: could not ask the Sentinels which server is the "
@@ -637,7 +640,8 @@ class Transport:
                 budget = min(PRIMARY_QUESTION, max(0.0, deadline.at - now) / 2)
                 self._ask_primary(Deadline(now + budget))
             except RedisError as exc:
-                self._unanswered_at = now
+                if _sentinels_silent(exc):
+                    self._unanswered_at = now
                 logger.debug(
                     "celery_redislock: could not ask the Sentinels which server is the "
                     "primary of %r: %s",
@@ -824,6 +828,8 @@ def _discover_master(pool: Any, deadline: Deadline) -> tuple[str, int]:
     service = pool.service_name
     sentinels = list(manager.sentinels)
     errors: list[str] = []
+    # Whether a Sentinel answered, naming no primary in good standing.
+    answered = False
     for number, sentinel in enumerate(sentinels):
         remaining = deadline.remaining()
         if remaining <= 0:
@@ -842,6 +848,7 @@ def _discover_master(pool: Any, deadline: Deadline) -> tuple[str, int]:
         states = (_sentinel_state(item) for item in reply if isinstance(item, list))
         state = next((state for state in states if state and state["name"] == service), None)
         if state is None or not manager.check_master_state(state, service):
+            answered = True
             continue
         # Put this Sentinel at the front, as redis-py does.
         at = next((i for i, known in enumerate(manager.sentinels) if known is sentinel), 0)
@@ -851,9 +858,23 @@ def _discover_master(pool: Any, deadline: Deadline) -> tuple[str, int]:
         return (forced if forced is not None else state["ip"]), state["port"]
     if deadline.expired():
         raise RedisTimeoutError(f"no Sentinel named the primary of {service!r} in time")
-    raise MasterNotFoundError(
+    error = MasterNotFoundError(
         f"No master found for {service!r}" + (f": {'; '.join(errors)}" if errors else "")
     )
+    setattr(error, _ANSWERED, answered)
+    raise error
+
+
+#: The attribute of a :class:`MasterNotFoundError` that says a Sentinel answered
+#: (the primary is down, a failover under way), rather than none could be asked.
+_ANSWERED = "_celery_redislock_answered"
+
+
+def _sentinels_silent(exc: RedisError) -> bool:
+    """Whether a question to the Sentinels that failed with ``exc`` went unanswered
+    (they are then left alone for :data:`SENTINELS_REST`), rather than answered
+    with no primary in good standing."""
+    return not getattr(exc, _ANSWERED, False)
 
 
 def _sentinel_state(reply: list[Any]) -> dict[str, Any] | None:
