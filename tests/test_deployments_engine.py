@@ -448,13 +448,17 @@ def assert_renewed_there(admin: redis.Redis, lock: RedisLock) -> None:
     """Assert that ``lock`` is on ``admin``'s server under its owner, that the heartbeat
     renews it there (its remaining TTL grows again), and that it is not lost."""
     assert fields(admin, lock.key).get(OWNER_FIELD) == lock.owner
-    remaining = admin.pttl(lock.key)
-    assert remaining > 0
-    wait_for(
-        lambda: lock.lost or admin.pttl(lock.key) > remaining + 300,
-        timeout=lock.ttl,
-        what=f"a renewal of {lock.name!r} on the new primary",
-    )
+    # The lowest remaining TTL seen: a renewal made just before (one the switch
+    # set off) left it near the full TTL, the next one raises it again.
+    lowest = [admin.pttl(lock.key)]
+    assert lowest[0] > 0
+
+    def renewed() -> bool:
+        remaining = admin.pttl(lock.key)
+        lowest[0] = min(lowest[0], remaining)
+        return lock.lost or remaining > lowest[0] + 300
+
+    wait_for(renewed, timeout=lock.ttl, what=f"a renewal of {lock.name!r} on the new primary")
     assert not lock.lost
 
 
@@ -1034,6 +1038,185 @@ def test_a_release_that_does_not_wait_after_a_frozen_primary_comes_back_frees_th
                 lock.release()
         client.close()
         rival_client.close()
+
+
+@contextlib.contextmanager
+def _kept_busy(client: redis.Redis) -> Iterator[None]:
+    """Keep ``client``'s connections in constant use (a lock taken and released
+    every 50 ms from a thread), as a busy worker's are: none is ever idle for
+    ``PRIMARY_RECHECK``."""
+    stop = threading.Event()
+    side = RedisLock(client, "sentinel-busy:side", ttl=5, call_timeout=1.0, heartbeat=False)
+
+    def keep_busy() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(LockBackendError):
+                if side.acquire(blocking=False):
+                    side.release()
+            stop.wait(0.05)
+
+    thread = threading.Thread(target=keep_busy, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+@pytest.mark.slow
+def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes_writes(
+    redislock_sentinel_factory: Callable[..., SentinelDeployment],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An operator's ``SENTINEL FAILOVER`` leaves the old primary up and taking
+    writes (here for good: it refuses ``REPLICAOF``, so the Sentinels cannot demote
+    it). A client whose connections are in constant use still learns the switch,
+    as one of its requests asks the Sentinels once a ``PRIMARY_RECHECK``:
+
+    * its next locks go to the new primary, where a rival is refused (no two holders);
+    * a lock it took on the old primary before it learnt the switch (held there and
+      by a rival on the new one: the window) is renewed at once on the new
+      primary, and found lost;
+    * a release answered by the old primary before it learnt the switch is sent
+      again to the new primary, where the lock was held: it is freed there, not
+      left until its TTL.
+
+    Until the switch is learnt is held open by a ``PRIMARY_RECHECK`` raised for the
+    time being."""
+    deployment = redislock_sentinel_factory(replicas=1, sentinels=1, quorum=1)
+    client, rival_client = deployment.client(), deployment.client()
+    transport = transport_for(client)
+    old = deployment.master()
+    old_admin = old.client()
+    # The Sentinels cannot make it a replica: it stays a writable primary.
+    old_admin.execute_command("ACL", "SETUSER", "default", "-slaveof", "-replicaof")  # type: ignore[no-untyped-call]
+    released = RedisLock(client, "manual-failover:released", ttl=30, heartbeat=False)
+    assert released.acquire(blocking=False)
+    assert old_admin.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+    # Idle connections enough that no request below needs a new one (which would
+    # ask the Sentinels as it connects).
+    deadline = Deadline.after(5)
+    links = [transport.write([("PING",)], deadline) for _ in range(4)]
+    for link in links:
+        assert transport.finish(link, 1, deadline) == [b"PONG"]
+    locks: list[RedisLock] = [released]
+    try:
+        with _kept_busy(client):
+            monkeypatch.setattr(transport_module, "PRIMARY_RECHECK", 3600.0)
+            assert _ask_sentinel(deployment, "FAILOVER", deployment.master_name) == b"OK"
+            new = deployment.wait_for_failover(timeout=30, old=old)
+            # Announced (+switch-master): what SENTINEL MASTERS, which clients ask,
+            # says a moment after the promotion.
+            wait_for(
+                lambda: _announced(deployment) == (new.host, new.port),
+                timeout=30,
+                what="the Sentinels to announce the switch",
+            )
+            new_admin = new.client()
+            assert fields(new_admin, released.key).get(OWNER_FIELD) == released.owner
+            # The switch not learnt yet: both go to the old primary.
+            # Its renewals are due every 20 s: it is found lost long before that.
+            early = RedisLock(client, "manual-failover:early", ttl=60)
+            rival = RedisLock(rival_client, early.name, ttl=30)
+            locks += [early, rival]
+            assert early.acquire(blocking=False)
+            outcomes: list[object] = []
+            released.release(wait=False, then=outcomes.append)
+            transport.drain(Deadline.after(5))
+            assert outcomes == ["released"]
+            assert fields(old_admin, early.key).get(OWNER_FIELD) == early.owner
+            assert OWNER_FIELD not in fields(old_admin, released.key)
+            assert fields(new_admin, released.key).get(OWNER_FIELD) == released.owner
+            # A fresh client asks the Sentinels as it connects: the new primary.
+            assert rival.acquire(blocking=False)
+            assert fields(new_admin, early.key).get(OWNER_FIELD) == rival.owner
+
+            monkeypatch.setattr(transport_module, "PRIMARY_RECHECK", 1.0)
+            wait_for(
+                lambda: transport.primary == (new.host, new.port),
+                timeout=15,
+                what="the busy client to learn the switch",
+            )
+            wait_for(lambda: early.lost, timeout=10, what="the early hold to be found lost")
+            wait_for(
+                lambda: OWNER_FIELD not in fields(new_admin, released.key),
+                timeout=10,
+                what="the release to be sent again to the new primary",
+            )
+            later = RedisLock(client, "manual-failover:later", ttl=30)
+            later_rival = RedisLock(rival_client, later.name, ttl=30)
+            locks += [later, later_rival]
+            assert later.acquire(blocking=False)
+            assert not later_rival.acquire(blocking=False)
+            assert fields(new_admin, later.key).get(OWNER_FIELD) == later.owner
+            assert not old_admin.exists(later.key)
+            later.release(wait=False)
+            transport.drain(Deadline.after(5))
+            assert OWNER_FIELD not in fields(new_admin, later.key)
+            assert later_rival.acquire(blocking=False)
+            # The old primary took writes all along.
+            assert old_admin.execute_command("ROLE")[0] == b"master"  # type: ignore[no-untyped-call]
+            new_admin.close()
+    finally:
+        for lock in locks:
+            with contextlib.suppress(LockBackendError, LockLostError):
+                if lock.owned():
+                    lock.release()
+        old_admin.close()
+        client.close()
+        rival_client.close()
+
+
+def _announced(deployment: SentinelDeployment) -> tuple[str, int]:
+    """The primary's address in the first Sentinel's ``SENTINEL MASTER`` reply."""
+    reply = _ask_sentinel(deployment, "MASTER", deployment.master_name)
+    state = reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=True))
+    state = {(k.decode() if isinstance(k, bytes) else k): v for k, v in state.items()}
+    ip = state["ip"]
+    return (ip.decode() if isinstance(ip, bytes) else str(ip)), int(state["port"])
+
+
+def _ask_sentinel(deployment: SentinelDeployment, *command: Any) -> Any:
+    """``SENTINEL <command>`` asked of the deployment's first Sentinel."""
+    sentinel = deployment.sentinel_servers[0].client()
+    try:
+        return sentinel.execute_command("SENTINEL", *command)  # type: ignore[no-untyped-call]
+    finally:
+        sentinel.close()
+
+
+def test_a_new_connection_goes_to_the_known_primary_while_the_sentinels_do_not_answer(
+    redislock_sentinel_factory: Callable[..., SentinelDeployment],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every Sentinel frozen and the primary fine, a request that needs a new
+    connection asks them for ``PRIMARY_QUESTION`` at most, then connects to the
+    primary they named last; while they are left alone (``SENTINELS_REST``) the
+    next one does not ask at all. Their outage alone does not stop the locks."""
+    deployment = redislock_sentinel_factory(replicas=0, sentinels=1, down_after_ms=60000)
+    master = deployment.master()
+    client = deployment.client()
+    lock = RedisLock(client, "sentinels-frozen", ttl=5, call_timeout=2.0, heartbeat=False)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    transport = lock.transport
+    questions: list[object] = []
+    discover = transport_module._discover_master
+
+    def counted(*args: Any) -> Any:
+        questions.append(args)
+        return discover(*args)
+
+    monkeypatch.setattr(transport_module, "_discover_master", counted)
+    with deployment.sentinel_servers[0].paused():
+        for _ in range(2):
+            transport.close_idle()  # the next request needs a new connection
+            assert lock.acquire(blocking=False)
+            lock.release()
+    assert len(questions) == 1
+    assert transport.primary == (master.host, master.port)
+    client.close()
 
 
 def test_a_timeout_on_a_sentinel_managed_primary_closes_every_idle_connection(

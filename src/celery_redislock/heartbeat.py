@@ -212,6 +212,23 @@ class _Lane:
                 now = time.monotonic()
                 round_trip.bring_forward(now + max(entry.due - self.clock(), MIN_ROUND_TRIP))
 
+    def primary_switched(self) -> None:
+        """The transport learnt that the Sentinels replaced its primary: renew
+        every lock now, on the new primary. A renewal answered by the old one
+        since the switch did not reach the new one, whose copy of the lock may
+        run out first; and a lock the old primary handed out since is not held
+        on the new one: its holder finds it lost now, not a renewal interval
+        later."""
+        if self.pid != _pid:
+            return
+        with self.cond:
+            if not self.entries:
+                return
+            now = self.clock()
+            for entry in self.entries.values():
+                entry.due = min(entry.due, now)
+            self._wake(now)
+
     def unregister(self, lock: Renewable) -> bool:
         """Stop renewing ``lock``; return whether it was registered here (``False``
         in a forked child, whose lanes are its own)."""
@@ -642,6 +659,7 @@ class Heartbeat:
             lane = self._lanes.get(transport)
             if lane is None:
                 lane = self._lanes[transport] = _Lane(self, transport)
+                transport.watch_switches(lane)
             return lane
 
     def register(self, lock: Renewable, first: float | None = None) -> _Lane:
@@ -675,6 +693,15 @@ class Heartbeat:
         sender = getattr(lock, "_sender", None)
         redirect = sender() if sender is not None else None
         self._lane(lock.transport).add_pending(call, until, what, quiet, redirect)
+
+    def send_in_background(self, transport: Transport, call: Call, until: float, what: str) -> None:
+        """Send ``call`` (safe to send twice) on ``transport`` until it lands or the
+        heartbeat's clock reaches ``until``, quietly and for no lock object: a
+        release sent again after a switch of primary (see
+        :meth:`~celery_redislock.transport.Transport.resend_on_switch`), whose
+        lock may be gone by then."""
+        self._stopping = False
+        self._lane(transport).add_pending(call, until, what, True)
 
     def drain_later(self, transport: Transport) -> None:
         """Have ``transport``'s owed replies read soon, if no request reads them first."""

@@ -39,6 +39,7 @@ before it, so until then the hold is certain; once it passes,
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -818,6 +819,8 @@ class RedisLock:
             # renewal answered after it cannot report this lock lost.
             self._stop_renewal()
         ahead = self._ahead() if self._behind else ()
+        transport = self.transport
+        until = self._expiry
         try:
             result = Released(self._run(call, deadline, before=ahead))
         except RedisError as exc:
@@ -843,6 +846,8 @@ class RedisLock:
             done = result is Released.FREED or self._holds == 0
         if done:
             self._forget()
+            if transport.follows_switches:
+                self._resend_on_switch(transport, now, resend, until)
         elif self.heartbeat and self._lane is None:
             # Another thread sharing this object took the lock again while what
             # was the last hold's release went (off the heartbeat): renew it again.
@@ -905,7 +910,10 @@ class RedisLock:
                     self._landed(ahead)
                 transport.scripts.add(RELEASE_SCRIPT.sha)
                 if reply != Released.NOT_OWNED:
-                    # The usual answer: nothing more to do.
+                    # The usual answer: nothing more to do (but on a primary the
+                    # Sentinels may turn out to have replaced meanwhile).
+                    if last and transport.follows_switches:
+                        self._resend_on_switch(transport, now, resend, until)
                     if then is not None:
                         then("released")
                     return
@@ -972,6 +980,30 @@ class RedisLock:
             raise
         if lane is None or lane.transport is not transport or not lane.drain_later():
             self._beat().drain_later(transport)
+
+    def _resend_on_switch(
+        self, transport: Transport, written_at: float, resend: tuple[Any, ...], until: float
+    ) -> None:
+        """A last hold's release written at ``written_at`` was answered by a
+        Sentinel-managed primary: should the transport learn soon that the
+        Sentinels had replaced it, the release goes again, in the background, to
+        the new one (until ``until``, when the hold would have expired). The old
+        primary may have answered it after its replica was promoted (an operator's
+        failover leaves it up), and the lock would stay held there until its TTL.
+        Sent again, a release that did land changes nothing; one that finds the
+        lock taken since by another owner, or anew, leaves it alone."""
+        beat = self._beat()
+        transport.resend_on_switch(
+            written_at,
+            until,
+            functools.partial(
+                beat.send_in_background,
+                transport,
+                self._release_call(resend),
+                until,
+                f"releasing lock {self.name!r} again on the new primary",
+            ),
+        )
 
     def _settled(self, counted: list[bool]) -> None:
         """A release that did not wait is answered, or failed as it was written:

@@ -28,6 +28,7 @@ through :func:`backend_errors`, the one place where they are translated.
 from __future__ import annotations
 
 import atexit
+import collections
 import importlib.util
 import logging
 import math
@@ -112,21 +113,28 @@ TRANSIENT: tuple[type[RedisError], ...] = (
 #: Idle connections a transport keeps for reuse; more are opened when needed.
 MAX_IDLE = 8
 
-#: Seconds a connection of a Sentinel-managed transport may have been without an
-#: answer and still be reused without asking the Sentinels which server is
-#: primary. A failover takes at least Sentinel's ``down-after-milliseconds`` of
-#: silence from the primary, so a connection that had an answer more recently
-#: than this cannot point at a primary replaced since, as long as that setting
-#: is at least this long; one idle for longer might: a primary frozen through a
-#: failover that comes back still takes writes until the Sentinels demote it.
-#: (An answer the Sentinels gave a moment ago does not vouch for it: they may
-#: have switched since.)
+#: How often, in seconds, a Sentinel-managed transport asks the Sentinels which
+#: server is primary while it is in use: the first request due after this long
+#: since the last question asks (one request a period, whichever comes first,
+#: however busy the connections are). An operator's ``SENTINEL FAILOVER`` leaves
+#: the old primary up and taking writes until the Sentinels demote it, seconds
+#: later, so a connection in constant use would never notice the switch by a
+#: silence. A connection that has had no answer for longer than this asks too
+#: before it is reused: a primary frozen through a failover that comes back
+#: still takes writes until the Sentinels demote it.
 PRIMARY_RECHECK = 1.0
 #: The most a request waits for the Sentinels' answer before it goes on (on the
-#: connection it has), in seconds: Sentinels that do not answer cost it no more.
+#: connection it has, or a new one to the primary they last named), in seconds:
+#: Sentinels that do not answer cost it no more.
 PRIMARY_QUESTION = 0.25
 #: How long Sentinels that could not be asked are left alone, in seconds.
 SENTINELS_REST = 10.0
+#: How far back, in seconds, a release answered before a switch of primary was
+#: learnt is sent again to the new primary (see :meth:`Transport.resend_on_switch`):
+#: the old primary may have answered it after its replica was promoted, and the
+#: Sentinels announce a switch a moment after the promotion, learnt here up to
+#: :data:`PRIMARY_RECHECK` later.
+SWITCH_RESEND = 10.0
 
 #: The socket type whose descriptor :meth:`_Link.send` and :meth:`_Link.receive`
 #: may write to and read from directly: a plain one, where a socket is a file descriptor (POSIX); ``None``
@@ -237,11 +245,28 @@ class Transport:
             self.service = pool.service_name
             if pool.is_master:
                 self._sentinel = pool.connection_kwargs["connection_pool"]
+        #: Whether the transport follows the Sentinels' switches of primary (a
+        #: Sentinel-managed primary): see :meth:`resend_on_switch`.
+        self.follows_switches = self._sentinel is not None
         #: The primary's address as the Sentinels last named it (``None`` before
         #: they were first asked, and for a server not managed by Sentinel).
         self.primary: tuple[str, int] | None = None
-        # When a question to the Sentinels last failed (on the monotonic clock).
+        # When a question to the Sentinels last failed, and when one was last
+        # asked (on the monotonic clock).
         self._unanswered_at = -math.inf
+        self._asked_at = -math.inf
+        #: When a switch of primary was last learnt (on the monotonic clock).
+        self.switched_at = -math.inf
+        # The primary the Sentinels last named, found refusing writes (READONLY)
+        # since: not connected to without asking them again.
+        self._demoted: tuple[str, int] | None = None
+        # Requests answered lately that are sent again should the primary turn
+        # out to have been replaced meanwhile: (written at, until, send again).
+        self._on_switch: collections.deque[tuple[float, float, Callable[[], object]]] = (
+            collections.deque()
+        )
+        # Told when a switch of primary is learnt (the heartbeat's lanes).
+        self._watchers: weakref.WeakSet[Any] = weakref.WeakSet()
         # Server push notifications (RESP3 only) are the client's business; the
         # client's library name and version are given up with CLIENT SETINFO.
         kwargs = {
@@ -417,10 +442,51 @@ class Transport:
         return len(owing)
 
     def reset(self) -> None:
-        """Close every idle connection (after a failover, the next call reconnects)."""
+        """Close every idle connection (after a failover, the next call reconnects).
+
+        Called when a server refused a write as a replica (``READONLY``): on a
+        Sentinel-managed server, the next request asks the Sentinels which server
+        is primary, however recently they failed to answer, and does not fall
+        back on the one they named last (see :meth:`_connect`)."""
         with self._guard:
             idle, self._idle = self._idle, []
+            if self._sentinel is not None:
+                self._demoted = self.primary
+                self._unanswered_at = self._asked_at = -math.inf
         self._close(idle, "connection reset before its reply was read")
+
+    def watch_switches(self, watcher: Any) -> None:
+        """Call ``watcher.primary_switched()`` (quick, never raising) whenever this
+        transport learns that the Sentinels replaced the primary, from the thread
+        that learns it; held weakly. Nothing for a server not managed by Sentinel."""
+        if self._sentinel is not None:
+            with self._guard:
+                self._watchers.add(watcher)
+
+    def resend_on_switch(
+        self, written_at: float, until: float, again: Callable[[], object]
+    ) -> None:
+        """Call ``again`` should this transport learn, within :data:`SWITCH_RESEND`
+        of ``written_at`` and before ``until`` (both on the monotonic clock), that
+        the Sentinels replaced the primary: a request written at ``written_at`` and
+        answered may have been answered by the old primary after its replica was
+        promoted, and never reach the new one. At once if a switch was learnt
+        after it was written. Nothing for a server not managed by Sentinel.
+
+        ``again`` must be quick and must not raise (it runs in the thread that
+        learns the switch); it must be safe to run for a request that did land.
+        """
+        if self._sentinel is None:
+            return
+        with self._guard:
+            now = time.monotonic()
+            if self.switched_at < written_at:
+                entries = self._on_switch
+                while entries and entries[0][0] < now - SWITCH_RESEND:
+                    entries.popleft()
+                entries.append((written_at, until, again))
+                return
+        _call_quietly(again)
 
     def close_idle(self) -> None:
         """Close the idle connections that owe no replies. One connection found
@@ -464,11 +530,47 @@ class Transport:
         try:
             if self._sentinel is not None:
                 # redis-py would ask the Sentinels with their own timeouts and retries.
-                conn.connect_to(self._ask_primary(deadline))
+                conn.connect_to(self._primary_for_connect(deadline))
             else:
                 conn.connect()
         finally:
             conn.handshake_deadline = None
+
+    def _primary_for_connect(self, deadline: Deadline) -> tuple[str, int]:
+        """The address a new connection goes to: the primary the Sentinels name.
+
+        Once they have named one, they are asked for :data:`PRIMARY_QUESTION` at
+        most (and half the time left to ``deadline``), and not at all while they
+        are left alone after a question they did not answer (:data:`SENTINELS_REST`):
+        the connection then goes to the primary they named last, unless that
+        server has refused a write as a replica since (see :meth:`reset`). Their
+        outage alone does not stop the locks. Before they have named one, they
+        get the whole deadline.
+
+        Raises:
+            redis.TimeoutError, redis.ConnectionError: see :func:`_discover_master`.
+        """
+        known = self.primary
+        if known is None or known == self._demoted:
+            return self._ask_primary(deadline)
+        now = time.monotonic()
+        if now - self._unanswered_at > SENTINELS_REST:
+            budget = min(PRIMARY_QUESTION, max(0.0, deadline.at - now) / 2)
+            try:
+                return self._ask_primary(Deadline(now + budget))
+            except RedisError as exc:
+                if not _sentinels_silent(exc):
+                    # The primary they named last is down: no use connecting there.
+                    raise
+                self._unanswered_at = now
+                logger.debug(
+                    "celery_redislock: could not ask the Sentinels which server is the "
+                    "primary of %r (connecting to %s, named last): %s",
+                    self.service,
+                    f"{known[0]}:{known[1]}",
+                    exc,
+                )
+        return known
 
     def _ask_primary(self, deadline: Deadline) -> tuple[str, int]:
         """The primary's address, asked of the Sentinels by ``deadline`` and kept
@@ -479,12 +581,40 @@ class Transport:
         Raises:
             redis.TimeoutError, redis.ConnectionError: see :func:`_discover_master`.
         """
+        asked_at = time.monotonic()
         address = _discover_master(self._sentinel, deadline)
+        again: list[Callable[[], object]] = []
         with self._guard:
+            self._asked_at = max(self._asked_at, asked_at)
+            self._demoted = None
+            switched = self.primary is not None and self.primary != address
             self.primary = address
             stale = [link for link in self._idle if link.address != address]
             if stale:
                 self._idle = [link for link in self._idle if link.address == address]
+            if switched:
+                now = time.monotonic()
+                self.switched_at = now
+                again = [
+                    resend
+                    for written_at, until, resend in self._on_switch
+                    if written_at >= now - SWITCH_RESEND and until > now
+                ]
+                self._on_switch.clear()
+        if switched:
+            logger.info(
+                "celery_redislock: the Sentinels name %s the new primary of %r: sending "
+                "again %d release(s) answered lately",
+                f"{address[0]}:{address[1]}",
+                self.service,
+                len(again),
+            )
+            for resend in again:
+                _call_quietly(resend)
+            with self._guard:
+                watchers = list(self._watchers)
+            for watcher in watchers:
+                _call_quietly(watcher.primary_switched)
         if stale:
             logger.info(
                 "celery_redislock: the Sentinels name %s the primary of %r: closing %d "
@@ -498,23 +628,32 @@ class Transport:
 
     def _still_primary(self, link: _Link, deadline: Deadline) -> bool:
         """Whether ``link``, an idle connection of a Sentinel-managed transport,
-        may be reused: its server is the primary the Sentinels last named, and it
-        had an answer within :data:`PRIMARY_RECHECK` or they name it again now
-        (asked for :data:`PRIMARY_QUESTION` at most, and half the time left to
-        ``deadline``), whatever the request, a deferred one too. A busy
-        connection costs nothing more.
+        may be reused: its server is the primary the Sentinels last named, after
+        they were asked (for :data:`PRIMARY_QUESTION` at most, and half the time
+        left to ``deadline``) if the link has had no answer within
+        :data:`PRIMARY_RECHECK`, or if no request of this transport has asked
+        them within that time (one request a period asks, busy connections or
+        not), whatever the request, a deferred one too.
 
         Sentinels that cannot be asked now leave the connection in use (they are
         not asked again for :data:`SENTINELS_REST`): their outage alone does not
         stop the locks. A link found stale is closed.
         """
         now = time.monotonic()
-        if now - link.used > PRIMARY_RECHECK and now - self._unanswered_at > SENTINELS_REST:
+        due = now - link.used > PRIMARY_RECHECK
+        if not due and now - self._asked_at > PRIMARY_RECHECK:
+            with self._guard:
+                # One request of those due at once asks; the others go on.
+                due = now - self._asked_at > PRIMARY_RECHECK
+                if due:
+                    self._asked_at = now
+        if due and now - self._unanswered_at > SENTINELS_REST:
             try:
                 budget = min(PRIMARY_QUESTION, max(0.0, deadline.at - now) / 2)
                 self._ask_primary(Deadline(now + budget))
             except RedisError as exc:
-                self._unanswered_at = now
+                if _sentinels_silent(exc):
+                    self._unanswered_at = now
                 logger.debug(
                     "celery_redislock: could not ask the Sentinels which server is the "
                     "primary of %r: %s",
@@ -701,6 +840,8 @@ def _discover_master(pool: Any, deadline: Deadline) -> tuple[str, int]:
     service = pool.service_name
     sentinels = list(manager.sentinels)
     errors: list[str] = []
+    # Whether a Sentinel answered, naming no primary in good standing.
+    answered = False
     for number, sentinel in enumerate(sentinels):
         remaining = deadline.remaining()
         if remaining <= 0:
@@ -719,6 +860,7 @@ def _discover_master(pool: Any, deadline: Deadline) -> tuple[str, int]:
         states = (_sentinel_state(item) for item in reply if isinstance(item, list))
         state = next((state for state in states if state and state["name"] == service), None)
         if state is None or not manager.check_master_state(state, service):
+            answered = True
             continue
         # Put this Sentinel at the front, as redis-py does.
         at = next((i for i, known in enumerate(manager.sentinels) if known is sentinel), 0)
@@ -728,9 +870,23 @@ def _discover_master(pool: Any, deadline: Deadline) -> tuple[str, int]:
         return (forced if forced is not None else state["ip"]), state["port"]
     if deadline.expired():
         raise RedisTimeoutError(f"no Sentinel named the primary of {service!r} in time")
-    raise MasterNotFoundError(
+    error = MasterNotFoundError(
         f"No master found for {service!r}" + (f": {'; '.join(errors)}" if errors else "")
     )
+    setattr(error, _ANSWERED, answered)
+    raise error
+
+
+#: The attribute of a :class:`MasterNotFoundError` that says a Sentinel answered
+#: (the primary is down, a failover under way), rather than none could be asked.
+_ANSWERED = "_celery_redislock_answered"
+
+
+def _sentinels_silent(exc: RedisError) -> bool:
+    """Whether a question to the Sentinels that failed with ``exc`` went unanswered
+    (they are then left alone for :data:`SENTINELS_REST`), rather than answered
+    with no primary in good standing."""
+    return not getattr(exc, _ANSWERED, False)
 
 
 def _sentinel_state(reply: list[Any]) -> dict[str, Any] | None:
@@ -1176,6 +1332,15 @@ def _pack_any(commands: Sequence[Sequence[Any]]) -> bytes:
     return b"".join(parts)
 
 
+def _call_quietly(again: Callable[[], object]) -> None:
+    """Call ``again`` (see :meth:`Transport.resend_on_switch`); whatever it raises
+    is logged, never propagated."""
+    try:
+        again()
+    except Exception:
+        logger.exception("celery_redislock: sending a request again after a switch failed")
+
+
 def _hand_over(handler: ReplyHandler, result: list[Any] | RedisError) -> None:
     """Call a reply handler; whatever it raises is logged, never propagated."""
     try:
@@ -1598,6 +1763,8 @@ def _forget_after_fork() -> None:
     _transports_guard = threading.Lock()
     for transport in list(_every_transport):
         transport._guard = threading.Lock()
+        # The parent's releases are the parent's to send again.
+        transport._on_switch.clear()
     for router in list(_every_router):
         # A refresh under way in the parent has no thread here to end it.
         router._refresh, router._refresh_guard = None, threading.Lock()
