@@ -575,7 +575,14 @@ class RedisLock:
         per-execution lock of a :class:`~celery_redislock.task.SingletonTask`,
         built without checking them once more on every run."""
         lock = cls.__new__(cls)
-        lock._fill(shared, name, owner, lease, info)
+        # _fill(), inline: this runs on every execution.
+        state = lock.__dict__
+        state.update(shared)
+        state["name"] = name
+        state["key"], state["queue_key"] = _keys(name, shared["prefix"])
+        state["owner"] = owner
+        state["lease"] = lease
+        state["_info"] = info
         return lock
 
     def _fill(
@@ -778,11 +785,10 @@ class RedisLock:
             LockLostError: this object held it, but it expired or was taken over.
             LockBackendError: Redis could not be reached; see above.
         """
-        now = time.monotonic()
-        deadline = Deadline(now + self.call_timeout)
+        now = started = time.monotonic()
         if self._unanswered:
             # Before anything changes here: an interruption leaves the hold as it was.
-            self._read_owed(deadline)
+            self._read_owed(Deadline(started + self.call_timeout))
             now = time.monotonic()
         request = request_id()
         inner = self._holds > 1
@@ -790,7 +796,8 @@ class RedisLock:
             self.owner,
             self.wake_prefix,
             request,
-            self._free_ttl_ms(now),
+            # _free_ttl_ms(now), inline: this runs on every release.
+            0 if self._expiry - now > self.call_timeout + KEEP_EXPIRY_MARGIN else FENCE_TTL_MS,
             "",
             "" if self.token is None else self.token,
             self._released or "",
@@ -812,6 +819,7 @@ class RedisLock:
         if not wait:
             self._release_later(args, resend, then, now)
             return
+        deadline = Deadline(started + self.call_timeout)
         call = self._release_call(args)
         if self._holds == 1:
             # The last hold: off the heartbeat before the release lands, so that a
@@ -948,8 +956,11 @@ class RedisLock:
         # request that meets NOSCRIPT would only be sent again. (What by_sha() and
         # by_text() of _release_call(args) give, without building the Call: it
         # is needed only to send the release again.)
+        packed = None
         if RELEASE_SCRIPT.sha in transport.scripts:
             command = ("EVALSHA", RELEASE_SCRIPT.sha, 2, self.key, self.queue_key, *args)
+            if not ahead:
+                packed = _packed_release(self.key, self.queue_key, args)
         else:
             command = ("EVAL", RELEASE_SCRIPT.text, 2, self.key, self.queue_key, *args)
         try:
@@ -957,6 +968,7 @@ class RedisLock:
                 [*(call.by_text() for call, _until in ahead), command] if ahead else [command],
                 Deadline(now + self.call_timeout),
                 answered,
+                packed,
             )
         except RedisError as exc:
             self._settled(counted)
@@ -1135,6 +1147,10 @@ class RedisLock:
     def _acquire_call(self, request: str, entry: str = "") -> Call:
         """The ACQUIRE script call of one try (a waiter with this queue ``entry``
         is queued if the lock is held)."""
+        return Call(ACQUIRE_SCRIPT, (self.key, self.queue_key), self._acquire_args(request, entry))
+
+    def _acquire_args(self, request: str, entry: str = "") -> tuple[str | int, ...]:
+        """The ARGV of :meth:`_acquire_call`."""
         args: tuple[str | int, ...] = (
             self.owner,
             max(1, int(self.ttl * 1000)),
@@ -1151,7 +1167,7 @@ class RedisLock:
             args = (*args, self._info, self._handed_from)
         elif self._info:
             args = (*args, self._info)
-        return Call(ACQUIRE_SCRIPT, (self.key, self.queue_key), args)
+        return args
 
     def _try_acquire(
         self, deadline: Deadline, request: str, entry: str = "", late_to_caller: bool = False
@@ -1263,12 +1279,28 @@ class RedisLock:
         if transport is None or self.min_replicas or self._behind:
             return None
         ahead = SentAcquire(self, transport, request_id())
-        call = self._acquire_call(ahead.request)
         # By text until this server is known to have the script: a request that
-        # meets NOSCRIPT would only have to go again.
-        command = call.by_sha() if ACQUIRE_SCRIPT.sha in transport.scripts else call.by_text()
+        # meets NOSCRIPT would only have to go again. (What by_sha() and by_text()
+        # of _acquire_call() give, without building the Call.)
+        packed = None
+        if ACQUIRE_SCRIPT.sha in transport.scripts:
+            if self._info and not self._handed_from and not self._gone_waiters:
+                packed = _packed_acquire(
+                    self.key,
+                    self.queue_key,
+                    self.owner,
+                    max(1, int(self.ttl * 1000)),
+                    self.lease,
+                    ahead.request,
+                    self._info,
+                )
+            script = ("EVALSHA", ACQUIRE_SCRIPT.sha, 2, self.key, self.queue_key)
+        else:
+            script = ("EVAL", ACQUIRE_SCRIPT.text, 2, self.key, self.queue_key)
+        # (Only a request that needs pack() itself is built for it.)
+        commands = () if packed is not None else [(*script, *self._acquire_args(ahead.request))]
         try:
-            ahead.link = transport.write([command], Deadline(ahead.sent + self.call_timeout))
+            ahead.link = transport.write(commands, Deadline(ahead.sent + self.call_timeout), packed)
             ahead.written = True
         except RedisError as exc:
             # Not written, or not whole: it did not run.
@@ -1728,6 +1760,55 @@ class RedisLock:
         # slot that moved to another primary) since it was registered.
         if self.heartbeat and (lane is None or not lane.unregister(self)):
             self._beat().unregister(self)
+
+
+#: The first items of an ACQUIRE and a RELEASE call by digest with two keys, as
+#: :func:`~celery_redislock.transport.pack` encodes them, without the count of
+#: items in front.
+_ACQUIRE_HEAD = (
+    f"$7\r\nEVALSHA\r\n${len(ACQUIRE_SCRIPT.sha)}\r\n{ACQUIRE_SCRIPT.sha}\r\n$1\r\n2\r\n"
+)
+_RELEASE_HEAD = (
+    f"$7\r\nEVALSHA\r\n${len(RELEASE_SCRIPT.sha)}\r\n{RELEASE_SCRIPT.sha}\r\n$1\r\n2\r\n"
+)
+
+
+def _packed_acquire(
+    key: str, queue_key: str, owner: str, ttl_ms: int, lease: str, request: str, info: str
+) -> bytes | None:
+    """What :func:`~celery_redislock.transport.pack` makes of the usual ACQUIRE
+    call by digest (a first try, not queued, with a holder description, nothing
+    handed over, no gone waiters: ``EVALSHA <sha> 2 key queue_key owner ttl_ms
+    lease request "" "" info``), made from one template rather than argument by
+    argument: every task's acquire is one. ``None`` if a value is not ASCII (its
+    length in bytes differs): :func:`pack` encodes that one."""
+    ttl = str(ttl_ms)
+    text = (
+        f"*12\r\n{_ACQUIRE_HEAD}${len(key)}\r\n{key}\r\n${len(queue_key)}\r\n{queue_key}\r\n"
+        f"${len(owner)}\r\n{owner}\r\n${len(ttl)}\r\n{ttl}\r\n${len(lease)}\r\n{lease}\r\n"
+        f"${len(request)}\r\n{request}\r\n$0\r\n\r\n$0\r\n\r\n${len(info)}\r\n{info}\r\n"
+    )
+    return text.encode() if text.isascii() else None
+
+
+def _packed_release(key: str, queue_key: str, args: tuple[Any, ...]) -> bytes | None:
+    """What :func:`~celery_redislock.transport.pack` makes of a RELEASE call by
+    digest with these seven ARGV (its usual shape: see :meth:`RedisLock.release`),
+    made from one template, as :func:`_packed_acquire` does; ``None`` for another
+    shape, a value not ``str`` or ``int``, or one not ASCII."""
+    if len(args) != 7:
+        return None
+    owner, wake, request, free_ttl, change, token, released = args
+    if type(free_ttl) is not int or (type(token) is not int and token != ""):
+        return None
+    free, fence = str(free_ttl), str(token)
+    text = (
+        f"*12\r\n{_RELEASE_HEAD}${len(key)}\r\n{key}\r\n${len(queue_key)}\r\n{queue_key}\r\n"
+        f"${len(owner)}\r\n{owner}\r\n${len(wake)}\r\n{wake}\r\n${len(request)}\r\n{request}"
+        f"\r\n${len(free)}\r\n{free}\r\n${len(change)}\r\n{change}\r\n${len(fence)}\r\n{fence}"
+        f"\r\n${len(released)}\r\n{released}\r\n"
+    )
+    return text.encode() if text.isascii() else None
 
 
 #: Errors after which a request may not have run, and is sent again.

@@ -992,7 +992,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         release) and a ``while_executing`` one, which nothing reserved, are
         named here (:meth:`lock_name`).
         """
-        if self.lock_options.strategy != WHILE_EXECUTING:
+        if (self._lock_options or self.lock_options).strategy != WHILE_EXECUTING:
             sent = _sent_name(request)
             if sent is not None:
                 return check_name(sent, f"message header {_NAME_HEADER!r}")
@@ -1429,7 +1429,8 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _execution_lock(self, key: str, task_id: str, opts: LockOptions, request: Any) -> RedisLock:
         """The lock of one execution (``request``: its context, or its worker request)."""
-        check_stored(task_id, "task id")
+        if SEPARATOR in task_id:
+            check_stored(task_id, "task id")
         kept = self._lock_kind
         same = kept is not None and kept[1] is opts and kept[2] == _process.pid
         now = time.monotonic()
@@ -1476,7 +1477,12 @@ class SingletonTask(Task):  # type: ignore[misc]
             # A __call__ of a subclass may not start the locked execution.
             return
         try:
-            opts = self.options_for_call(message.request_dict.get(_OVERRIDES_HEADER))
+            overrides = message.request_dict.get(_OVERRIDES_HEADER)
+            opts = (
+                self.options_for_call(overrides)
+                if overrides
+                else (self._lock_options or self.lock_options)
+            )
             if opts.strategy == UNTIL_EXECUTING:
                 return
             task_id = check_name(message.id, "task id")
