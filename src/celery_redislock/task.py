@@ -1427,8 +1427,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         setattr(request, _ENTERED, True)
         return self._run_locked(request, args, kwargs)
 
-    def _execution_lock(self, key: str, task_id: str, opts: LockOptions, request: Any) -> RedisLock:
-        """The lock of one execution (``request``: its context, or its worker request)."""
+    def _execution_lock(
+        self, key: str, task_id: str, opts: LockOptions, request: Any, retries: int | None = None
+    ) -> RedisLock:
+        """The lock of one execution (``request``: its context, or its worker
+        request; ``retries``: its message's retry count, if the caller has it)."""
         if SEPARATOR in task_id:
             check_stored(task_id, "task id")
         kept = self._lock_kind
@@ -1450,9 +1453,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                     prefix=opts.prefix,
                 )
             kept = self._lock_kind = (client, opts, _process.pid, shared, now + STORE_RECHECK)
-        # request_retries(), for a first delivery (the usual one) without a call.
-        retries = getattr(request, "retries", None)
-        retries = request_retries(request) if retries != 0 else 0
+        if retries is None:
+            # request_retries(), for a first delivery (the usual one) without a call.
+            retries = getattr(request, "retries", None)
+            retries = request_retries(request) if retries != 0 else 0
         lock = RedisLock._from_shared(
             kept[3],
             key,
@@ -1477,7 +1481,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             # A __call__ of a subclass may not start the locked execution.
             return
         try:
-            overrides = message.request_dict.get(_OVERRIDES_HEADER)
+            headers = message.request_dict
+            overrides = headers.get(_OVERRIDES_HEADER)
             opts = (
                 self.options_for_call(overrides)
                 if overrides
@@ -1487,7 +1492,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                 return
             task_id = check_name(message.id, "task id")
             key = self._message_name(message, message.args, message.kwargs)
-            lock = self._execution_lock(key, task_id, opts, message)
+            lock = self._execution_lock(
+                key, task_id, opts, message, _retries(headers.get("retries"))
+            )
         except Exception:
             # Raised again as the task starts, and reported then.
             return
