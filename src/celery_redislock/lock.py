@@ -1789,14 +1789,13 @@ def _packed_acquire(
 
 def _packed_release(key: str, queue_key: str, args: tuple[Any, ...]) -> bytes | None:
     """What :func:`~celery_redislock.transport.pack` makes of a RELEASE call by
-    digest with these seven ARGV (its usual shape: see :meth:`RedisLock.release`),
-    made from one template, as :func:`_packed_acquire` does; ``None`` for another
-    shape, a value not ``str`` or ``int``, or one not ASCII."""
+    digest with these ARGV, as :meth:`RedisLock.release` makes them (the free
+    TTL an ``int``, the fence an ``int`` or ``""``, the others ``str``), made
+    from one template, as :func:`_packed_acquire` does; ``None`` for another
+    shape than the usual seven, or a value not ASCII."""
     if len(args) != 7:
         return None
     owner, wake, request, free_ttl, change, token, released = args
-    if type(free_ttl) is not int or (type(token) is not int and token != ""):
-        return None
     free, fence = str(free_ttl), str(token)
     text = (
         f"*12\r\n{_RELEASE_HEAD}${len(key)}\r\n{key}\r\n${len(queue_key)}\r\n{queue_key}\r\n"
@@ -1865,7 +1864,7 @@ class SentAcquire:
         link, self.link = self.link, None
         if link is not None:
             try:
-                self.answer = self.transport.finish(link, 1, deadline, ready=True)[0]
+                self.answer = self.transport.finish(link, 1, deadline, True)[0]
             except RedisError as exc:
                 self.answer = exc
         return self.answer

@@ -1473,7 +1473,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         """Write the acquire of an execution the worker has just accepted, to be
         read as it starts (see :mod:`celery_redislock.early`); ``message`` is its
         worker request."""
-        stale = _written_ahead.pop(threading.get_ident(), None)
+        me = threading.get_ident()
+        stale = _written_ahead.pop(me, None)
         if stale is not None:
             # Its task never started, nor failed where the worker could see it.
             stale.sent.abandon()
@@ -1500,7 +1501,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             return
         ahead = lock._send_acquire()
         if ahead is not None:
-            _written_ahead[threading.get_ident()] = _Ahead(task_id, ahead, opts)
+            # _Ahead(...) without its Python-level __new__: every accepted task's.
+            _written_ahead[me] = tuple.__new__(_Ahead, (task_id, ahead, opts))
 
     def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ahead: SentAcquire | None = None
@@ -1621,7 +1623,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             if sent is not None and opts.strategy == UNTIL_EXECUTED and not retrying:
                 # A retry sent as it ran on (``self.retry(throw=False)``): held for it.
                 keep = reserve = True
-            if lock.holding:
+            if lock._holds > 0:  # lock.holding, inline: every execution ends here
                 if keep:
                     # Renewed no more before it changes hands: no renewal finds it lost.
                     lock.detach()
