@@ -241,6 +241,9 @@ def check_name(value: object, argument: str = "name") -> str:
         raise TypeError(f"{argument} must be a str, not {type(value).__name__}")
     if not value:
         raise ValueError(f"{argument} must be a non-empty string")
+    if value.isascii():
+        # (A flag of the string: no copy made to find it out.)
+        return value
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -640,7 +640,7 @@ class Transport:
                 result: list[Any] | RedisError
                 if broken is None:
                     try:
-                        result = link.read(count, deadline, self, ready=True)
+                        result = link.read(count, deadline, self, True)  # ready
                     except BusyLoadingError as exc:
                         # That request's answer, every reply of it read.
                         result = exc
