@@ -578,14 +578,7 @@ class RedisLock:
         per-execution lock of a :class:`~celery_redislock.task.SingletonTask`,
         built without checking them once more on every run."""
         lock = cls.__new__(cls)
-        # _fill(), inline: this runs on every execution.
-        state = lock.__dict__
-        state.update(shared)
-        state["name"] = name
-        state["key"], state["queue_key"] = _keys(name, shared["prefix"])
-        state["owner"] = owner
-        state["lease"] = lease
-        state["_info"] = info
+        lock._fill(shared, name, owner, lease, info)
         return lock
 
     def _fill(
