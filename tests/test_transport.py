@@ -23,9 +23,11 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_redislock import LockBackendError, RedisLock, lookup
+from celery_redislock import lock as lock_module
 from celery_redislock import transport as transport_module
 from celery_redislock.deployments import TLSServer, make_certificates
 from celery_redislock.heartbeat import get_heartbeat
+from celery_redislock.scripts import ACQUIRE_SCRIPT, RELEASE_SCRIPT
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import (
     Deadline,
@@ -591,6 +593,39 @@ def test_pack_encodes_as_redis_py_does(command: tuple[Any, ...]) -> None:
     expected = b"".join(redis.Connection().pack_command(*command))  # type: ignore[no-untyped-call]
     assert pack([command]) == expected
     assert pack([command, command]) == expected * 2
+
+
+@pytest.mark.parametrize(
+    ("lease", "info"),
+    [
+        ("0d4b7b3e-1234-4567-89ab-cdef01234567", "t\x1frunning\x1fw@h\x1f4242\x1f1733380000123"),
+        ("", "t\x1fqueued\x1f\x1f\x1f1733380000123"),
+        ("tâche-1", "t\x1frunning\x1fw@h\x1f1\x1f2"),
+        ("id", "t\x1frunning\x1fhôte@h\x1f1\x1f2"),
+    ],
+)
+def test_request_templates_encode_as_pack_does(lease: str, info: str) -> None:
+    """The usual ACQUIRE and RELEASE calls, encoded from a template on every
+    task's path, are byte for byte what :func:`pack` makes of them; a value that
+    is not ASCII is left to :func:`pack` (``None``)."""
+    key, queue = lock_module._keys("t:ab12", "p")
+    acquire = lock_module._packed_acquire(key, queue, "AbCdEfGhIjKl", 60_000, lease, "17", info)
+    expected = pack(
+        [("EVALSHA", ACQUIRE_SCRIPT.sha, 2, key, queue, "AbCdEfGhIjKl", 60_000, lease, "17", "", "",
+          info)]
+    )  # fmt: skip
+    assert acquire == (expected if (lease + info).isascii() else None)
+    for args in [
+        ("AbCdEfGhIjKl", "p:wake:", "18", 0, "", 7, ""),
+        ("AbCdEfGhIjKl", "p:wake:", "18", 3_600_000, "17", "", "15 16"),
+        ("AbCdEfGhIjKl", "p:wake:", lease or "18", 0, "", 7, ""),
+    ]:
+        command = ("EVALSHA", RELEASE_SCRIPT.sha, 2, key, queue, *args)
+        release = lock_module._packed_release(key, queue, args)
+        ascii = all(str(arg).isascii() for arg in args)
+        assert release == (pack([command]) if ascii else None)
+    # Another shape (a release that reads the lock first) is left to pack().
+    assert lock_module._packed_release(key, queue, (*args, "read")) is None
 
 
 @pytest.mark.parametrize("value", [True, 1.5, None, object()])

@@ -56,7 +56,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request as _CeleryRequest
 
 from celery_redislock.admin import LockInfo, force_release, read_lock
-from celery_redislock.task import SingletonTask, _shown, take_written_ahead
+from celery_redislock.task import SingletonTask, _shown, _written_ahead, take_written_ahead
 
 __all__ = ["Request"]
 
@@ -243,6 +243,9 @@ class Request(_CeleryRequest):  # type: ignore[misc]
 
     def _give_back(self) -> None:
         """Give back the hold of an acquire written ahead that the task never read."""
+        if not _written_ahead:
+            # The usual end: the task read its own (every task ends here).
+            return
         written = take_written_ahead(self.id)
         if written is not None:
             written.sent.abandon()

@@ -266,6 +266,11 @@ class _Lane:
         """
         if self.pid != _pid:
             return False
+        if self.deferred and self.drain_at is not None:
+            # Looking already, and told of a reply deferred since its last look
+            # (read without the lock: a look that clears ``deferred`` meanwhile
+            # finds this request's reply owed, and keeps looking).
+            return True
         with self.lock:
             self.deferred = True
             if self.drain_at is None:

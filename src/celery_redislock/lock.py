@@ -242,6 +242,9 @@ def check_name(value: object, argument: str = "name") -> str:
         raise TypeError(f"{argument} must be a str, not {type(value).__name__}")
     if not value:
         raise ValueError(f"{argument} must be a non-empty string")
+    if value.isascii():
+        # (A flag of the string: no copy made to find it out.)
+        return value
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -779,11 +782,10 @@ class RedisLock:
             LockLostError: this object held it, but it expired or was taken over.
             LockBackendError: Redis could not be reached; see above.
         """
-        now = time.monotonic()
-        deadline = Deadline(now + self.call_timeout)
+        now = started = time.monotonic()
         if self._unanswered:
             # Before anything changes here: an interruption leaves the hold as it was.
-            self._read_owed(deadline)
+            self._read_owed(Deadline(started + self.call_timeout))
             now = time.monotonic()
         request = request_id()
         inner = self._holds > 1
@@ -791,7 +793,8 @@ class RedisLock:
             self.owner,
             self.wake_prefix,
             request,
-            self._free_ttl_ms(now),
+            # _free_ttl_ms(now), inline: this runs on every release.
+            0 if self._expiry - now > self.call_timeout + KEEP_EXPIRY_MARGIN else FENCE_TTL_MS,
             "",
             "" if self.token is None else self.token,
             self._released or "",
@@ -813,6 +816,7 @@ class RedisLock:
         if not wait:
             self._release_later(args, resend, then, now)
             return
+        deadline = Deadline(started + self.call_timeout)
         call = self._release_call(args)
         if self._holds == 1:
             # The last hold: off the heartbeat before the release lands, so that a
@@ -909,7 +913,7 @@ class RedisLock:
                 if ahead:
                     self._landed(ahead)
                 transport.scripts.add(RELEASE_SCRIPT.sha)
-                if reply != Released.NOT_OWNED:
+                if reply != _NOT_OWNED:
                     # The usual answer: nothing more to do (but on a primary the
                     # Sentinels may turn out to have replaced meanwhile).
                     if last and transport.follows_switches:
@@ -956,8 +960,11 @@ class RedisLock:
         # request that meets NOSCRIPT would only be sent again. (What by_sha() and
         # by_text() of _release_call(args) give, without building the Call: it
         # is needed only to send the release again.)
+        packed = None
         if RELEASE_SCRIPT.sha in transport.scripts:
             command = ("EVALSHA", RELEASE_SCRIPT.sha, 2, self.key, self.queue_key, *args)
+            if not ahead:
+                packed = _packed_release(self.key, self.queue_key, args)
         else:
             command = ("EVAL", RELEASE_SCRIPT.text, 2, self.key, self.queue_key, *args)
         try:
@@ -965,6 +972,7 @@ class RedisLock:
                 [*(call.by_text() for call, _until in ahead), command] if ahead else [command],
                 Deadline(now + self.call_timeout),
                 answered,
+                packed,
             )
         except RedisError as exc:
             self._settled(counted)
@@ -1167,6 +1175,10 @@ class RedisLock:
     def _acquire_call(self, request: str, entry: str = "") -> Call:
         """The ACQUIRE script call of one try (a waiter with this queue ``entry``
         is queued if the lock is held)."""
+        return Call(ACQUIRE_SCRIPT, (self.key, self.queue_key), self._acquire_args(request, entry))
+
+    def _acquire_args(self, request: str, entry: str = "") -> tuple[str | int, ...]:
+        """The ARGV of :meth:`_acquire_call`."""
         args: tuple[str | int, ...] = (
             self.owner,
             max(1, int(self.ttl * 1000)),
@@ -1183,7 +1195,7 @@ class RedisLock:
             args = (*args, self._info, self._handed_from)
         elif self._info:
             args = (*args, self._info)
-        return Call(ACQUIRE_SCRIPT, (self.key, self.queue_key), args)
+        return args
 
     def _try_acquire(
         self, deadline: Deadline, request: str, entry: str = "", late_to_caller: bool = False
@@ -1221,7 +1233,7 @@ class RedisLock:
         self._unconfirmed = None
         if ahead:
             self._landed(ahead)
-        if wait and reply.outcome is Acquired.TAKEN:
+        if wait and reply.outcome is _TAKEN:
             self._check_replicas(raw[1], request, deadline)
         return self._record(reply, sent, request, late_to_caller)
 
@@ -1236,7 +1248,7 @@ class RedisLock:
         whose local deadline passes. With ``late_to_caller`` (a task's acquire
         written ahead, whose caller gives such a hold back and asks anew) it is
         left off the heartbeat instead: not renewed, and not reported lost."""
-        if reply.outcome is Acquired.HELD:
+        if reply.outcome is _HELD:
             self.blocked_by = reply.holder
             self._blocked_owner = reply.owner
             self._blocked_taken = reply.taken
@@ -1247,7 +1259,7 @@ class RedisLock:
         with self._state:
             # Off the heartbeat: no hold yet, or the heartbeat found it lost.
             first = self._holds == 0 or self._lost
-            if reply.outcome is Acquired.TAKEN:
+            if reply.outcome is _TAKEN:
                 self._holds = 1
                 self._released = reply.released
                 self._waited = False
@@ -1265,11 +1277,7 @@ class RedisLock:
         # off the heartbeat.
         now = time.monotonic()
         late = now >= self._expiry
-        if (
-            self.heartbeat
-            and (first or reply.outcome is Acquired.TAKEN)
-            and not (late and late_to_caller)
-        ):
+        if self.heartbeat and (first or reply.outcome is _TAKEN) and not (late and late_to_caller):
             # Renewed an interval after the request was sent, not after its reply
             # was read: a reply read late (written ahead as a worker accepted the
             # task) leaves the hold less of its TTL.
@@ -1295,12 +1303,28 @@ class RedisLock:
         if transport is None or self.min_replicas or self._behind:
             return None
         ahead = SentAcquire(self, transport, request_id())
-        call = self._acquire_call(ahead.request)
         # By text until this server is known to have the script: a request that
-        # meets NOSCRIPT would only have to go again.
-        command = call.by_sha() if ACQUIRE_SCRIPT.sha in transport.scripts else call.by_text()
+        # meets NOSCRIPT would only have to go again. (What by_sha() and by_text()
+        # of _acquire_call() give, without building the Call.)
+        packed = None
+        if ACQUIRE_SCRIPT.sha in transport.scripts:
+            if self._info and not self._handed_from and not self._gone_waiters:
+                packed = _packed_acquire(
+                    self.key,
+                    self.queue_key,
+                    self.owner,
+                    max(1, int(self.ttl * 1000)),
+                    self.lease,
+                    ahead.request,
+                    self._info,
+                )
+            script = ("EVALSHA", ACQUIRE_SCRIPT.sha, 2, self.key, self.queue_key)
+        else:
+            script = ("EVAL", ACQUIRE_SCRIPT.text, 2, self.key, self.queue_key)
+        # (Only a request that needs pack() itself is built for it.)
+        commands = () if packed is not None else [(*script, *self._acquire_args(ahead.request))]
         try:
-            ahead.link = transport.write([command], Deadline(ahead.sent + self.call_timeout))
+            ahead.link = transport.write(commands, Deadline(ahead.sent + self.call_timeout), packed)
             ahead.written = True
         except RedisError as exc:
             # Not written, or not whole: it did not run.
@@ -1762,6 +1786,60 @@ class RedisLock:
             self._beat().unregister(self)
 
 
+#: The first items of an ACQUIRE and a RELEASE call by digest with two keys, as
+#: :func:`~celery_redislock.transport.pack` encodes them, without the count of
+#: items in front.
+_ACQUIRE_HEAD = (
+    f"$7\r\nEVALSHA\r\n${len(ACQUIRE_SCRIPT.sha)}\r\n{ACQUIRE_SCRIPT.sha}\r\n$1\r\n2\r\n"
+)
+_RELEASE_HEAD = (
+    f"$7\r\nEVALSHA\r\n${len(RELEASE_SCRIPT.sha)}\r\n{RELEASE_SCRIPT.sha}\r\n$1\r\n2\r\n"
+)
+
+
+def _packed_acquire(
+    key: str, queue_key: str, owner: str, ttl_ms: int, lease: str, request: str, info: str
+) -> bytes | None:
+    """What :func:`~celery_redislock.transport.pack` makes of the usual ACQUIRE
+    call by digest (a first try, not queued, with a holder description, nothing
+    handed over, no gone waiters: ``EVALSHA <sha> 2 key queue_key owner ttl_ms
+    lease request "" "" info``), made from one template rather than argument by
+    argument: every task's acquire is one. ``None`` if a value is not ASCII (its
+    length in bytes differs): :func:`pack` encodes that one."""
+    ttl = str(ttl_ms)
+    text = (
+        f"*12\r\n{_ACQUIRE_HEAD}${len(key)}\r\n{key}\r\n${len(queue_key)}\r\n{queue_key}\r\n"
+        f"${len(owner)}\r\n{owner}\r\n${len(ttl)}\r\n{ttl}\r\n${len(lease)}\r\n{lease}\r\n"
+        f"${len(request)}\r\n{request}\r\n$0\r\n\r\n$0\r\n\r\n${len(info)}\r\n{info}\r\n"
+    )
+    return text.encode() if text.isascii() else None
+
+
+def _packed_release(key: str, queue_key: str, args: tuple[Any, ...]) -> bytes | None:
+    """What :func:`~celery_redislock.transport.pack` makes of a RELEASE call by
+    digest with these ARGV, as :meth:`RedisLock.release` makes them (the free
+    TTL an ``int``, the fence an ``int`` or ``""``, the others ``str``), made
+    from one template, as :func:`_packed_acquire` does; ``None`` for another
+    shape than the usual seven, or a value not ASCII."""
+    if len(args) != 7:
+        return None
+    owner, wake, request, free_ttl, change, token, released = args
+    free, fence = str(free_ttl), str(token)
+    text = (
+        f"*12\r\n{_RELEASE_HEAD}${len(key)}\r\n{key}\r\n${len(queue_key)}\r\n{queue_key}\r\n"
+        f"${len(owner)}\r\n{owner}\r\n${len(wake)}\r\n{wake}\r\n${len(request)}\r\n{request}"
+        f"\r\n${len(free)}\r\n{free}\r\n${len(change)}\r\n{change}\r\n${len(fence)}\r\n{fence}"
+        f"\r\n${len(released)}\r\n{released}\r\n"
+    )
+    return text.encode() if text.isascii() else None
+
+
+#: The outcomes read on every acquire and release, as names of this module: an
+#: enum member read off its class costs several times a global's lookup.
+_HELD, _TAKEN = Acquired.HELD, Acquired.TAKEN
+_NOT_OWNED = Released.NOT_OWNED
+
+
 #: Errors after which a request may not have run, and is sent again.
 _NOT_RUN = (NoScriptError, RedisConnectionError, RedisTimeoutError)
 
@@ -1815,7 +1893,7 @@ class SentAcquire:
         link, self.link = self.link, None
         if link is not None:
             try:
-                self.answer = self.transport.finish(link, 1, deadline, ready=True)[0]
+                self.answer = self.transport.finish(link, 1, deadline, True)[0]
             except RedisError as exc:
                 self.answer = exc
         return self.answer

@@ -1177,7 +1177,7 @@ class AcquireReply(NamedTuple):
     @classmethod
     def parse(cls, raw: Sequence[Any]) -> AcquireReply:
         outcome = _ACQUIRED[int(raw[0])]
-        if outcome is Acquired.HELD:
+        if outcome is _ACQUIRED[0]:  # Acquired.HELD
             return cls(
                 outcome,
                 None,
@@ -1189,7 +1189,10 @@ class AcquireReply(NamedTuple):
                 taken=len(raw) > 6 and int(raw[6]) == 1,
             )
         released = _text(raw[2]) if len(raw) > 2 else None
-        return cls(outcome, int(raw[1]), 0, None, None, None, released)
+        # cls(...) without its Python-level __new__: this is every acquire's reply.
+        return tuple.__new__(
+            cls, (outcome, int(raw[1]), 0, None, None, None, released, None, False)
+        )
 
 
 class Released(IntEnum):

@@ -992,7 +992,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         release) and a ``while_executing`` one, which nothing reserved, are
         named here (:meth:`lock_name`).
         """
-        if self.lock_options.strategy != WHILE_EXECUTING:
+        if (self._lock_options or self.lock_options).strategy != WHILE_EXECUTING:
             sent = _sent_name(request)
             if sent is not None:
                 return check_name(sent, f"message header {_NAME_HEADER!r}")
@@ -1427,9 +1427,13 @@ class SingletonTask(Task):  # type: ignore[misc]
         setattr(request, _ENTERED, True)
         return self._run_locked(request, args, kwargs)
 
-    def _execution_lock(self, key: str, task_id: str, opts: LockOptions, request: Any) -> RedisLock:
-        """The lock of one execution (``request``: its context, or its worker request)."""
-        check_stored(task_id, "task id")
+    def _execution_lock(
+        self, key: str, task_id: str, opts: LockOptions, request: Any, retries: int | None = None
+    ) -> RedisLock:
+        """The lock of one execution (``request``: its context, or its worker
+        request; ``retries``: its message's retry count, if the caller has it)."""
+        if SEPARATOR in task_id:
+            check_stored(task_id, "task id")
         kept = self._lock_kind
         same = kept is not None and kept[1] is opts and kept[2] == _process.pid
         now = time.monotonic()
@@ -1449,9 +1453,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                     prefix=opts.prefix,
                 )
             kept = self._lock_kind = (client, opts, _process.pid, shared, now + STORE_RECHECK)
-        # request_retries(), for a first delivery (the usual one) without a call.
-        retries = getattr(request, "retries", None)
-        retries = request_retries(request) if retries != 0 else 0
+        if retries is None:
+            # request_retries(), for a first delivery (the usual one) without a call.
+            retries = getattr(request, "retries", None)
+            retries = request_retries(request) if retries != 0 else 0
         lock = RedisLock._from_shared(
             kept[3],
             key,
@@ -1468,7 +1473,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         """Write the acquire of an execution the worker has just accepted, to be
         read as it starts (see :mod:`celery_redislock.early`); ``message`` is its
         worker request."""
-        stale = _written_ahead.pop(threading.get_ident(), None)
+        me = threading.get_ident()
+        stale = _written_ahead.pop(me, None)
         if stale is not None:
             # Its task never started, nor failed where the worker could see it.
             stale.sent.abandon()
@@ -1476,18 +1482,27 @@ class SingletonTask(Task):  # type: ignore[misc]
             # A __call__ of a subclass may not start the locked execution.
             return
         try:
-            opts = self.options_for_call(message.request_dict.get(_OVERRIDES_HEADER))
+            headers = message.request_dict
+            overrides = headers.get(_OVERRIDES_HEADER)
+            opts = (
+                self.options_for_call(overrides)
+                if overrides
+                else (self._lock_options or self.lock_options)
+            )
             if opts.strategy == UNTIL_EXECUTING:
                 return
             task_id = check_name(message.id, "task id")
             key = self._message_name(message, message.args, message.kwargs)
-            lock = self._execution_lock(key, task_id, opts, message)
+            lock = self._execution_lock(
+                key, task_id, opts, message, _retries(headers.get("retries"))
+            )
         except Exception:
             # Raised again as the task starts, and reported then.
             return
         ahead = lock._send_acquire()
         if ahead is not None:
-            _written_ahead[threading.get_ident()] = _Ahead(task_id, ahead, opts)
+            # _Ahead(...) without its Python-level __new__: every accepted task's.
+            _written_ahead[me] = tuple.__new__(_Ahead, (task_id, ahead, opts))
 
     def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ahead: SentAcquire | None = None
@@ -1608,7 +1623,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             if sent is not None and opts.strategy == UNTIL_EXECUTED and not retrying:
                 # A retry sent as it ran on (``self.retry(throw=False)``): held for it.
                 keep = reserve = True
-            if lock.holding:
+            if lock._holds > 0:  # lock.holding, inline: every execution ends here
                 if keep:
                     # Renewed no more before it changes hands: no renewal finds it lost.
                     lock.detach()

@@ -318,9 +318,12 @@ class Transport:
         """
         return self.finish(self.write(commands, deadline), len(commands), deadline)
 
-    def write(self, commands: Sequence[Sequence[Any]], deadline: Deadline) -> _Link:
+    def write(
+        self, commands: Sequence[Sequence[Any]], deadline: Deadline, packed: bytes | None = None
+    ) -> _Link:
         """The first half of :meth:`execute`: write ``commands`` on a connection
         that stays the caller's until it reads their replies with :meth:`finish`.
+        ``packed``: their encoding (:func:`pack`), if the caller has made it already.
 
         In between, the caller may do other work while the server answers; the
         connection is nobody else's, so the replies wait for it there.
@@ -336,7 +339,7 @@ class Transport:
             ended(exc, ran=False)
             raise
         try:
-            link.send(pack(commands), deadline, self)
+            link.send(pack(commands) if packed is None else packed, deadline, self)
         except BaseException:
             self._checkin(link, False)
             raise
@@ -374,9 +377,14 @@ class Transport:
             self._checkin(link, healthy)
 
     def send_deferred(
-        self, commands: Sequence[Sequence[Any]], deadline: Deadline, handler: ReplyHandler
+        self,
+        commands: Sequence[Sequence[Any]],
+        deadline: Deadline,
+        handler: ReplyHandler,
+        packed: bytes | None = None,
     ) -> None:
-        """Write ``commands`` now and read their replies later.
+        """Write ``commands`` now and read their replies later (``packed``: their
+        encoding, as for :meth:`write`).
 
         The replies are read by the next request on the same connection (just
         after it writes its own), by :meth:`drain`, or by :meth:`flush`, and handed
@@ -393,7 +401,7 @@ class Transport:
         # A connection due for a check is checked first (see _still_primary()):
         # a release written to a server no longer the primary would leave the
         # lock on the new one held, and the answer read would vouch for the link.
-        link = self._write(commands, deadline)
+        link = self._write(commands, deadline, packed)
         with self._guard:
             self.sends += 1
             self._owed.setdefault(link, []).append((len(commands), handler, self.sends))
@@ -686,7 +694,9 @@ class Transport:
         if self._sentinel is not None:
             self.close_idle()
 
-    def _write(self, commands: Sequence[Sequence[Any]], deadline: Deadline) -> _Link:
+    def _write(
+        self, commands: Sequence[Sequence[Any]], deadline: Deadline, packed: bytes | None = None
+    ) -> _Link:
         """Write ``commands`` whole on a connection (its owed replies left unread)
         and return it. A connection that could not be opened, or a write refused
         before its first byte, did not run the request (see :func:`may_have_run`);
@@ -697,7 +707,7 @@ class Transport:
             ended(exc, ran=False)
             raise
         try:
-            link.send(pack(commands), deadline, self)
+            link.send(pack(commands) if packed is None else packed, deadline, self)
         except BaseException:
             self._checkin(link, False)
             raise
@@ -781,7 +791,7 @@ class Transport:
                 result: list[Any] | RedisError
                 if broken is None:
                     try:
-                        result = link.read(count, deadline, self, ready=True)
+                        result = link.read(count, deadline, self, True)  # ready
                     except BusyLoadingError as exc:
                         # That request's answer, every reply of it read.
                         result = exc
