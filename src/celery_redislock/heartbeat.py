@@ -19,7 +19,10 @@ deadline passes before a renewal is confirmed; it is never renewed again.
 The lanes hold their locks weakly: a held lock that nobody references any more
 (dropped without ``release()``) is not kept alive — it is logged and left to
 expire by its TTL. A lane also retries, for a bounded time, requests that must
-reach the server eventually, such as a release whose reply never came.
+reach the server eventually, such as a release whose reply never came; and, on
+a Sentinel-managed primary, asks the Sentinels which server is primary while
+releases wait to be sent again should they have switched (see
+:meth:`_Lane.watch_primary`).
 
 Threads are rebuilt lazily in a child process after ``fork()``, which starts
 with no locks and no threads; a lane's thread ends when it has had nothing to do

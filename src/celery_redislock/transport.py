@@ -121,7 +121,9 @@ MAX_IDLE = 8
 #: later, so a connection in constant use would never notice the switch by a
 #: silence. A connection that has had no answer for longer than this asks too
 #: before it is reused: a primary frozen through a failover that comes back
-#: still takes writes until the Sentinels demote it.
+#: still takes writes until the Sentinels demote it. While releases wait to be
+#: sent again should a switch be learnt (:meth:`Transport.resend_on_switch`), the
+#: heartbeat's lane of the transport asks as often, however idle the transport.
 PRIMARY_RECHECK = 1.0
 #: The most a request waits for the Sentinels' answer before it goes on (on the
 #: connection it has, or a new one to the primary they last named), in seconds:
