@@ -1352,6 +1352,9 @@ def test_a_sentinel_managed_connection_idle_for_a_while_is_checked_with_the_sent
     the lock's own transport. Sentinels that cannot be asked leave the connection in
     use: their outage alone does not stop the locks."""
     monkeypatch.setattr(transport_module, "PRIMARY_RECHECK", 0.0)
+    # No release waits to be sent again should a switch be learnt: the heartbeat's
+    # thread, which would ask the Sentinels meanwhile, leaves them alone.
+    monkeypatch.setattr(transport_module, "SWITCH_RESEND", 0.0)
     deployment = redislock_sentinel_factory(replicas=0, sentinels=1, down_after_ms=60000)
     client = deployment.client()
     lock = RedisLock(client, "sentinel-recheck", ttl=5, heartbeat=False)

@@ -360,11 +360,15 @@ class _Lane:
                     if batch is None:
                         return
                     renewals, pending, drain, check = batch
-                try:
-                    if check:
-                        # Whatever the Sentinels say, quickly: sends again the
-                        # requests that wait for a switch, if one is learnt.
+                if check:
+                    # Whatever the Sentinels say, quickly: sends again the
+                    # requests that wait for a switch, if one is learnt.
+                    try:
                         self.transport.check_primary()
+                    except BaseException:
+                        # As for a round: the thread renews every lock on this server.
+                        logger.exception("celery_redislock: asking the Sentinels failed")
+                try:
                     if renewals:
                         self.renew(renewals, lane_thread=True)
                         self.heartbeat.rounds += 1
