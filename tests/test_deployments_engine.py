@@ -36,6 +36,7 @@ from celery_redislock.deployments import (
 )
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.lock import lock_keys, release_lease
+from celery_redislock.reservations import free_queued, queued_owner
 from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import Client, Deadline, Transport, transport_for
@@ -1080,12 +1081,22 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
       primary, and found lost;
     * a release answered by the old primary before it learnt the switch is sent
       again to the new primary, where the lock was held: it is freed there, not
-      left until its TTL.
+      left until its TTL. So is one of a hold its object never took (a message's
+      reservation, ``free_queued``), and one by lease (``release_lease``); and so
+      is one by a client that makes no request after it (an idle process), whose
+      heartbeat asks the Sentinels meanwhile;
+    * a lock released and taken again on the old primary (a new fencing token)
+      is not renewed on the new one, whose copy is of the hold released: it is
+      found lost as the switch is learnt (not renewed there and freed by the
+      release sent again, while its holder goes on);
+    * a release that dropped an inner hold, of another object of the same owner,
+      is not sent again: it would drop the other's hold on the new primary.
 
     Until the switch is learnt is held open by a ``PRIMARY_RECHECK`` raised for the
     time being."""
     deployment = redislock_sentinel_factory(replicas=1, sentinels=1, quorum=1)
     client, rival_client = deployment.client(), deployment.client()
+    idle_client = deployment.client()
     transport = transport_for(client)
     old = deployment.master()
     old_admin = old.client()
@@ -1093,14 +1104,45 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
     old_admin.execute_command("ACL", "SETUSER", "default", "-slaveof", "-replicaof")  # type: ignore[no-untyped-call]
     released = RedisLock(client, "manual-failover:released", ttl=30, heartbeat=False)
     assert released.acquire(blocking=False)
-    assert old_admin.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+    # Their renewals are due every 20 s: they are found lost long before that.
+    again = RedisLock(client, "manual-failover:again", ttl=60)
+    assert again.acquire(blocking=False)
+    anew = RedisLock(client, "manual-failover:anew", ttl=60)
+    assert anew.acquire(blocking=False)
+    # Two objects of one owner: ``inner`` re-enters ``kept``'s hold.
+    kept = RedisLock(client, "manual-failover:shared", ttl=60, owner="manual-failover-owner")
+    inner = RedisLock(client, kept.name, ttl=60, owner=kept.owner, heartbeat=False)
+    assert kept.acquire(blocking=False)
+    reserved = RedisLock(
+        client,
+        "manual-failover:reserved",
+        ttl=60,
+        owner=queued_owner("queued-task"),
+        lease="queued-task",
+        heartbeat=False,
+    )
+    assert reserved.acquire(blocking=False)
+    leased = RedisLock(client, "manual-failover:lease", ttl=60, lease="lease-task", heartbeat=False)
+    assert leased.acquire(blocking=False)
+    idle = RedisLock(idle_client, "manual-failover:idle", ttl=60, heartbeat=False)
+    assert idle.acquire(blocking=False)
+    # Every hold replicated before the failover (a WAIT of another connection
+    # does not wait for these clients' writes).
+    replica = deployment.replicas()[0].client()
+    for lock in (released, again, anew, kept, reserved, leased, idle):
+
+        def replicated(lock: RedisLock = lock) -> bool:
+            return fields(replica, lock.key).get(OWNER_FIELD) == lock.owner
+
+        wait_for(replicated, timeout=10, what=f"{lock.name} to reach the replica")
+    replica.close()
     # Idle connections enough that no request below needs a new one (which would
     # ask the Sentinels as it connects).
     deadline = Deadline.after(5)
     links = [transport.write([("PING",)], deadline) for _ in range(4)]
     for link in links:
         assert transport.finish(link, 1, deadline) == [b"PONG"]
-    locks: list[RedisLock] = [released]
+    locks: list[RedisLock] = [released, again, anew, kept]
     try:
         with _kept_busy(client):
             monkeypatch.setattr(transport_module, "PRIMARY_RECHECK", 3600.0)
@@ -1114,8 +1156,25 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
                 what="the Sentinels to announce the switch",
             )
             new_admin = new.client()
-            assert fields(new_admin, released.key).get(OWNER_FIELD) == released.owner
-            # The switch not learnt yet: both go to the old primary.
+            for lock in (released, again, anew, kept, reserved, leased, idle):
+                assert fields(new_admin, lock.key).get(OWNER_FIELD) == lock.owner
+            # The switch not learnt yet: all go to the old primary.
+            assert inner.acquire(blocking=False)
+            inner.release()  # it drops its own hold; kept's remains
+            again.release()
+            assert again.acquire(blocking=False)  # a new fencing token
+            # Its copy on the old primary runs out (made to), and it takes it anew
+            # there (a new token); nothing is sent again that frees the other copy.
+            old_admin.pexpire(anew.key, 1)
+            wait_for(lambda: not old_admin.exists(anew.key), timeout=5, what="the copy to run out")
+            assert anew.acquire(blocking=False)
+            assert free_queued(client, reserved.name, "queued-task", reserved.prefix)
+            assert release_lease(client, leased.name, "lease-task")
+            idle.release(wait=False)
+            idle.transport.drain(Deadline.after(5))
+            for lock in (reserved, leased, idle):
+                assert OWNER_FIELD not in fields(old_admin, lock.key)
+                assert fields(new_admin, lock.key).get(OWNER_FIELD) == lock.owner
             # Its renewals are due every 20 s: it is found lost long before that.
             early = RedisLock(client, "manual-failover:early", ttl=60)
             rival = RedisLock(rival_client, early.name, ttl=30)
@@ -1133,17 +1192,32 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
             assert fields(new_admin, early.key).get(OWNER_FIELD) == rival.owner
 
             monkeypatch.setattr(transport_module, "PRIMARY_RECHECK", 1.0)
+            # The idle client's heartbeat looks again now (as it would within
+            # PRIMARY_RECHECK, had it not been raised).
+            get_heartbeat().watch_primary(idle.transport)
             wait_for(
                 lambda: transport.primary == (new.host, new.port),
                 timeout=15,
                 what="the busy client to learn the switch",
             )
             wait_for(lambda: early.lost, timeout=10, what="the early hold to be found lost")
+            wait_for(lambda: again.lost, timeout=10, what="the hold taken again to be found lost")
+            wait_for(lambda: anew.lost, timeout=10, what="the hold taken anew to be found lost")
             wait_for(
                 lambda: OWNER_FIELD not in fields(new_admin, released.key),
                 timeout=10,
                 what="the release to be sent again to the new primary",
             )
+            # Sent again with the others (after inner's release, had it been).
+            assert fields(new_admin, kept.key).get(OWNER_FIELD) == kept.owner
+            assert not kept.lost
+            for key in (reserved.key, leased.key, idle.key):
+
+                def freed(key: str = key) -> bool:
+                    return OWNER_FIELD not in fields(new_admin, key)
+
+                wait_for(freed, timeout=10, what=f"{key} to be freed on the new primary")
+            assert idle.transport.primary == (new.host, new.port)
             later = RedisLock(client, "manual-failover:later", ttl=30)
             later_rival = RedisLock(rival_client, later.name, ttl=30)
             locks += [later, later_rival]
@@ -1166,6 +1240,7 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
         old_admin.close()
         client.close()
         rival_client.close()
+        idle_client.close()
 
 
 def _announced(deployment: SentinelDeployment) -> tuple[str, int]:
@@ -1277,6 +1352,9 @@ def test_a_sentinel_managed_connection_idle_for_a_while_is_checked_with_the_sent
     the lock's own transport. Sentinels that cannot be asked leave the connection in
     use: their outage alone does not stop the locks."""
     monkeypatch.setattr(transport_module, "PRIMARY_RECHECK", 0.0)
+    # No release waits to be sent again should a switch be learnt: the heartbeat's
+    # thread, which would ask the Sentinels meanwhile, leaves them alone.
+    monkeypatch.setattr(transport_module, "SWITCH_RESEND", 0.0)
     deployment = redislock_sentinel_factory(replicas=0, sentinels=1, down_after_ms=60000)
     client = deployment.client()
     lock = RedisLock(client, "sentinel-recheck", ttl=5, heartbeat=False)

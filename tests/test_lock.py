@@ -48,6 +48,7 @@ from celery_redislock.scripts import (
     LEASE_FIELD,
     OWNER_FIELD,
     QUEUED_FIELD,
+    RELEASE_LEASE_SCRIPT,
     RELEASE_SCRIPT,
     RELEASED_FIELD,
     REQUEST_FIELD,
@@ -443,6 +444,52 @@ def test_an_owner_token_the_holders_begins_with_is_another_owner(client: redis.R
     assert holder.owned()
     assert client.pttl(holder.key) > 1_000
     holder.release()
+
+
+def test_a_hold_of_the_same_owner_with_another_fencing_token_is_not_extended(
+    client: redis.Redis,
+) -> None:
+    """``extend()`` and the heartbeat's renewal extend only the hold with the
+    object's fencing token: a hold of its owner with another one (a copy of an
+    earlier hold, on a primary promoted after the holder took the lock anew on
+    the old one) is left as it is, and the object finds its hold lost. An object
+    of the same owner that holds nothing extends whatever hold the owner has."""
+    lock = RedisLock(client, "extend-other-token", ttl=5, heartbeat=False)
+    renewed = RedisLock(client, "renew-other-token", ttl=5)
+    assert lock.acquire(blocking=False)
+    assert renewed.acquire(blocking=False)
+    for held in (lock, renewed):
+        write_fields(client, held.key, **{FENCE_FIELD: str(cast(int, held.token) - 1)})
+    with pytest.raises(LockLostError):
+        lock.extend(100)
+    assert client.pttl(lock.key) <= 5_000
+    get_heartbeat().renew([renewed])
+    assert renewed.lost
+    assert client.pttl(renewed.key) <= 5_000
+    same_owner = RedisLock(client, lock.name, ttl=5, owner=lock.owner, heartbeat=False)
+    same_owner.extend(100)
+    assert client.pttl(lock.key) > 5_000
+    same_owner.release()
+    client.delete(renewed.key)
+
+
+def test_release_lease_with_a_fencing_token_frees_only_that_hold(client: redis.Redis) -> None:
+    """``RELEASE_LEASE`` says which hold it freed (its fencing token); sent again
+    with it (to a primary promoted since), it leaves a later hold of the same
+    lease alone, and frees the hold of that token."""
+    first = RedisLock(client, "lease-token", ttl=5, lease="task-a", heartbeat=False)
+    assert first.acquire(blocking=False)
+    token = cast(int, first.token)
+    key, queue = lock_keys(first.name)
+    args: list[str | int] = ["task-a", lock_module.wake_channel_prefix(), request_id()]
+    args += [FENCE_TTL_MS, token]
+    write_fields(client, key, **{FENCE_FIELD: str(token + 1)})  # a later hold
+    assert client.eval(RELEASE_LEASE_SCRIPT.text, 2, key, queue, *args) == 0
+    assert fields(client, key).get(OWNER_FIELD) == first.owner
+    write_fields(client, key, **{FENCE_FIELD: str(token)})
+    reply = client.eval(RELEASE_LEASE_SCRIPT.text, 2, key, queue, *args)
+    assert reply == [1, str(token).encode()]
+    assert OWNER_FIELD not in fields(client, key)
 
 
 def test_extend_resets_ttl(client: redis.Redis) -> None:

@@ -798,3 +798,26 @@ def test_a_tls_write_the_server_takes_slowly_is_bounded_by_the_deadline(
         thread.join(10)
         listener.close()
         client.close()
+
+
+def test_the_releases_sent_again_after_a_switch_all_go_past_an_interruption() -> None:
+    """Each request sent again as a switch of primary is learnt (they are taken off
+    the list first) is sent, even past one interrupted by an exception raised
+    asynchronously (a time limit), which is raised once they all have been; an
+    ordinary failure of one is logged."""
+    called: list[int] = []
+
+    class Interrupted(BaseException):
+        pass
+
+    def interrupted() -> None:
+        called.append(1)
+        raise Interrupted
+
+    def failing() -> None:
+        called.append(2)
+        raise ValueError("failed")
+
+    with pytest.raises(Interrupted):
+        transport_module._call_each([interrupted, failing, lambda: called.append(3)])
+    assert called == [1, 2, 3]

@@ -19,7 +19,10 @@ deadline passes before a renewal is confirmed; it is never renewed again.
 The lanes hold their locks weakly: a held lock that nobody references any more
 (dropped without ``release()``) is not kept alive — it is logged and left to
 expire by its TTL. A lane also retries, for a bounded time, requests that must
-reach the server eventually, such as a release whose reply never came.
+reach the server eventually, such as a release whose reply never came; and, on
+a Sentinel-managed primary, asks the Sentinels which server is primary while
+releases wait to be sent again should they have switched (see
+:meth:`_Lane.watch_primary`).
 
 Threads are rebuilt lazily in a child process after ``fork()``, which starts
 with no locks and no threads; a lane's thread ends when it has had nothing to do
@@ -77,6 +80,9 @@ class Renewable(Protocol):
     name: str
     key: str
     owner: str
+    #: The fencing token of the hold (``None``: unknown): a renewal extends only
+    #: the hold with this token.
+    token: int | None
 
     @property
     def transport(self) -> Transport: ...
@@ -98,6 +104,11 @@ class Renewable(Protocol):
     def _expires_at(self) -> float: ...
 
     def _redirected(self, exc: BaseException) -> bool: ...
+
+
+def _token(token: int | None) -> int | str:
+    """A fencing token as the scripts take it: ``""`` for unknown."""
+    return "" if token is None else token
 
 
 class _Entry(weakref.ref["Renewable"]):
@@ -229,6 +240,28 @@ class _Lane:
                 entry.due = min(entry.due, now)
             self._wake(now)
 
+    def watch_primary(self) -> None:
+        """A request of this lane's transport waits for a switch of primary (see
+        :meth:`~celery_redislock.transport.Transport.resend_on_switch`): have the
+        thread ask the Sentinels in time (:meth:`_check_at`), should no request of
+        the transport ask them first. The thread is woken only if it would not
+        wake by then anyway."""
+        if self.pid != _pid:
+            return
+        with self.lock:
+            at = self._check_at(self.clock())
+            if at is not None:
+                self._wake(at)
+
+    def _check_at(self, now: float) -> float | None:
+        """When, on the lane's clock (``now`` on it), its transport's Sentinels are
+        next to be asked for the requests that wait for a switch of primary;
+        ``None``: no request waits."""
+        at = self.transport.primary_check_at()
+        if at is None:
+            return None
+        return now + max(0.0, at - time.monotonic())
+
     def unregister(self, lock: Renewable) -> bool:
         """Stop renewing ``lock``; return whether it was registered here (``False``
         in a forked child, whose lanes are its own)."""
@@ -331,7 +364,15 @@ class _Lane:
                     batch = self._next_batch()
                     if batch is None:
                         return
-                    renewals, pending, drain = batch
+                    renewals, pending, drain, check = batch
+                if check:
+                    # Whatever the Sentinels say, quickly: sends again the
+                    # requests that wait for a switch, if one is learnt.
+                    try:
+                        self.transport.check_primary()
+                    except BaseException:
+                        # As for a round: the thread renews every lock on this server.
+                        logger.exception("celery_redislock: asking the Sentinels failed")
                 try:
                     if renewals:
                         self.renew(renewals, lane_thread=True)
@@ -352,18 +393,19 @@ class _Lane:
                     logger.exception("celery_redislock heartbeat round failed")
                 # No strong reference may outlive the round: a lock dropped by its
                 # user must be collectable while the thread sleeps.
-                del batch, renewals, pending, drain
+                del batch, renewals, pending, drain, check
         finally:
             # However the thread ends, the next caller that needs one starts another.
             with self.cond:
                 if self.thread is threading.current_thread():
                     self.thread = None
 
-    def _next_batch(self) -> tuple[list[_Renewal], list[_Pending], int | None] | None:
+    def _next_batch(self) -> tuple[list[_Renewal], list[_Pending], int | None, bool] | None:
         """With ``cond`` held: sleep until work is due; ``None`` when the thread
         should end. The batch is the locks to renew (with their registrations),
-        the requests to retry, and (or ``None``) the last request whose owed
-        reply to read."""
+        the requests to retry, (or ``None``) the last request whose owed reply to
+        read, and whether to ask the Sentinels which server is primary (see
+        :meth:`watch_primary`)."""
         idle_since = self.clock()
         while True:
             self._drop_collected()
@@ -375,6 +417,9 @@ class _Lane:
             times += [p.next_try for p in self.pending]
             if self.drain_at is not None:
                 times.append(self.drain_at)
+            check_at = self._check_at(now)
+            if check_at is not None:
+                times.append(check_at)
             if times:
                 idle_since = now
                 wait = min(times) - now
@@ -403,7 +448,7 @@ class _Lane:
             keep_looking = self.deferred or self.transport.owes_replies()
             self.drain_at = now + DRAIN_DELAY if keep_looking else None
             self.deferred = False
-        return renewals, pending, drain
+        return renewals, pending, drain, check_at is not None and check_at <= now
 
     def _drop_collected(self) -> None:
         while self.collected:
@@ -458,7 +503,13 @@ class _Lane:
         else:
             budget = min(max(until - now, MIN_ROUND_TRIP), longest)
             deadline = Deadline.after(budget)
-        calls = [Call(EXTEND_SCRIPT, [lock.key], [lock.owner, lock.ttl_ms]) for lock, _, _ in live]
+        # The hold's fencing token too: a copy of an earlier hold of the same owner
+        # (on a primary the Sentinels promoted after the holder took the lock anew
+        # on the old one) is not renewed, and the holder finds its hold lost.
+        calls = [
+            Call(EXTEND_SCRIPT, [lock.key], [lock.owner, lock.ttl_ms, _token(lock.token)])
+            for lock, _, _ in live
+        ]
         # The round trip's own failure (logged here), else none: renewals that
         # fail one by one (refused by the server) are logged after the round.
         raised: BaseException | None = None
@@ -707,6 +758,15 @@ class Heartbeat:
         lock may be gone by then."""
         self._stopping = False
         self._lane(transport).add_pending(call, until, what, True)
+
+    def watch_primary(self, transport: Transport) -> None:
+        """Have ``transport``'s lane ask its Sentinels which server is primary while
+        requests wait for a switch of primary (see
+        :meth:`~celery_redislock.transport.Transport.resend_on_switch`), should no
+        request of the transport ask them first: a process gone idle learns a
+        switch all the same, and sends them again."""
+        self._stopping = False
+        self._lane(transport).watch_primary()
 
     def drain_later(self, transport: Transport) -> None:
         """Have ``transport``'s owed replies read soon, if no request reads them first."""

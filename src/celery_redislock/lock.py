@@ -92,6 +92,7 @@ from celery_redislock.scripts import (
 )
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
+    SWITCH_RESEND,
     Client,
     Deadline,
     Router,
@@ -824,7 +825,10 @@ class RedisLock:
             self._stop_renewal()
         ahead = self._ahead() if self._behind else ()
         transport = self.transport
-        until = self._expiry
+        # When the hold would have expired; for a release of a hold this object
+        # never took (a message's reservation, freed by the owner token alone),
+        # a TTL of this lock's from now.
+        until = self._expiry if self._holds else now + self.ttl
         try:
             result = Released(self._run(call, deadline, before=ahead))
         except RedisError as exc:
@@ -850,12 +854,14 @@ class RedisLock:
             done = result is Released.FREED or self._holds == 0
         if done:
             self._forget()
-            if transport.follows_switches:
-                self._resend_on_switch(transport, now, resend, until)
         elif self.heartbeat and self._lane is None:
             # Another thread sharing this object took the lock again while what
             # was the last hold's release went (off the heartbeat): renew it again.
             self._lane = self._beat().register(self)
+        if result is Released.FREED and transport.follows_switches:
+            # Only a release that freed the lock: one that dropped an inner hold
+            # (of this owner's other object), sent again, would drop another.
+            self._resend_on_switch(transport, now, resend, until)
 
     def _release_call(self, args: tuple[Any, ...]) -> Call:
         """The RELEASE script call of this lock with these ARGV."""
@@ -915,8 +921,10 @@ class RedisLock:
                 transport.scripts.add(RELEASE_SCRIPT.sha)
                 if reply != _NOT_OWNED:
                     # The usual answer: nothing more to do (but on a primary the
-                    # Sentinels may turn out to have replaced meanwhile).
-                    if last and transport.follows_switches:
+                    # Sentinels may turn out to have replaced meanwhile, a release
+                    # that freed the lock goes again; one that dropped an inner
+                    # hold, of this owner's other object, would drop another).
+                    if reply == Released.FREED and transport.follows_switches:
                         self._resend_on_switch(transport, now, resend, until)
                     if then is not None:
                         then("released")
@@ -1000,17 +1008,13 @@ class RedisLock:
         failover leaves it up), and the lock would stay held there until its TTL.
         Sent again, a release that did land changes nothing; one that finds the
         lock taken since by another owner, or anew, leaves it alone."""
-        beat = self._beat()
-        transport.resend_on_switch(
+        _resend_on_switch(
+            self._beat(),
+            transport,
             written_at,
+            self._release_call(resend),
             until,
-            functools.partial(
-                beat.send_in_background,
-                transport,
-                self._release_call(resend),
-                until,
-                f"releasing lock {self.name!r} again on the new primary",
-            ),
+            f"releasing lock {self.name!r} again on the new primary",
         )
 
     def _settled(self, counted: list[bool]) -> None:
@@ -1031,12 +1035,17 @@ class RedisLock:
 
         Raises:
             LockNotOwnedError: this owner does not hold the lock.
-            LockLostError: this object held it, but it expired or was taken over.
+            LockLostError: this object held it, but it expired or was taken over
+                (the hold of this owner on the server has another fencing token).
             LockBackendError: Redis could not be reached.
         """
         new_ttl = self.ttl if ttl is None else check_ttl(ttl)
         sent = time.monotonic()
-        call = Call(EXTEND_SCRIPT, [self.key], [self.owner, max(1, int(new_ttl * 1000))])
+        # The hold's fencing token, if this object holds it: another hold of the
+        # same owner (a copy of an earlier one, on a primary promoted since) is not
+        # this object's. Without a hold of its own, any hold of the owner.
+        token = self.token if self._holds > 0 and self.token is not None else ""
+        call = Call(EXTEND_SCRIPT, [self.key], [self.owner, max(1, int(new_ttl * 1000)), token])
         floor = [math.inf]
         with self._state:
             self._extending = (*self._extending, floor)
@@ -1915,6 +1924,22 @@ class SentAcquire:
             )
 
 
+def _resend_on_switch(
+    beat: Heartbeat, transport: Transport, written_at: float, call: Call, until: float, what: str
+) -> None:
+    """A release ``call`` written at ``written_at`` freed a lock on a
+    Sentinel-managed primary: should ``transport`` learn soon that the Sentinels
+    had replaced it, ``call`` goes again, in the background, to the new one
+    (until ``until``; see
+    :meth:`~celery_redislock.transport.Transport.resend_on_switch`). The
+    heartbeat's lane of the transport asks the Sentinels meanwhile, should no
+    request ask them first (a process gone idle)."""
+    if transport.resend_on_switch(
+        written_at, until, functools.partial(beat.send_in_background, transport, call, until, what)
+    ):
+        beat.watch_primary(transport)
+
+
 def release_lease(
     client_or_url: Client | str,
     name: str,
@@ -1928,18 +1953,43 @@ def release_lease(
     that failed, or of an ``until_executing`` task as it starts. Returns whether it was
     freed. Retried safely on a broken connection within ``timeout`` seconds.
 
+    On a Sentinel-managed primary, a release that freed the lock is sent again to
+    the new primary should the process learn within
+    :data:`~celery_redislock.transport.SWITCH_RESEND` that the Sentinels had
+    replaced it (the old one may have answered after its replica was promoted):
+    it frees only the hold it freed (by its fencing token), not one the lease
+    took since.
+
     Raises:
         LockBackendError: Redis could not be reached.
     """
     client = as_client(client_or_url)
     key, queue = lock_keys(name, prefix)
+    request = request_id()
     call = Call(
         RELEASE_LEASE_SCRIPT,
         [key, queue],
-        [lease, wake_channel_prefix(prefix), request_id(), FENCE_TTL_MS],
+        [lease, wake_channel_prefix(prefix), request, FENCE_TTL_MS],
     )
+    router = router_for(client)
+    written_at = time.monotonic()
     with backend_errors(f"release lock {name!r}"):
-        return bool(send(router_for(client), key, call, Deadline.after(timeout)))
+        reply = send(router, key, call, Deadline.after(timeout))
+    # {1, fence} when freed now, 1 when by an earlier arrival (fence unknown).
+    fence = reply[1] if isinstance(reply, list) else None
+    transport = router.single
+    if fence is not None and transport is not None and transport.follows_switches:
+        again = Call(RELEASE_LEASE_SCRIPT, [key, queue], [*call.args, fence])
+        until = written_at + SWITCH_RESEND + max(timeout, MIN_CALL)
+        _resend_on_switch(
+            get_heartbeat(),
+            transport,
+            written_at,
+            again,
+            until,
+            f"releasing lock {name!r} of lease {lease!r} again on the new primary",
+        )
+    return bool(reply[0] if isinstance(reply, list) else reply)
 
 
 # This process's id, kept here rather than asked of the kernel on every release.

@@ -758,7 +758,10 @@ return free(lock)
 #: Set the remaining TTL of a held lock (sending it twice does no harm).
 #:
 #: KEYS[1] the lock key
-#: ARGV[1] owner token; ARGV[2] the new TTL in ms
+#: ARGV[1] owner token; ARGV[2] the new TTL in ms; ARGV[3] optionally, the
+#: fencing token of the hold ("" or absent: unknown): a hold of this owner with
+#: another token is not the caller's (a copy of an earlier hold of the owner on a
+#: primary promoted since the caller took it anew elsewhere), and is left alone
 #: Returns 1 when extended, 0 when not owned (nothing changed).
 EXTEND = (
     _CHECK_TTL
@@ -766,10 +769,13 @@ EXTEND = (
     + _lua("""
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
--- Only the owner, the value's first field, is compared: nothing else is parsed.
+-- Only the owner and the fencing token, the value's first two fields (a held
+-- lock has a third), are compared: nothing else is parsed.
 local raw = redis.pcall('GET', KEYS[1])
 if type(raw) == 'table' then parse(raw) end
-if not raw or string.sub(raw, 1, #ARGV[1] + 1) ~= ARGV[1] .. $SEPARATOR then
+local mine = ARGV[1] .. $SEPARATOR
+if (ARGV[3] or '') ~= '' then mine = mine .. ARGV[3] .. $SEPARATOR end
+if not raw or string.sub(raw, 1, #mine) ~= mine then
     return 0
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -783,17 +789,24 @@ return 1
 #:
 #: KEYS[1] the lock key; KEYS[2] the waiter queue
 #: ARGV[1] lease (task id); ARGV[2] the wake channel prefix; ARGV[3] request id;
-#: ARGV[4] how long the free value keeps the fence, in ms
-#: Returns 1 when freed (now or by an earlier arrival of the same request), 0 when
-#: that lease does not hold it.
+#: ARGV[4] how long the free value keeps the fence, in ms; ARGV[5] optionally,
+#: the fencing token of the hold to free ("" or absent: whatever hold of the
+#: lease): sent again to a primary promoted since it freed that hold, it leaves a
+#: later hold of the lease alone
+#: Returns {1, fence of the hold} when freed now, 1 when freed by an earlier
+#: arrival of the same request, 0 when that lease (with that token) does not hold it.
 RELEASE_LEASE = _freeing("""
 local lock, bad = checked_read()
 if bad then return bad end
-if ARGV[1] == '' or not lock[$OWNER] or lock[$LEASE] ~= ARGV[1] then
+if ARGV[1] == '' or not lock[$OWNER] or lock[$LEASE] ~= ARGV[1]
+        or ((ARGV[5] or '') ~= '' and lock[$FENCE] ~= ARGV[5]) then
     if released_here(lock) then return 1 end
     return 0
 end
-return free(lock)
+local fence = lock[$FENCE]
+bad = free(lock)
+if bad ~= 1 then return bad end
+return {1, fence}
 """)
 
 #: Free the lock whoever holds it (an operator's repair), or only the hold an

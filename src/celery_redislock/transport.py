@@ -121,7 +121,9 @@ MAX_IDLE = 8
 #: later, so a connection in constant use would never notice the switch by a
 #: silence. A connection that has had no answer for longer than this asks too
 #: before it is reused: a primary frozen through a failover that comes back
-#: still takes writes until the Sentinels demote it.
+#: still takes writes until the Sentinels demote it. While releases wait to be
+#: sent again should a switch be learnt (:meth:`Transport.resend_on_switch`), the
+#: heartbeat's lane of the transport asks as often, however idle the transport.
 PRIMARY_RECHECK = 1.0
 #: The most a request waits for the Sentinels' answer before it goes on (on the
 #: connection it has, or a new one to the primary they last named), in seconds:
@@ -473,7 +475,7 @@ class Transport:
 
     def resend_on_switch(
         self, written_at: float, until: float, again: Callable[[], object]
-    ) -> None:
+    ) -> bool:
         """Call ``again`` should this transport learn, within :data:`SWITCH_RESEND`
         of ``written_at`` and before ``until`` (both on the monotonic clock), that
         the Sentinels replaced the primary: a request written at ``written_at`` and
@@ -481,11 +483,16 @@ class Transport:
         promoted, and never reach the new one. At once if a switch was learnt
         after it was written. Nothing for a server not managed by Sentinel.
 
+        Returns whether ``again`` waits for a switch: the Sentinels are then to be
+        asked once a :data:`PRIMARY_RECHECK` until it no longer does, whether or
+        not requests come (see :meth:`primary_check_at`), which the heartbeat's
+        lane of this transport does.
+
         ``again`` must be quick and must not raise (it runs in the thread that
         learns the switch); it must be safe to run for a request that did land.
         """
         if self._sentinel is None:
-            return
+            return False
         with self._guard:
             now = time.monotonic()
             if self.switched_at < written_at:
@@ -493,8 +500,52 @@ class Transport:
                 while entries and entries[0][0] < now - SWITCH_RESEND:
                     entries.popleft()
                 entries.append((written_at, until, again))
-                return
+                return True
         _call_quietly(again)
+        return False
+
+    def primary_check_at(self) -> float | None:
+        """When (on the monotonic clock) the Sentinels are next to be asked which
+        server is primary for the requests that wait for a switch (see
+        :meth:`resend_on_switch`), however idle the transport is: a
+        :data:`PRIMARY_RECHECK` after they were last asked, or after a rest of
+        :data:`SENTINELS_REST` once they did not answer. ``None`` when no request
+        waits (those that can no longer be sent again are dropped)."""
+        if self._sentinel is None:
+            return None
+        with self._guard:
+            now = time.monotonic()
+            entries = self._on_switch
+            while entries and (entries[0][0] < now - SWITCH_RESEND):
+                entries.popleft()
+            if not any(until > now for _, until, _ in entries):
+                entries.clear()
+                return None
+            return max(self._asked_at + PRIMARY_RECHECK, self._unanswered_at + SENTINELS_REST)
+
+    def check_primary(self) -> None:
+        """Ask the Sentinels which server is primary (for :data:`PRIMARY_QUESTION`
+        at most) if :meth:`primary_check_at` says it is time: a switch learnt so
+        sends again the requests that wait for one. Sentinels that do not answer
+        are left alone for :data:`SENTINELS_REST`; never raises a
+        :class:`~redis.RedisError`."""
+        at = self.primary_check_at()
+        now = time.monotonic()
+        if at is None or at > now:
+            return
+        with self._guard:
+            self._asked_at = max(self._asked_at, now)
+        try:
+            self._ask_primary(Deadline(now + PRIMARY_QUESTION))
+        except RedisError as exc:
+            if _sentinels_silent(exc):
+                self._unanswered_at = now
+            logger.debug(
+                "celery_redislock: could not ask the Sentinels which server is the "
+                "primary of %r: %s",
+                self.service,
+                exc,
+            )
 
     def close_idle(self) -> None:
         """Close the idle connections that owe no replies. One connection found
@@ -617,12 +668,11 @@ class Transport:
                 self.service,
                 len(again),
             )
-            for resend in again:
-                _call_quietly(resend)
             with self._guard:
                 watchers = list(self._watchers)
-            for watcher in watchers:
-                _call_quietly(watcher.primary_switched)
+            # Each one called, even past an exception raised asynchronously (a
+            # time limit) in another: the requests were taken off the list.
+            _call_each([*again, *(watcher.primary_switched for watcher in watchers)])
         if stale:
             logger.info(
                 "celery_redislock: the Sentinels name %s the primary of %r: closing %d "
@@ -1343,12 +1393,26 @@ def _pack_any(commands: Sequence[Sequence[Any]]) -> bytes:
 
 
 def _call_quietly(again: Callable[[], object]) -> None:
-    """Call ``again`` (see :meth:`Transport.resend_on_switch`); whatever it raises
-    is logged, never propagated."""
+    """Call ``again`` (see :meth:`Transport.resend_on_switch`); whatever exception
+    it raises is logged, never propagated."""
     try:
         again()
     except Exception:
         logger.exception("celery_redislock: sending a request again after a switch failed")
+
+
+def _call_each(calls: Sequence[Callable[[], object]]) -> None:
+    """:func:`_call_quietly` each of ``calls``, every one of them even if one is
+    interrupted by a ``BaseException`` (one raised asynchronously, a time limit);
+    the first such is raised once they have all been called."""
+    raised: BaseException | None = None
+    for call in calls:
+        try:
+            _call_quietly(call)
+        except BaseException as exc:
+            raised = raised or exc
+    if raised is not None:
+        raise raised
 
 
 def _hand_over(handler: ReplyHandler, result: list[Any] | RedisError) -> None:
