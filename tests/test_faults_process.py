@@ -193,7 +193,7 @@ class Worker:
         wait_for(
             lambda: (
                 self.process.poll() is not None
-                or app.control.ping(destination=[self.name], timeout=0.5)
+                or app.control.ping(destination=[self.name], timeout=0.2)
             ),
             timeout=60,
             what=f"worker {self.name} to start",

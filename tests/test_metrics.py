@@ -227,7 +227,7 @@ def test_prefork_worker_serves_the_metrics_of_its_children(
     client = server.client()
     try:
         wait_for(
-            lambda: worker.poll() is None and mod.app.control.ping([node], timeout=0.5),
+            lambda: worker.poll() is None and mod.app.control.ping([node], timeout=0.2),
             timeout=60,
             what="the worker to start",
         )

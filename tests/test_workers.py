@@ -61,7 +61,7 @@ class Worker:
         wait_for(
             lambda: (
                 self.process.poll() is None
-                and app.control.ping(destination=[self.name], timeout=0.5)
+                and app.control.ping(destination=[self.name], timeout=0.2)
             ),
             timeout=60,
             what=f"worker {self.name} to start",
