@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import pytest
@@ -27,19 +26,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Exempt what is alive once the tests are collected from garbage collection.
-
-    Modules, classes and the collected tests live as long as the session. The tests
-    collect garbage often (an app is closed while its server still runs, a worker's
-    dropped sockets are collected before the next test), and every full collection
-    walked all of them again, tens of milliseconds each time; only the objects made
-    later are looked at now.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 @pytest.fixture(scope="session")
