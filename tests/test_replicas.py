@@ -17,8 +17,10 @@ from tests.support import acquire_in_thread, field, held, wait_for
 def primary_and_replica(
     redislock_server_factory: Callable[..., RedisServer],
 ) -> tuple[RedisServer, redis.Redis]:
-    """A primary, and a client of its one replica once the replica is linked."""
-    primary = redislock_server_factory()
+    """A primary, and a client of its one replica once the replica is linked (the
+    primary sends its data at once, not after the 5 s it waits by default for more
+    replicas to join the transfer)."""
+    primary = redislock_server_factory(extra_args=("--repl-diskless-sync-delay", "0"))
     replica = redislock_server_factory(extra_args=("--replicaof", primary.host, str(primary.port)))
     replica_client = replica.client()
     wait_for(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -319,15 +320,25 @@ def test_a_waiting_duplicate_reports_its_conflict_once_and_asks_no_more_than_nee
     task id) once, then gets the lock the holder's release hands it. It tries the lock
     twice before it waits (once, then to queue) — once, queueing at its first try, in
     a process whose wake-up subscription is in place already."""
+    # A prefix of its own: the process's wake-up subscription is per prefix, and one
+    # that earlier tests left in place would not go until it has been idle 30 s.
+    prefix = f"conflict-once-{uuid.uuid4().hex}"
 
-    @app.task(base=SingletonTask, shared=False, on_conflict="wait", lock_wait=30)
+    @app.task(
+        base=SingletonTask, shared=False, on_conflict="wait", lock_wait=30, lock_prefix=prefix
+    )
     def job() -> str:
         return "ran"
 
     # (On the task's own client: the wake-up subscription is per connection pool, and
     # the one whose state counts is the task's.)
     holder = RedisLock(
-        job.lock_client, job.lock_name((), {}), ttl=30, lease="holder-id", heartbeat=False
+        job.lock_client,
+        job.lock_name((), {}),
+        ttl=30,
+        lease="holder-id",
+        heartbeat=False,
+        prefix=prefix,
     )
     assert holder.acquire()
     hub = wakeups.hub_for(holder.transport, holder.prefix)
