@@ -837,6 +837,53 @@ def test_a_retry_sent_from_before_start_finds_its_reservation_at_once(
     assert conflicts == []
 
 
+def test_a_retry_from_before_start_that_ran_before_the_start_ended_is_not_reserved_again(
+    app: Celery, redislock_client: redis.Redis, conflicts: list[tuple[str, str]]
+) -> None:
+    """``until_executed``, threads pool: ``before_start`` sends the retry, which
+    takes its reservation over, runs and frees the lock before the failed start
+    ends. The failed start's end does not make the retry's reservation again
+    (nothing would take it over: the lock would stay taken for
+    ``lock_enqueue_ttl``): the lock is free, and the same call sent again runs."""
+    runs: list[int] = []
+    ended: list[str] = []
+
+    class RetriesAtStart(SingletonTask):
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            if self.request.retries == 0 and not runs:
+                try:
+                    self.retry(countdown=0)
+                except Retry as exc:
+                    name = self.lock_name((), {})
+                    wait_for(lambda: runs, what="the retry to run")
+                    wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+                    raise exc from None
+
+        def on_retry(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+            # After the failed start has given back what it held.
+            ended.append(task_id)
+
+    @app.task(
+        base=RetriesAtStart, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> int:
+        runs.append(int(self.request.retries))
+        return int(self.request.retries)
+
+    with in_process_worker(app, concurrency=2):
+        first = job.delay()
+        assert first.get(timeout=15) == 1
+        wait_for(lambda: ended, what="the failed start to end")
+        name = job.lock_name((), {})
+        wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+        again = job.delay()
+        assert again.id != first.id
+        assert again.get(timeout=15) == 0
+    assert runs == [1, 0]
+    assert conflicts == []
+
+
 def test_a_retry_from_before_start_that_cannot_be_sent_gives_the_hold_back(
     app: Celery, redislock_client: redis.Redis
 ) -> None:

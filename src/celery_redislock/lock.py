@@ -445,6 +445,9 @@ class RedisLock:
     # The owner token of a hold of this lock's lease that its holder hands to this
     # object: the next acquire takes it over (see scripts.ACQUIRE, ARGV[8]).
     _handed_from = ""
+    # Whether the next acquire only moves the hold ``_handed_from`` names, and
+    # takes nothing if that hold has gone (see scripts.ACQUIRE, ARGV[10]).
+    _move_only = False
     # The ids of this object's last waiters that gave up (at most GONE_WAITERS,
     # space-separated): a queue entry of theirs may outlive them, and a hold a
     # release hands to one is nobody's, which the next acquire takes anew rather
@@ -1198,7 +1201,9 @@ class RedisLock:
         )
         # The description is left out, not sent empty, when there is none (unless
         # a hand-over or gone waiters follow it).
-        if self._gone_waiters:
+        if self._move_only:
+            args = (*args, self._info, self._handed_from, self._gone_waiters, "1")
+        elif self._gone_waiters:
             args = (*args, self._info, self._handed_from, self._gone_waiters)
         elif self._handed_from:
             args = (*args, self._info, self._handed_from)

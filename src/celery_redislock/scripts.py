@@ -507,7 +507,9 @@ end
 #: or a retry's reservation; absent or empty for none); ARGV[9] optionally, the
 #: ids of the caller's waiters that gave up, space-separated: a hold a release
 #: handed to one of them (found unconfirmed) is nobody's, and is taken as a new
-#: one, not re-entered
+#: one, not re-entered (empty for none); ARGV[10] optionally, non-empty to take
+#: over the hold ARGV[8] names and nothing else: a lock that owner no longer holds
+#: (free, or held by another) is not taken, as the hold to move is gone
 #: Returns {1, fence, releases} when newly taken (or taken over, or a hold a release
 #: handed to this waiter confirmed; releases: the ids of the releases the lock
 #: remembers, absent for none), {2, fence} when re-entered,
@@ -526,7 +528,8 @@ ACQUIRE = (
 -- leaves it when it wakes nobody (a fence, the queued flag and the releases
 -- remembered: a task with the same arguments as before). Anything else goes on.
 local current = redis.pcall('GET', KEYS[1])
-if ARGV[5] == '' and type(current) ~= 'table' and not check_ttl(ARGV[2]) then
+if ARGV[5] == '' and (ARGV[10] or '') == '' and type(current) ~= 'table'
+        and not check_ttl(ARGV[2]) then
     local last, queued, released
     if current then
         last, queued, released = string.match(current, $FREE_VALUE)
@@ -575,6 +578,16 @@ local function reservation(owner, lease)
         and string.match(string.sub(owner, #lease + 2), '^%d+' .. $RESERVATION .. '$$') ~= nil
 end
 local lock = parse(current)
+-- A move of ARGV[8]'s hold (ARGV[10]) takes nothing else: once that hold has
+-- gone (taken over, run and released by the delivery it was kept for), taking
+-- the lock would make a reservation nobody takes over again. (Unless this very
+-- request made the move: a try sent again after its reply was lost.)
+if (ARGV[10] or '') ~= '' and (lock[$OWNER] ~= ARGV[8] or lock[$LEASE] ~= ARGV[3])
+        and not (lock[$OWNER] == ARGV[1] and lock[$REQ] == ARGV[4]) then
+    local held = lock[$OWNER] and 1 or 0
+    return {0, held == 1 and redis.call('PTTL', KEYS[1]) or 0, lock[$LEASE] or '', '',
+            tonumber(lock[$FENCE]) or 0, '', held}
+end
 -- A hold a release handed to a waiter of the caller's that gave up (its queue
 -- entry outlived it: a leave that never landed, or a failover that brought the
 -- entry back) is held by nobody: the caller takes it anew, below, rather than

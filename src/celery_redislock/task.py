@@ -1729,6 +1729,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                 lock.name, lock.lease, owner, ttl, heartbeat=False, opts=opts
             )
             reservation._handed_from = lock.owner
+            # A move, never a new hold: a hold taken over meanwhile (its retry
+            # took it, ran and released it) is not made again.
+            reservation._move_only = True
             moved = reservation.acquire(blocking=False)
         except LockBackendError as exc:
             logger.warning(
