@@ -535,8 +535,14 @@ class Transport:
             return
         with self._guard:
             self._asked_at = max(self._asked_at, now)
+        self._ask_quietly(now, PRIMARY_QUESTION)
+
+    def _ask_quietly(self, now: float, budget: float) -> None:
+        """Ask the Sentinels which server is primary, for ``budget`` seconds at most
+        from ``now``; a failure is logged, and Sentinels that did not answer are
+        left alone for :data:`SENTINELS_REST`."""
         try:
-            self._ask_primary(Deadline(now + PRIMARY_QUESTION))
+            self._ask_primary(Deadline(now + budget))
         except RedisError as exc:
             if _sentinels_silent(exc):
                 self._unanswered_at = now
@@ -706,18 +712,7 @@ class Transport:
                 if due:
                     self._asked_at = now
         if due and now - self._unanswered_at > SENTINELS_REST:
-            try:
-                budget = min(PRIMARY_QUESTION, max(0.0, deadline.at - now) / 2)
-                self._ask_primary(Deadline(now + budget))
-            except RedisError as exc:
-                if _sentinels_silent(exc):
-                    self._unanswered_at = now
-                logger.debug(
-                    "celery_redislock: could not ask the Sentinels which server is the "
-                    "primary of %r: %s",
-                    self.service,
-                    exc,
-                )
+            self._ask_quietly(now, min(PRIMARY_QUESTION, max(0.0, deadline.at - now) / 2))
         if link.address == self.primary or self.primary is None:
             return True
         self._close([link], f"{self.describe(link.address)} is no longer the primary")
