@@ -85,7 +85,11 @@ def make_app(url: str, name: str = "t") -> Celery:
         # An in-process worker notices it is told to stop between two polls of the
         # queue; kombu's default poll (a 1 s BRPOP) would add about a second to every
         # worker's stop. A shorter poll changes nothing else a test looks at.
-        broker_transport_options={"polling_interval": STOP_POLL},
+        # The socket timeout bounds the worker's reads of the broker: now and then
+        # (another in-process worker alive in the same process) kombu's event loop
+        # sits reading a BRPOP reply that never comes, and without a timeout the
+        # worker's thread never stops. Timed out, the worker reconnects and goes on.
+        broker_transport_options={"polling_interval": STOP_POLL, "socket_timeout": 10},
     )
     return app
 
