@@ -1082,9 +1082,11 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
     * a release answered by the old primary before it learnt the switch is sent
       again to the new primary, where the lock was held: it is freed there, not
       left until its TTL. So is one of a hold its object never took (a message's
-      reservation, ``free_queued``), and one by lease (``release_lease``); and so
-      is one by a client that makes no request after it (an idle process), whose
-      heartbeat asks the Sentinels meanwhile;
+      reservation, ``free_queued``), one by lease (``release_lease``), and one that
+      the old primary first refused (it had no replica left for
+      ``min-replicas-to-write``) and then took from the heartbeat, which retried it
+      in the background; and so is one by a client that makes no request after it
+      (an idle process), whose heartbeat asks the Sentinels meanwhile;
     * a lock released and taken again on the old primary (a new fencing token)
       is not renewed on the new one, whose copy is of the hold released: it is
       found lost as the switch is learnt (not renewed there and freed by the
@@ -1126,10 +1128,12 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
     assert leased.acquire(blocking=False)
     idle = RedisLock(idle_client, "manual-failover:idle", ttl=60, heartbeat=False)
     assert idle.acquire(blocking=False)
+    retried = RedisLock(client, "manual-failover:retried", ttl=60, heartbeat=False)
+    assert retried.acquire(blocking=False)
     # Every hold replicated before the failover (a WAIT of another connection
     # does not wait for these clients' writes).
     replica = deployment.replicas()[0].client()
-    for lock in (released, again, anew, kept, reserved, leased, idle):
+    for lock in (released, again, anew, kept, reserved, leased, idle, retried):
 
         def replicated(lock: RedisLock = lock) -> bool:
             return fields(replica, lock.key).get(OWNER_FIELD) == lock.owner
@@ -1156,7 +1160,7 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
                 what="the Sentinels to announce the switch",
             )
             new_admin = new.client()
-            for lock in (released, again, anew, kept, reserved, leased, idle):
+            for lock in (released, again, anew, kept, reserved, leased, idle, retried):
                 assert fields(new_admin, lock.key).get(OWNER_FIELD) == lock.owner
             # The switch not learnt yet: all go to the old primary.
             assert inner.acquire(blocking=False)
@@ -1172,7 +1176,18 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
             assert release_lease(client, leased.name, "lease-task")
             idle.release(wait=False)
             idle.transport.drain(Deadline.after(5))
-            for lock in (reserved, leased, idle):
+            # Refused at first (the old primary has no replica left), then taken
+            # from the heartbeat's background retry.
+            old_admin.config_set("min-replicas-to-write", 1)
+            with pytest.raises(LockBackendError, match="retried in the background"):
+                retried.release()
+            old_admin.config_set("min-replicas-to-write", 0)
+            wait_for(
+                lambda: OWNER_FIELD not in fields(old_admin, retried.key),
+                timeout=10,
+                what="the release retried in the background to land",
+            )
+            for lock in (reserved, leased, idle, retried):
                 assert OWNER_FIELD not in fields(old_admin, lock.key)
                 assert fields(new_admin, lock.key).get(OWNER_FIELD) == lock.owner
             # Its renewals are due every 20 s: it is found lost long before that.
@@ -1211,7 +1226,7 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
             # Sent again with the others (after inner's release, had it been).
             assert fields(new_admin, kept.key).get(OWNER_FIELD) == kept.owner
             assert not kept.lost
-            for key in (reserved.key, leased.key, idle.key):
+            for key in (reserved.key, leased.key, idle.key, retried.key):
 
                 def freed(key: str = key) -> bool:
                     return OWNER_FIELD not in fields(new_admin, key)

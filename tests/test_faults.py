@@ -523,9 +523,15 @@ class HeldBack(Heartbeat):
         self.kept: list[tuple[Any, ...]] = []
 
     def retry_in_background(
-        self, lock: Any, call: Call, until: float, what: str, quiet: bool = False
+        self,
+        lock: Any,
+        call: Call,
+        until: float,
+        what: str,
+        quiet: bool = False,
+        on_switch: bool = False,
     ) -> None:
-        self.kept.append((lock, call, until, what, quiet))
+        self.kept.append((lock, call, until, what, quiet, on_switch))
 
     def let_go(self) -> None:
         kept, self.kept = self.kept, []

@@ -31,6 +31,7 @@ for a while.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -148,7 +149,7 @@ def _follow(redirect: Callable[[Call, Deadline], Any], call: Call, budget: float
 class _Pending:
     """A request the lane keeps sending until it lands or ``until`` passes."""
 
-    __slots__ = ("call", "next_try", "pause", "quiet", "redirect", "until", "what")
+    __slots__ = ("call", "next_try", "on_switch", "pause", "quiet", "redirect", "until", "what")
 
     def __init__(
         self,
@@ -158,8 +159,13 @@ class _Pending:
         now: float,
         quiet: bool,
         redirect: Callable[[Call, Deadline], Any] | None,
+        on_switch: bool = False,
     ) -> None:
         self.call = call
+        #: A last hold's release: once it frees the lock, it goes again to a new
+        #: primary should the Sentinels turn out to have replaced the one that
+        #: answered (see Transport.resend_on_switch).
+        self.on_switch = on_switch
         #: Sends the call to wherever its key lives now (see _Lane._send_pending).
         self.redirect = redirect
         self.until = until
@@ -281,9 +287,12 @@ class _Lane:
         what: str,
         quiet: bool,
         redirect: Callable[[Call, Deadline], Any] | None = None,
+        on_switch: bool = False,
     ) -> None:
         with self.cond:
-            self.pending.append(_Pending(call, until, what, self.clock(), quiet, redirect))
+            self.pending.append(
+                _Pending(call, until, what, self.clock(), quiet, redirect, on_switch)
+            )
             self._wake(self.clock())
 
     def drain_later(self) -> bool:
@@ -649,6 +658,7 @@ class _Lane:
         return max(MIN_ROUND_TRIP, min(DEFAULT_CALL_TIMEOUT, due - self.clock()))
 
     def _send_pending(self, due: list[_Pending]) -> None:
+        written_at = time.monotonic()
         now = self.clock()
         budget = max(MIN_ROUND_TRIP, min(self._budget(), *(p.until - now for p in due)))
         try:
@@ -665,9 +675,12 @@ class _Lane:
                 results[at] = _follow(redirect, item.call, budget)
         after = self.clock()
         done = []
+        freed = []
         for item, result in zip(due, results, strict=True):
             if not isinstance(result, Exception):
                 done.append(item)
+                if item.on_switch and result == Released.FREED:
+                    freed.append(item)
                 if item.quiet:
                     logger.debug("celery_redislock: %s: done", item.what)
                 elif result == Released.NOT_OWNED:
@@ -690,6 +703,25 @@ class _Lane:
                 item.pause = min(2.0, item.pause * 2)
         with self.cond:
             self.pending = [p for p in self.pending if p not in done]
+        if freed and self.transport.follows_switches:
+            self._resend_on_switch(written_at, freed)
+
+    def _resend_on_switch(self, written_at: float, freed: list[_Pending]) -> None:
+        """Releases sent from here at ``written_at`` freed their locks on a
+        Sentinel-managed primary: as for those a lock's own thread sends, they go
+        again, in the background, to a new primary should the transport learn soon
+        that the Sentinels had replaced the one that answered (which may have taken
+        them after its replica was promoted), and the Sentinels are asked meanwhile."""
+        for item in freed:
+            again = functools.partial(
+                self.heartbeat.send_in_background,
+                self.transport,
+                item.call,
+                item.until,
+                f"{item.what} again on the new primary",
+            )
+            if self.transport.resend_on_switch(written_at, item.until, again):
+                self.watch_primary()
 
 
 class Heartbeat:
@@ -735,12 +767,21 @@ class Heartbeat:
             lane.unregister(lock)
 
     def retry_in_background(
-        self, lock: Renewable, call: Call, until: float, what: str, quiet: bool = False
+        self,
+        lock: Renewable,
+        call: Call,
+        until: float,
+        what: str,
+        quiet: bool = False,
+        on_switch: bool = False,
     ) -> None:
         """Send ``call`` (a request about ``lock``, safe to send twice) until it
         lands or the heartbeat's clock reaches ``until``; ``what`` names it in the
         logs, where a release that found the lock not held is a warning unless
-        ``quiet``."""
+        ``quiet``. With ``on_switch`` (a last hold's release), once it frees the
+        lock on a Sentinel-managed primary, it goes again to a new primary should
+        the process learn soon that the Sentinels had replaced that one (see
+        :meth:`~celery_redislock.transport.Transport.resend_on_switch`)."""
         self._stopping = False
         # A lock that can send a request wherever its key lives (RedisLock._sender)
         # has its background requests follow a moving cluster slot, without
@@ -748,7 +789,7 @@ class Heartbeat:
         # longer renewed) at once, as the lane holds locks weakly.
         sender = getattr(lock, "_sender", None)
         redirect = sender() if sender is not None else None
-        self._lane(lock.transport).add_pending(call, until, what, quiet, redirect)
+        self._lane(lock.transport).add_pending(call, until, what, quiet, redirect, on_switch)
 
     def send_in_background(self, transport: Transport, call: Call, until: float, what: str) -> None:
         """Send ``call`` (safe to send twice) on ``transport`` until it lands or the

@@ -1733,7 +1733,7 @@ class RedisLock:
             beat.retry_in_background(self, earlier, ends, what, quiet=True)
         # An inner release sent again may find the hold changed since, and then
         # changes nothing: not worth a warning.
-        beat.retry_in_background(self, call, until, what, quiet=not last)
+        beat.retry_in_background(self, call, until, what, quiet=not last, on_switch=last)
         if not last:
             with self._state:
                 if self._behind and not call.args[4]:
