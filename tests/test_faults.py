@@ -13,7 +13,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -27,6 +27,7 @@ from celery_redislock.lock import lock_keys, release_lease, wake_channel_prefix
 from celery_redislock.scripts import (
     ACQUIRE,
     COUNT_FIELD,
+    DROPS_REMEMBERED,
     EXTEND,
     FENCE_FIELD,
     GRANT_MS,
@@ -642,6 +643,33 @@ def test_release_sent_again_leaves_the_same_owners_later_hold_alone(
     assert hold_count(direct, second) == 1
     assert not RedisLock(server.url, "again", ttl=30).acquire(blocking=False)
     second.release()
+
+
+@pytest.mark.parametrize("holds", [3, 2], ids=["count-left", "single-left"])
+def test_a_release_that_dropped_an_inner_hold_is_recognised_after_later_changes(
+    server: RedisServer, direct: redis.Redis, holds: int
+) -> None:
+    """A release that dropped one of several holds, sent again (with no last change to
+    act on) after its holder took the lock again and released it, several times, is
+    recognised by the hold: it drops no second hold, whether it finds several holds
+    or one (which the usual one-write release would otherwise free). Once the lock is
+    freed, nothing of it is left in the lock's value."""
+    lock = RedisLock(server.url, "dropped-again", ttl=30, heartbeat=False)
+    for _ in range(holds):
+        assert lock.acquire()
+    inner = release_as_sent(lock, "1000000003")
+    assert direct.eval(RELEASE, *inner) == 2
+    lock._holds -= 1
+    for _ in range(3):
+        with lock:
+            pass
+    assert hold_count(direct, lock) == holds - 1
+    assert direct.eval(RELEASE, *inner) == 2
+    assert hold_count(direct, lock) == holds - 1
+    for _ in range(holds - 1):
+        lock.release()
+    assert not held(direct, lock.key)
+    assert b"1000000003" not in cast(bytes, direct.get(lock.key) or b"")
 
 
 def test_release_for_an_earlier_hold_leaves_a_later_one_alone(
@@ -1810,7 +1838,9 @@ def test_a_lost_answer_read_after_the_next_hold_leaves_that_hold_alone(
     heartbeat thread only after the same object took the lock anew, must not mark
     the new, healthy hold lost."""
     client = redis.Redis.from_url(proxy.url)
-    lock = RedisLock(client, "late-answer", ttl=30)
+    # The next acquire waits for the answer the heartbeat thread reads for half
+    # its time (0.5 s) only, and then goes (with the release ahead of it).
+    lock = RedisLock(client, "late-answer", ttl=30, call_timeout=1)
     assert lock.acquire(blocking=False)
     direct.delete(lock.key)  # the hold is lost (an operator, an eviction)
     transport = transport_for(client)
@@ -1821,7 +1851,7 @@ def test_a_lost_answer_read_after_the_next_hold_leaves_that_hold_alone(
         outcomes.append(outcome)
         answered.set()
 
-    proxy.set_latency(1.0)  # the release's request reaches the server 1 s late
+    proxy.set_latency(2.0)  # the release's request reaches the server 2 s late
     lock.release(wait=False, then=then)
     # The heartbeat thread takes the connection to read the answer (after
     # DRAIN_DELAY) and waits for it there.
@@ -1948,3 +1978,95 @@ def test_a_renewal_landing_after_a_longer_extend_cuts_the_local_deadline_too(
     assert lock.lost  # ...and the old holder must know
     other.release()
     client.close()
+
+
+@pytest.mark.parametrize("sections", [1, DROPS_REMEMBERED + 2], ids=["one", "many"])
+def test_an_inner_release_sent_again_with_no_known_last_change_drops_no_second_hold(
+    proxy: FaultProxy, direct: redis.Redis, held_back: HeldBack, sections: int
+) -> None:
+    """Two inner releases in a row lose their answers (both ran): the second one, sent
+    while the lock's last change was unknown, is sent again in the background. The
+    holder enters nested sections (more of them than the lock remembers releases
+    that dropped a hold, for ``many``) before that copy lands: it is recognised as
+    the release that already ran, or acts only behind the first one, and drops no
+    hold of the last section, so the lock stays held until the holder's last release
+    and nobody else takes it meanwhile."""
+    lock = RedisLock(proxy.url, "inner-unknown", ttl=30, call_timeout=0.5, _heartbeat=held_back)
+    assert lock.acquire()
+    lock.release()  # the server now has both scripts
+    for _ in range(3):
+        assert lock.acquire()
+    for _ in range(2):
+        assert lock.owned()  # a connection open before the fault, for the release
+        proxy.drop_replies(1)
+        proxy.refuse()
+        with pytest.raises(LockBackendError, match="retried in the background"):
+            lock.release()  # it ran: one hold less on the server
+        proxy.heal()
+    assert hold_count(direct, lock) == 1
+    for _ in range(sections - 1):
+        with lock:
+            pass
+    assert lock.acquire()  # a nested section: two holds on both sides
+    assert hold_count(direct, lock) == 2
+    held_back.let_go()
+    wait_for(lambda: not sent_in_background(lock, held_back), what="the late resends to land")
+    assert hold_count(direct, lock) == 2
+    lock.release()
+    rival = RedisLock(direct, "inner-unknown", ttl=30)
+    assert not rival.acquire(blocking=False)
+    lock.release()
+    assert not held(direct, lock.key)
+
+
+def test_an_inner_release_whose_answer_the_heartbeat_reads_goes_ahead_of_the_outer_one(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """An inner release that did not wait, owed its answer on a connection gone dark
+    that the heartbeat's thread is reading when the outer release goes: the outer
+    release does not go without it (it would drop one hold of two and leave the
+    lock held, renewed by nobody, until its TTL). The inner one goes ahead of it,
+    in its round trip, and the lock is free as the outer release returns."""
+    lock = RedisLock(via_proxy, "owed-read-by-heartbeat", ttl=3, call_timeout=1)
+    assert lock.acquire(blocking=False)
+    assert lock.acquire(blocking=False)
+    lock.release()  # the server now has both scripts
+    assert lock.acquire(blocking=False)
+    assert proxy.silence_open() == 1
+    outcomes: list[str] = []
+    lock.release(wait=False, then=outcomes.append)
+    wait_for(lambda: not lock.transport._idle, what="the heartbeat's thread to read its answer")
+
+    lock.release()
+
+    assert not lock.holding
+    assert not held(direct, lock.key)
+    wait_for(lambda: outcomes == ["retrying"], what="the inner release's answer to be lost")
+    wait_for(lambda: not sent_in_background(lock), what="its copy sent again to land")
+    assert not held(direct, lock.key)
+
+
+def test_an_inner_release_whose_answer_the_heartbeat_reads_in_time_is_not_sent_twice(
+    proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis
+) -> None:
+    """On a slow network, the heartbeat's thread reads the answer an inner release
+    that did not wait is owed when the outer release goes: the outer release waits
+    for that answer (within half its time) rather than send the inner one again
+    ahead of it, and frees the lock."""
+    lock = RedisLock(via_proxy, "owed-read-in-time", ttl=30, call_timeout=4)
+    assert lock.acquire(blocking=False)
+    assert lock.acquire(blocking=False)
+    lock.release()  # the server now has both scripts
+    assert lock.acquire(blocking=False)
+    direct.config_resetstat()
+    proxy.set_latency(0.2)
+    outcomes: list[str] = []
+    lock.release(wait=False, then=outcomes.append)
+    wait_for(lambda: not lock.transport._idle, what="the heartbeat's thread to read its answer")
+
+    lock.release()
+
+    assert outcomes == ["released"]
+    assert not held(direct, lock.key)
+    stats = direct.info("commandstats")
+    assert sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("eval", "evalsha")) == 2

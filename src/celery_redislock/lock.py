@@ -422,12 +422,19 @@ class RedisLock:
     # when they give up: until one has landed, a later release of the hold it
     # dropped would drop another instead, so the next request that changes the
     # lock sends them first, in its own round trip (see _ahead()). The undo of
-    # an acquire whose answer never came goes with them (see _undo()).
+    # an acquire whose answer never came goes with them (see _undo()), and so
+    # does a release that did not wait whose answer that request could not
+    # read in time (see _read_owed()).
     _behind: tuple[tuple[Call, float], ...] = ()
     # How many of this object's releases that did not wait have no answer yet:
     # the next request that changes the lock reads them first (see _read_owed()),
     # so that one that failed goes ahead of it, in order.
     _unanswered = 0
+    # Those releases, each as the ARGV it is sent again with and when it gives
+    # up, in a list emptied once it is answered: one still owed after the next
+    # request's read (another thread reads its connection) goes ahead of that
+    # request all the same (see _read_owed()).
+    _owing: tuple[list[Any], ...] = ()
     _owed_by = 0
     _owed_on: Transport | None = None
     # Whether extend() gave the hold more than the lock's TTL since the last
@@ -481,6 +488,10 @@ class RedisLock:
     #: assignments, never a request or a callback). One for all objects, so that
     #: a child forked while another thread held it can be given a new one.
     _state: ClassVar[threading.Lock] = threading.Lock()
+    #: Signalled (with ``_state`` held) when a release that did not wait is
+    #: answered while a request waits for such an answer (``_awaiting`` of them).
+    _answers: ClassVar[threading.Condition] = threading.Condition(_state)
+    _awaiting: ClassVar[int] = 0
     _heartbeat: Heartbeat | None
     _router: Router
 
@@ -902,12 +913,14 @@ class RedisLock:
             self._stop_renewal()
         transport = self._router.single or self.transport
         ahead = self._ahead() if self._behind else ()
+        # While this release counts as unanswered (see _settled()): what it is
+        # sent again with, and until when.
+        counted: list[Any] = [resend, until]
         with self._state:
             self._unanswered += 1
+            self._owing = (*self._owing, counted)
             self._owed_by = _process_id
             self._owed_on = transport
-        # Whether this release still counts as unanswered (see _settled()).
-        counted = [True]
 
         def answered(result: list[Any] | RedisError) -> None:
             # _settled(), inline: this runs on every release.
@@ -915,6 +928,10 @@ class RedisLock:
                 if counted:
                     counted.clear()
                     self._unanswered -= 1
+                    if not self._unanswered:
+                        self._owing = ()
+                    if RedisLock._awaiting:
+                        self._answers.notify_all()
             reply = result if isinstance(result, RedisError) else result[len(ahead)]
             outcome: ReleaseOutcome
             if not isinstance(reply, Exception):
@@ -1028,6 +1045,10 @@ class RedisLock:
             if counted:
                 counted.clear()
                 self._unanswered -= 1
+                if not self._unanswered:
+                    self._owing = ()
+                if RedisLock._awaiting:
+                    self._answers.notify_all()
 
     def extend(self, ttl: float | None = None) -> None:
         """Reset the remaining TTL to ``ttl`` seconds (default: the lock's TTL).
@@ -1729,20 +1750,21 @@ class RedisLock:
         trip. One of an inner hold joins them, for the next request to send first."""
         beat = self._beat()
         what = f"releasing lock {self.name!r}"
-        for earlier, ends in self._ahead():
+        behind = self._ahead()
+        for earlier, ends in behind:
             beat.retry_in_background(self, earlier, ends, what, quiet=True)
+        if not last and behind and not call.args[4]:
+            # Sent right behind the one before it (here and in the next request's
+            # round trip), it acts only once that one has: it changes nothing once
+            # the hold changed again since (its holder took the lock again), as
+            # one that knows its hold's last change does.
+            earlier = behind[-1][0].args[2]
+            call = call._replace(args=(*call.args[:4], earlier, *call.args[5:]))
         # An inner release sent again may find the hold changed since, and then
         # changes nothing: not worth a warning.
         beat.retry_in_background(self, call, until, what, quiet=not last, on_switch=last)
         if not last:
             with self._state:
-                if self._behind and not call.args[4]:
-                    # Sent right behind the one before it, it acts only once that
-                    # one has: sent twice (a try whose answer was lost), it changes
-                    # nothing the second time, as one that knows its hold's last
-                    # change does.
-                    earlier = self._behind[-1][0].args[2]
-                    call = call._replace(args=(*call.args[:4], earlier, *call.args[5:]))
                 self._behind = (*self._behind, (call, until))
 
     def _read_owed(self, deadline: Deadline) -> None:
@@ -1752,16 +1774,45 @@ class RedisLock:
         a release that failed (or whose answer did not come in that time) is then
         among those sent again ahead of the request about to go (see
         :meth:`_ahead`), instead of learned of while that request's own round trip
-        reads it, too late to go first."""
+        reads it, too late to go first.
+
+        An answer another thread reads meanwhile (the heartbeat's, which found
+        the connection idle first) is waited for within the same time. A release
+        whose answer still has not come goes ahead of the request all the same:
+        sent twice, a release changes nothing the second time (see
+        :data:`~celery_redislock.scripts.RELEASE`), and sent after the request,
+        it would act on the hold that request leaves (drop one of two holds the
+        request was to free, or find the hold changed and change nothing)."""
         if not self._unanswered:
             return
         if self._owed_by != _process_id or self._owed_on is None:
             # A forked child: the answers are its parent's to read.
-            self._unanswered = 0
+            with self._state:
+                self._unanswered = 0
+                self._owing = ()
             return
+        reading = Deadline.after(deadline.remaining() / 2)
         with contextlib.suppress(RedisError):
             # Where they were written (a cluster slot may have moved since).
-            self._owed_on.drain(Deadline.after(deadline.remaining() / 2))
+            self._owed_on.drain(reading)
+        if not self._unanswered:
+            return
+        with self._state:
+            RedisLock._awaiting += 1
+            try:
+                while self._unanswered and (left := reading.remaining()) > 0:
+                    self._answers.wait(left)
+            finally:
+                RedisLock._awaiting -= 1
+            owed = [(args, until) for args, until in (item for item in self._owing if item)]
+            if not owed:
+                return
+            now = time.monotonic()
+            behind = [call for call, _until in self._behind]
+            for args, until in owed:
+                call = self._release_call(args)
+                if call not in behind:
+                    self._behind = (*self._behind, (call, max(until, now + MIN_CALL)))
 
     def _ahead(self) -> tuple[tuple[Call, float], ...]:
         """The inner releases still sent again in the background (with when they
@@ -2007,6 +2058,8 @@ def _new_state_guard_after_fork() -> None:
     # The parent's heartbeat (or another of its threads) may have held the
     # guard as the process forked; that thread does not exist here to free it.
     RedisLock._state = threading.Lock()
+    RedisLock._answers = threading.Condition(RedisLock._state)
+    RedisLock._awaiting = 0
 
 
 os.register_at_fork(after_in_child=_new_state_guard_after_fork)

@@ -28,6 +28,9 @@ readable name       field  holds
                            for 1
 ``queued``          ``q``  ``"1"`` while waiters may be queued
 ``released``        ``x``  the ids of the last few releases that freed the lock
+``drops``           ``d``  the ids of the last few releases that dropped one
+                           of the current hold's re-entered holds (and left
+                           it held); empty until one did
 ``reserved``        ``w``  the waiters a release just woke without handing
                            them the lock: the free lock is theirs for
                            ``RESERVE_MS``
@@ -79,7 +82,9 @@ at once).
 (a reset connection, a timeout); the client then sends it again. Every request
 that changes state carries a fresh request id, and the scripts recognise their
 own second arrival: a retried acquire does not count a second hold, a retried
-release does not drop a second one, and a retried release of a lock it already
+release does not drop a second one (from ``drops``, even if the holder took the
+lock again and released it in between, up to ``DROPS_REMEMBERED`` times), and
+a retried release of a lock it already
 freed still answers "freed" (from ``released``, even if the lock was taken and
 freed again by others in between, up to ``RELEASES_REMEMBERED`` times). **Expiry.** Every TTL is checked
 inside the script before the first write, so no error can leave a key behind
@@ -126,6 +131,9 @@ FENCE_FIELD = "f"
 REQUEST_FIELD = "r"
 #: The ids of the last few releases that freed the lock, newest first.
 RELEASED_FIELD = "x"
+#: The ids of the last few releases that dropped one of the current hold's
+#: re-entered holds, newest first.
+DROPS_FIELD = "d"
 #: ``"1"`` while waiters may be queued.
 QUEUED_FIELD = "q"
 #: The waiters a release woke, space-separated.
@@ -151,6 +159,7 @@ FIELDS: Mapping[str, str] = MappingProxyType(
         "count": COUNT_FIELD,
         "queued": QUEUED_FIELD,
         "released": RELEASED_FIELD,
+        "drops": DROPS_FIELD,
         "reserved": RESERVED_FIELD,
         "reserved_until": RESERVED_UNTIL_FIELD,
         **dict(zip(HOLDER_FIELDS, HOLDER_STORED, strict=True)),
@@ -209,6 +218,12 @@ RESERVATION_SUFFIX = ":queued"
 #: is recognised even if the lock was taken and freed again in between.
 RELEASES_REMEMBERED = 8
 
+#: How many recent releases that dropped one of its re-entered holds (leaving it
+#: held) a hold remembers, so that one sent again is recognised even if its holder
+#: took the lock again and released it in between (and drops no second hold). Only
+#: a re-entered hold stores them: a plain lock's value does not grow.
+DROPS_REMEMBERED = 8
+
 
 def _lua(text: str) -> str:
     """``text`` with its ``$NAME`` placeholders filled: the lock's fields as their
@@ -219,8 +234,8 @@ def _lua(text: str) -> str:
     leaves it when it wakes nobody (capturing its fence, its queued flag and the
     releases it remembers), ``$AFTER_FENCE`` one that matches any lock's value
     from the field after its fence on (capturing its request id, count, queued
-    flag, the releases it remembers, and the rest, from the separator after
-    them), and the marks and numbers the scripts share."""
+    flag, the releases and the drops it remembers, and the rest, from the
+    separator after them), and the marks and numbers the scripts share."""
     places = {name.upper(): str(LAYOUT.index(stored) + 1) for name, stored in FIELDS.items()}
     separator = f"\\{ord(SEPARATOR)}"
     between = LAYOUT.index(QUEUED_FIELD) - LAYOUT.index(FENCE_FIELD)
@@ -229,9 +244,9 @@ def _lua(text: str) -> str:
     # at its end out), and is captured where the scripts need it.
     after_fence = [
         f"([^{separator}]*)"
-        if stored in (REQUEST_FIELD, COUNT_FIELD, QUEUED_FIELD, RELEASED_FIELD)
+        if stored in (REQUEST_FIELD, COUNT_FIELD, QUEUED_FIELD, RELEASED_FIELD, DROPS_FIELD)
         else f"[^{separator}]*"
-        for stored in LAYOUT[LAYOUT.index(FENCE_FIELD) + 1 : LAYOUT.index(RELEASED_FIELD) + 1]
+        for stored in LAYOUT[LAYOUT.index(FENCE_FIELD) + 1 : LAYOUT.index(DROPS_FIELD) + 1]
     ]
     after_fence_pattern = "^" + f"{separator}?".join(after_fence) + "(.*)$"
 
@@ -253,6 +268,7 @@ def _lua(text: str) -> str:
         RESERVATION=f"'{RESERVATION_SUFFIX}'",
         GRANT_MS=GRANT_MS,
         RELEASE_HISTORY=RELEASES_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
+        DROP_HISTORY=DROPS_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
     )
 
 
@@ -725,12 +741,15 @@ if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' and ARGV[8] ~= 're
     if type(old) ~= 'table' then
         -- Checked with one match rather than decoded: this owner and token come
         -- first, then a request id other than this release's, no count, not
-        -- queued, the releases remembered, and no reservation after them.
+        -- queued, the releases remembered, drops other than this release (one
+        -- sent again after it dropped an inner hold), and no reservation after them.
         local mine = ARGV[1] .. $SEPARATOR .. ARGV[6] .. $SEPARATOR
         if old and string.sub(old, 1, #mine) == mine then
-            local request, count, queued, released, rest = string.match(old, $AFTER_FENCE, #mine + 1)
-            -- (What follows the releases, if anything, starts with a separator.)
+            local request, count, queued, released, drops, rest =
+                string.match(old, $AFTER_FENCE, #mine + 1)
+            -- (What follows the drops, if anything, starts with a separator.)
             if request ~= ARGV[3] and count == '' and queued == ''
+                    and (drops == '' or not string.find(' ' .. drops .. ' ', ' ' .. ARGV[3] .. ' ', 1, true))
                     and (rest == '' or string.sub(rest, 2, 2) == $SEPARATOR) then
                 if released ~= (ARGV[7] or '') then
                     redis.call('SET', KEYS[1], freed(released), 'KEEPTTL')
@@ -757,10 +776,15 @@ if lock[$OWNER] ~= ARGV[1] or ((ARGV[6] or '') ~= '' and lock[$FENCE] ~= ARGV[6]
     return 0
 end
 if lock[$REQ] == ARGV[3] then return 2 end
+-- One that dropped an inner hold of this hold, sent again after later changes
+-- (its holder took the lock again and released it): it did its part then.
+local drops = lock[$DROPS]
+if drops and string.find(' ' .. drops .. ' ', ' ' .. ARGV[3] .. ' ', 1, true) then return 2 end
 if ARGV[5] ~= '' and lock[$REQ] ~= ARGV[5] then return 0 end
 local count = (tonumber(lock[$COUNT]) or 1) - 1
 if count > 0 then
     lock[$COUNT], lock[$REQ] = count > 1 and tostring(count) or nil, ARGV[3]
+    lock[$DROPS] = string.sub(drops and (ARGV[3] .. ' ' .. drops) or ARGV[3], 1, $DROP_HISTORY)
     write(lock)
     return 2
 end
