@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import threading
@@ -15,14 +16,15 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_redislock import LockLostError, RedisLock
+from celery_redislock import LockBackendError, LockLostError, RedisLock
 from celery_redislock import client as client_module
 from celery_redislock import heartbeat as heartbeat_module
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.scripts import EXTEND, OWNER_FIELD, Call
 from celery_redislock.scripts import run_calls as real_run_calls
 from celery_redislock.server import RedisServer
-from celery_redislock.transport import Deadline, Transport, transport_for
+from celery_redislock.transport import Deadline, Transport, flush, transport_for
+from tests.proxy import FaultProxy
 from tests.support import field, held, in_forked_child, wait_until
 
 #: Forking a process that runs threads warns on Python >= 3.12; the fork test
@@ -813,3 +815,37 @@ def test_renewal_failures_going_on_are_warned_about_once_every_interval(
     assert len(warnings) == 2
     assert "could not renew 3 lock(s)" in warnings[0]
     assert "2 more failed rounds since the last warning" in warnings[1]
+
+
+def test_a_request_that_a_flush_and_the_lane_both_send_is_logged_once(
+    redislock_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A release retried in the background is sent by a flush (as at exit) from the
+    calling thread, whatever its next try's time; the lane's thread may send it too
+    (it is safe to send twice), and a round of the lane's formed before the flush
+    ends quietly: whichever settles it first logs it, and it leaves the lane."""
+    direct = redislock_server.client()
+    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+        client = redis.Redis.from_url(proxy.url)
+        lock = RedisLock(client, "flush-once", ttl=30, call_timeout=0.5)
+        assert lock.acquire(blocking=False)
+        proxy.silence_open()
+        proxy.refuse()
+        with pytest.raises(LockBackendError):
+            lock.release()
+        lane = get_heartbeat()._lanes[lock.transport]
+        with lane.cond:
+            [item] = lane.pending
+        proxy.heal()
+        with caplog.at_level(logging.INFO, logger="celery_redislock"):
+            flush()
+            assert not held(direct, lock.key)
+            assert item.settled
+            assert item not in lane.pending
+            # A round of the lane's thread that took the request before the flush.
+            lane._send_pending([item])
+        done = [r for r in caplog.records if "releasing lock 'flush-once': done" in r.getMessage()]
+        assert len(done) == 1
+        assert item not in lane.pending
+        client.close()
+    direct.close()

@@ -218,6 +218,138 @@ def test_answer_is_read_before_a_normal_exit(redislock_server: RedisServer) -> N
     assert "outcome: released" in done.stdout
 
 
+def _exiting_child(url: str, name: str, body: str, ends: str) -> subprocess.Popen[str]:
+    """A child process that takes locks ``name`` (``lock``) and ``name`` + ``-other``
+    (``other``), ttl 60 s, through ``url``, prints ``acquired``, waits for a line
+    on its stdin, runs ``body`` and ends: by a normal exit (``"exit"``, the
+    ``atexit`` hook) or as a prefork pool child does (``"pool-child"``: the ``worker_process_shutdown``
+    handler, then ``os._exit``). Its flush at exit takes 1 s at most."""
+    child = textwrap.dedent(
+        """
+        import logging, os, sys
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+        from celery_redislock import RedisLock, transport
+        from celery_redislock.heartbeat import get_heartbeat
+        from celery_redislock.task import _flush_at_child_exit
+        transport.FLUSH_TIMEOUT = 1.0
+        url = {url!r}
+        lock = RedisLock(url, {name!r}, ttl=60, call_timeout=0.5)
+        other = RedisLock(url, {name!r} + "-other", ttl=60, call_timeout=0.5)
+        assert lock.acquire(blocking=False) and other.acquire(blocking=False)
+        print("acquired", flush=True)
+        sys.stdin.readline()
+        {body}
+        if {ends!r} == "pool-child":
+            _flush_at_child_exit()
+            os._exit(0)
+        """
+    ).format(url=url, name=name, body=textwrap.dedent(body).strip(), ends=ends)
+    process = subprocess.Popen(
+        [sys.executable, "-c", child],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "acquired"
+    return process
+
+
+def _go_on(process: subprocess.Popen[str]) -> str:
+    """Let an :func:`_exiting_child` go on; its output once it has exited."""
+    out, _ = process.communicate("\n", timeout=60)
+    assert process.returncode == 0, out
+    return out
+
+
+@pytest.mark.parametrize("ends", ["exit", "pool-child"])
+def test_a_release_whose_answer_went_dark_is_sent_again_before_the_process_exits(
+    redislock_server: RedisServer, ends: str
+) -> None:
+    """A process releases without waiting on a connection that has gone dark (new
+    connections work) and exits: its flush at exit reads no answer, counts it lost,
+    and sends the release again on a new connection before the process ends. The
+    lock is free as soon as the process has exited, not held for its TTL."""
+    direct = redislock_server.client()
+    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+        child = _exiting_child(
+            proxy.url,
+            f"exit-dark-{ends}",
+            'lock.release(wait=False, then=lambda o: print("outcome:", o, flush=True))',
+            ends,
+        )
+        proxy.silence_open()
+        out = _go_on(child)
+        assert not held(direct, f"redislock:{{exit-dark-{ends}}}"), out
+        assert "outcome: retrying" in out
+        assert f"releasing lock 'exit-dark-{ends}': done" in out
+    direct.close()
+
+
+def test_a_release_retried_in_the_background_is_sent_before_the_process_exits(
+    redislock_server: RedisServer,
+) -> None:
+    """A release that failed (release() raised) and waits in the background for its
+    next try is sent when the process exits, before that try is due: the lock is
+    free once the process has exited."""
+    direct = redislock_server.client()
+    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+        child = _exiting_child(
+            proxy.url,
+            "exit-retried",
+            """
+            try:
+                lock.release()
+            except Exception as exc:
+                print("raised:", exc, flush=True)
+            # No background try from here on: only the exit sends it.
+            get_heartbeat().stop()
+            print("stopped", flush=True)
+            sys.stdin.readline()
+            """,
+            "exit",
+        )
+        proxy.silence_open()
+        proxy.refuse()
+        assert child.stdin is not None
+        assert child.stdout is not None
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert "raised:" in child.stdout.readline()
+        assert child.stdout.readline().strip() == "stopped"
+        assert held(direct, "redislock:{exit-retried}")
+        proxy.heal()
+        out = _go_on(child)
+        assert not held(direct, "redislock:{exit-retried}"), out
+        assert "releasing lock 'exit-retried': done" in out
+    direct.close()
+
+
+def test_exit_with_a_server_out_of_reach_is_bounded(redislock_server: RedisServer) -> None:
+    """A process whose server went out of reach (black-holed) exits all the same, a
+    release whose answer it owes and one retried in the background given up and
+    logged so: its flush at exit reads for part of its time and sends for the rest."""
+    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+        child = _exiting_child(
+            proxy.url,
+            "exit-unreachable",
+            """
+            other.release(wait=False)
+            try:
+                lock.release()
+            except Exception as exc:
+                print("raised:", exc, flush=True)
+            """,
+            "exit",
+        )
+        proxy.blackhole()
+        out = _go_on(child)
+    assert "raised:" in out
+    assert "releasing lock 'exit-unreachable': gave up" in out
+    assert "as the process exits" in out
+
+
 def test_a_handler_raising_system_exit_leaves_the_next_answers_handed_over(
     redislock_server_factory: Callable[..., RedisServer],
 ) -> None:

@@ -287,6 +287,24 @@ def test_each_address_looked_up_is_tried_in_turn(
     lock.release()
 
 
+def test_a_lookup_that_cannot_start_its_thread_fails_and_is_not_kept(
+    redislock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the interpreter shuts down (Python 3.12, at exit) no thread can be
+    started: a lookup then fails at once as a connection error, and leaves nothing
+    behind for the next one to wait on."""
+
+    def refuse(self: object) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(lookup._Lookup, "start", refuse)
+        with pytest.raises(redis.ConnectionError, match="interpreter shutdown"):
+            lookup.resolve("localhost", redislock_server.port, 5)
+    assert not lookup._lookups
+    assert "127.0.0.1" in lookup.resolve("localhost", redislock_server.port, 5)
+
+
 def _look_up_in_child(port: int, conn: Connection) -> None:
     conn.send(lookup.resolve("localhost", port, 5))
 

@@ -45,9 +45,11 @@ from typing import Any, Protocol
 from redis.exceptions import AskError, MovedError, RedisError, TryAgainError
 
 from celery_redislock import signals
+from celery_redislock import transport as _transport
 from celery_redislock.scripts import EXTEND_SCRIPT, Call, Released, run_calls
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
+    WATCH_STEP,
     Deadline,
     MovableDeadline,
     Transport,
@@ -149,7 +151,17 @@ def _follow(redirect: Callable[[Call, Deadline], Any], call: Call, budget: float
 class _Pending:
     """A request the lane keeps sending until it lands or ``until`` passes."""
 
-    __slots__ = ("call", "next_try", "on_switch", "pause", "quiet", "redirect", "until", "what")
+    __slots__ = (
+        "call",
+        "next_try",
+        "on_switch",
+        "pause",
+        "quiet",
+        "redirect",
+        "settled",
+        "until",
+        "what",
+    )
 
     def __init__(
         self,
@@ -173,6 +185,10 @@ class _Pending:
         self.quiet = quiet
         self.next_try = now
         self.pause = 0.1
+        #: Landed, or given up: set (with the lane's ``cond`` held) by whichever
+        #: sender knew first, the lane's thread or a flush (see
+        #: :func:`send_pending_now`), which alone logs it.
+        self.settled = False
 
 
 class _Lane:
@@ -353,8 +369,12 @@ class _Lane:
             return self.thread
 
     def _wake(self, at: float) -> None:
-        """With ``cond`` held: make sure a thread runs and wakes by ``at``."""
+        """With ``cond`` held: make sure a thread runs and wakes by ``at``. None
+        is started while the process flushes before it exits (see
+        :func:`send_pending_now`, which sends what is pending itself)."""
         if self.thread is None:
+            if _transport.exiting:
+                return
             self.thread = threading.Thread(
                 target=self._run, name="celery-redislock-heartbeat", daemon=True
             )
@@ -394,7 +414,7 @@ class _Lane:
                                 self._movable(self._budget()), written_by=drain
                             )
                         finally:
-                            self.round = None
+                            self._end_round()
                 except BaseException:
                     # The round runs its users' code (the handlers of deferred
                     # replies): not even a SystemExit there may end the thread,
@@ -531,7 +551,7 @@ class _Lane:
             live[0][0]._redirected(exc)
         finally:
             if lane_thread:
-                self.round = None
+                self._end_round()
         for at, ((lock, _entry, _), result) in enumerate(zip(live, results, strict=True)):
             redirect = getattr(lock, "_run", None)
             if isinstance(result, AskError) and redirect is not None:
@@ -642,10 +662,18 @@ class _Lane:
     def _movable(self, budget: float) -> MovableDeadline:
         """The deadline, ``budget`` seconds away, of what the lane's thread does
         next: a lock registered meanwhile that is due before it brings it forward
-        (see :meth:`register`). The caller sets :attr:`round` back to ``None``."""
+        (see :meth:`register`), or a flush (see :func:`finish_rounds`). The
+        caller ends it with :meth:`_end_round`."""
         with self.cond:
             deadline = self.round = MovableDeadline(time.monotonic() + budget)
         return deadline
+
+    def _end_round(self) -> None:
+        """The thread's round (see :meth:`_movable`) is over: a flush waiting for
+        it (see :func:`finish_rounds`) goes on."""
+        with self.cond:
+            self.round = None
+            self.cond.notify_all()
 
     def _budget(self) -> float:
         """How long this round's other work (background requests, reading owed
@@ -657,53 +685,84 @@ class _Lane:
             due = min((entry.due for entry in self.entries.values()), default=math.inf)
         return max(MIN_ROUND_TRIP, min(DEFAULT_CALL_TIMEOUT, due - self.clock()))
 
-    def _send_pending(self, due: list[_Pending]) -> None:
+    def _send_pending(
+        self, due: list[_Pending], deadline: Deadline | None = None, final: bool = False
+    ) -> None:
+        """Send the requests ``due`` in one round trip and settle those that landed
+        or ran out of time; the others are tried again after a pause.
+
+        From the lane's thread (no ``deadline``) the round trip takes the lane's
+        budget (see :meth:`_budget`). A flush (see :func:`send_pending_now`) gives
+        its own ``deadline``, and, ``final`` (the process exits), settles those
+        that fail too: nothing is left to try them again. The lane's thread may
+        be sending the same requests meanwhile (they are safe to send twice):
+        whichever of the two settles one first logs it.
+        """
         written_at = time.monotonic()
         now = self.clock()
-        budget = max(MIN_ROUND_TRIP, min(self._budget(), *(p.until - now for p in due)))
+        round_trip: Deadline
+        if deadline is None:
+            budget = max(MIN_ROUND_TRIP, min(self._budget(), *(p.until - now for p in due)))
+            round_trip = self._movable(budget)
+        else:
+            # No renewal waits for a flush: the thread renews on its own meanwhile.
+            budget = max(MIN_ROUND_TRIP, min(p.until - now for p in due))
+            budget = min(budget, deadline.remaining())
+            round_trip = Deadline(written_at + budget)
         try:
-            results = run_calls(self.transport, [p.call for p in due], self._movable(budget))
+            results = run_calls(self.transport, [p.call for p in due], round_trip)
         except RedisError as exc:
             results = [exc] * len(due)
         finally:
-            self.round = None
+            if deadline is None:
+                self._end_round()
         for at, (item, result) in enumerate(zip(due, results, strict=True)):
             redirect = item.redirect
             if isinstance(result, _REDIRECTS) and redirect is not None:
                 # A cluster slot moved, or is moving: this lane's server is no
                 # longer the key's, so the request follows the key on its own.
-                results[at] = _follow(redirect, item.call, budget)
+                left = budget if deadline is None else deadline.remaining()
+                results[at] = _follow(redirect, item.call, left)
         after = self.clock()
-        done = []
-        freed = []
-        for item, result in zip(due, results, strict=True):
-            if not isinstance(result, Exception):
-                done.append(item)
-                if item.on_switch and result == Released.FREED:
-                    freed.append(item)
-                if item.quiet:
-                    logger.debug("celery_redislock: %s: done", item.what)
-                elif result == Released.NOT_OWNED:
-                    logger.warning(
-                        "celery_redislock: %s: the lock was no longer held (it had "
-                        "expired or been taken over)",
-                        item.what,
-                    )
+        landed: list[tuple[_Pending, Any]] = []
+        failed: list[tuple[_Pending, Exception]] = []
+        with self.cond:
+            for item, result in zip(due, results, strict=True):
+                if item.settled:
+                    continue
+                if not isinstance(result, Exception):
+                    item.settled = True
+                    landed.append((item, result))
+                elif after >= item.until or final:
+                    item.settled = True
+                    failed.append((item, result))
                 else:
-                    logger.info("celery_redislock: %s: done", item.what)
-            elif after >= item.until:
-                done.append(item)
+                    item.next_try = after + item.pause
+                    item.pause = min(2.0, item.pause * 2)
+            if landed or failed:
+                self.pending = [p for p in self.pending if not p.settled]
+        freed = []
+        for item, result in landed:
+            if item.on_switch and result == Released.FREED:
+                freed.append(item)
+            if item.quiet:
+                logger.debug("celery_redislock: %s: done", item.what)
+            elif result == Released.NOT_OWNED:
                 logger.warning(
-                    "celery_redislock: %s: gave up (%s); the lock expires by its TTL",
+                    "celery_redislock: %s: the lock was no longer held (it had "
+                    "expired or been taken over)",
                     item.what,
-                    describe_error(result),
                 )
             else:
-                item.next_try = after + item.pause
-                item.pause = min(2.0, item.pause * 2)
-        with self.cond:
-            self.pending = [p for p in self.pending if p not in done]
-        if freed and self.transport.follows_switches:
+                logger.info("celery_redislock: %s: done", item.what)
+        for item, error in failed:
+            logger.warning(
+                "celery_redislock: %s: gave up (%s)%s; the lock expires by its TTL",
+                item.what,
+                describe_error(error),
+                " as the process exits" if after < item.until else "",
+            )
+        if freed and self.transport.follows_switches and not final:
             self._resend_on_switch(written_at, freed)
 
     def _resend_on_switch(self, written_at: float, freed: list[_Pending]) -> None:
@@ -844,6 +903,76 @@ class Heartbeat:
             if thread is not threading.current_thread():
                 thread.join(timeout)
 
+
+#: How long after its reading deadline a flush waits at most for a lane's round
+#: to end (see :func:`finish_rounds`), in seconds: its reads end within a
+#: :data:`~celery_redislock.transport.WATCH_STEP` of it.
+ROUND_GRACE = 2 * WATCH_STEP
+
+
+def finish_rounds(reading: Deadline) -> None:
+    """Have the rounds this process's lanes' threads are in end by ``reading``, and
+    wait for them (a little past it at most, :data:`ROUND_GRACE`): one of them
+    may be reading replies owed on a connection gone dark, a release's among
+    them, which a flush (see :func:`~celery_redislock.transport.flush`) must see
+    counted lost, and sent again, before the process exits. (A connect or a
+    write under way keeps its own deadline: it is not waited for so long.)"""
+    beat = _heartbeat
+    if beat is None:
+        return
+    with beat._guard:
+        lanes = list(beat._lanes.values())
+    until = max(reading.at, time.monotonic()) + ROUND_GRACE
+    for lane in lanes:
+        if lane.pid != _pid:
+            continue
+        with lane.cond:
+            round_trip = lane.round
+            # Only a round that reads owed replies, or may yet: one that does not
+            # sends nothing that the flush does not send again itself.
+            if round_trip is None or not lane.transport.reading_owed():
+                continue
+            round_trip.bring_forward(reading.at)
+            while lane.round is round_trip and (left := until - time.monotonic()) > 0:
+                lane.cond.wait(left)
+
+
+def send_pending_now(deadline: Deadline, final: bool = False) -> None:
+    """Send, from the calling thread and by ``deadline``, every request this
+    process's heartbeat retries in the background, those whose next try is not
+    due yet too (see :func:`~celery_redislock.transport.flush`, which calls it):
+    one round trip per server, on a new connection (the idle ones may be the
+    ones that went dark). ``final``: the process exits, so a request that fails
+    is given up (and logged so) rather than tried again later.
+
+    Only this process's own: a forked child does not send its parent's. The
+    lanes' threads may be sending some of them meanwhile (see
+    :meth:`_Lane._send_pending`)."""
+    beat = _heartbeat
+    if beat is None:
+        return
+    with beat._guard:
+        lanes = list(beat._lanes.values())
+    for lane in lanes:
+        if lane.pid != _pid:
+            continue
+        with lane.cond:
+            due = [p for p in lane.pending if not p.settled]
+        if not due:
+            continue
+        try:
+            lane.transport.close_idle()
+            lane._send_pending(due, deadline, final)
+        except Exception:
+            # One server's failure keeps no other's requests from going.
+            logger.exception(
+                "celery_redislock: sending the requests retried in the background to %s failed",
+                lane.transport.describe(),
+            )
+
+
+_transport._after_reading.append(finish_rounds)
+_transport._after_drain.append(send_pending_now)
 
 _heartbeat: Heartbeat | None = None
 # This process's id: a lane of the parent's, reached in a forked child through a

@@ -105,7 +105,16 @@ def resolve(host: str, port: int, timeout: float) -> list[str]:
             lookup = _lookups[key] = _Lookup(key)
     if new:
         # Started outside the guard: starting a thread waits for it to run.
-        lookup.start()
+        try:
+            lookup.start()
+        except RuntimeError as exc:
+            # No thread can be started as the interpreter shuts down (Python 3.12,
+            # at exit): a lookup unbounded by the caller's deadline is no option.
+            lookup.error = exc
+            with _guard:
+                if _lookups.get(key) is lookup:
+                    del _lookups[key]
+            lookup.done.set()
     if not lookup.done.wait(max(0.0, timeout)):
         raise RedisTimeoutError(
             f"timed out looking up the address of {host!r} (the system's resolver, "

@@ -2324,10 +2324,11 @@ def _metrics_at_worker_start(sender: Any = None, **_: Any) -> None:
 
 def _flush_at_child_exit(**_: Any) -> None:
     """Read the answers a prefork pool child still owes (the releases it wrote
-    without waiting) before it exits: it ends with ``os._exit``, which skips the
-    ``atexit`` hook that does it in other processes."""
+    without waiting), and send the releases it retries in the background, before
+    it exits: it ends with ``os._exit``, which skips the ``atexit`` hook that does
+    it in other processes."""
     try:
-        flush()
+        flush(final=True)
     except Exception as exc:  # a signal handler must not break the worker
         logger.warning("could not read the last answers of the lock store: %s", exc)
 

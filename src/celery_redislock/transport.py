@@ -283,6 +283,8 @@ class Transport:
         # the request's number in ``sends``).
         self._owed: dict[Any, list[tuple[int, ReplyHandler, int]]] = {}
         self._guard = threading.Lock()
+        # Calls of _settle() under way (see reading_owed()).
+        self._settling = 0
         self._pid = os.getpid()
         _every_transport.add(self)
         #: Requests written to the server (round trips started), for tests and benchmarks.
@@ -417,6 +419,12 @@ class Transport:
         """Whether replies of deferred requests are still unread."""
         with self._guard:
             return bool(self._owed)
+
+    def reading_owed(self) -> bool:
+        """Whether replies of deferred requests are still unread, or being read
+        (their handlers not all called yet)."""
+        with self._guard:
+            return bool(self._owed) or self._settling > 0
 
     def drain(self, deadline: Deadline, written_by: int | None = None) -> int:
         """Read the replies owed on idle connections and hand them to their
@@ -826,8 +834,9 @@ class Transport:
         """
         with self._guard:
             owed = self._owed.pop(link, None)
-        if not owed:
-            return None
+            if not owed:
+                return None
+            self._settling += 1
         broken: RedisError | None = None
         raised: BaseException | None = None
         handed = 0
@@ -853,11 +862,15 @@ class Transport:
                 except BaseException as exc:
                     raised = raised or exc
         finally:
-            if handed < len(owed):
-                link.close()
-                error = RedisConnectionError("interrupted before its reply was read")
-                for _count, handler, _sent in owed[handed:]:
-                    _hand_over(handler, error)
+            try:
+                if handed < len(owed):
+                    link.close()
+                    error = RedisConnectionError("interrupted before its reply was read")
+                    for _count, handler, _sent in owed[handed:]:
+                        _hand_over(handler, error)
+            finally:
+                with self._guard:
+                    self._settling -= 1
         if raised is not None:
             raise raised
         return broken
@@ -1804,17 +1817,76 @@ def backend_errors(action: str) -> Iterator[None]:
         raise LockBackendError(f"could not {action}: {describe_error(exc)}") from exc
 
 
-def flush(timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
-    """Read every reply still owed in this process (before it exits)."""
-    deadline = Deadline.after(timeout)
-    # Every transport, not only those of transport_for(): a forked child also
-    # writes on transports it reached through objects made before the fork.
-    for transport in list(_every_transport):
-        if transport._pid == _process_id and transport.owes_replies():
-            transport.drain(deadline)
+#: How long :func:`flush` takes at most, in seconds (a process's exit waits for it).
+FLUSH_TIMEOUT = DEFAULT_CALL_TIMEOUT
+
+#: The share of :func:`flush`'s time that reading the owed replies may take, the
+#: rest being for sending again what the background retries: a connection gone
+#: dark (the server reachable on a new one) must leave time to send again what it
+#: did not answer. Each of the two takes this share at most.
+FLUSH_READ_SHARE = 0.5
+
+#: What :func:`flush` calls once it has read the owed replies of the idle
+#: connections, with its reading deadline: the heartbeat has the reads its
+#: threads are in end by then (see :func:`celery_redislock.heartbeat.finish_rounds`).
+_after_reading: list[Callable[[Deadline], None]] = []
+
+#: What :func:`flush` calls then, with its deadline for sending and its
+#: ``final``: the heartbeat sends the requests it retries in the background (see
+#: :func:`celery_redislock.heartbeat.send_pending_now`). The heartbeat registers
+#: both on import.
+_after_drain: list[Callable[[Deadline, bool], None]] = []
+
+#: Whether a final :func:`flush` runs in this process: the heartbeat then starts
+#: no thread for what is handed to it meanwhile (none may be started at
+#: interpreter shutdown), and the flush sends that itself.
+exiting = False
 
 
-atexit.register(flush)
+def flush(timeout: float | None = None, final: bool = False) -> None:
+    """Read every reply still owed in this process, then send the requests it
+    retries in the background (a release whose answer was lost, that one too),
+    all within ``timeout`` (by default :data:`FLUSH_TIMEOUT`).
+
+    Reading takes :data:`FLUSH_READ_SHARE` of the time at most: a reply not read
+    by then counts as lost, and its request goes again, with the rest of the
+    time, on a new connection. Sending takes that share at most too: a server out
+    of reach costs the whole ``timeout``, and half of it when no reply was owed.
+    ``final``: the process is about to exit (at exit, or a pool child's end), so
+    nothing is left to the background: a request that could not be sent is
+    logged as given up.
+    """
+    global exiting
+    if timeout is None:
+        timeout = FLUSH_TIMEOUT
+    share = timeout * FLUSH_READ_SHARE
+    start = time.monotonic()
+    reading = Deadline(start + share)
+    exiting = final
+    try:
+        # Every transport, not only those of transport_for(): a forked child also
+        # writes on transports it reached through objects made before the fork.
+        for transport in list(_every_transport):
+            if transport._pid == _process_id and transport.owes_replies():
+                transport.drain(reading)
+        for finish in list(_after_reading):
+            finish(reading)
+    finally:
+        # Even past a handler's SystemExit: what it left to send goes all the same.
+        deadline = Deadline(min(start + timeout, time.monotonic() + share))
+        try:
+            for send in list(_after_drain):
+                send(deadline, final)
+        finally:
+            exiting = False
+
+
+def _flush_at_exit() -> None:
+    """:func:`flush` as the process exits."""
+    flush(final=True)
+
+
+atexit.register(_flush_at_exit)
 
 
 #: Every transport and router of this process, so that a forked child can make
@@ -1832,6 +1904,8 @@ def _forget_after_fork() -> None:
     _transports_guard = threading.Lock()
     for transport in list(_every_transport):
         transport._guard = threading.Lock()
+        # Reads of the parent's threads, which have none here.
+        transport._settling = 0
         # The parent's releases are the parent's to send again.
         transport._on_switch.clear()
     for router in list(_every_router):
