@@ -265,14 +265,16 @@ def _go_on(process: subprocess.Popen[str]) -> str:
 
 @pytest.mark.parametrize("ends", ["exit", "pool-child"])
 def test_a_release_whose_answer_went_dark_is_sent_again_before_the_process_exits(
-    redislock_server: RedisServer, ends: str
+    redislock_server_factory: Callable[..., RedisServer], ends: str
 ) -> None:
     """A process releases without waiting on a connection that has gone dark (new
     connections work) and exits: its flush at exit reads no answer, counts it lost,
     and sends the release again on a new connection before the process ends. The
     lock is free as soon as the process has exited, not held for its TTL."""
-    direct = redislock_server.client()
-    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+    # A server of its own: the locks this test leaves to their TTL stay with it.
+    server = redislock_server_factory()
+    direct = server.client()
+    with FaultProxy(server.host, server.port) as proxy:
         child = _exiting_child(
             proxy.url,
             f"exit-dark-{ends}",
@@ -288,13 +290,15 @@ def test_a_release_whose_answer_went_dark_is_sent_again_before_the_process_exits
 
 
 def test_a_release_retried_in_the_background_is_sent_before_the_process_exits(
-    redislock_server: RedisServer,
+    redislock_server_factory: Callable[..., RedisServer],
 ) -> None:
     """A release that failed (release() raised) and waits in the background for its
     next try is sent when the process exits, before that try is due: the lock is
     free once the process has exited."""
-    direct = redislock_server.client()
-    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+    # A server of its own: the locks this test leaves to their TTL stay with it.
+    server = redislock_server_factory()
+    direct = server.client()
+    with FaultProxy(server.host, server.port) as proxy:
         child = _exiting_child(
             proxy.url,
             "exit-retried",
@@ -326,11 +330,15 @@ def test_a_release_retried_in_the_background_is_sent_before_the_process_exits(
     direct.close()
 
 
-def test_exit_with_a_server_out_of_reach_is_bounded(redislock_server: RedisServer) -> None:
+def test_exit_with_a_server_out_of_reach_is_bounded(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
     """A process whose server went out of reach (black-holed) exits all the same, a
     release whose answer it owes and one retried in the background given up and
     logged so: its flush at exit reads for part of its time and sends for the rest."""
-    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+    # A server of its own: the locks this test leaves to their TTL stay with it.
+    server = redislock_server_factory()
+    with FaultProxy(server.host, server.port) as proxy:
         child = _exiting_child(
             proxy.url,
             "exit-unreachable",
