@@ -16,6 +16,7 @@ otherwise, a fault applies to open connections and to new ones alike.
 
 from __future__ import annotations
 
+import math
 import select
 import socket
 import struct
@@ -51,6 +52,8 @@ class _Link:
         self.silenced = False
         # The reply to the request just forwarded is to be lost (drop_reply_to).
         self.drop_next_reply = False
+        # How many times the proxy let held requests through, as this link last saw.
+        self.let_through = proxy.let_through_count
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="fault-proxy-link", daemon=True)
 
@@ -94,6 +97,11 @@ class _Link:
             ):
                 client.close()
                 return
+            if self.let_through != proxy.let_through_count:
+                # Held chunks (due never) are due now, in the order they came.
+                self.let_through = proxy.let_through_count
+                now = time.monotonic()
+                to_server = deque((min(due, now), data) for due, data in to_server)
             wait = _POLL
             for queue in (to_server, to_client):
                 if queue:
@@ -109,7 +117,8 @@ class _Link:
                     if data and proxy.take_marked(data):
                         self.drop_next_reply = True
                     if data and not self.dark:
-                        to_server.append((time.monotonic() + proxy.latency, data))
+                        due = math.inf if proxy.take_held() else time.monotonic() + proxy.latency
+                        to_server.append((due, data))
                 if upstream in ready:
                     data = upstream.recv(65536)
                     upstream_open = bool(data)
@@ -147,6 +156,7 @@ class FaultProxy:
     * :meth:`reset_all` resets every open connection once;
     * :meth:`drop_replies` lets requests through but loses replies and resets;
     * :meth:`drop_reply_to` does that to the reply to a request naming a marker;
+    * :meth:`hold_next` keeps the next request at the proxy until let through;
     * :meth:`refuse` resets new connections as soon as they are accepted;
     * :meth:`close_port` stops listening, so the system refuses new connections;
     * :meth:`blackhole` forwards nothing and closes nothing;
@@ -169,6 +179,11 @@ class FaultProxy:
         self._marked_skip = 0
         self._marked_left = 0
         self.marked_drops = 0
+        # hold_next(): how many chunks are still to be held; how many were held, and
+        # how many times they were let through.
+        self._hold_left = 0
+        self.held = 0
+        self.let_through_count = 0
         self._guard = threading.Lock()
         self._links: list[_Link] = []
         self._accepted = 0
@@ -332,6 +347,32 @@ class FaultProxy:
             self.marked_drops += 1
             return True
 
+    def hold_next(self, count: int = 1) -> None:
+        """Keep the next ``count`` chunks any client sends at the proxy (and what
+        follows each on its connection) until :meth:`let_held_through`: as on a path
+        that delays one request, which reaches the server later than requests sent
+        after it on other connections. :attr:`held` counts the chunks held so."""
+        if count < 0:
+            raise ValueError("count cannot be negative")
+        with self._guard:
+            self._hold_left = count
+
+    def take_held(self) -> bool:
+        """Whether the chunk just read from a client is to be held (uses up one
+        of :meth:`hold_next`)."""
+        with self._guard:
+            if self._hold_left == 0:
+                return False
+            self._hold_left -= 1
+            self.held += 1
+            return True
+
+    def let_held_through(self) -> None:
+        """Send the chunks :meth:`hold_next` held on to the server, in order."""
+        with self._guard:
+            self._hold_left = 0
+            self.let_through_count += 1
+
     def refuse(self) -> None:
         """Reset each new connection right after accepting it; open ones keep working."""
         self.refusing = True
@@ -359,7 +400,8 @@ class FaultProxy:
         return len(links)
 
     def heal(self) -> None:
-        """Clear every fault: no latency, no drops, no refusing, no black hole.
+        """Clear every fault: no latency, no drops, no refusing, no black hole, no
+        request held.
 
         Connections that lived through a black hole forward again, but the bytes
         it swallowed are gone, so their protocol streams are usually out of step;
@@ -370,6 +412,7 @@ class FaultProxy:
             self._drops_left = 0
             self._close_after_drops = False
             self._marked_left = 0
+        self.let_held_through()
         self.latency = 0.0
         self.refusing = False
         self.blackholed = False

@@ -26,7 +26,11 @@ from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.lock import lock_keys, release_lease, wake_channel_prefix
 from celery_redislock.scripts import (
     ACQUIRE,
+    COPIES_MARK,
+    COPIES_REMEMBERED,
+    COPY_MARK,
     COUNT_FIELD,
+    DROPS_FIELD,
     DROPS_REMEMBERED,
     EXTEND,
     FENCE_FIELD,
@@ -43,6 +47,7 @@ from tests.support import (
     acquire_in_thread,
     close_app,
     field,
+    fields,
     held,
     in_forked_child,
     make_app,
@@ -670,6 +675,52 @@ def test_a_release_that_dropped_an_inner_hold_is_recognised_after_later_changes(
         lock.release()
     assert not held(direct, lock.key)
     assert b"1000000003" not in cast(bytes, direct.get(lock.key) or b"")
+
+
+def sent_again(release: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``release`` (KEYS and ARGV, see :func:`release_as_sent`) as a copy of it is
+    sent again: marked as one."""
+    return (*release, "", COPY_MARK)
+
+
+@pytest.mark.parametrize("holds", [3, 2], ids=["count-left", "single-left"])
+def test_a_release_whose_copy_dropped_an_inner_hold_is_recognised_however_late(
+    server: RedisServer, direct: redis.Redis, holds: int
+) -> None:
+    """A copy of a release, sent again, drops one of several holds; the first send (no
+    last change to act on) arrives after its holder entered and left more nested
+    sections than the hold remembers releases that dropped one: it is recognised from
+    the copies the hold remembers apart, and drops no second hold, whether it finds
+    several holds or one (which the usual one-write release would otherwise free).
+    The hold remembers the last COPIES_REMEMBERED such copies, and the last
+    DROPS_REMEMBERED other releases that dropped one; once the lock is freed, nothing
+    of either is left in the lock's value."""
+    lock = RedisLock(server.url, "copy-first", ttl=30, heartbeat=False)
+    for _ in range(holds):
+        assert lock.acquire()
+    first = release_as_sent(lock, "1000000004")
+    assert direct.eval(RELEASE, *sent_again(first)) == 2
+    lock._holds -= 1
+    for _ in range(DROPS_REMEMBERED + 2):
+        with lock:
+            pass
+    assert direct.eval(RELEASE, *first) == 2
+    assert hold_count(direct, lock) == holds - 1
+
+    for n in range(COPIES_REMEMBERED):
+        assert lock.acquire()
+        copy = sent_again(release_as_sent(lock, str(2000000000 + n)))
+        assert direct.eval(RELEASE, *copy) == 2
+        lock._holds -= 1
+    drops = field(direct, lock.key, DROPS_FIELD) or ""
+    recent, copies = drops.split(COPIES_MARK)
+    assert len(recent.split()) == DROPS_REMEMBERED
+    assert copies.split() == [str(2000000000 + n) for n in reversed(range(COPIES_REMEMBERED))]
+    assert hold_count(direct, lock) == holds - 1
+    for _ in range(holds - 1):
+        lock.release()
+    assert not held(direct, lock.key)
+    assert DROPS_FIELD not in fields(direct, lock.key)
 
 
 def test_release_for_an_earlier_hold_leaves_a_later_one_alone(
@@ -2070,3 +2121,81 @@ def test_an_inner_release_whose_answer_the_heartbeat_reads_in_time_is_not_sent_t
     assert not held(direct, lock.key)
     stats = direct.info("commandstats")
     assert sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("eval", "evalsha")) == 2
+
+
+def script_runs(client: redis.Redis) -> int:
+    """How many scripts the server has run so far (by digest or by text)."""
+    stats = client.info("commandstats")
+    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("eval", "evalsha"))
+
+
+def test_an_inner_release_that_reaches_the_server_after_its_copy_drops_no_second_hold(
+    proxy: FaultProxy, direct: redis.Redis, held_back: HeldBack
+) -> None:
+    """An inner release that did not wait is held up on its way to the server (a slow
+    path); its answer does not come in time, so a copy goes ahead of the next request
+    and drops the inner hold. The holder then enters and leaves more nested sections
+    than the hold remembers releases that dropped one: when the first send finally
+    arrives, it is recognised as the copy's, and drops no second hold. The lock
+    stays held until the holder's last release, and nobody else takes it meanwhile."""
+    lock = RedisLock(proxy.url, "late-first-send", ttl=60, call_timeout=0.2, _heartbeat=held_back)
+    assert lock.acquire(blocking=False)
+    lock.release()  # the server now has both scripts
+    assert lock.acquire(blocking=False)
+    assert lock.acquire(blocking=False)
+    proxy.hold_next()
+    outcomes: list[str] = []
+    lock.release(wait=False, then=outcomes.append)
+    wait_for(lambda: proxy.held == 1, what="the inner release to be held up")
+    for _ in range(DROPS_REMEMBERED + 1):
+        with lock:
+            pass
+    assert outcomes == ["retrying"]
+    assert lock.acquire(blocking=False)  # a nested section: two holds on both sides
+    assert hold_count(direct, lock) == 2
+    ran = script_runs(direct)
+
+    proxy.let_held_through()
+    wait_for(lambda: script_runs(direct) > ran, what="the first send to reach the server")
+
+    assert hold_count(direct, lock) == 2
+    lock.release()
+    rival = RedisLock(direct, "late-first-send", ttl=60)
+    assert not rival.acquire(blocking=False)
+    lock.release()
+    assert not held(direct, lock.key)
+
+
+def test_an_owed_answer_the_heartbeat_reads_is_waited_for_once(
+    proxy: FaultProxy, direct: redis.Redis, held_back: HeldBack
+) -> None:
+    """An inner release that did not wait is held up on its way to the server while the
+    heartbeat's thread reads its answer: the next request waits for it (within half
+    its time), then sends a copy ahead of it, which drops the inner hold. The requests
+    after it neither wait for that answer again nor send another copy. When the first
+    send arrives, it drops no second hold."""
+    lock = RedisLock(proxy.url, "owed-once", ttl=60, call_timeout=30, _heartbeat=held_back)
+    assert lock.acquire(blocking=False)
+    lock.release()  # the server now has both scripts
+    assert lock.acquire(blocking=False)
+    assert lock.acquire(blocking=False)
+    proxy.hold_next()
+    outcomes: list[str] = []
+    lock.release(wait=False, then=outcomes.append)  # its answer is read for 30 s
+    wait_for(lambda: proxy.held == 1, what="the inner release to be held up")
+    wait_for(lambda: not lock.transport._idle, what="the heartbeat's thread to read its answer")
+    lock.call_timeout = 0.4  # the requests from now on
+    direct.config_resetstat()
+    for _ in range(5):
+        with lock:
+            pass
+    stats = direct.info("commandstats")
+    assert stats["cmdstat_eval"]["calls"] == 1  # one copy, sent by text ahead of the first
+    assert outcomes == []
+    assert hold_count(direct, lock) == 1
+
+    proxy.let_held_through()
+    wait_for(lambda: outcomes == ["released"], what="the first send's answer")
+    assert hold_count(direct, lock) == 1
+    lock.release()
+    assert not held(direct, lock.key)

@@ -112,6 +112,26 @@ def test_drop_replies_until_heal(server: RedisServer, proxy: FaultProxy) -> None
     assert client.incr("k") == 2
 
 
+def test_a_held_request_reaches_the_server_after_later_ones(
+    server: RedisServer, proxy: FaultProxy
+) -> None:
+    """A request hold_next() holds waits at the proxy, while one sent after it on
+    another connection goes through; let through, it runs, even after its client
+    gave up on it and closed the connection."""
+    early, late, direct = through(proxy, timeout=0.3, single=True), through(proxy), server.client()
+    assert early.ping()
+    proxy.hold_next()
+    with pytest.raises(redis.TimeoutError):
+        early.set("k", "first")
+    assert proxy.held == 1
+    early.close()
+    assert late.set("k", "second")
+    assert direct.get("k") == b"second"
+    proxy.let_held_through()
+    wait_for(lambda: direct.get("k") == b"first", what="the held request to run")
+    late.close()
+
+
 def test_refuse_fails_new_connections_but_keeps_open_ones(proxy: FaultProxy) -> None:
     """While refusing, a new client cannot talk, an open connection still can, heal ends it."""
     old = through(proxy, single=True)

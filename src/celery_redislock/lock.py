@@ -73,6 +73,7 @@ from celery_redislock.heartbeat import Heartbeat, _Lane, get_heartbeat
 from celery_redislock.ids import owner_token, request_id
 from celery_redislock.scripts import (
     ACQUIRE_SCRIPT,
+    COPY_MARK,
     EXTEND_SCRIPT,
     GRANT_MS,
     HOLDER_FIELDS,
@@ -430,10 +431,12 @@ class RedisLock:
     # the next request that changes the lock reads them first (see _read_owed()),
     # so that one that failed goes ahead of it, in order.
     _unanswered = 0
-    # Those releases, each as the ARGV it is sent again with and when it gives
-    # up, in a list emptied once it is answered: one still owed after the next
-    # request's read (another thread reads its connection) goes ahead of that
-    # request all the same (see _read_owed()).
+    # Those releases, each as the ARGV it is sent again with, when it gives up
+    # and whether it went among those sent ahead already, in a list emptied once
+    # it is answered: one still owed after the next request's read (another
+    # thread reads its connection) goes ahead of that request all the same, and
+    # of the later ones until it lands, without their waiting for it again (see
+    # _read_owed()).
     _owing: tuple[list[Any], ...] = ()
     _owed_by = 0
     _owed_on: Transport | None = None
@@ -820,10 +823,10 @@ class RedisLock:
         # Sent again in the background, an inner hold's release acts only on the
         # hold as this object last changed it: arriving after the holder took the
         # lock once more, it drops no second hold. (Not the first send: another
-        # object of the same owner, or another thread, may have changed it since.)
-        resend = args
-        if inner and self._last_change:
-            resend = (*args[:4], self._last_change, *args[5:])
+        # object of the same owner, or another thread, may have changed it since;
+        # the hold remembers a copy that dropped a hold of it, for the first send
+        # arriving after it.)
+        resend = _sent_again(args, self._last_change if inner else None)
         if inner:
             # Counted as landed from now on (the next inner release may follow
             # before this one's answer is read); unknown again if it fails.
@@ -914,8 +917,9 @@ class RedisLock:
         transport = self._router.single or self.transport
         ahead = self._ahead() if self._behind else ()
         # While this release counts as unanswered (see _settled()): what it is
-        # sent again with, and until when.
-        counted: list[Any] = [resend, until]
+        # sent again with, until when, and (once it is) whether it was put among
+        # those sent ahead of the next request (see _read_owed()).
+        counted: list[Any] = [resend, until, False]
         with self._state:
             self._unanswered += 1
             self._owing = (*self._owing, counted)
@@ -1782,7 +1786,11 @@ class RedisLock:
         sent twice, a release changes nothing the second time (see
         :data:`~celery_redislock.scripts.RELEASE`), and sent after the request,
         it would act on the hold that request leaves (drop one of two holds the
-        request was to free, or find the hold changed and change nothing)."""
+        request was to free, or find the hold changed and change nothing). Once
+        it went so, the later requests do not wait for its answer again: its
+        copy goes ahead of each until one lands, and a copy that dropped a hold
+        is remembered by the hold, for the first send arriving after it (see
+        :data:`~celery_redislock.scripts.COPIES_REMEMBERED`)."""
         if not self._unanswered:
             return
         if self._owed_by != _process_id or self._owed_on is None:
@@ -1791,6 +1799,9 @@ class RedisLock:
                 self._unanswered = 0
                 self._owing = ()
             return
+        with self._state:
+            if all(item[2] for item in self._owing if item):
+                return
         reading = Deadline.after(deadline.remaining() / 2)
         with contextlib.suppress(RedisError):
             # Where they were written (a cluster slot may have moved since).
@@ -1804,12 +1815,14 @@ class RedisLock:
                     self._answers.wait(left)
             finally:
                 RedisLock._awaiting -= 1
-            owed = [(args, until) for args, until in (item for item in self._owing if item)]
+            owed = [item for item in self._owing if item and not item[2]]
             if not owed:
                 return
             now = time.monotonic()
             behind = [call for call, _until in self._behind]
-            for args, until in owed:
+            for item in owed:
+                args, until, _ahead = item
+                item[2] = True
                 call = self._release_call(args)
                 if call not in behind:
                     self._behind = (*self._behind, (call, max(until, now + MIN_CALL)))
@@ -1897,6 +1910,15 @@ def _packed_release(key: str, queue_key: str, args: tuple[Any, ...]) -> bytes | 
         f"\r\n${len(released)}\r\n{released}\r\n"
     )
     return text.encode() if text.isascii() else None
+
+
+def _sent_again(args: tuple[Any, ...], change: str | None) -> tuple[Any, ...]:
+    """The ARGV a RELEASE with these ARGV (as :meth:`RedisLock.release` makes them)
+    is sent again with, in the background or ahead of a later request: marked as
+    a copy (:data:`~celery_redislock.scripts.COPY_MARK`), and acting only on a hold
+    whose last change is ``change``, if given."""
+    read = args[7] if len(args) > 7 else ""
+    return (*args[:4], change or args[4], *args[5:7], read, COPY_MARK)
 
 
 #: The outcomes read on every acquire and release, as names of this module: an

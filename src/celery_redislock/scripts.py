@@ -30,7 +30,9 @@ readable name       field  holds
 ``released``        ``x``  the ids of the last few releases that freed the lock
 ``drops``           ``d``  the ids of the last few releases that dropped one
                            of the current hold's re-entered holds (and left
-                           it held); empty until one did
+                           it held); empty until one did; then, after
+                           ``COPIES_MARK``, those of the releases sent again
+                           that did, if any
 ``reserved``        ``w``  the waiters a release just woke without handing
                            them the lock: the free lock is theirs for
                            ``RESERVE_MS``
@@ -83,7 +85,10 @@ at once).
 that changes state carries a fresh request id, and the scripts recognise their
 own second arrival: a retried acquire does not count a second hold, a retried
 release does not drop a second one (from ``drops``, even if the holder took the
-lock again and released it in between, up to ``DROPS_REMEMBERED`` times), and
+lock again and released it in between, up to ``DROPS_REMEMBERED`` times; and a
+release whose copy sent again dropped the hold first, from the copies ``drops``
+keeps apart, for up to ``COPIES_REMEMBERED`` such copies, however many other
+releases dropped a hold since), and
 a retried release of a lock it already
 freed still answers "freed" (from ``released``, even if the lock was taken and
 freed again by others in between, up to ``RELEASES_REMEMBERED`` times). **Expiry.** Every TTL is checked
@@ -224,6 +229,23 @@ RELEASES_REMEMBERED = 8
 #: a re-entered hold stores them: a plain lock's value does not grow.
 DROPS_REMEMBERED = 8
 
+#: How many releases sent again (RELEASE's ARGV[9]: :data:`COPY_MARK`) that
+#: dropped one of its re-entered holds a hold remembers besides, whatever the
+#: releases that dropped one since: the first send of such a release may reach
+#: the server long after the copy did (a connection slow to deliver it), with no
+#: last change to act on (see ``RedisLock.release``), and is recognised then.
+#: Copies are rare (a release whose answer was lost), so this memory is most
+#: often empty; its ids follow the others in ``drops``, after :data:`COPIES_MARK`.
+COPIES_REMEMBERED = 32
+
+#: What RELEASE's ARGV[9] holds for a release sent again (see
+#: :data:`COPIES_REMEMBERED`).
+COPY_MARK = "again"
+
+#: What separates, in ``drops``, the last releases that dropped a re-entered hold
+#: from the releases sent again that did (:data:`COPIES_REMEMBERED`).
+COPIES_MARK = " | "
+
 
 def _lua(text: str) -> str:
     """``text`` with its ``$NAME`` placeholders filled: the lock's fields as their
@@ -269,6 +291,8 @@ def _lua(text: str) -> str:
         GRANT_MS=GRANT_MS,
         RELEASE_HISTORY=RELEASES_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
         DROP_HISTORY=DROPS_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
+        COPY_HISTORY=COPIES_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
+        COPIES=f"'{COPIES_MARK}'",
     )
 
 
@@ -717,7 +741,11 @@ def _freeing(body: str, first: str = "") -> str:
 #: ARGV[7] optionally, the releases the lock remembered as it was taken (what
 #: ACQUIRE returned with the hold); ARGV[8] optionally, "read" to read the lock
 #: before writing (others are likely queued: the one-write path would only have to
-#: put the lock back)
+#: put the lock back; "" or absent: not); ARGV[9] optionally, :data:`COPY_MARK` for
+#: a release sent again (the same request id as its first send): one that drops a
+#: re-entered hold is remembered among the copies (:data:`COPIES_REMEMBERED`), so
+#: that its first send, arriving after it, changes nothing however many releases
+#: dropped a hold in between
 #: Returns 1 when freed (by this request, now or on an earlier arrival), 2 when a
 #: hold remains, 0 when not owned (nothing changed).
 RELEASE = _freeing(
@@ -784,7 +812,20 @@ if ARGV[5] ~= '' and lock[$REQ] ~= ARGV[5] then return 0 end
 local count = (tonumber(lock[$COUNT]) or 1) - 1
 if count > 0 then
     lock[$COUNT], lock[$REQ] = count > 1 and tostring(count) or nil, ARGV[3]
-    lock[$DROPS] = string.sub(drops and (ARGV[3] .. ' ' .. drops) or ARGV[3], 1, $DROP_HISTORY)
+    -- The drops, newest first: the last few, then (after the mark) those of the
+    -- releases sent again, which later drops do not push out: the first send of
+    -- such a release may still be on its way, and would find nothing else.
+    local recent, copies = drops or '', nil
+    local mark = string.find(recent, $COPIES, 1, true)
+    if mark then
+        recent, copies = string.sub(recent, 1, mark - 1), string.sub(recent, mark + #$COPIES)
+    end
+    if (ARGV[9] or '') ~= '' then
+        copies = string.sub(copies and (ARGV[3] .. ' ' .. copies) or ARGV[3], 1, $COPY_HISTORY)
+    else
+        recent = string.sub(recent ~= '' and (ARGV[3] .. ' ' .. recent) or ARGV[3], 1, $DROP_HISTORY)
+    end
+    lock[$DROPS] = copies and (recent .. $COPIES .. copies) or recent
     write(lock)
     return 2
 end
