@@ -11,6 +11,8 @@ import gc
 import logging
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1256,6 +1258,118 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
         client.close()
         rival_client.close()
         idle_client.close()
+
+
+#: A process that holds two locks on a Sentinel-managed primary, releases them
+#: (one without waiting) on the old primary after an operator's failover, before
+#: it learns the switch, and exits. Arguments: the Sentinel's port, the service,
+#: the replica's port, and ``announced`` (it releases once told on its stdin,
+#: the switch announced meanwhile: until it would learn it is held open by a
+#: ``PRIMARY_RECHECK`` raised) or ``under-way`` (it releases as soon as the
+#: replica has been promoted, before the Sentinels announce it).
+_RELEASES_AND_EXITS = """
+import logging, sys, time
+import redis
+from redis.sentinel import Sentinel
+from celery_redislock import RedisLock, transport
+from celery_redislock.transport import Deadline, transport_for
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+sentinel_port, service, replica_port, when = sys.argv[1:]
+client = Sentinel([("127.0.0.1", int(sentinel_port))]).master_for(service)
+lock = RedisLock(client, "exit-after-switch", ttl=60)
+other = RedisLock(client, "exit-after-switch-other", ttl=60)
+assert lock.acquire(blocking=False) and other.acquire(blocking=False)
+if when == "announced":
+    # Idle connections enough for the releases: a new one would ask the Sentinels.
+    deadline = Deadline.after(5)
+    links = [transport_for(client).write([("PING",)], deadline) for _ in range(2)]
+    for link in links:
+        transport_for(client).finish(link, 1, deadline)
+    transport.PRIMARY_RECHECK = 3600.0
+print("acquired", flush=True)
+if when == "announced":
+    sys.stdin.readline()
+else:
+    replica = redis.Redis(port=int(replica_port), socket_timeout=5)
+    while replica.execute_command("ROLE")[0] not in (b"master", "master"):
+        time.sleep(0.01)
+lock.release()
+other.release(wait=False)
+print("released", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["announced", "under-way"])
+def test_a_process_that_exits_after_releasing_on_a_replaced_primary_frees_its_locks_there(
+    redislock_sentinel_factory: Callable[..., SentinelDeployment], when: str
+) -> None:
+    """An operator's ``SENTINEL FAILOVER`` leaves the old primary taking writes (it
+    refuses ``REPLICAOF`` here). A process releases its locks there before it
+    learns the switch, and exits at once: a running process would learn it within
+    a ``PRIMARY_RECHECK`` and send the releases again to the new primary; the
+    exiting one asks the Sentinels as it flushes, and sends them there before it
+    ends, whether the switch was announced already (``announced``) or is
+    announced a moment later (``under-way``: the Sentinels answer that they are
+    failing the primary over, and are asked again until they name the new one).
+    Neither lock is left held on the new primary until its TTL."""
+    deployment = redislock_sentinel_factory(replicas=1, sentinels=1, quorum=1)
+    old = deployment.master()
+    old_admin = old.client()
+    old_admin.execute_command("ACL", "SETUSER", "default", "-slaveof", "-replicaof")  # type: ignore[no-untyped-call]
+    replica = deployment.replicas()[0]
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _RELEASES_AND_EXITS,
+            str(deployment.sentinel_servers[0].port),
+            deployment.master_name,
+            str(replica.port),
+            when,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    keys = [lock_keys(name)[0] for name in ("exit-after-switch", "exit-after-switch-other")]
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "acquired"
+        replica_client = replica.client()
+        for key in keys:
+
+            def replicated(key: str = key) -> bool:
+                return bool(fields(replica_client, key).get(OWNER_FIELD))
+
+            wait_for(replicated, timeout=10, what=f"{key} to reach the replica")
+        replica_client.close()
+        assert _ask_sentinel(deployment, "FAILOVER", deployment.master_name) == b"OK"
+        new = deployment.wait_for_failover(timeout=30, old=old)
+        if when == "announced":
+            wait_for(
+                lambda: _announced(deployment) == (new.host, new.port),
+                timeout=30,
+                what="the Sentinels to announce the new primary",
+            )
+        out, _ = child.communicate("\n", timeout=60)
+        assert child.returncode == 0, out
+        new_client = new.client()
+        try:
+            for key in keys:
+                # Released on the old primary, which still holds what it was told.
+                assert not fields(old_admin, key).get(OWNER_FIELD), out
+                assert not fields(new_client, key).get(OWNER_FIELD), out
+        finally:
+            new_client.close()
+        # Learnt as the process flushed before it exited.
+        assert "the new primary of 'mymaster': sending again 2 release(s)" in out
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+        old_admin.close()
 
 
 def _announced(deployment: SentinelDeployment) -> tuple[str, int]:

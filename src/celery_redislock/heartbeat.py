@@ -947,28 +947,39 @@ def send_pending_now(deadline: Deadline, final: bool = False) -> None:
 
     Only this process's own: a forked child does not send its parent's. The
     lanes' threads may be sending some of them meanwhile (see
-    :meth:`_Lane._send_pending`)."""
+    :meth:`_Lane._send_pending`).
+
+    Requests handed over while it sends (releases sent again as a round trip
+    learns that the Sentinels replaced the primary) go too, in another round
+    trip, until none is new or ``deadline`` has passed."""
     beat = _heartbeat
     if beat is None:
         return
-    with beat._guard:
-        lanes = list(beat._lanes.values())
-    for lane in lanes:
-        if lane.pid != _pid:
-            continue
-        with lane.cond:
-            due = [p for p in lane.pending if not p.settled]
-        if not due:
-            continue
-        try:
-            lane.transport.close_idle()
-            lane._send_pending(due, deadline, final)
-        except Exception:
-            # One server's failure keeps no other's requests from going.
-            logger.exception(
-                "celery_redislock: sending the requests retried in the background to %s failed",
-                lane.transport.describe(),
-            )
+    sent: set[_Pending] = set()
+    while True:
+        with beat._guard:
+            lanes = list(beat._lanes.values())
+        new = False
+        for lane in lanes:
+            if lane.pid != _pid or deadline.expired():
+                continue
+            with lane.cond:
+                due = [p for p in lane.pending if not p.settled and p not in sent]
+            if not due:
+                continue
+            sent.update(due)
+            new = True
+            try:
+                lane.transport.close_idle()
+                lane._send_pending(due, deadline, final)
+            except Exception:
+                # One server's failure keeps no other's requests from going.
+                logger.exception(
+                    "celery_redislock: sending the requests retried in the background to %s failed",
+                    lane.transport.describe(),
+                )
+        if not new or deadline.expired():
+            return
 
 
 _transport._after_reading.append(finish_rounds)

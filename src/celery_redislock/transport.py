@@ -129,6 +129,10 @@ PRIMARY_RECHECK = 1.0
 #: connection it has, or a new one to the primary they last named), in seconds:
 #: Sentinels that do not answer cost it no more.
 PRIMARY_QUESTION = 0.25
+#: How often, in seconds, a process about to exit asks the Sentinels again while
+#: they fail its primary over, for releases that wait for the switch (see
+#: :meth:`Transport.learn_switch`).
+FAILOVER_POLL = 0.1
 #: How long Sentinels that could not be asked are left alone, in seconds.
 SENTINELS_REST = 10.0
 #: How far back, in seconds, a release answered before a switch of primary was
@@ -259,6 +263,9 @@ class Transport:
         self._asked_at = -math.inf
         #: When a switch of primary was last learnt (on the monotonic clock).
         self.switched_at = -math.inf
+        #: Whether the Sentinels, when last asked, were failing the primary over
+        #: (a replica being promoted: they name the new primary once it has taken over).
+        self.failing_over = False
         # The primary the Sentinels last named, found refusing writes (READONLY)
         # since: not connected to without asking them again.
         self._demoted: tuple[str, int] | None = None
@@ -545,12 +552,40 @@ class Transport:
             self._asked_at = max(self._asked_at, now)
         self._ask_quietly(now, PRIMARY_QUESTION)
 
-    def _ask_quietly(self, now: float, budget: float) -> None:
+    def learn_switch(self, first: Deadline, wait: Deadline) -> None:
+        """If requests wait for a switch of primary (see :meth:`resend_on_switch`),
+        ask the Sentinels which server is primary, by ``first``, however recently
+        they were asked: a process about to exit learns the switch that it would
+        have learnt within :data:`PRIMARY_RECHECK` had it gone on running, and
+        those requests go again (handed to the heartbeat, whose requests
+        :func:`flush` sends next). While the Sentinels answer that a failover of this primary is
+        under way (its replica promoted, not announced yet), they are asked again
+        every :data:`FAILOVER_POLL` until they name the new primary or ``wait``
+        passes, each time for :data:`PRIMARY_QUESTION` at most. Never raises a
+        :class:`~redis.RedisError`."""
+        if self.primary_check_at() is None:
+            return
+        deadline = first
+        while True:
+            now = time.monotonic()
+            budget = min(PRIMARY_QUESTION, deadline.at - now)
+            if budget <= 0:
+                return
+            switched = self.switched_at
+            if not self._ask_quietly(now, budget) or self.switched_at != switched:
+                return
+            if not self.failing_over or wait.remaining() <= FAILOVER_POLL:
+                return
+            time.sleep(FAILOVER_POLL)
+            deadline = wait
+
+    def _ask_quietly(self, now: float, budget: float) -> bool:
         """Ask the Sentinels which server is primary, for ``budget`` seconds at most
-        from ``now``; a failure is logged, and Sentinels that did not answer are
-        left alone for :data:`SENTINELS_REST`."""
+        from ``now``; whether they named one. A failure is logged, and Sentinels
+        that did not answer are left alone for :data:`SENTINELS_REST`."""
         try:
             self._ask_primary(Deadline(now + budget))
+            return True
         except RedisError as exc:
             if _sentinels_silent(exc):
                 self._unanswered_at = now
@@ -560,6 +595,7 @@ class Transport:
                 self.service,
                 exc,
             )
+            return False
 
     def close_idle(self) -> None:
         """Close the idle connections that owe no replies. One connection found
@@ -655,10 +691,12 @@ class Transport:
             redis.TimeoutError, redis.ConnectionError: see :func:`_discover_master`.
         """
         asked_at = time.monotonic()
-        address = _discover_master(self._sentinel, deadline)
+        failing_over: list[bool] = []
+        address = _discover_master(self._sentinel, deadline, failing_over)
         again: list[Callable[[], object]] = []
         with self._guard:
             self._asked_at = max(self._asked_at, asked_at)
+            self.failing_over = any(failing_over)
             self._demoted = None
             switched = self.primary is not None and self.primary != address
             self.primary = address
@@ -889,7 +927,9 @@ class Transport:
             raise raised
 
 
-def _discover_master(pool: Any, deadline: Deadline) -> tuple[str, int]:
+def _discover_master(
+    pool: Any, deadline: Deadline, failing_over: list[bool] | None = None
+) -> tuple[str, int]:
     """The address of the primary that the Sentinels of ``pool`` (a Sentinel
     connection pool) name, asked over connections of transports of their own, by
     ``deadline``.
@@ -898,6 +938,10 @@ def _discover_master(pool: Any, deadline: Deadline) -> tuple[str, int]:
     primary in good standing (``Sentinel.check_master_state``) goes to the front of
     the list. Each gets an even share of the time left, with one share kept for
     connecting to the primary: one that does not answer cannot take it all.
+
+    ``failing_over``, if given, is told whether the Sentinel that named the
+    primary is failing it over (``True`` appended): a replica is being promoted,
+    and is named once it has taken over.
 
     Raises:
         redis.TimeoutError: the deadline passed first.
@@ -934,6 +978,8 @@ def _discover_master(pool: Any, deadline: Deadline) -> tuple[str, int]:
         at = next((i for i, known in enumerate(manager.sentinels) if known is sentinel), 0)
         if at:
             manager.sentinels[0], manager.sentinels[at] = sentinel, manager.sentinels[0]
+        if failing_over is not None:
+            failing_over.append(state["failing_over"])
         forced = getattr(manager, "_force_master_ip", None)
         return (forced if forced is not None else state["ip"]), state["port"]
     if deadline.expired():
@@ -974,6 +1020,7 @@ def _sentinel_state(reply: list[Any]) -> dict[str, Any] | None:
             "is_master": "master" in flags,
             "is_sdown": "s_down" in flags,
             "is_odown": "o_down" in flags,
+            "failing_over": "failover_in_progress" in flags,
             "num-other-sentinels": int(fields["num-other-sentinels"]),
         }
     except (KeyError, TypeError, ValueError):
@@ -1875,10 +1922,40 @@ def flush(timeout: float | None = None, final: bool = False) -> None:
         # Even past a handler's SystemExit: what it left to send goes all the same.
         deadline = Deadline(min(start + timeout, time.monotonic() + share))
         try:
-            for send in list(_after_drain):
-                send(deadline, final)
+            try:
+                _learn_switches(deadline)
+            finally:
+                for send in list(_after_drain):
+                    send(deadline, final)
         finally:
             exiting = False
+
+
+def _learn_switches(deadline: Deadline) -> None:
+    """For :func:`flush`: ask the Sentinels of this process's Sentinel-managed
+    transports whose releases wait for a switch of primary which server is
+    primary, all within one :data:`PRIMARY_QUESTION` (and by ``deadline``); while
+    they answer that a failover is under way, again until they name the new
+    primary, for half the time left to ``deadline`` at most (see
+    :meth:`Transport.learn_switch`). A switch learnt so hands those releases to
+    the heartbeat, which the flush then sends to the new primary: a process that
+    exits right after releasing on a primary the Sentinels replace (one that
+    still takes writes, as after an operator's ``SENTINEL FAILOVER``) leaves no
+    lock held on the new one until its TTL."""
+    now = time.monotonic()
+    first = Deadline(min(deadline.at, now + PRIMARY_QUESTION))
+    wait = Deadline(min(deadline.at, now + max(PRIMARY_QUESTION, deadline.remaining() / 2)))
+    for transport in list(_every_transport):
+        if transport._pid != _process_id or not transport.follows_switches:
+            continue
+        try:
+            transport.learn_switch(first, wait)
+        except Exception:
+            # One server's failure keeps no other's requests from going.
+            logger.exception(
+                "celery_redislock: asking the Sentinels of %s before sending failed",
+                transport.describe(),
+            )
 
 
 def _flush_at_exit() -> None:
