@@ -1302,3 +1302,89 @@ def test_a_retry_whose_send_failed_is_not_counted_as_sent(
         task_postrun.disconnect(on_postrun, sender=job)
     assert seen["owner"] is None
     assert len(errors) == int(not propagates)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mode"),
+    [
+        ("until_executed", "fail"),
+        ("until_executing", "fail"),
+        ("until_executed", "run"),
+        ("until_executed", "taken over"),
+    ],
+)
+def test_an_until_task_that_cannot_reach_its_store_as_it_starts_frees_its_reservation(
+    redislock_server: RedisServer, redislock_client: redis.Redis, strategy: str, mode: str
+) -> None:
+    """An ``until_*`` call is sent (its reservation made); the lock store refuses
+    connections as the worker starts it, so its execution fails
+    (``lock_on_redis_error="fail"``) or runs unlocked (``"run"``), never taking the
+    reservation over. Once the store answers again, the reservation is freed in the
+    background: the same call sent again runs, rather than return this result for
+    ``lock_enqueue_ttl``; with ``"run"``, even while the unlocked body still runs.
+    Only that reservation, by its owner token: a hold another execution took
+    meanwhile (``"taken over"``: the lock freed and taken while the store was
+    away from the worker) stays."""
+    runs: list[int] = []
+    go_on = threading.Event()
+    with FaultProxy("127.0.0.1", redislock_server.port) as proxy:
+        app = make_app(redislock_server.url, f"away-at-start-{strategy}-{mode}")
+        app.conf.redislock_url = proxy.url
+
+        @app.task(
+            base=SingletonTask, shared=False, lock_strategy=strategy, lock_key="fixed",
+            lock_on_redis_error="run" if mode == "run" else "fail", lock_ttl=30,
+        )  # fmt: skip
+        def job(n: int) -> int:
+            runs.append(n)
+            if n == 1:
+                wait_for(go_on.is_set, what="the test to let the first call end")
+            return n
+
+        key = lock_keys(job.lock_name((1,), {})).lock
+        try:
+            first = job.delay(1)
+            assert field(redislock_client, key, OWNER_FIELD) == queued_owner(first.id)
+            proxy.refuse()
+            proxy.reset_all()
+            if mode != "run":
+                go_on.set()
+            with in_process_worker(app, concurrency=2):
+                if mode == "run":
+                    wait_for(lambda: runs == [1], what="the unlocked body to run")
+                else:
+                    first.get(timeout=30, propagate=False)
+                    assert first.failed()
+
+                def freeing() -> list[Any]:
+                    """The reservation's free, while it waits to be sent again."""
+                    lanes = get_heartbeat()._lanes.values()
+                    owner = queued_owner(first.id)
+                    return [p for lane in lanes for p in lane.pending if owner in p.call.args]
+
+                if mode == "taken over":
+                    assert freeing()
+                    redislock_client.delete(key)
+                    other = RedisLock(redislock_client, job.lock_name((1,), {}), ttl=30)
+                    assert other.acquire(blocking=False)
+                proxy.heal()
+                if mode == "taken over":
+                    wait_for(lambda: not freeing(), what="the free to land")
+                    assert other.owned()
+                    other.release()
+                wait_for(
+                    lambda: field(redislock_client, key, OWNER_FIELD) is None,
+                    timeout=10,
+                    what="the reservation to be freed",
+                )
+                again = job.delay(2)
+                assert again.id != first.id
+                assert again.get(timeout=15) == 2
+                go_on.set()
+                if mode == "run":
+                    assert first.get(timeout=15) == 1
+        finally:
+            go_on.set()
+            proxy.heal()
+            close_app(app)
+    assert runs == ([1, 2] if mode == "run" else [2])

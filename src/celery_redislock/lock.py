@@ -884,6 +884,14 @@ class RedisLock:
         """The RELEASE script call of this lock with these ARGV."""
         return Call(RELEASE_SCRIPT, (self.key, self.queue_key), args)
 
+    def _free_later(self, until: float, what: str) -> None:
+        """Free the lock in the background, if this owner still holds it, once
+        the store answers: sent until it lands or ``until``. For a hold this
+        object never took (a message's reservation), released by its owner token
+        alone, and never another owner's hold."""
+        args = (self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, "", "", "")
+        self._beat().retry_in_background(self, self._release_call(args), until, what, quiet=True)
+
     def _free_ttl_ms(self, now: float) -> int:
         """How long the key outlives a release sent ``now`` (the RELEASE script's
         ARGV[4]): 0 (its expiry stays the lock's own) while enough of the hold's

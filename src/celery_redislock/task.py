@@ -1524,6 +1524,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     release_lease(self.lock_client, key, task_id, opts.prefix)
                 except LockBackendError as exc:
                     self._unavailable(key, task_id, exc, opts)
+                    self._free_reservation_later(key, task_id, request, opts)
                     if opts.on_redis_error != "run":
                         raise
                     logger.warning("%s; %s[%s] runs all the same", exc, self.name, task_id)
@@ -1578,6 +1579,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             except LockBackendError as exc:
                 # Only a first try that failed runs the task unlocked, not a wait.
                 self._unavailable(key, task_id, exc, opts, unlocked=not waiting)
+                if not waiting:
+                    # (One that waits found the lock held by another: no reservation.)
+                    self._free_reservation_later(key, task_id, request, opts)
                 if waiting or opts.on_redis_error != "run":
                     raise
                 return self._run_unlocked(request, key, task_id, exc, opts, args, kwargs)
@@ -1661,6 +1665,40 @@ class SingletonTask(Task):  # type: ignore[misc]
         logger.warning("%s; running %s[%s] unlocked", error, self.name, task_id)
         request.redislock = LockHandle(key, None, opts)
         return self.run(*args, **kwargs)
+
+    def _free_reservation_later(
+        self, key: str, task_id: str, request: Any, opts: LockOptions
+    ) -> None:
+        """Free, in the background once the store answers again, the reservation
+        of the message of ``task_id`` (``until_*``), whose execution could not
+        reach the store as it began, and so never took the reservation over: it
+        failed (``lock_on_redis_error="fail"``) or runs unlocked (``"run"``).
+        Left alone, the reservation would outlive it by up to
+        ``lock_enqueue_ttl``, every send of the same call meanwhile returning
+        this execution's result instead of running. Only that message's
+        reservation goes, by its owner token: a hold another execution took
+        over (or this one's acquire did, should it land after all) stays. Never
+        raises: a reservation that cannot be freed expires by its TTL."""
+        if opts.strategy == WHILE_EXECUTING or request.is_eager:
+            return
+        try:
+            retries = request_retries(request)
+            owner = queued_owner(task_id, retries)
+            reservation = self._new_lock(
+                key, task_id, owner, opts.enqueue_ttl, heartbeat=False, opts=opts
+            )
+            reservation._free_later(
+                time.monotonic() + opts.enqueue_ttl,
+                f"freeing lock {key!r} reserved for {self.name}[{task_id}]",
+            )
+        except Exception as error:
+            logger.warning(
+                "could not free the lock %s reserved for %s[%s] (it expires by its TTL): %s",
+                key,
+                self.name,
+                task_id,
+                error,
+            )
 
     def _same_lock(self, signature: Any, name: str) -> bool:
         """Whether the call ``signature`` (a retry's) takes lock ``name``."""
