@@ -7,6 +7,7 @@ lacking a permission is told (and that nothing is written)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import re
@@ -36,7 +37,7 @@ from celery_redislock.deployments import (
     TLSServer,
     create_acl_user,
 )
-from celery_redislock.heartbeat import Heartbeat, get_heartbeat
+from celery_redislock.heartbeat import Heartbeat, get_heartbeat, send_pending_now
 from celery_redislock.lock import lock_keys, release_lease
 from celery_redislock.reservations import free_queued, queued_owner
 from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD
@@ -528,6 +529,90 @@ def test_cluster_locks_keep_working_after_a_primary_fails(
         # The one that moved lanes with its slot is off the heartbeat too.
         renewed = get_heartbeat().held()
         assert not [lock for lock in (held, fresh, other) if lock in renewed]
+    finally:
+        client.close()
+
+
+def _freed(admin: redis.Redis, key: str) -> bool:
+    """Whether no owner holds the lock at ``key`` on ``admin``'s server."""
+    return OWNER_FIELD not in fields(admin, key)
+
+
+@pytest.mark.slow
+def test_cluster_release_retried_in_the_background_follows_a_failover(
+    redislock_cluster_factory: Callable[..., ClusterDeployment],
+) -> None:
+    """Releases that find their primary dead (SIGKILLed) are retried in the
+    background: ``release(wait=False)`` (a task's path, whose outcome is then
+    ``"retrying"``) and ``release()`` (which raises). Once the replica is promoted they
+    follow the keys to it and free both locks there, long before their TTL (60 s)
+    runs out: they are not retried against the dead node until they give up. So
+    does one sent as the process exits (its flush), after the failover."""
+    cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
+    client = cluster.client()
+    try:
+        victim = cluster.primaries()[0]
+        names = [
+            name
+            for name in (f"cluster-dead-release:{i}" for i in range(300))
+            if cluster.primary_for_slot(client.keyslot(lock_keys(name)[0])) is victim  # type: ignore[no-untyped-call]
+        ][:2]
+        waited, unwaited = (RedisLock(client, name, ttl=60, call_timeout=0.5) for name in names)
+        for lock in (waited, unwaited):
+            assert lock.acquire(blocking=False)
+        direct = victim.client()
+        assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+        direct.close()
+
+        cluster.kill(victim)
+        # Written on the connection the acquire left open: its answer never comes.
+        outcomes: list[str] = []
+        unwaited.release(wait=False, then=outcomes.append)
+        wait_for(lambda: outcomes == ["retrying"], timeout=10, what="the release to be retried")
+        with pytest.raises(LockBackendError, match="retried in the background"):
+            waited.release()
+        heir = cluster.wait_for_failover(victim, timeout=30)
+
+        admin = heir.client()
+        try:
+            for lock in (waited, unwaited):
+                wait_for(
+                    functools.partial(_freed, admin, lock.key),
+                    timeout=30,
+                    what=f"{lock.name!r} freed on the promoted primary",
+                )
+                rival = RedisLock(client, lock.name, ttl=10)
+                _until_acquired(rival, timeout=10)
+                rival.release()
+        finally:
+            admin.close()
+
+        # Another shard's primary fails: a release retried in the background, left
+        # to the process's exit (no background try meanwhile), follows its key too.
+        second = next(node for node in cluster.primaries() if node is not heir)
+        name = next(
+            name
+            for name in (f"cluster-dead-exit:{i}" for i in range(300))
+            if cluster.primary_for_slot(client.keyslot(lock_keys(name)[0])) is second  # type: ignore[no-untyped-call]
+        )
+        at_exit = RedisLock(client, name, ttl=60, call_timeout=0.5)
+        assert at_exit.acquire(blocking=False)
+        direct = second.client()
+        assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+        direct.close()
+        cluster.kill(second)
+        with pytest.raises(LockBackendError, match="retried in the background"):
+            at_exit.release()
+        get_heartbeat().stop()
+        admin = cluster.wait_for_failover(second, timeout=30).client()
+        try:
+            assert not _freed(admin, at_exit.key)
+            # What the flush at exit sends (its reading of owed replies left out:
+            # what earlier tests left owed in this process is not this test's).
+            send_pending_now(Deadline.after(10), final=True)
+            assert _freed(admin, at_exit.key)
+        finally:
+            admin.close()
     finally:
         client.close()
 

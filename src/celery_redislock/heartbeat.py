@@ -49,6 +49,7 @@ from celery_redislock import transport as _transport
 from celery_redislock.scripts import EXTEND_SCRIPT, Call, Released, run_calls
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
+    TRANSIENT,
     WATCH_STEP,
     Deadline,
     MovableDeadline,
@@ -136,14 +137,28 @@ _Renewal = tuple[Renewable, _Entry | None, int]
 #: holds its key's slot: sent again, it follows the key.
 _REDIRECTS = (AskError, MovedError, TryAgainError)
 
+#: What a request retried in the background follows its key on, on a cluster
+#: (see :meth:`_Lane._send_pending`): a redirection, or its primary unreachable
+#: (a failed primary, whose replica takes its slots over: sent again, the
+#: request refreshes the slot map, and reaches the promoted replica once the
+#: cluster names it).
+_FOLLOWED = (*_REDIRECTS, *TRANSIENT)
 
-def _follow(redirect: Callable[[Call, Deadline], Any], call: Call, budget: float) -> Any:
+
+def _follow_by(budget: float) -> Deadline:
+    """The deadline of requests that follow their keys (see :func:`_follow`) in a
+    round with ``budget`` seconds left: they hold up the lane's other work no
+    longer than a retry's pause."""
+    return Deadline.after(min(budget, RENEW_RETRY))
+
+
+def _follow(redirect: Callable[[Call, Deadline], Any], call: Call, deadline: Deadline) -> Any:
     """``call`` sent by ``redirect`` to wherever its key lives now (a lock's
-    ``_run``, or its ``_sender()``), holding up the lane's other work no longer
-    than a retry's pause: its reply, or the error it met (whatever it is: the
-    request then goes through the usual retry and give-up bookkeeping)."""
+    ``_run``, or its ``_sender()``), by ``deadline`` (see :func:`_follow_by`): its
+    reply, or the error it met (whatever it is: the request then goes through the
+    usual retry and give-up bookkeeping)."""
     try:
-        return redirect(call, Deadline.after(min(budget, RENEW_RETRY)))
+        return redirect(call, deadline)
     except Exception as exc:
         return exc
 
@@ -178,7 +193,8 @@ class _Pending:
         #: primary should the Sentinels turn out to have replaced the one that
         #: answered (see Transport.resend_on_switch).
         self.on_switch = on_switch
-        #: Sends the call to wherever its key lives now (see _Lane._send_pending).
+        #: Sends the call to wherever its key lives now, on a cluster (see
+        #: _Lane._send_pending); ``None`` elsewhere.
         self.redirect = redirect
         self.until = until
         self.what = what
@@ -557,7 +573,7 @@ class _Lane:
             if isinstance(result, AskError) and redirect is not None:
                 # Its slot is moving, its key already on the new primary: the
                 # renewal follows it there (until the slot has moved).
-                results[at] = _follow(redirect, calls[at], budget)
+                results[at] = _follow(redirect, calls[at], _follow_by(budget))
         after = self.clock()
         renewed = failed = 0
         refused: list[Exception] = []
@@ -716,13 +732,19 @@ class _Lane:
         finally:
             if deadline is None:
                 self._end_round()
+        # One deadline for all the requests that follow their keys, in order: a
+        # failed primary with many releases waiting holds up its lane's renewals
+        # no longer than one. A flush's own: no renewal waits for it.
+        follow_by: Deadline | None = deadline
         for at, (item, result) in enumerate(zip(due, results, strict=True)):
             redirect = item.redirect
-            if isinstance(result, _REDIRECTS) and redirect is not None:
-                # A cluster slot moved, or is moving: this lane's server is no
-                # longer the key's, so the request follows the key on its own.
-                left = budget if deadline is None else deadline.remaining()
-                results[at] = _follow(redirect, item.call, left)
+            if isinstance(result, _FOLLOWED) and redirect is not None:
+                # A cluster slot moved, or is moving, or this lane's server failed
+                # (its replica may hold the slot now, or soon): the request
+                # follows the key on its own, wherever the cluster says it lives.
+                if follow_by is None:
+                    follow_by = _follow_by(budget)
+                results[at] = _follow(redirect, item.call, follow_by)
         after = self.clock()
         landed: list[tuple[_Pending, Any]] = []
         failed: list[tuple[_Pending, Exception]] = []
@@ -837,15 +859,19 @@ class Heartbeat:
         """Send ``call`` (a request about ``lock``, safe to send twice) until it
         lands or the heartbeat's clock reaches ``until``; ``what`` names it in the
         logs, where a release that found the lock not held is a warning unless
-        ``quiet``. With ``on_switch`` (a last hold's release), once it frees the
-        lock on a Sentinel-managed primary, it goes again to a new primary should
-        the process learn soon that the Sentinels had replaced that one (see
+        ``quiet``. On a cluster it follows the lock's key: to the primary its slot
+        moved to, or to the replica promoted after its primary failed (a try that
+        finds the primary unreachable is sent again at once to wherever the
+        cluster's refreshed slot map puts the key). With ``on_switch`` (a last
+        hold's release), once it frees the lock on a Sentinel-managed primary, it
+        goes again to a new primary should the process learn soon that the
+        Sentinels had replaced that one (see
         :meth:`~celery_redislock.transport.Transport.resend_on_switch`)."""
         self._stopping = False
-        # A lock that can send a request wherever its key lives (RedisLock._sender)
-        # has its background requests follow a moving cluster slot, without
-        # keeping the lock alive: a lock its user dropped is collected (and no
-        # longer renewed) at once, as the lane holds locks weakly.
+        # A lock that can send a request wherever its key lives (RedisLock._sender,
+        # on a cluster) has its background requests follow a moving cluster slot
+        # or a failover, without keeping the lock alive: a lock its user dropped
+        # is collected (and no longer renewed) at once, as the lane holds locks weakly.
         sender = getattr(lock, "_sender", None)
         redirect = sender() if sender is not None else None
         self._lane(lock.transport).add_pending(call, until, what, quiet, redirect, on_switch)

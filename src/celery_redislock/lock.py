@@ -1204,10 +1204,14 @@ class RedisLock:
         calls = [c for c, _ in before] if before else ()
         return send(self._router, self.key, call, deadline, then, calls)
 
-    def _sender(self) -> Callable[[Call, Deadline], Any]:
+    def _sender(self) -> Callable[[Call, Deadline], Any] | None:
         """What sends a call to wherever this lock's key lives now, holding no
         reference to the lock (for requests the heartbeat sends again in the
-        background, which must not keep a dropped lock alive)."""
+        background, which must not keep a dropped lock alive); ``None`` on a
+        single server, where the key has nowhere else to live (a Sentinel-managed
+        primary's switches are followed by its transport itself)."""
+        if self._router.single is not None:
+            return None
         # The client too: the router holds it weakly, and the lock may have been
         # its only other holder.
         router, key, client = self._router, self.key, self.client
