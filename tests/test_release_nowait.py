@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,9 @@ import pytest
 import redis
 
 from celery_redislock import LockNotOwnedError, RedisLock, SingletonTask
+from celery_redislock import transport as transport_module
 from celery_redislock.heartbeat import get_heartbeat
+from celery_redislock.scripts import RELEASE_SCRIPT
 from celery_redislock.server import RedisServer
 from celery_redislock.testing import run_worker
 from celery_redislock.transport import Deadline, transport_for
@@ -406,4 +409,62 @@ def test_an_inner_release_refused_unrun_goes_ahead_of_the_outer_one(
 
     assert not lock.holding
     assert not RedisLock(client, "inner-refused", ttl=30).locked()
+    client.close()
+
+
+@pytest.mark.parametrize("rdhup", [True, False], ids=["rdhup", "peek"])
+def test_a_release_on_a_connection_the_server_closed_goes_on_a_new_one(
+    redislock_server: RedisServer, monkeypatch: pytest.MonkeyPatch, rdhup: bool
+) -> None:
+    """The server closes the idle connection while the lock is held (``CLIENT KILL``,
+    a restart, its idle ``timeout``): a release without waiting is not written down
+    the closed connection, to fail only when its answer is read, but on a new one.
+    Its first answer frees the key; no resend is needed. Without ``rdhup``, as on
+    a system whose ``poll(2)`` does not report the server's end shut (not Linux):
+    the close is seen by a peek."""
+    if not rdhup:
+        monkeypatch.setattr(transport_module, "_PEER_SHUT", 0)
+        monkeypatch.setattr(transport_module, "_WATCHED", select.POLLIN)
+        monkeypatch.setattr(transport_module, "_HUNG_UP", select.POLLHUP | select.POLLERR)
+    client = redislock_server.client()
+    transport = transport_for(client)
+    lock = RedisLock(client, f"closed-under-release-{rdhup}", ttl=30)
+    assert lock.acquire(blocking=False)
+    before = list(transport._idle)
+    killer = redislock_server.client()
+    assert killer.client_kill_filter(_type="normal", skipme=True) >= 1
+    outcomes: list[str] = []
+    lock.release(wait=False, then=outcomes.append)
+    assert transport.owes_replies()
+    assert not any(link in before for link in transport._owed)
+    transport.drain(Deadline.after(5))
+    assert outcomes == ["released"]
+    assert not held(killer, lock.key)
+    killer.close()
+    client.close()
+
+
+def test_a_release_after_a_restart_goes_by_text_on_a_new_connection(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> None:
+    """The server restarts while the lock is held: it closed the idle connection and
+    lost its scripts. A release without waiting goes on a new connection, by text
+    (not by digest, to be refused ``NOSCRIPT`` and sent again only once that answer
+    is read): its first answer is the release's own. (Persistence is off: the key
+    went with the restart, so the answer says the lock was lost.)"""
+    server = redislock_server_factory()
+    client = server.client()
+    transport = transport_for(client)
+    lock = RedisLock(client, "restarted-under-release", ttl=30)
+    assert lock.acquire(blocking=False)
+    lock.release(wait=False)
+    transport.drain(Deadline.after(5))
+    assert RELEASE_SCRIPT.sha in transport.scripts
+    assert lock.acquire(blocking=False)
+    server.restart()
+    outcomes: list[str] = []
+    lock.release(wait=False, then=outcomes.append)
+    transport.drain(Deadline.after(5))
+    assert outcomes == ["lost"]
+    assert RELEASE_SCRIPT.sha in transport.scripts
     client.close()

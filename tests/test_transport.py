@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import select
 import socket
 import ssl
 import threading
@@ -39,7 +40,7 @@ from celery_redislock.transport import (
     transport_for,
 )
 from tests.proxy import FaultProxy
-from tests.support import in_forked_child, wait_until
+from tests.support import held, in_forked_child, wait_until
 
 
 def test_every_reply_shape(redislock_client: redis.Redis) -> None:
@@ -839,3 +840,70 @@ def test_the_releases_sent_again_after_a_switch_all_go_past_an_interruption() ->
     with pytest.raises(Interrupted):
         transport_module._call_each([interrupted, failing, lambda: called.append(3)])
     assert called == [1, 2, 3]
+
+
+def _kill_connection(killer: redis.Redis, link: Any) -> None:
+    """Have the server close ``link``'s connection (``CLIENT KILL ADDR``), as a
+    restart or its idle ``timeout`` would; the close has reached this process's
+    kernel when this returns (the server closes it before it answers)."""
+    host, port = link.conn._sock.getsockname()[:2]
+    assert killer.client_kill(f"{host}:{port}")
+
+
+@pytest.mark.skipif(not hasattr(select, "POLLRDHUP"), reason="Linux only: POLLRDHUP")
+def test_a_deferred_request_goes_on_a_new_connection_once_the_server_closed_the_idle_one(
+    redislock_server: RedisServer,
+) -> None:
+    """A request whose reply is read later is not written down an idle connection
+    the server has closed (it would fail only when that reply is read): it goes on
+    a new one. The replies the closed connection owed that came in before the
+    close are handed over as they are, and the other idle connections, closed
+    by the same cause, are dropped with it."""
+    client = redislock_server.client()
+    transport = transport_for(client)
+    deadline = Deadline.after(5)
+    key = uuid.uuid4().hex
+    spare = transport.write([("PING",)], deadline)
+    counted: list[Any] = []
+    transport.send_deferred([("INCR", key)], deadline, counted.append)
+    assert transport.finish(spare, 1, deadline) == [b"PONG"]
+    killer = redislock_server.client()
+    assert wait_until(lambda: killer.get(key) == b"1")
+    (owing,) = transport._owed
+    _kill_connection(killer, owing)
+    assert killer.client_kill_filter(_type="normal", skipme=True) >= 1  # the spare too
+    answered: list[Any] = []
+    transport.send_deferred([("PING",)], deadline, answered.append)
+    assert counted == [[1]]
+    (fresh,) = transport._owed
+    assert fresh is not owing
+    assert fresh is not spare
+    assert transport._idle == [fresh]
+    transport.drain(deadline)
+    assert answered == [[b"PONG"]]
+    killer.close()
+    client.close()
+
+
+@pytest.mark.skipif(not hasattr(select, "POLLRDHUP"), reason="Linux only: POLLRDHUP")
+def test_a_release_without_waiting_over_tls_goes_on_a_new_connection_once_the_server_closed_it(
+    redislock_tls_server: TLSServer,
+) -> None:
+    """Over TLS too (on Linux: elsewhere the server's ``close_notify``, ahead of its
+    close, hides it), a release without waiting is not written down the connection
+    the server closed while the lock was held: its first answer frees the key."""
+    lock = RedisLock(redislock_tls_server.url, uuid.uuid4().hex, ttl=30)
+    transport = lock.transport
+    assert lock.acquire(blocking=False)
+    (idle,) = transport._idle
+    assert type(idle.conn._sock) is ssl.SSLSocket
+    killer = redislock_tls_server.client()
+    _kill_connection(killer, idle)
+    outcomes: list[str] = []
+    lock.release(wait=False, then=outcomes.append)
+    (fresh,) = transport._owed
+    assert fresh is not idle
+    transport.drain(Deadline.after(5))
+    assert outcomes == ["released"]
+    assert not held(killer, lock.key)
+    killer.close()

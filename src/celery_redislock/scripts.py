@@ -112,6 +112,7 @@ from redis.exceptions import AskError, MovedError, NoScriptError, RedisError, Tr
 from celery_redislock.ids import REQUEST_ID_DIGITS
 from celery_redislock.transport import (
     ATTEMPTS,
+    SCRIPT_TEXTS,
     Deadline,
     Router,
     Transport,
@@ -1035,6 +1036,7 @@ class Script:
         self.name = name
         self.text = text
         self.sha = hashlib.sha1(text.encode()).hexdigest()
+        SCRIPT_TEXTS[self.sha] = text
 
     def __repr__(self) -> str:
         return f"<Script {self.name}>"

@@ -33,6 +33,7 @@ import importlib.util
 import logging
 import math
 import os
+import select
 import socket
 import threading
 import time
@@ -148,11 +149,26 @@ SWITCH_RESEND = 10.0
 #: socket's own methods.
 _PLAIN_SOCKET: type[socket.socket] | None = socket.socket if os.name == "posix" else None
 
+#: How :meth:`_Link.shut` asks whether the server closed an idle connection:
+#: ``poll(2)`` without waiting (``None`` where there is none, on Windows: the
+#: check is then skipped). The events it watches: data or a close come in, and
+#: (Linux) the server's end shut; those that say the server closed it.
+_POLL: Callable[[], Any] | None = getattr(select, "poll", None)
+_PEER_SHUT: int = getattr(select, "POLLRDHUP", 0)
+_WATCHED: int = getattr(select, "POLLIN", 0) | _PEER_SHUT
+_HUNG_UP: int = getattr(select, "POLLHUP", 0) | getattr(select, "POLLERR", 0) | _PEER_SHUT
+
 #: What to do with the replies of requests sent with :meth:`Transport.send_deferred`:
 #: called once with the replies (error replies as exceptions among them), or with
 #: the error that kept them from being read. It runs in whichever thread reads
 #: them, so it must be quick and must not raise.
 ReplyHandler = Callable[[list[Any] | RedisError], None]
+
+#: The text of each of the engine's scripts by digest (filled in by
+#: :class:`celery_redislock.scripts.Script`): a deferred request sent by digest
+#: goes by text once the server may have lost its scripts (see
+#: :meth:`Transport._closed_by_server`).
+SCRIPT_TEXTS: dict[str, str] = {}
 
 logger = logging.getLogger(__name__)
 
@@ -791,12 +807,23 @@ class Transport:
         """Write ``commands`` whole on a connection (its owed replies left unread)
         and return it. A connection that could not be opened, or a write refused
         before its first byte, did not run the request (see :func:`may_have_run`);
-        a write cut short may have run the commands it sent whole."""
+        a write cut short may have run the commands it sent whole.
+
+        The idle connection taken is first checked, without a round trip, for a
+        close by the server (see :meth:`_Link.shut`). A request written down one
+        it closed would fail only when its reply is read, later: for a release,
+        a moment in which the lock stays held after the caller moved on (a task
+        whose result is stored). :meth:`write` needs no check: its caller reads
+        the reply at once, and sends the request again on a new connection.
+        """
         try:
-            link = self._checkout(deadline, settle=False)
+            link = self._checkout(deadline, settle=False, probe=True)
         except RedisError as exc:
             ended(exc, ran=False)
             raise
+        if not self.scripts:
+            # The server may have lost its scripts (see _closed_by_server()).
+            commands, packed = _by_text(commands, packed)
         try:
             link.send(pack(commands) if packed is None else packed, deadline, self)
         except BaseException:
@@ -804,14 +831,20 @@ class Transport:
             raise
         return link
 
-    def _checkout(self, deadline: Deadline, settle: bool = True) -> _Link:
+    def _checkout(self, deadline: Deadline, settle: bool = True, probe: bool = False) -> _Link:
         """An idle connection (or a new one); with ``settle``, the replies it owes
-        are read first (and a connection found broken is replaced)."""
+        are read first (and a connection found broken is replaced). With ``probe``,
+        an idle connection the server has closed is not taken (see
+        :meth:`_closed_by_server`)."""
         with self._guard:
             if self._pid != _process_id:
                 # A forked child never talks over its parent's sockets.
                 self._idle, self._owed, self._pid = [], {}, _process_id
             link = self._idle.pop() if self._idle else None
+        while probe and link is not None and link.shut():
+            self._closed_by_server(link, deadline)
+            with self._guard:
+                link = self._idle.pop() if self._idle and self._pid == _process_id else None
         if link is not None and self._sentinel is not None:
             try:
                 fresh = self._still_primary(link, deadline)
@@ -840,6 +873,28 @@ class Transport:
             if self._sentinel is not None:
                 link.address = (conn.host, conn.port)
         return link
+
+    def _closed_by_server(self, link: _Link, deadline: Deadline) -> None:
+        """Close ``link``, an idle connection the server has closed, and the other
+        idle ones that owe no replies: a restart, ``CLIENT KILL`` or the server's
+        idle ``timeout`` closes them all (see :meth:`close_idle`). The replies it
+        owes that came in before the close are handed over first; the others fail
+        (a release is then sent again in the background).
+
+        A restart closes them too, and the server has lost its scripts: the
+        digests known are forgotten, so that the request about to be written, and
+        the next ones, go by text until answered (a release refused ``NOSCRIPT``
+        would be sent again only once that answer is read). They are forgotten
+        after the replies owed are handed over: an answer of the server before
+        its restart says nothing of the one after it."""
+        try:
+            self._settle(link, deadline)
+        finally:
+            self.scripts.clear()
+            try:
+                link.close()
+            finally:
+                self.close_idle()
 
     def _checkin(self, link: _Link, healthy: bool) -> None:
         if not healthy:
@@ -1108,6 +1163,22 @@ class _Incomplete(Exception):
     """The bytes read so far end inside a reply."""
 
 
+def _by_text(
+    commands: Sequence[Sequence[Any]], packed: bytes | None
+) -> tuple[Sequence[Sequence[Any]], bytes | None]:
+    """``commands`` with those sent by digest (``EVALSHA``) of a script whose text
+    is known (:data:`SCRIPT_TEXTS`) sent by text, and their encoding (``packed``,
+    or ``None`` once changed)."""
+    if not any(command[0] == "EVALSHA" and command[1] in SCRIPT_TEXTS for command in commands):
+        return commands, packed
+    return [
+        ("EVAL", SCRIPT_TEXTS[command[1]], *command[2:])
+        if command[0] == "EVALSHA" and command[1] in SCRIPT_TEXTS
+        else command
+        for command in commands
+    ], None
+
+
 class _Link:
     """One connection of a transport, with the bytes read from it but not yet parsed.
 
@@ -1117,7 +1188,7 @@ class _Link:
     shapes the engine's commands have, several times cheaper than the general one.
     """
 
-    __slots__ = ("address", "conn", "timeout", "unread", "used")
+    __slots__ = ("address", "conn", "poller", "timeout", "unread", "used")
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
@@ -1128,6 +1199,8 @@ class _Link:
         #: last answer was read (on the monotonic clock).
         self.address: tuple[str, int] | None = None
         self.used = time.monotonic()
+        #: The poll object of :meth:`shut`, made at its first call.
+        self.poller: Any = None
 
     def bound(self, deadline: Deadline, transport: Transport, step: bool = False) -> None:
         """Let the next socket operation block until ``deadline`` at most (with
@@ -1239,6 +1312,40 @@ class _Link:
         except (OSError, AttributeError) as exc:
             raise self._failed(exc, "reading from", transport) from None
 
+    def shut(self) -> bool:
+        """Whether the server has closed this idle connection: its close (or a
+        reset) has come in. Asked without waiting or a round trip, with one
+        ``poll(2)``, before a request whose reply is read later is written on it.
+
+        Replies owed on it that came in are no sign of a close. On Linux the
+        close is seen even behind them (the server's end shut, ``POLLRDHUP``).
+        Elsewhere, when data came in, the first byte is peeked at (nothing: the
+        server closed it), so a close behind unread replies is not seen there,
+        nor on TLS, where the server's ``close_notify`` comes before its close.
+        Where there is no ``poll(2)`` (Windows), nothing is checked.
+        """
+        sock = self.conn._sock
+        if sock is None:
+            return True
+        poller = self.poller
+        if poller is None:
+            if _POLL is None:
+                return False
+            poller = self.poller = _POLL()
+            poller.register(sock, _WATCHED)
+        events = poller.poll(0)
+        if not events:
+            return False
+        if events[0][1] & _HUNG_UP:
+            return True
+        if _PEER_SHUT or type(sock) is not _PLAIN_SOCKET:
+            return False
+        try:
+            # It does not wait: the poll found something to read.
+            return not sock.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return True
+
     def _failed(self, exc: BaseException, doing: str, transport: Transport) -> RedisError:
         """Close the connection after ``exc``, raised while ``doing`` it (``"writing
         to"``, ``"reading from"``), and return the error that says so."""
@@ -1253,6 +1360,7 @@ class _Link:
     def close(self) -> None:
         self.unread = b""
         self.timeout = -1.0
+        self.poller = None
         self.conn.disconnect()
 
     def read(
