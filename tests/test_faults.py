@@ -92,6 +92,17 @@ def hold_count(client: redis.Redis, lock: RedisLock) -> int:
     return stored_hold_count(client, lock.key)
 
 
+def ends_its_two_holds_alone(client: redis.Redis, lock: RedisLock) -> None:
+    """``lock``, held twice on both sides, keeps out a rival through its inner
+    release, and is free after its outer one."""
+    assert hold_count(client, lock) == 2
+    lock.release()
+    rival = RedisLock(client, lock.name, ttl=30)
+    assert not rival.acquire(blocking=False)
+    lock.release()
+    assert not held(client, lock.key)
+
+
 # Every call is bounded.
 
 
@@ -2062,12 +2073,7 @@ def test_an_inner_release_sent_again_with_no_known_last_change_drops_no_second_h
     assert hold_count(direct, lock) == 2
     held_back.let_go()
     wait_for(lambda: not sent_in_background(lock, held_back), what="the late resends to land")
-    assert hold_count(direct, lock) == 2
-    lock.release()
-    rival = RedisLock(direct, "inner-unknown", ttl=30)
-    assert not rival.acquire(blocking=False)
-    lock.release()
-    assert not held(direct, lock.key)
+    ends_its_two_holds_alone(direct, lock)
 
 
 def test_an_inner_release_whose_answer_the_heartbeat_reads_goes_ahead_of_the_outer_one(
@@ -2158,12 +2164,7 @@ def test_an_inner_release_that_reaches_the_server_after_its_copy_drops_no_second
     proxy.let_held_through()
     wait_for(lambda: script_runs(direct) > ran, what="the first send to reach the server")
 
-    assert hold_count(direct, lock) == 2
-    lock.release()
-    rival = RedisLock(direct, "late-first-send", ttl=60)
-    assert not rival.acquire(blocking=False)
-    lock.release()
-    assert not held(direct, lock.key)
+    ends_its_two_holds_alone(direct, lock)
 
 
 def test_an_owed_answer_the_heartbeat_reads_is_waited_for_once(
