@@ -2129,6 +2129,21 @@ def test_an_inner_release_whose_answer_the_heartbeat_reads_in_time_is_not_sent_t
     assert sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("eval", "evalsha")) == 2
 
 
+def an_inner_release_held_up(proxy: FaultProxy, lock: RedisLock) -> list[str]:
+    """Take ``lock`` twice (through ``proxy``, the server knowing its scripts), and
+    release the inner hold without waiting, that request held up at the proxy until
+    let through: where the release's outcome lands."""
+    assert lock.acquire(blocking=False)
+    lock.release()  # the server now has both scripts
+    assert lock.acquire(blocking=False)
+    assert lock.acquire(blocking=False)
+    proxy.hold_next()
+    outcomes: list[str] = []
+    lock.release(wait=False, then=outcomes.append)
+    wait_for(lambda: proxy.held == 1, what="the inner release to be held up")
+    return outcomes
+
+
 def script_runs(client: redis.Redis) -> int:
     """How many scripts the server has run so far (by digest or by text)."""
     stats = client.info("commandstats")
@@ -2145,14 +2160,7 @@ def test_an_inner_release_that_reaches_the_server_after_its_copy_drops_no_second
     arrives, it is recognised as the copy's, and drops no second hold. The lock
     stays held until the holder's last release, and nobody else takes it meanwhile."""
     lock = RedisLock(proxy.url, "late-first-send", ttl=60, call_timeout=0.2, _heartbeat=held_back)
-    assert lock.acquire(blocking=False)
-    lock.release()  # the server now has both scripts
-    assert lock.acquire(blocking=False)
-    assert lock.acquire(blocking=False)
-    proxy.hold_next()
-    outcomes: list[str] = []
-    lock.release(wait=False, then=outcomes.append)
-    wait_for(lambda: proxy.held == 1, what="the inner release to be held up")
+    outcomes = an_inner_release_held_up(proxy, lock)
     for _ in range(DROPS_REMEMBERED + 1):
         with lock:
             pass
@@ -2176,14 +2184,7 @@ def test_an_owed_answer_the_heartbeat_reads_is_waited_for_once(
     after it neither wait for that answer again nor send another copy. When the first
     send arrives, it drops no second hold."""
     lock = RedisLock(proxy.url, "owed-once", ttl=60, call_timeout=30, _heartbeat=held_back)
-    assert lock.acquire(blocking=False)
-    lock.release()  # the server now has both scripts
-    assert lock.acquire(blocking=False)
-    assert lock.acquire(blocking=False)
-    proxy.hold_next()
-    outcomes: list[str] = []
-    lock.release(wait=False, then=outcomes.append)  # its answer is read for 30 s
-    wait_for(lambda: proxy.held == 1, what="the inner release to be held up")
+    outcomes = an_inner_release_held_up(proxy, lock)  # its answer is read for 30 s
     wait_for(lambda: not lock.transport._idle, what="the heartbeat's thread to read its answer")
     lock.call_timeout = 0.4  # the requests from now on
     direct.config_resetstat()
