@@ -892,7 +892,9 @@ def test_a_release_without_waiting_over_tls_goes_on_a_new_connection_once_the_se
     """Over TLS too (on Linux: elsewhere the server's ``close_notify``, ahead of its
     close, hides it), a release without waiting is not written down the connection
     the server closed while the lock was held: its first answer frees the key."""
-    lock = RedisLock(redislock_tls_server.url, uuid.uuid4().hex, ttl=30)
+    # A client of its own: the URL's shared one may keep other tests' connections.
+    client = redislock_tls_server.client()
+    lock = RedisLock(client, uuid.uuid4().hex, ttl=30)
     transport = lock.transport
     assert lock.acquire(blocking=False)
     (idle,) = transport._idle
@@ -907,3 +909,4 @@ def test_a_release_without_waiting_over_tls_goes_on_a_new_connection_once_the_se
     assert outcomes == ["released"]
     assert not held(killer, lock.key)
     killer.close()
+    client.close()
