@@ -47,6 +47,9 @@ from tests.support import (
 
 TIMEOUT = 20
 
+# Some tasks here use Celery's own request class on purpose, which warns.
+pytestmark = pytest.mark.filterwarnings("ignore::celery_redislock.task.RequestClassWarning")
+
 
 @pytest.fixture
 def locks(redislock_server: RedisServer) -> Iterator[redis.Redis]:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, Task
+from celery.worker.request import Request as CeleryRequest
 
 from celery_redislock import (
     LockBackendError,
@@ -20,9 +21,15 @@ from celery_redislock import (
     NoLockError,
     RedisLock,
     SingletonTask,
+    early,
 )
 from celery_redislock.server import RedisServer, free_port
-from celery_redislock.task import KNOWN_SETTINGS, OPTIONS, UnknownSettingWarning
+from celery_redislock.task import (
+    KNOWN_SETTINGS,
+    OPTIONS,
+    RequestClassWarning,
+    UnknownSettingWarning,
+)
 from celery_redislock.testing import hold_lock
 from tests.proxy import FaultProxy
 from tests.support import close_app, make_app, wait_for
@@ -361,3 +368,50 @@ def test_a_waiting_task_whose_store_goes_away_fails_rather_than_run_unlocked(
         holder.release()
         client.close()
         close_app(app)
+
+
+class _OwnRequest(early.Request):
+    """A worker request class of a user's own, derived as the docs ask."""
+
+
+@pytest.mark.parametrize(
+    "request_class",
+    [
+        pytest.param("celery.worker.request:Request", id="path"),
+        pytest.param(CeleryRequest, id="class"),
+    ],
+)
+def test_a_request_class_not_from_early_warns_at_definition(
+    app: Celery, request_class: Any
+) -> None:
+    """A task whose ``Request`` is not derived from ``celery_redislock.early.Request``
+    warns as it is defined, naming the task and what it loses."""
+    app.finalize()
+    with pytest.warns(RequestClassWarning, match=r"'face\.plain_request'.*to its TTL"):
+
+        @app.task(
+            base=SingletonTask, shared=False, name="face.plain_request", Request=request_class
+        )
+        def plain_request() -> None: ...
+
+
+@pytest.mark.parametrize(
+    "request_class",
+    [
+        pytest.param("celery_redislock.early:Request", id="default-path"),
+        pytest.param("celery_redislock.early.Request", id="dotted-path"),
+        pytest.param(early.Request, id="class"),
+        pytest.param(_OwnRequest, id="derived"),
+        pytest.param(f"{__name__}:_OwnRequest", id="derived-path"),
+        pytest.param("no_such_module:Request", id="unimportable"),
+    ],
+)
+def test_a_request_class_from_early_does_not_warn(app: Celery, request_class: Any) -> None:
+    """The default request class, one derived from it, and a path that cannot be
+    imported here (the worker reports that) define the task without a warning."""
+    app.finalize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        @app.task(base=SingletonTask, shared=False, name="face.own_request", Request=request_class)
+        def own_request() -> None: ...

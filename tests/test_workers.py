@@ -222,6 +222,27 @@ def test_a_dead_pool_childs_lock_is_freed_by_the_worker(
         result.get(timeout=30)
 
 
+def test_a_dead_pool_childs_lock_waits_for_its_ttl_with_a_request_class_not_from_early(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """What :class:`~celery_redislock.task.RequestClassWarning` warns of: with a
+    worker request class not derived from ``celery_redislock.early.Request``, the
+    hold of a prefork child killed while it runs the task is left to its TTL."""
+    mod, client, launch = env
+    launch("plainreq", concurrency=1)
+    result = mod.late_plain_request.delay("oom", 60)
+    wait_for(lambda: records(client, "late_plain_request"), what="the task to start")
+    [started] = records(client, "late_plain_request")
+    key = f"redislock:{{{mod.late_plain_request.lock_name(('oom', 60), {})}}}"
+    os.kill(started["pid"], signal.SIGKILL)
+    with pytest.raises(WorkerLostError):
+        result.get(timeout=30)
+    # The worker has recorded the failure: the early request class would have
+    # freed the hold before that.
+    assert held(client, key)
+    assert client.pttl(key) > 0
+
+
 def test_a_task_sent_again_after_its_pool_process_died_runs(
     env: tuple[Any, redis.Redis, Callable[..., Worker]],
 ) -> None:

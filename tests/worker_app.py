@@ -10,12 +10,14 @@ import json
 import os
 import signal
 import time
+import warnings
 from typing import Any
 
 import redis
 from celery.exceptions import Reject
 
 from celery_redislock import SingletonTask, signals
+from celery_redislock.task import RequestClassWarning
 from tests.support import make_app
 
 URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6379/0")
@@ -100,6 +102,25 @@ def late(self: Any, name: str, seconds: float) -> str:
         time.sleep(seconds)
     log("late_done", name=name, id=self.request.id, run=run)
     return name
+
+
+with warnings.catch_warnings():
+    # What it warns of is what the tests show.
+    warnings.simplefilter("ignore", RequestClassWarning)
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_ttl=12, acks_late=True,
+        Request="celery.worker.request:Request",
+    )  # fmt: skip
+    def late_plain_request(self: Any, name: str, seconds: float) -> str:
+        """:func:`late` with Celery's own worker request class, not derived from
+        ``celery_redislock.early.Request``."""
+        log("late_plain_request", name=name, id=self.request.id, pid=os.getpid())
+        time.sleep(seconds)
+        return name
+
+    # Made now (the app makes its tasks when first used), inside the filter.
+    late_plain_request.__evaluate__()
 
 
 @app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=2, acks_late=True)

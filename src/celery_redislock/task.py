@@ -96,6 +96,7 @@ from celery.result import AsyncResult
 from celery.states import SUCCESS
 from celery.utils import uuid
 from celery.utils.dispatch import Signal
+from celery.utils.imports import symbol_by_name
 from kombu import serialization
 
 from celery_redislock import signals
@@ -324,6 +325,54 @@ KNOWN_SETTINGS: frozenset[str] = frozenset(
 
 class UnknownSettingWarning(UserWarning):
     """An ``app.conf`` setting is named like a celery_redislock one, but is none (a typo)."""
+
+
+class RequestClassWarning(UserWarning):
+    """A :class:`SingletonTask`'s ``Request`` is not derived from
+    :class:`celery_redislock.early.Request`: its worker loses what that class does."""
+
+
+#: Where :class:`SingletonTask`'s worker request class lives (``Request``).
+_EARLY_REQUEST = "celery_redislock.early:Request"
+
+
+def _derives_from_early(request_class: Any) -> bool:
+    """Whether ``request_class`` (a class, or its ``module:name`` path) is
+    :class:`celery_redislock.early.Request` or derives from it; ``True`` when it
+    cannot be told (a path that does not import: the worker will say so).
+    Compared by name, so that a producer need not import the worker's modules."""
+    if isinstance(request_class, str):
+        if request_class.replace(":", ".") == _EARLY_REQUEST.replace(":", "."):
+            return True
+        try:
+            request_class = symbol_by_name(request_class)
+        except Exception:
+            return True
+    return not isinstance(request_class, type) or any(
+        f"{kind.__module__}:{kind.__qualname__}" == _EARLY_REQUEST for kind in request_class.__mro__
+    )
+
+
+def check_request_class(task: Any) -> bool:
+    """Warn (:class:`RequestClassWarning`) when ``task``'s ``Request`` is not
+    derived from :class:`celery_redislock.early.Request`; return whether it is.
+
+    Nothing fails without it, so it would go unnoticed: the worker no longer
+    frees the lock of a pool process killed while running the task (it waits
+    for its TTL), nor writes the acquire as it accepts the task."""
+    request_class = getattr(task, "Request", _EARLY_REQUEST)
+    if _derives_from_early(request_class):
+        return True
+    shown = request_class if isinstance(request_class, str) else request_class.__qualname__
+    warnings.warn(
+        f"task {task.name!r}: its Request ({shown}) is not derived from "
+        "celery_redislock.early.Request, so the lock of a pool process killed while "
+        "running it (out of memory, time limit, revoke(terminate=True)) is left to "
+        "its TTL; derive the request class from celery_redislock.early.Request",
+        RequestClassWarning,
+        stacklevel=2,
+    )
+    return False
 
 
 # Apps whose settings were checked already: each warns once.
@@ -851,8 +900,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     #: The worker's request class for these tasks: it writes the acquire as the
     #: worker accepts the task, on pools that run it in the accepting thread
     #: (:mod:`celery_redislock.early`). A request class of your own should
-    #: derive from it.
-    Request = "celery_redislock.early:Request"
+    #: derive from it (:class:`RequestClassWarning` otherwise).
+    Request = _EARLY_REQUEST
 
     # Per task (set on the task instance, never on a class).
     _lock_options: LockOptions | None = None
@@ -889,6 +938,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         tasks = [task for task in list(app._tasks.values()) if type(task) is cls]
         for task in tasks:
             task._configure(app)
+            check_request_class(task)
         if tasks:
             check_settings(app)
             from celery_redislock.revoke import RevokedLockRelease
