@@ -431,6 +431,19 @@ def test_surrogate_pairs_key_like_the_code_point_json_delivers() -> None:
     assert len({canonical(s) for s in [*lone, split]}) == len(lone) + 1
 
 
+def test_a_mapping_keyed_by_an_int_past_the_digit_limit_fails_clearly() -> None:
+    """A JSON message carries an int mapping key as its digits, which Python
+    refuses to write past its digit limit (as Celery's send does): the derivation
+    raises ``KeyDerivationError`` saying so, not a bare ``ValueError``."""
+    limit = sys.get_int_max_str_digits()
+    try:
+        sys.set_int_max_str_digits(640)
+        with pytest.raises(KeyDerivationError, match=r"int of 2326 bits .* lock_key="):
+            canonical({10**700: "v"})
+    finally:
+        sys.set_int_max_str_digits(limit)
+
+
 def test_huge_ints_have_a_key_whatever_the_digit_limit() -> None:
     """Ints beyond Python's int-to-str digit limit still key, identically under any limit."""
     huge = 10**5000
@@ -1163,6 +1176,19 @@ def test_mapping_keys_are_taken_as_json_sends_them() -> None:
     assert canonical({1: "a"}) == canonical({"1": "a"})
     assert canonical({1: "a"}) != canonical({1.0: "a"})
     assert canonical({"1": "a"}) != canonical({"1": 1})
+
+
+def test_a_pickle_task_names_calls_by_the_json_rules_too(app: Celery) -> None:
+    """Pickle delivers ``{1: "v"}`` and ``{"1": "v"}``, or a tuple and a list,
+    apart, but their lock names follow the JSON rules whatever the serializer:
+    such calls are one call (what the docs tell users to keep in mind)."""
+
+    @app.task(base=SingletonTask, shared=False, name="keys.lookup", serializer="pickle")
+    def lookup(table: Any, item: Any) -> None: ...
+
+    assert lookup.lock_name(({1: "v"}, "1"), {}) == lookup.lock_name(({"1": "v"}, "1"), {})
+    assert lookup.lock_name(({True: "v"}, "x"), {}) == lookup.lock_name(({"true": "v"}, "x"), {})
+    assert lookup.lock_name(((1, 2), "x"), {}) == lookup.lock_name(([1, 2], "x"), {})
 
 
 def test_mapping_keys_that_json_would_merge_are_refused() -> None:

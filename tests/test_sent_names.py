@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import uuid
 from collections.abc import Iterator
+from decimal import Decimal
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,6 +23,7 @@ from celery_redislock import KeyDerivationError, SingletonTask
 from celery_redislock.reservations import queued_owner
 from celery_redislock.server import RedisServer
 from celery_redislock.task import _NAME_HEADER
+from celery_redislock.testing import hold_lock
 from tests.support import (
     client_left_clean,
     close_app,
@@ -299,6 +301,24 @@ def test_a_pydantic_task_reserves_the_name_of_the_dicts_it_sends(
 
 
 @needs_dumped_models
+@pytest.mark.parametrize("task_name", ["ship", "ship_by_item"])
+def test_a_pydantic_tasks_lock_name_and_the_test_kit_name_models_as_the_send_does(
+    tasks: SimpleNamespace, locks: redis.Redis, task_name: str
+) -> None:
+    """``lock_name()`` of a call with a model is the name its send reserves (that
+    of the dict its message carries), and ``hold_lock()`` with the model holds
+    that name: the call sent meanwhile is a duplicate of the holder."""
+    task = getattr(tasks, task_name)
+    tag = unique("kit")
+    assert task.lock_name((Order(id=8), tag), {}) == task.lock_name(({"id": 8}, tag), {})
+    with hold_lock(task, Order(id=8), tag) as holder:
+        assert holder.name == task.lock_name((Order(id=8), tag), {})
+        assert task.delay(Order(id=8), tag).id == holder.lease
+    assert not lock_keys(locks)
+    assert runs(task_name).count(tag) == 0
+
+
+@needs_dumped_models
 def test_a_lock_key_reading_a_model_a_worker_gets_as_a_dict_fails_at_send(
     tasks: SimpleNamespace, locks: redis.Redis
 ) -> None:
@@ -482,6 +502,43 @@ def test_an_eager_retry_with_other_arguments_runs_under_its_own_name(
     try:
         assert job.delay(1).get() == 2
         assert seen == [(1, job.lock_name((1,), {})), (2, job.lock_name((2,), {}))]
+        assert not lock_keys(locks)
+    finally:
+        close_app(app)
+
+
+def test_an_eager_call_whose_arguments_the_serializer_changes_runs_under_its_reserved_name(
+    redislock_server: RedisServer, locks: redis.Redis
+) -> None:
+    """Under ``task_always_eager`` Celery puts a call's arguments through the
+    serializer before it runs them: a dict that kombu's JSON decodes as another
+    type (here a ``Decimal``) runs under the name its send reserved, and frees
+    it, so the same call sent again runs again."""
+    app = make_app(redislock_server.url, "names_eager_shape")
+    app.conf.task_always_eager = True
+    seen: list[tuple[Any, str]] = []
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        name="names_eager_shape.job",
+        lock_strategy="until_executed",
+    )
+    def job(self: Any, value: Any) -> str:
+        seen.append((value, self.lock.name))
+        return "ran"
+
+    shaped = {"__type__": "decimal", "__value__": "1"}
+    reserved = job.lock_name((shaped,), {})
+    try:
+        first = job.delay(shaped)
+        assert first.get() == "ran"
+        assert seen == [(Decimal("1"), reserved)]
+        assert not lock_keys(locks)
+        second = job.delay(shaped)
+        assert second.id != first.id
+        assert len(seen) == 2
         assert not lock_keys(locks)
     finally:
         close_app(app)

@@ -205,7 +205,16 @@ def _as_json_key(key: Any) -> Any:
     if isinstance(key, bool):
         return "true" if key else "false"
     if isinstance(key, int):
-        return int.__repr__(key)
+        try:
+            return int.__repr__(key)
+        except ValueError:
+            # Past Python's limit on the digits of an int written as text
+            # (sys.set_int_max_str_digits): no JSON message can carry it either.
+            raise KeyDerivationError(
+                f"cannot derive a lock key from a mapping keyed by an int of "
+                f"{key.bit_length()} bits (too many digits to write as text); "
+                "use a shorter key, or compute the key with lock_key="
+            ) from None
     if isinstance(key, float):
         if key != key:
             return "NaN"

@@ -87,6 +87,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal, NamedTuple, cast, get_args
 
 from celery import Task
@@ -332,6 +333,9 @@ class RequestClassWarning(UserWarning):
     :class:`celery_redislock.early.Request`: its worker loses what that class does."""
 
 
+#: The send options of a call that gives none.
+_NO_OPTIONS: Mapping[str, Any] = MappingProxyType({})
+
 #: Where :class:`SingletonTask`'s worker request class lives (``Request``).
 _EARLY_REQUEST = "celery_redislock.early:Request"
 
@@ -456,15 +460,20 @@ def _sent_name(request: Any) -> Any:
     any: an execution's context holds its message's headers as attributes, a
     worker's request in its ``request_dict``.
 
-    An eager run (``apply()``) has none: its context keeps the headers it was
-    given apart (``headers``), and those of an eager retry are copied from the
-    call it retries, which may have other arguments; it runs in the process that
-    reserved, and derives the name as the send did.
+    An eager run (``apply()``) keeps the headers it was given apart
+    (``headers``): a first run's are its send's (its arguments went through the
+    serializer since, which may have changed what they name); those of an eager
+    retry are copied from the call it retries, which may have other arguments,
+    so a retry derives its name as its own send did.
     """
     found = getattr(request, _NAME_HEADER, None)
     if found is None:
         headers = getattr(request, "request_dict", None)
-        found = headers.get(_NAME_HEADER) if headers else None
+        if headers:
+            found = headers.get(_NAME_HEADER)
+        elif getattr(request, "is_eager", False) and not getattr(request, "retries", 0):
+            given = getattr(request, "headers", None)
+            found = given.get(_NAME_HEADER) if isinstance(given, dict) else None
     return found
 
 
@@ -1027,8 +1036,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         return lock_store(self.app, self.lock_options.url)
 
     def lock_name(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
-        """The lock name of a call: ``<task name>:<digest of its key material>``."""
-        return self._builder()(args, kwargs)
+        """The lock name of a call: ``<task name>:<digest of its key material>``.
+
+        Named as its send names it: a ``pydantic=True`` task's models as the
+        dicts its message carries (unless the task's serializer is pickle), as
+        the worker sees them."""
+        return self._builder()(*self._as_sent(args, kwargs, _NO_OPTIONS))
 
     def _message_name(self, request: Any, args: Any, kwargs: Any) -> str:
         """The lock name of the message behind ``request`` (an execution's context
@@ -1046,7 +1059,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             sent = _sent_name(request)
             if sent is not None:
                 return check_name(sent, f"message header {_NAME_HEADER!r}")
-        return self.lock_name(args, kwargs)
+        # Delivered already: named as they are.
+        return self._builder()(args, kwargs)
 
     def _builder(self) -> KeyBuilder:
         """This task's :class:`KeyBuilder`."""
@@ -1163,7 +1177,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             # By name: a base class between this one and Celery's may name fewer.
             return super().apply_async(args, kwargs, task_id, **options)
         task_id = task_id or uuid()
-        key = self.lock_name(*self._as_sent(args, kwargs, options))
+        key = self._builder()(*self._as_sent(args, kwargs, options))
         # The name its execution takes: this one, not one the worker derives (a
         # retry's headers, copied from its request, name the first send's).
         options["headers"] = {**(options.get("headers") or {}), _NAME_HEADER: key}
