@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from celery.signals import (
     task_retry,
     task_revoked,
 )
+from celery.worker import state as worker_state
 
 from celery_redislock import RedisLock, SingletonTask, signals
 from celery_redislock.admin import force_release
@@ -798,6 +800,103 @@ def test_a_retry_sent_as_its_sender_runs_on_that_is_revoked_leaves_the_lock_free
             again.get(timeout=15)
     finally:
         task_revoked.disconnect(on_revoked, sender=job)
+    assert runs == [0, 0]
+
+
+#: A queue no worker consumes: a message sent there stays in the broker.
+NOBODY = "redelivery-nobody"
+
+
+@pytest.mark.parametrize(
+    ("where", "copies", "by"),
+    [
+        ("waiting for its ETA", 1, "id"),
+        ("waiting for its ETA", 2, "id"),
+        ("in the broker", 1, "id"),
+        ("in the broker", 2, "id"),
+        ("waiting for its ETA", 1, "stamp"),
+    ],
+)
+def test_a_retry_revoked_long_before_its_eta_frees_the_lock_as_its_sender_ends(
+    redislock_server: RedisServer,
+    redislock_client: redis.Redis,
+    where: str,
+    copies: int,
+    by: str,
+) -> None:
+    """``until_executed``: an execution sends its retry (``copies`` times) with a long
+    countdown with ``self.retry(throw=False)`` and runs on; the task is revoked (by
+    its id, or by its stamp) while the retry waits for its ETA in the worker, or
+    still sits in the broker. The lock is free as soon as the sender ends, not once
+    the countdown has passed (every ``delay()`` meanwhile would be deduplicated to a
+    retry that never runs), and the same call sent again runs."""
+    label = f"{copies}-{where.split()[-1].lower()}-{by}"
+    app = make_app(redislock_server.url, f"revoke-eta-{label}")
+    stamp = f"batch-{uuid.uuid4().hex}"
+    go_on = threading.Event()
+    sent = threading.Semaphore(0)
+    runs: list[int] = []
+    options: dict[str, Any] = {"queue": NOBODY} if where == "in the broker" else {}
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> None:
+        runs.append(int(self.request.retries))
+        if self.request.retries == 0 and len(runs) == 1:
+            for _ in range(copies):
+                self.retry(countdown=60, throw=False, **options)
+                sent.release()
+            assert go_on.wait(30)
+
+    @app.task(base=SingletonTask, shared=False, lock_strategy="until_executed")
+    def marker(name: str) -> None:
+        pass
+
+    try:
+        with in_process_worker(app, concurrency=2):
+            first = job.s().stamp(batch=stamp).apply_async() if by == "stamp" else job.delay()
+            for _ in range(copies):
+                assert sent.acquire(timeout=15), "the retry was not sent"
+            if where == "waiting for its ETA":
+                wait_for(
+                    lambda: (
+                        (request := worker_state.requests.get(first.id)) is not None
+                        and request in worker_state.scheduled_requests
+                        and sum(r.id == first.id for r in list(worker_state.scheduled_requests))
+                        == copies
+                    ),
+                    what="the worker to hold the retry",
+                )
+            # A revoke of another id, sent after it, tells when this one was handled.
+            marked = marker.apply_async(("marker",), queue=NOBODY)
+            marker_key = lock_keys(marker.lock_name(("marker",), {})).lock
+            if by == "stamp":
+                app.control.revoke_by_stamped_headers({"batch": stamp})
+            else:
+                app.control.revoke(first.id)
+            app.control.revoke(marked.id)
+            wait_for(
+                lambda: field(redislock_client, marker_key, OWNER_FIELD) is None,
+                what="the revokes to be handled",
+            )
+            name = job.lock_name((), {})
+            assert not _lock_free(redislock_client, name)  # the sender holds it still
+            go_on.set()
+            # Long before the retry's ETA (a bound only against a hang).
+            wait_for(lambda: _lock_free(redislock_client, name), timeout=10, what="a free lock")
+            again = job.delay()
+            assert again.id != first.id
+            again.get(timeout=15)
+    finally:
+        go_on.set()
+        close_app(app)
+        # The messages left: the retry in the queue nobody consumes, or restored to
+        # this test's own queue as the worker stopped.
+        broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
+        broker.delete(NOBODY, app.conf.task_default_queue)
+        broker.close()
     assert runs == [0, 0]
 
 

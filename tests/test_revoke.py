@@ -18,6 +18,14 @@ from celery.worker import state as worker_state
 
 from celery_redislock import RedisLock, SingletonTask
 from celery_redislock.deployments import ClusterDeployment
+from celery_redislock.dropped import (
+    ALL_COPIES,
+    REVOKED,
+    drop_id,
+    dropped_key,
+    free_dropped,
+    read_word,
+)
 from celery_redislock.revoke import RevokedLockRelease, find_and_free_queued
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer
@@ -333,6 +341,58 @@ def test_search_frees_only_locks_still_owned_by_the_message(
     assert wanted == {"id-unknown"}
     assert lock_keys(locks) == ["redislock:{t.job:running}"]
     running.release()
+    # (Word that its next retry is revoked: see the test below.)
+    locks.delete(dropped_key("t.job:running", "id-running", 1, "redislock"))
+
+
+def test_search_leaves_an_execution_it_finds_word_that_its_retry_is_revoked(
+    locks: redis.Redis,
+) -> None:
+    """An execution of a revoked id that holds its lock keeps it, but may have sent its
+    retry with ``self.retry(throw=False)``, which sits in the broker: the search
+    leaves word, tied to the execution's hold, that every copy of its next retry is
+    revoked, so that it frees the lock as it ends. Left again (by another worker),
+    the word reads the same."""
+    name, task_id = "t.job:sender", "id-sender"
+    sender = RedisLock(locks, name, ttl=60, owner="sendertoken:1", lease=task_id)
+    assert sender.acquire(blocking=False)
+    try:
+        for _ in range(2):
+            wanted = {task_id}
+            find_and_free_queued(locks, "redislock", wanted)
+            assert wanted == set()
+            assert sender.owned()
+            word = read_word(locks, name, task_id, 2, "redislock")
+            assert word is not None
+            assert (word.fence, word.then, word.drops) == (sender.token, 0, ALL_COPIES)
+            assert word.text == f"{sender.token} 0 0 {REVOKED}"
+    finally:
+        sender.release()
+        locks.delete(dropped_key(name, task_id, 2, "redislock"))
+
+
+def test_a_delivery_dropped_again_is_counted_once(locks: redis.Redis) -> None:
+    """A retry's delivery that a revoke sweep (by its stamps) already reported
+    dropped to the execution that sent it, and that the worker drops once more as
+    its ETA comes, names itself the same both times: counted once, so that a copy of
+    the retry still on its way keeps the lock reserved."""
+    name, task_id = "t.job:twice", "id-twice"
+    sender = RedisLock(locks, name, ttl=60, owner="sendertoken:0", lease=task_id)
+    assert sender.acquire(blocking=False)
+    request = SimpleNamespace(id=task_id)
+    try:
+        for _ in range(2):
+            free_dropped(locks, name, task_id, "redislock", 1, 60.0, drop_id(request))
+        word = read_word(locks, name, task_id, 1, "redislock")
+        assert word is not None
+        assert word.drops == 1
+        free_dropped(locks, name, task_id, "redislock", 1, 60.0, drop_id(SimpleNamespace()))
+        word = read_word(locks, name, task_id, 1, "redislock")
+        assert word is not None
+        assert word.drops == 2
+    finally:
+        sender.release()
+        locks.delete(dropped_key(name, task_id, 1, "redislock"))
 
 
 def test_search_frees_a_retrys_reservation(locks: redis.Redis) -> None:

@@ -21,12 +21,20 @@ to do instead (``0 0``: free the lock; else pass it on to retry ``<count>``'s
 reservation for ``<ms>`` ms), and one id per delivery that ended so (how many of
 the retry's copies did). Left unread, it expires after :data:`DROPPED_WORD_TTL`
 seconds, or after the TTL of the reservation it is about if that is longer.
+
+A revoke of the task id drops every copy of the retry, wherever it waits (each
+carries that id): a worker that gets the revoke while the sending execution
+still holds the lock leaves the id :data:`REVOKED` (:func:`free_revoked`), which
+counts for all of them, rather than wait for a worker to drop each copy as its
+ETA comes. A delivery dropped later leaves the id the revoke sweep gave it
+(:func:`drop_id`), so that it is not counted twice.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, cast
+import sys
+from typing import Any, NamedTuple, cast
 
 from celery_redislock.errors import LockBackendError
 from celery_redislock.ids import request_id
@@ -49,6 +57,16 @@ logger = logging.getLogger(__name__)
 #: reads it as it ends, if that is within this time.
 DROPPED_WORD_TTL = 86_400.0
 
+#: The id a revoke of the task id leaves in the word (see :func:`free_revoked`):
+#: every copy of the retry is dropped.
+REVOKED = "revoked"
+
+#: The count of deliveries that ended unrun a word with :data:`REVOKED` stands for.
+ALL_COPIES = sys.maxsize
+
+#: The attribute of a worker request that keeps its id in a word (see :func:`drop_id`).
+_DROP_ID = "redislock_drop_id"
+
 
 def dropped_key(name: str, task_id: str, retries: int, prefix: str) -> str:
     """The key of the word that a delivery of retry ``retries`` of ``task_id``
@@ -66,20 +84,42 @@ class Word(NamedTuple):
     then: int
     #: That reservation's TTL, in ms.
     ms: int
-    #: How many deliveries of the retry ended so.
+    #: How many deliveries of the retry ended so (:data:`ALL_COPIES` once revoked).
     drops: int
     #: The word as it was read.
     text: str
 
 
+def drop_id(request: Any) -> str:
+    """The id worker request ``request``, a delivery that ends without running,
+    leaves in a word: the same each time it is asked (the revoke sweep and the
+    worker's drop of the request at its ETA name one delivery), unless the
+    request keeps no attributes (a request class not derived from
+    :class:`celery_redislock.early.Request`)."""
+    kept = getattr(request, "__dict__", None)
+    if kept is None:
+        return request_id()
+    return str(kept.setdefault(_DROP_ID, request_id()))
+
+
 def leave_word(
-    client: Client, name: str, task_id: str, prefix: str, retries: int, word: str, ttl: float
+    client: Client,
+    name: str,
+    task_id: str,
+    prefix: str,
+    retries: int,
+    word: str,
+    ttl: float,
+    drop: str | None = None,
 ) -> int:
     """Leave ``word`` (what to do with the hold instead of keeping it for retry
     ``retries``: ``"0 0"`` free it, ``"<count> <ms>"`` pass it on to that retry's
     reservation for that long) for the hold of an earlier delivery of the message,
     if one holds lock ``name``, tied to that hold's fencing token: 1 if it did, 2 if
     the retry's reservation holds it instead (0: neither; nothing changed).
+    ``drop``: the id of the delivery that ended (:func:`drop_id`, or
+    :data:`REVOKED`); a new one if ``None``. Left again with the same id, the word
+    counts it once.
 
     Raises:
         LockBackendError: the lock store could not be reached.
@@ -88,14 +128,20 @@ def leave_word(
     ms = max(1, int(max(ttl, DROPPED_WORD_TTL) * 1000))
     call = Call(
         DROPPED_SCRIPT, [key, dropped_key(name, task_id, retries, prefix)],
-        [task_id, retries, ms, word, request_id()],
+        [task_id, retries, ms, word, drop or request_id()],
     )  # fmt: skip
     with backend_errors(f"leave word beside lock {name!r}"):
         return int(send(router_for(client), key, call, Deadline.after(DEFAULT_CALL_TIMEOUT)))
 
 
 def free_dropped(
-    client: Client, name: str, task_id: str, prefix: str, retries: int, ttl: float
+    client: Client,
+    name: str,
+    task_id: str,
+    prefix: str,
+    retries: int,
+    ttl: float,
+    drop: str | None = None,
 ) -> bool:
     """Free lock ``name`` for a delivery of ``task_id``'s message (``retries``: its
     retry count) that ended without running, as :func:`free_queued` does; return
@@ -109,17 +155,36 @@ def free_dropped(
     the lock instead: nothing would take the reservation over. In one step with
     the check that it still holds the lock, so that a hold handed over meanwhile
     is freed here. A later hold of the same task id (the id reused, or the message
-    delivered again) never acts on that word.
+    delivered again) never acts on that word. ``drop``: the delivery's id in the
+    word (see :func:`leave_word`).
 
     Raises:
         LockBackendError: the lock store could not be reached.
     """
     if free_queued(client, name, task_id, prefix, retries):
         return True
-    if retries < 1 or leave_word(client, name, task_id, prefix, retries, "0 0", ttl) != 2:
+    if retries < 1 or leave_word(client, name, task_id, prefix, retries, "0 0", ttl, drop) != 2:
         return False
     # Handed to the reservation meanwhile.
     return free_queued(client, name, task_id, prefix, retries)
+
+
+def free_revoked(
+    client: Client, name: str, task_id: str, prefix: str, retries: int, ttl: float
+) -> bool:
+    """Free lock ``name`` for retry ``retries`` of ``task_id``, revoked by its id,
+    as :func:`free_dropped` does; return whether it did.
+
+    The revoke drops every copy of that retry, wherever it waits: the word left
+    for an execution that sent the retry and still runs on says so
+    (:data:`REVOKED`), and it frees the lock as it ends, however many copies it
+    sent and whenever their ETAs come. Left by several workers, or again, it
+    reads the same.
+
+    Raises:
+        LockBackendError: the lock store could not be reached.
+    """
+    return free_dropped(client, name, task_id, prefix, retries, ttl, REVOKED)
 
 
 def read_word(client: Client, name: str, task_id: str, retries: int, prefix: str) -> Word | None:
@@ -142,7 +207,8 @@ def read_word(client: Client, name: str, task_id: str, retries: int, prefix: str
     if len(parts) < 4 or None in numbers:
         return None
     fence, then, ms = cast("list[int]", numbers)
-    return Word(fence, then, ms, len(parts) - 3, text)
+    drops = ALL_COPIES if REVOKED in parts[3:] else len(parts) - 3
+    return Word(fence, then, ms, drops, text)
 
 
 def forget_word(

@@ -57,6 +57,17 @@ reaches are freed all the same. The Redis work runs on one background
 thread per worker, which merges the revokes sent in a burst into one sweep;
 failures are logged and never reach the worker.
 
+A retry sent with ``self.retry(throw=False)`` by an ``until_executed``
+execution that runs on has no reservation yet: the execution holds the lock for
+it, and hands it over only as it ends. A revoke of its id (which every copy of
+the retry carries) leaves that execution word to free the lock instead
+(:func:`~celery_redislock.dropped.free_revoked`), whether the retry waits here
+for its ETA, or sits in the broker while this worker runs the execution, or
+this worker finds the execution's hold by the search: the lock is free as the
+execution ends, not once a worker drops the retry at its ETA. A worker that
+cannot tell whether an execution it finds sent a retry leaves the word all the
+same; unread, it expires.
+
 With no worker running, Celery drops the broadcast: the key then frees when
 ``lock_enqueue_ttl`` runs out, or with ``celery redislock release``.
 """
@@ -75,11 +86,18 @@ from celery.utils.functional import maybe_list
 from celery.worker import state as worker_state
 from redis.cluster import RedisCluster
 
+from celery_redislock.dropped import REVOKED, drop_id, free_dropped, free_revoked
 from celery_redislock.early import HANDED_TO_POOL
 from celery_redislock.lock import name_from_key
 from celery_redislock.reservations import free_queued, queued_retries
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD, decode_lock
-from celery_redislock.task import WHILE_EXECUTING, SingletonTask, request_retries
+from celery_redislock.task import (
+    UNTIL_EXECUTED,
+    WHILE_EXECUTING,
+    SingletonTask,
+    _generation,
+    request_retries,
+)
 from celery_redislock.transport import Client
 
 logger = logging.getLogger(__name__)
@@ -101,6 +119,10 @@ class _Pending(NamedTuple):
     task_id: str
     #: The message's retry count: a retry's reservation names it.
     retries: int
+    #: The id the request leaves in the word for an execution that sent it as a
+    #: retry and runs on (see :mod:`celery_redislock.dropped`): ``REVOKED`` when
+    #: revoked by its id, which drops every copy.
+    drop: str
 
 
 class RevokeSweeper:
@@ -143,9 +165,14 @@ class RevokeSweeper:
             if request is None:
                 unknown.add(task_id)
                 continue
+            item = _pending(request, REVOKED)
             if request in worker_state.active_requests or handed_to_pool(request):
-                continue  # running, or will run: its execution takes the lock over
-            item = _pending(request)
+                # Running, or will run: its execution takes the lock over. A retry
+                # it sent as it runs on (``self.retry(throw=False)``), revoked too,
+                # may still sit in the broker: word that it is dropped.
+                if item is not None and item.task.lock_options.strategy == UNTIL_EXECUTED:
+                    pending.append(item._replace(retries=item.retries + 1))
+                continue
             if item is not None:
                 pending.append(item)
         self._hand_over(pending, unknown)
@@ -171,7 +198,7 @@ class RevokeSweeper:
                 logger.warning("could not match the stamps of task %s: %s", request.id, exc)
                 continue
             if matches:
-                item = _pending(request)
+                item = _pending(request, drop_id(request))
                 if item is not None:
                     pending.append(item)
         self._hand_over(pending, set())
@@ -230,8 +257,16 @@ class RevokeSweeper:
                 # hold of its lease under another owner is an execution's, maybe of
                 # another delivery of the message running elsewhere (a copy waiting
                 # for its ETA here, delivered again by the broker), which Celery lets
-                # finish.
-                free_queued(client, item.name, item.task_id, prefix, item.retries)
+                # finish. A retry's delivery, revoked while the execution that sent it
+                # runs on (``self.retry(throw=False)``) and holds the lock for it,
+                # leaves that execution word to free the lock as it ends.
+                if item.task.lock_options.strategy == UNTIL_EXECUTED:
+                    ttl = item.task.lock_options.enqueue_ttl
+                    free_dropped(
+                        client, item.name, item.task_id, prefix, item.retries, ttl, item.drop
+                    )
+                else:
+                    free_queued(client, item.name, item.task_id, prefix, item.retries)
             except Exception as exc:
                 logger.warning(
                     "could not free lock %s of revoked task %s: %s", item.name, item.task_id, exc
@@ -274,10 +309,11 @@ def handed_to_pool(request: Any) -> bool:
     )
 
 
-def _pending(request: Any) -> _Pending | None:
+def _pending(request: Any, drop: str) -> _Pending | None:
     """The lock to free for ``request``, a revoked request this worker holds and has
-    not started: ``None`` when its task takes no lock while queued (or its lock
-    cannot be named, which is logged)."""
+    not started (``drop``: its id in a word, see :class:`_Pending`): ``None`` when
+    its task takes no lock while queued (or its lock cannot be named, which is
+    logged)."""
     task = request.task
     try:
         if not _locks_while_queued(task):
@@ -286,7 +322,7 @@ def _pending(request: Any) -> _Pending | None:
     except Exception as exc:
         logger.warning("could not name the lock of revoked task %s: %s", request.id, exc)
         return None
-    return _Pending(task, name, request.id, request_retries(request))
+    return _Pending(task, name, request.id, request_retries(request), drop)
 
 
 def revoked_by_stamps(request: Any, revoked_stamps: Mapping[str, Any]) -> bool:
@@ -329,7 +365,8 @@ def find_and_free_queued(client: Client, prefix: str, task_ids: set[str]) -> Non
     Scans the lock keys (at most :data:`MAX_SCAN_CALLS` ``SCAN`` calls) and reads
     each one's lease and owner in one pipelined round trip per batch. Each id found
     is removed from ``task_ids`` (a task holds one lock at most); the scan stops
-    when none is left.
+    when none is left. A lock an execution of one of them holds is left to it,
+    with word that its next retry is revoked (see :func:`_free_found`).
     """
     pattern = f"{_glob_escape(prefix)}:{{*}}"
     calls = 0
@@ -373,7 +410,15 @@ def _free_found(
 ) -> None:
     """Free those of the lock ``keys`` (found on ``server``) that the messages of
     ``task_ids`` still own, reading them in one pipelined round trip; drop the ids
-    found from ``task_ids``."""
+    found from ``task_ids``.
+
+    A lock an execution of one of them holds is left to it: Celery lets it
+    finish. It may have sent its retry (the id revoked too) with
+    ``self.retry(throw=False)`` and run on, holding the lock for the retry, which
+    sits in the broker: it is left word that the retry is revoked, and frees the
+    lock as it ends rather than keep it for a message no worker runs (see
+    :func:`~celery_redislock.dropped.free_revoked`). Word that no execution acts
+    on expires."""
     with server.pipeline(transaction=False) as pipe:
         for key in keys:
             pipe.get(key)
@@ -386,9 +431,12 @@ def _free_found(
         if lease is None or lease not in task_ids:
             continue
         task_ids.discard(lease)
+        name = name_from_key(_text(key) or "", prefix)
         retries = queued_retries(owner, lease)
         if retries is not None:
-            free_queued(client, name_from_key(_text(key) or "", prefix), lease, prefix, retries)
+            free_queued(client, name, lease, prefix, retries)
+        elif owner is not None:
+            free_revoked(client, name, lease, prefix, _generation(owner, lease) + 1, 0.0)
 
 
 def _glob_escape(text: str) -> str:

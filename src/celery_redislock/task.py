@@ -51,7 +51,8 @@ revoked while queued                   ``until_*``: freed by the workers as soon
                                        (:mod:`celery_redislock.revoke`); also by
                                        the ``task_revoked`` handler when a worker
                                        drops the message (a retry's, whose sender
-                                       runs on, as the sender ends)
+                                       runs on: as the sender ends, which the
+                                       revoke tells it at once)
 terminated while running               released in the body's ``finally`` if the
 (``revoke(terminate=True)``)           signal raises in it (``SIGTERM``), or as
                                        the task ends if it lives through the
@@ -103,7 +104,7 @@ from kombu import serialization
 from celery_redislock import signals
 from celery_redislock.client import check_url
 from celery_redislock.dropped import DROPPED_WORD_TTL as DROPPED_WORD_TTL
-from celery_redislock.dropped import Word, forget_word, leave_word, read_word
+from celery_redislock.dropped import Word, drop_id, forget_word, leave_word, read_word
 from celery_redislock.dropped import dropped_key as dropped_key
 from celery_redislock.dropped import free_dropped as free_dropped
 from celery_redislock.errors import (
@@ -2398,10 +2399,10 @@ def _release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         name = sender._message_name(request, request.args, request.kwargs)
         retries = request_retries(request)
         if options.strategy == UNTIL_EXECUTED:
-            # The execution that sent this retry may still hold the lock for it.
-            free_dropped(
-                sender.lock_client, name, request.id, options.prefix, retries, options.enqueue_ttl
-            )
+            # The execution that sent this retry may still hold the lock for it. (A
+            # revoke sweep of the request left the same id: counted once.)
+            client, ttl = sender.lock_client, options.enqueue_ttl
+            free_dropped(client, name, request.id, options.prefix, retries, ttl, drop_id(request))
         else:
             free_queued(sender.lock_client, name, request.id, options.prefix, retries)
     except Exception as exc:  # a signal handler must not break the worker
