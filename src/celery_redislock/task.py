@@ -225,6 +225,10 @@ _ENTERED = "redislock_entered"
 #: execution runs on (from ``before_start`` too, which hands nothing over).
 _RUNS_ON = "redislock_runs_on"
 
+#: Request attribute set while ``self.retry()`` sends the retry (whatever ``throw``
+#: says): from the body, the execution hands its hold over only as it ends.
+_RETRYING = "redislock_retrying"
+
 #: Request attribute: the retry count and delay (s) of a retry an execution's body
 #: sent (raised, or sent as it runs on with ``self.retry(throw=False)``), whose
 #: reservation it hands its hold to as it ends (``until_executed``), and how many copies of it the
@@ -1188,8 +1192,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         # What the execution records once the retry is sent (only then: a send
         # that raises sent no copy that could take the hold over).
         sent: tuple[int, float, int] | None = None
-        if running is not None and getattr(self.request, _ENTERED, False):
-            # Sent by the body (or by Celery's autoretry around it): the execution
+        if (
+            running is not None
+            and getattr(self.request, _RETRYING, False)
+            and getattr(self.request, _ENTERED, False)
+        ):
+            # self.retry() from the body (or Celery's autoretry around it): the execution
             # keeps its hold until it has ended, its ``finally`` blocks and
             # ``with`` exits included, and hands it over then; or it runs on
             # (``self.retry(throw=False)``).
@@ -1418,7 +1426,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         of each copy when it sent the retry more than once: see
         :func:`free_dropped`)."""
         request = self.request
-        runs_on = not throw and not request.called_directly
+        own = not request.called_directly
+        runs_on = own and not throw
+        if own:
+            setattr(request, _RETRYING, True)
         if runs_on:
             setattr(request, _RUNS_ON, True)
         try:
@@ -1426,6 +1437,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         finally:
             if runs_on:
                 delattr(request, _RUNS_ON)
+            if own:
+                delattr(request, _RETRYING)
 
     def _own_retry(self, task_id: str) -> bool:
         """Whether sending ``task_id`` is ``self.retry()`` of the running execution."""
