@@ -825,6 +825,43 @@ def test_a_hold_that_could_not_be_handed_over_is_renewed_still(
     assert reservation.owned()
 
 
+def test_a_hold_moved_to_a_reservation_wakes_the_waiters_of_its_lease(
+    client: redis.Redis, cleanup: list[RedisLock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hold moved to a reservation of its lease (how a task hands its lock to its
+    retry as it ends) wakes the waiters of that lease queued behind it (the retry,
+    started meanwhile), which take the reservation over at once rather than at
+    their next re-check; a waiter of another lease is not woken."""
+    monkeypatch.setattr(lock_module, "RECHECK", 60.0)
+    running = RedisLock(client, "moved", ttl=30, lease="task-1")
+    cleanup.append(running)
+    assert running.acquire(blocking=False)
+    retry = RedisLock(client, "moved", ttl=30, owner="retry-exec:1", lease="task-1")
+    retry._handed_from = "task-1:1:queued"
+    other = RedisLock(client, "moved", ttl=30, lease="task-2")
+    cleanup += [retry, other]
+    got, thread = acquire_in_thread(retry, 20)
+    other_got, other_thread = acquire_in_thread(other, 20)
+    assert wait_until(lambda: client.zcard(running.queue_key) == 2)
+    hub = wakeups.hub_for(retry.transport, retry.prefix)
+    before = hub.received
+
+    reservation = RedisLock(client, "moved", ttl=30, owner="task-1:1:queued", lease="task-1")
+    reservation._handed_from = running.owner
+    reservation._move_only = True
+    assert reservation.acquire(blocking=False)
+    thread.join(15)
+
+    assert got == [True]
+    assert retry.owned()
+    assert hub.received - before == 1
+    assert not other_got
+    retry.release()
+    other_thread.join(15)
+    assert other_got == [True]
+    other.release()
+
+
 def test_other_lease_cannot_take_over(client: redis.Redis) -> None:
     """Another lease, or none, never takes a held lock over: it has to wait."""
     holder = RedisLock(client, "lease-only", ttl=30, lease="task-1")

@@ -23,6 +23,7 @@ from celery.signals import (
 from celery.worker import state as worker_state
 
 from celery_redislock import RedisLock, SingletonTask, signals
+from celery_redislock import lock as lock_module
 from celery_redislock.admin import force_release
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import lock_keys
@@ -615,6 +616,115 @@ def test_a_retry_that_starts_before_the_execution_that_sent_it_ends_waits_for_it
         job.delay()
         wait_for(lambda: len(runs) == 2, what="the retry to run")
     assert runs == [(0, False), (1, True)]
+
+
+class _Cleanup:
+    """A ``with`` block whose exit runs ``then``."""
+
+    def __init__(self, then: Any) -> None:
+        self.then = then
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: object) -> None:
+        self.then()
+
+
+@pytest.mark.parametrize("strategy", ["while_executing", "until_executed"])
+@pytest.mark.parametrize("block", ["finally", "with"])
+def test_a_raised_retry_does_not_run_before_its_senders_cleanup_has_ended(
+    app: Celery,
+    redislock_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    strategy: str,
+    block: str,
+) -> None:
+    """``raise self.retry()`` from inside a ``try``/``finally`` (or a ``with`` block):
+    the retry, sent before that cleanup runs, may start meanwhile (here on another
+    thread), but does not run its body until the execution that sent it has ended:
+    it waits for it, then runs, woken as its sender hands the lock on
+    (``until_executed``: to the retry's reservation, which it takes over), not at
+    its next re-check. The lock is free once it has."""
+    # Longer than the test waits: a waiter nobody wakes would still wait.
+    monkeypatch.setattr(lock_module, "RECHECK", 60.0)
+    runs: list[tuple[int, bool]] = []
+    ended = threading.Event()
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy=strategy, lock_ttl=30,
+        max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> int:
+        runs.append((int(self.request.retries), ended.is_set()))
+
+        def cleanup() -> None:
+            keys = lock_keys(self.lock.name)
+            # The retry waits behind this execution (or, wrongly, has run).
+            wait_for(lambda: len(runs) == 2 or redislock_client.zcard(keys.queue) == 1)
+            hold = self.lock._lock
+            assert hold is not None
+            # Still this execution's, and not taken for lost.
+            assert field(redislock_client, keys.lock, OWNER_FIELD) == hold.owner
+            self.lock.check()
+            ended.set()
+
+        if self.request.retries:
+            return int(self.request.retries)
+        if block == "finally":
+            try:
+                raise self.retry(countdown=0)
+            finally:
+                cleanup()
+        with _Cleanup(cleanup):
+            raise self.retry(countdown=0)
+
+    with in_process_worker(app, concurrency=2):
+        assert job.delay().get(timeout=15) == 1
+        name = job.lock_name((), {})
+        wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+    assert runs == [(0, False), (1, True)]
+
+
+def test_an_autoretry_runs_after_its_senders_cleanup_and_takes_its_lock_over(
+    app: Celery, redislock_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``until_executed`` with ``autoretry_for``: Celery sends the retry once the body
+    has raised, its ``finally`` blocks done; the retry runs once the execution that
+    sent it has ended, taking over the hold it was handed, without a loss reported;
+    the lock is free once it has run."""
+    monkeypatch.setattr(lock_module, "RECHECK", 60.0)
+    runs: list[tuple[int, bool]] = []
+    lost: list[str] = []
+    ended = threading.Event()
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, autoretry_for=(ValueError,), retry_kwargs={"countdown": 0},
+        max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask) -> int:
+        runs.append((int(self.request.retries), ended.is_set()))
+        if self.request.retries:
+            return int(self.request.retries)
+        try:
+            raise ValueError("not yet")
+        finally:
+            ended.set()
+
+    def receive(sender: Any, task_id: str, **_: Any) -> None:
+        lost.append(task_id)
+
+    signals.lock_lost.connect(receive, weak=False)
+    try:
+        with in_process_worker(app, concurrency=2):
+            assert job.delay().get(timeout=15) == 1
+            name = job.lock_name((), {})
+            wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+    finally:
+        signals.lock_lost.disconnect(receive)
+    assert runs == [(0, False), (1, True)]
+    assert lost == []
 
 
 @pytest.mark.parametrize("strategy", ["while_executing", "until_executed"])

@@ -319,6 +319,21 @@ def test_a_message_delivered_again_while_it_runs_is_not_run_beside_it(
     assert lock_keys(client) == []
 
 
+def test_a_retry_raised_in_a_try_finally_runs_only_once_its_sender_has_cleaned_up(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """Prefork: an until_executed task raises its retry inside a ``try``/``finally``;
+    the retry, started by the other pool process while the sender still runs its
+    ``finally``, waits for the lock and runs only once the sender has ended, taking
+    over the hold handed to its reservation. Nothing is left locked."""
+    mod, client, launch = env
+    launch("cleanup", concurrency=2)
+    assert mod.retries_in_cleanup.delay("c").get(timeout=30) == 1
+    steps = [(r["step"], r["retries"]) for r in records(client, "retries_in_cleanup")]
+    assert steps == [("start", 0), ("cleaned", 0), ("start", 1)]
+    assert lock_keys(client) == []
+
+
 def test_soft_time_limit_releases(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
     """A task stopped by its soft time limit releases its lock at once."""
     from celery.exceptions import SoftTimeLimitExceeded

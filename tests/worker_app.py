@@ -17,6 +17,7 @@ import redis
 from celery.exceptions import Reject
 
 from celery_redislock import SingletonTask, signals
+from celery_redislock.lock import lock_keys
 from celery_redislock.task import RequestClassWarning
 from tests.support import make_app
 
@@ -167,6 +168,35 @@ def rejects_once(self: Any, name: str) -> str:
     if run == 1:
         raise Reject("again later", requeue=True)
     return name
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    shared=False,
+    lock_strategy="until_executed",
+    lock_ttl=30,
+    max_retries=1,
+)
+def retries_in_cleanup(self: Any, name: str) -> int:
+    """An until_executed task whose first run raises its retry from inside a
+    ``try``/``finally`` whose cleanup lasts until the retry, started meanwhile by
+    another pool process, waits for the lock (or has run). Records its steps in
+    one list, in the order they happen."""
+    retries = int(self.request.retries)
+    log("retries_in_cleanup", step="start", retries=retries, pid=os.getpid())
+    if retries:
+        return retries
+    queue = lock_keys(self.lock.name).queue
+    try:
+        raise self.retry(countdown=0)
+    finally:
+        deadline = time.monotonic() + 20
+        while not store.zcard(queue) and time.monotonic() < deadline:
+            if store.llen("log:retries_in_cleanup") > 1:
+                break  # the retry has started its body
+            time.sleep(0.01)
+        log("retries_in_cleanup", step="cleaned", retries=retries, pid=os.getpid())
 
 
 @signals.lock_conflict.connect

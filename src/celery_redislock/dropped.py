@@ -1,10 +1,10 @@
 """The word a delivery of a retry that ended without running leaves for the
 execution that sent it.
 
-An ``until_executed`` execution that sends its own retry with
-``self.retry(throw=False)`` runs on, and hands its hold to the retry's
-reservation (:func:`~celery_redislock.reservations.queued_owner`) only as it
-ends. A delivery of that retry that ends without running meanwhile (it failed to
+An ``until_executed`` execution whose body sends its own retry (raised, the
+body's ``finally`` blocks still to run, or with ``self.retry(throw=False)``,
+running on) hands its hold to the retry's reservation
+(:func:`~celery_redislock.reservations.queued_owner`) only as it ends. A delivery of that retry that ends without running meanwhile (it failed to
 start, or was dropped as revoked) finds no reservation to free: nothing would
 ever take the reservation over once it is there, and the lock would stay taken
 until ``lock_enqueue_ttl`` ran out. So it leaves word beside the lock

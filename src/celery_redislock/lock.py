@@ -1140,8 +1140,8 @@ class RedisLock:
 
     def _hand_over(self, to: RedisLock) -> bool:
         """Move this object's hold to ``to``, another owner of its lease, in an
-        acquire of ``to`` that names this owner token (how a task hands its lock
-        to its own retry's reservation); return whether the hold moved.
+        acquire of ``to`` that names this owner token (how a task's ``before_start``
+        hands its lock to its own retry's reservation); return whether the hold moved.
 
         The hold is off the heartbeat meanwhile, so that no renewal sent between
         the move and its reply finds it gone and reports it lost. It is forgotten
@@ -1239,7 +1239,7 @@ class RedisLock:
         # The description is left out, not sent empty, when there is none (unless
         # a hand-over or gone waiters follow it).
         if self._move_only:
-            args = (*args, self._info, self._handed_from, self._gone_waiters, "1")
+            args = (*args, self._info, self._handed_from, self._gone_waiters, "1", self.wake_prefix)
         elif self._gone_waiters:
             args = (*args, self._info, self._handed_from, self._gone_waiters)
         elif self._handed_from:

@@ -550,7 +550,11 @@ end
 #: handed to one of them (found unconfirmed) is nobody's, and is taken as a new
 #: one, not re-entered (empty for none); ARGV[10] optionally, non-empty to take
 #: over the hold ARGV[8] names and nothing else: a lock that owner no longer holds
-#: (free, or held by another) is not taken, as the hold to move is gone
+#: (free, or held by another) is not taken, as the hold to move is gone; ARGV[11]
+#: optionally, with ARGV[10], the wake channel prefix (``<prefix>:wake:``): the
+#: waiters of the caller's lease queued behind the hold it moves (a retry that
+#: started while the execution that sent it still ran) are woken as it moves, to
+#: take it over at once rather than at their next re-check (absent or empty: none)
 #: Returns {1, fence, releases} when newly taken (or taken over, or a hold a release
 #: handed to this waiter confirmed; releases: the ids of the releases the lock
 #: remembers, absent for none), {2, fence} when re-entered,
@@ -715,6 +719,21 @@ end
 write(new, ARGV[2])
 if ARGV[5] ~= '' then
     redis.call('ZREM', KEYS[2], ARGV[5])
+elseif (ARGV[11] or '') ~= '' and new[$QUEUED] and ARGV[3] ~= '' then
+    -- A hold moved to a reservation: the queued waiters of its lease are woken
+    -- to ask again. Only a wake-up, after the write (a read or a publish the
+    -- server refuses leaves them to their next re-check).
+    local queued = redis.pcall('ZRANGE', KEYS[2], 0, -1)
+    if type(queued) == 'table' and not queued.err then
+        for _, member in ipairs(queued) do
+            local ok, value = pcall(cjson.decode, member)
+            if ok and type(value) == 'table' and value[4] == ARGV[3]
+                    and type(value[1]) == 'string' then
+                local process = string.match(value[1], '^([^.]+)%.')
+                if process then redis.pcall('PUBLISH', ARGV[11] .. process, value[1]) end
+            end
+        end
+    end
 end
 return {1, fence, new[$RELEASED]}
 """)

@@ -31,11 +31,12 @@ strategies keep the lock where noted):
 success, exception, soft time limit    released in the body's ``finally``
 ``self.retry()``                       released; ``until_executed`` hands it to the
                                        queued retry (same task id), TTL covering
-                                       the countdown (with ``throw=False``, as the
-                                       execution ends: freed instead if a delivery
-                                       of the retry (of each copy sent) ended
-                                       unrun meanwhile, see
-                                       :mod:`celery_redislock.dropped`)
+                                       the countdown, as the execution ends (its
+                                       ``finally`` blocks done; the retry waits
+                                       for it): freed instead if a delivery of
+                                       the retry (of each copy sent) ended unrun
+                                       meanwhile, see
+                                       :mod:`celery_redislock.dropped`
 ``Ignore``, ``Reject``                 released (``Reject(requeue=True)`` hands an
                                        ``until_executed`` lock to the message's
                                        reservation, for the redelivery)
@@ -222,12 +223,16 @@ _NO_ENQUEUE_LOCK = "redislock_no_enqueue_lock"
 _ENTERED = "redislock_entered"
 
 #: Request attribute set while ``self.retry(throw=False)`` sends the retry: the
-#: execution runs on, and keeps its hold until it ends.
+#: execution runs on (from ``before_start`` too, which hands nothing over).
 _RUNS_ON = "redislock_runs_on"
 
-#: Request attribute: the retry count and delay (s) of a retry an execution sent
-#: while it runs on (``self.retry(throw=False)``), whose reservation it hands its
-#: hold to as it ends (``until_executed``), and how many copies of it the
+#: Request attribute set while ``self.retry()`` sends the retry (whatever ``throw``
+#: says): from the body, the execution hands its hold over only as it ends.
+_RETRYING = "redislock_retrying"
+
+#: Request attribute: the retry count and delay (s) of a retry an execution's body
+#: sent (raised, or sent as it runs on with ``self.retry(throw=False)``), whose
+#: reservation it hands its hold to as it ends (``until_executed``), and how many copies of it the
 #: execution sent (each call whose send returned counts one; the longest delay is
 #: kept).
 _SENT_RETRY = "redislock_sent_retry"
@@ -1188,8 +1193,15 @@ class SingletonTask(Task):  # type: ignore[misc]
         # What the execution records once the retry is sent (only then: a send
         # that raises sent no copy that could take the hold over).
         sent: tuple[int, float, int] | None = None
-        if running is not None and getattr(self.request, _RUNS_ON, False):
-            # The execution runs on: it hands its hold over as it ends.
+        if (
+            running is not None
+            and getattr(self.request, _RETRYING, False)
+            and getattr(self.request, _ENTERED, False)
+        ):
+            # self.retry() from the body (or Celery's autoretry around it): the execution
+            # keeps its hold until it has ended, its ``finally`` blocks and
+            # ``with`` exits included, and hands it over then; or it runs on
+            # (``self.retry(throw=False)``).
             before = getattr(self.request, _SENT_RETRY, None)
             sent = (retries, delay, 1)
             if before is not None and before[0] == retries:
@@ -1206,7 +1218,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 heartbeat=False,
                 opts=opts,
             )
-            # Its own retry: the running execution hands its hold to the reservation.
+            # Its own retry from before_start: the start hands its hold over now.
             acquired = lock.acquire(blocking=False) if running is None else running._hand_over(lock)
         except LockBackendError as exc:
             self._drop_start_hold(running)
@@ -1407,13 +1419,18 @@ class SingletonTask(Task):  # type: ignore[misc]
         max_retries: int | None = None,
         **options: Any,
     ) -> Retry:
-        """Celery's ``retry``. With ``throw=False`` the execution runs on after
-        sending the retry, so it keeps its lock until it ends (the retry waits for
-        it); an ``until_executed`` one then hands the lock to the retry (or frees
-        it, if a delivery of the retry ended without running meanwhile, of each
-        copy when it sent the retry more than once: see :func:`free_dropped`)."""
+        """Celery's ``retry``. Sent from the body, the execution keeps its lock until
+        it has ended: its ``finally`` blocks and ``with`` exits, or, with
+        ``throw=False``, all it runs on to (the retry, should it start meanwhile,
+        waits for it). An ``until_executed`` one then hands the lock to the retry
+        (or frees it, if a delivery of the retry ended without running meanwhile,
+        of each copy when it sent the retry more than once: see
+        :func:`free_dropped`)."""
         request = self.request
-        runs_on = not throw and not request.called_directly
+        own = not request.called_directly
+        runs_on = own and not throw
+        if own:
+            setattr(request, _RETRYING, True)
         if runs_on:
             setattr(request, _RUNS_ON, True)
         try:
@@ -1421,6 +1438,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         finally:
             if runs_on:
                 delattr(request, _RUNS_ON)
+            if own:
+                delattr(request, _RETRYING)
 
     def _own_retry(self, task_id: str) -> bool:
         """Whether sending ``task_id`` is ``self.retry()`` of the running execution."""
@@ -1429,7 +1448,8 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _own_hold(self, task_id: str, name: str) -> RedisLock | None:
         """The running execution's hold of lock ``name``, when sending ``task_id`` is
-        its own retry (which it hands the hold to)."""
+        its own retry (which it hands the hold to: at once from ``before_start``,
+        as it ends from the body)."""
         if not self._own_retry(task_id):
             return None
         request = self.request
@@ -1679,8 +1699,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             if opts.strategy == UNTIL_EXECUTED and getattr(exc, "is_eager", False):
                 # Run at once by apply(), not sent: handed the hold here, if it is
                 # a retry of the same call (the same lock). A retry that was sent
-                # was handed the hold as it was sent, if it could be (the lock is
-                # then no longer held here).
+                # is handed it below (see _SENT_RETRY).
                 keep = reserve = self._same_lock(exc.sig, key)
             raise
         except Reject as exc:
@@ -1689,8 +1708,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         finally:
             _running_here.pop(lock.owner, None)
             sent = getattr(request, _SENT_RETRY, None)
-            if sent is not None and opts.strategy == UNTIL_EXECUTED and not retrying:
-                # A retry sent as it ran on (``self.retry(throw=False)``): held for it.
+            if sent is not None and opts.strategy == UNTIL_EXECUTED:
+                # A retry its body sent (raised, or sent as it ran on): held for it.
                 keep = reserve = True
             if lock._holds > 0:  # lock.holding, inline: every execution ends here
                 if keep:
@@ -1786,11 +1805,12 @@ class SingletonTask(Task):  # type: ignore[misc]
     ) -> bool:
         """Hand an execution's hold to the reservation of its message coming back
         with retry count ``retries``: after ``Reject(requeue=True)`` of an
-        ``until_executed`` task, an eager ``self.retry()``, or a retry the
-        execution sent as it ran on (``self.retry(throw=False)``; any other retry
-        that is sent was handed the hold as it was sent). That delivery takes it
-        over at once, while nobody else can (a copy of an earlier delivery of the
-        message included, for a retry's). If the lock store fails, the hold stays
+        ``until_executed`` task, an eager ``self.retry()``, or a retry the body
+        sent (raised, or sent as it ran on with ``self.retry(throw=False)``; one
+        sent from ``before_start`` was handed the hold as it was sent). That
+        delivery takes it over at once, while nobody else can (a copy of an
+        earlier delivery of the message included, for a retry's); one that
+        started meanwhile, queued behind the hold, is woken as it moves. If the lock store fails, the hold stays
         as it is and the redelivery waits until it expires, or (a hand-over whose
         answer was lost) the lock is freed. Returns whether the hold moved.
 
