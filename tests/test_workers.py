@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis
-from billiard.exceptions import WorkerLostError
+from billiard.exceptions import SoftTimeLimitExceeded, WorkerLostError
 
 from celery_redislock import is_skipped
 from celery_redislock.scripts import FENCE_FIELD, LEASE_FIELD
@@ -130,6 +130,25 @@ def test_contention_history(env: tuple[Any, redis.Redis, Callable[..., Worker]])
         assert after["token"] > before["token"]
     assert lock_keys(client) == []
     assert waiter_queues(client) == []
+
+
+def test_a_soft_time_limit_that_fires_while_a_task_waits_ends_its_wait(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """A prefork task waiting its turn (``on_conflict="wait"``) whose soft time
+    limit fires meanwhile fails with ``SoftTimeLimitExceeded``: its body never
+    runs, and it leaves the queue, nothing left behind once the holder ends."""
+    mod, client, launch = env
+    launch("soft", concurrency=2)
+    holder = mod.sleeper.delay("soft", 4)
+    wait_for(lambda: records(client, "sleeper"), what="the holder to start")
+    waiter = mod.sleeper.apply_async(("soft", 0), soft_time_limit=1)
+    with pytest.raises(SoftTimeLimitExceeded):
+        waiter.get(timeout=30)
+    assert holder.get(timeout=30) == "soft"
+    assert [r["id"] for r in records(client, "sleeper")] == [holder.id]
+    wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
+    wait_for(lambda: waiter_queues(client) == [], what="the queue to be empty")
 
 
 def test_prefork_child_reads_its_last_release_before_it_exits(

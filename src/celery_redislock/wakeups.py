@@ -114,6 +114,11 @@ class Waiter:
         self.following = False
 
 
+#: What a wake-up reply that makes no sense raises as it is parsed or delivered
+#: (anything else raised while reading is an interruption, passed on).
+_GARBLED = (ValueError, IndexError, TypeError, AttributeError)
+
+
 class WakeHub:
     """The wake channel of this process on one server, for one key prefix.
 
@@ -272,14 +277,17 @@ class WakeHub:
             except RedisError as exc:
                 self._broke(conn, exc)
                 return True
-            except BaseException as exc:
-                # Interrupted while reading (a soft time limit, say) or a reply
-                # that makes no sense: bytes or wake-ups read may be lost, so the
-                # stream cannot be trusted. It is subscribed again, every waiter
-                # re-checks the lock, and an interruption goes on to its caller.
+            except _GARBLED as exc:
+                # A reply that makes no sense: the stream cannot be trusted. It is
+                # subscribed again, and every waiter re-checks the lock.
                 self._broke(conn, RedisConnectionError(f"wake-up read failed: {exc!r}"))
-                if isinstance(exc, Exception):
-                    return True
+                return True
+            except BaseException as exc:
+                # Interrupted while reading: a soft time limit (billiard's
+                # SoftTimeLimitExceeded is an Exception), KeyboardInterrupt. Bytes
+                # or wake-ups read may be lost: subscribed again as above, and the
+                # interruption goes on to its caller, whose wait ends.
+                self._broke(conn, RedisConnectionError(f"wake-up read failed: {exc!r}"))
                 raise
         return True
 
