@@ -95,6 +95,8 @@ def test_messages_name_the_lock() -> None:
     """The messages say which lock, which holder and which timeout were involved."""
     assert "'invoice:42'" in str(LockNotOwnedError("invoice:42"))
     assert "lost" in str(LockLostError("invoice:42"))
+    # Not only a renewal too late: an operator may have freed it.
+    assert "force release" in str(LockLostError("invoice:42"))
     assert "2.5 s" in str(LockTimeoutError("invoice:42", 2.5))
     assert "'task-id-1'" in str(LockConflictError("report:7", "task-id-1"))
 

@@ -18,6 +18,7 @@ import pytest
 import redis
 from celery import Celery, chain, chord, group
 from celery.exceptions import Ignore, Reject
+from celery.result import AsyncResult
 from redis.cluster import RedisCluster
 
 from celery_redislock import (
@@ -532,6 +533,26 @@ class TestEnqueueStrategies:
             result.get(timeout=TIMEOUT)
         gate(f"{name}:0").set()
         assert first.get(timeout=TIMEOUT) == 0
+
+    def test_a_link_callback_that_duplicates_a_pending_call_is_not_sent(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """A ``link`` callback is sent by the worker as a task of its own, with no
+        workflow options: a duplicate of a call still pending is deduplicated like
+        any other send, not published, and its own id never gets a result."""
+        name = unique("uel")
+        first = tasks.until_executed.delay(name)
+        wait_for(lambda: running("until_executed", name))
+        callback = tasks.until_executed.si(name)
+        callback_id = callback.freeze().id
+        assert tasks.add.apply_async((1, 2), link=callback).get(timeout=TIMEOUT) == 3
+        gate(f"{name}:0").set()
+        assert first.get(timeout=TIMEOUT) == 0
+        # Sent after the callback would have been: run by now, had it been sent.
+        assert tasks.add.delay(2, 2).get(timeout=TIMEOUT) == 4
+        wait_for(lambda: not lock_keys(locks), what="the lock to be freed")
+        assert runs("until_executed").count((name, 0)) == 1
+        assert AsyncResult(callback_id, app=tasks.add.app).state == "PENDING"
 
     def test_an_until_executing_group_of_duplicates_runs_each(
         self, tasks: SimpleNamespace, locks: redis.Redis

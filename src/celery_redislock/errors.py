@@ -62,8 +62,9 @@ class LockLostError(LockNotOwnedError):
         super().__init__(
             name,
             message
-            or f"lock {name!r} was lost while held: it could not be renewed in time; "
-            "stop touching the protected resource",
+            or f"lock {name!r} was lost while held: it expired before it could be "
+            "renewed, or was freed or taken over by another owner (an operator's "
+            "force release, say); stop touching the protected resource",
         )
 
 
