@@ -19,7 +19,9 @@ Metrics (label ``task`` is the task name):
                                                        ``action``: skip, raise, retry, wait, dedup,
                                                        redelivered
 ``celery_redislock_wait_seconds``           histogram  time a task waited for its lock (0 when free)
-``celery_redislock_hold_seconds``           histogram  time a task held its lock
+``celery_redislock_hold_seconds``           histogram  time a task held its lock: from the
+                                                       acquire to the release (a lock lost
+                                                       meanwhile counts to the release)
 ``celery_redislock_releases_total``         counter    releases by ``outcome``: released, lost
                                                        (expired or taken over first), failed
                                                        (no answer: left to its TTL)

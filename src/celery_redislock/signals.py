@@ -51,7 +51,8 @@ lock_conflict = Signal(
 #: A running task's lock was lost (expired or taken over); sent from the heartbeat.
 lock_lost = Signal(name="lock_lost", providing_args={"task_id", "name", "key"})
 
-#: The task's body ended and its release got its answer. ``held`` is in seconds;
+#: The task's body ended and its release got its answer. ``held`` is in seconds,
+#: from the acquire to the release (a lock lost meanwhile counts to the release);
 #: ``outcome`` is ``"released"`` (the lock was freed, or a hold dropped),
 #: ``"lost"`` (it had expired or been taken over before the release) or
 #: ``"failed"`` (no answer: retried in the background, else it expires by its TTL).
