@@ -17,13 +17,21 @@ from typing import Any, cast
 
 import pytest
 import redis
+from celery import Celery, signals
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_redislock import LockBackendError, LockLostError, RedisLock, SingletonTask
+from celery_redislock import (
+    LockBackendError,
+    LockConflictError,
+    LockLostError,
+    RedisLock,
+    SingletonTask,
+)
 from celery_redislock import lock as lock_module
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.lock import lock_keys, release_lease, wake_channel_prefix
+from celery_redislock.reservations import queued_owner
 from celery_redislock.scripts import (
     ACQUIRE,
     COPIES_MARK,
@@ -2201,3 +2209,75 @@ def test_an_owed_answer_the_heartbeat_reads_is_waited_for_once(
     assert hold_count(direct, lock) == 1
     lock.release()
     assert not held(direct, lock.key)
+
+
+def background_sends_about(key: str) -> list[str]:
+    """What the process's heartbeat is still sending about lock key ``key``."""
+    return [
+        p.what
+        for lane in get_heartbeat()._lanes.values()
+        for p in lane.pending
+        if key in p.call.keys
+    ]
+
+
+@pytest.mark.parametrize("meanwhile", ["nothing", "taken by another"])
+def test_a_send_that_fails_with_its_store_unreachable_frees_its_reservation_once_it_answers(
+    server: RedisServer, proxy: FaultProxy, direct: redis.Redis, meanwhile: str
+) -> None:
+    """The broker and the lock store, one server behind the proxy, go away as an
+    ``until_executed`` message is published: the send fails, and so does the free of
+    the reservation it took. Once the store answers again, the reservation is freed
+    in the background, and the same call sent again is published. Freed by its owner
+    token only: a hold another owner took meanwhile stays."""
+    name = f"failed-send-{meanwhile.replace(' ', '-')}"
+    app = Celery(name, broker=proxy.url_for(1), set_as_current=False)
+    app.conf.update(
+        redislock_url=proxy.url_for(0),
+        task_default_queue=f"{name}-queue",
+        task_publish_retry=False,
+        broker_connection_retry_on_startup=True,
+    )
+
+    @app.task(base=SingletonTask, shared=False, name=name, lock_strategy="until_executed")
+    def job(n: int) -> None: ...
+
+    outage = threading.Event()
+
+    def server_goes_away(**_: Any) -> None:
+        if outage.is_set():
+            outage.clear()
+            proxy.refuse()
+            proxy.reset_all()
+
+    queue = server.client(db=1, socket_timeout=5)
+    key = lock_keys(job.lock_name((1,), {}))[0]
+    signals.before_task_publish.connect(server_goes_away, weak=False)
+    try:
+        job.delay(0)  # Both connections open.
+        outage.set()
+        with pytest.raises(Exception) as failed:
+            job.delay(1)
+        assert not isinstance(failed.value, LockConflictError)
+        assert queue.llen(f"{name}-queue") == 1
+        assert held(direct, key)
+        assert background_sends_about(key) != []
+        other = RedisLock(server.url, job.lock_name((1,), {}), ttl=60)
+        if meanwhile == "taken by another":
+            # Freed (its TTL ran out, say), then taken by another owner.
+            direct.delete(key)
+            assert other.acquire(blocking=False)
+        proxy.heal()
+        if meanwhile == "nothing":
+            wait_for(lambda: not held(direct, key), timeout=10, what="the reservation to go")
+            again = job.delay(1)
+            assert queue.llen(f"{name}-queue") == 2
+            assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
+        else:
+            wait_for(lambda: background_sends_about(key) == [], timeout=10, what="the free")
+            assert fields(direct, key)[OWNER_FIELD] == other.owner
+            other.release()
+    finally:
+        signals.before_task_publish.disconnect(server_goes_away)
+        queue.close()
+        app.close()

@@ -1264,10 +1264,20 @@ class SingletonTask(Task):  # type: ignore[misc]
             return self._publish(args, kwargs, task_id, options, sent)
         except BaseException:
             # Nothing was sent: free the key for the next attempt.
+            freed = False
             try:
                 release_lease(self.lock_client, key, task_id, opts.prefix)
+                freed = True
             except LockBackendError as exc:
-                logger.warning("could not free %s after a failed send: %s", key, exc)
+                logger.warning(
+                    "could not free %s after a failed send (freed once the store answers): %s",
+                    key,
+                    exc,
+                )
+            finally:
+                if not freed:
+                    # The store unreachable, or an interruption: not left to its TTL.
+                    self._free_unsent_later(lock, task_id)
             raise
 
     def _as_sent(self, args: Any, kwargs: Any, options: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -1779,6 +1789,30 @@ class SingletonTask(Task):  # type: ignore[misc]
             logger.warning(
                 "could not free the lock %s reserved for %s[%s] (it expires by its TTL): %s",
                 key,
+                self.name,
+                task_id,
+                error,
+            )
+
+    def _free_unsent_later(self, reservation: RedisLock, task_id: str) -> None:
+        """Free ``reservation``, taken for the message of ``task_id`` whose send
+        failed, in the background once the store answers again: the store could
+        not be reached to free it at once (often the same outage that failed the
+        send). Left alone, it would outlive the failed send by up to its TTL,
+        every send of the same call meanwhile deduplicated to a message that was
+        never sent. By its owner token only: a hold another owner took since
+        stays. Never raises: a reservation that cannot be freed expires by its
+        TTL."""
+        try:
+            reservation._free_later(
+                time.monotonic() + reservation.ttl,
+                f"freeing lock {reservation.name!r} reserved for {self.name}[{task_id}]"
+                " after a failed send",
+            )
+        except Exception as error:
+            logger.warning(
+                "could not free the lock %s reserved for %s[%s] (it expires by its TTL): %s",
+                reservation.name,
                 self.name,
                 task_id,
                 error,
