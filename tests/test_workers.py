@@ -241,6 +241,68 @@ def test_a_dead_pool_childs_lock_is_freed_by_the_worker(
         result.get(timeout=30)
 
 
+@pytest.mark.parametrize("task", ["executing_dies_as_it_starts", "executed_dies_as_it_starts"])
+def test_a_pool_process_that_dies_before_its_task_starts_leaves_no_reservation(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]], task: str
+) -> None:
+    """An until_* task whose prefork child dies after the worker accepted it but
+    before its execution took the send's reservation over (here in
+    ``before_start``) leaves no reservation behind: the worker frees it, by its
+    owner token, before it records the failure, and the same call sent again is
+    sent (not taken for a duplicate of the failed task) and runs."""
+    mod, client, launch = env
+    job = getattr(mod, task)
+    launch("dies", concurrency=1)
+    first = job.delay("d")
+    with pytest.raises(WorkerLostError):
+        first.get(timeout=30)
+    assert lock_keys(client) == []
+    again = job.delay("d")
+    assert again.id != first.id
+    assert again.get(timeout=30) == "d"
+    assert [r["id"] for r in records(client, task)] == [again.id]
+    [start] = records(client, "starts")
+    assert (start["id"], start["owner"]) == (again.id, f"{again.id}:queued")
+    wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
+
+
+def test_a_message_requeued_as_its_pool_process_died_before_its_start_keeps_its_reservation(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """An until_executed message that Celery requeues when its prefork child dies
+    before the execution took the reservation over (``acks_late`` with
+    ``reject_on_worker_lost``) keeps its reservation while it waits again, as a
+    message rejected with ``requeue=True`` does: its delivery finds it as it
+    starts, takes it over and runs, and leaves nothing behind."""
+    mod, client, launch = env
+    launch("requeue", concurrency=1)
+    first = mod.requeued_dies_as_it_starts.delay("d")
+    assert first.get(timeout=30) == "d"
+    assert [r["id"] for r in records(client, "requeued_dies_as_it_starts")] == [first.id]
+    [start] = records(client, "starts")
+    assert (start["id"], start["owner"]) == (first.id, f"{first.id}:queued")
+    wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
+
+
+def test_a_task_sent_again_as_its_pool_process_died_before_its_start_runs(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """An until_executing task that Celery sends again as a retry when its prefork
+    child dies before the execution took the reservation over
+    (``retry_on_worker_lost``) has the first message's reservation freed before
+    the retry is sent: the retry reserves its own, runs, and leaves nothing behind."""
+    mod, client, launch = env
+    launch("resend", concurrency=1)
+    first = mod.resent_dies_as_it_starts.delay("d")
+    assert first.get(timeout=30) == "d"
+    [run] = records(client, "resent_dies_as_it_starts")
+    assert (run["id"], run["retries"]) == (first.id, 1)
+    # The retry's own reservation, not the first message's.
+    [start] = records(client, "starts")
+    assert (start["id"], start["owner"]) == (first.id, f"{first.id}:1:queued")
+    wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
+
+
 def test_a_dead_pool_childs_lock_waits_for_its_ttl_with_a_request_class_not_from_early(
     env: tuple[Any, redis.Redis, Callable[..., Worker]],
 ) -> None:

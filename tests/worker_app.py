@@ -18,8 +18,9 @@ from celery.exceptions import Reject
 
 from celery_redislock import SingletonTask, signals
 from celery_redislock.lock import lock_keys
+from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.task import RequestClassWarning
-from tests.support import make_app
+from tests.support import field, make_app
 
 URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6379/0")
 app = make_app(URL, "workers")
@@ -300,4 +301,61 @@ class FailingStart(SingletonTask):
 def fails_to_start(name: str) -> str:
     """An until_executed task that never runs: its ``before_start`` raises."""
     log("fails_to_start", name=name)
+    return name
+
+
+class DiesAsItStarts(SingletonTask):
+    """A task class whose pool process dies once before the task is called (as
+    one the out-of-memory killer ends while it builds the arguments): its first
+    ``before_start`` for a name kills its own process."""
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        if store.set(f"dies-as-it-starts:{self.name}:{args[0]}", "1", nx=True):
+            os.kill(os.getpid(), signal.SIGKILL)
+        # Who holds the lock as a later delivery starts (before it takes it over).
+        key = lock_keys(self.lock_name(args, kwargs)).lock
+        log("starts", task=self.name, id=task_id, owner=field(store, key, OWNER_FIELD))
+
+
+@app.task(base=DiesAsItStarts, bind=True, shared=False, lock_strategy="until_executing")
+def executing_dies_as_it_starts(self: Any, name: str) -> str:
+    """An until_executing task whose first delivery's pool process dies before its start."""
+    log("executing_dies_as_it_starts", name=name, id=self.request.id)
+    return name
+
+
+@app.task(base=DiesAsItStarts, bind=True, shared=False, lock_strategy="until_executed")
+def executed_dies_as_it_starts(self: Any, name: str) -> str:
+    """An until_executed task whose first delivery's pool process dies before its start."""
+    log("executed_dies_as_it_starts", name=name, id=self.request.id)
+    return name
+
+
+@app.task(
+    base=DiesAsItStarts,
+    bind=True,
+    shared=False,
+    lock_strategy="until_executed",
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def requeued_dies_as_it_starts(self: Any, name: str) -> str:
+    """An until_executed task whose message Celery requeues when the pool process of
+    its first delivery dies before its start."""
+    log("requeued_dies_as_it_starts", name=name, id=self.request.id)
+    return name
+
+
+@app.task(
+    base=DiesAsItStarts,
+    bind=True,
+    shared=False,
+    lock_strategy="until_executing",
+    retry_on_worker_lost=True,
+    default_retry_delay=0,
+)
+def resent_dies_as_it_starts(self: Any, name: str) -> str:
+    """An until_executing task that Celery sends again as a retry when the pool
+    process of its first delivery dies before its start."""
+    log("resent_dies_as_it_starts", name=name, id=self.request.id, retries=self.request.retries)
     return name

@@ -28,8 +28,14 @@ sees the child gone, and frees the hold if it is still that child's (the task's
 id, the worker's node and the child's process id in its description, its
 fencing token in the release), before Celery records the failure or sends the
 task again (``task_reject_on_worker_lost``, ``task_retry_on_worker_lost``), so
-that the copy need not wait for the TTL. (Two round trips on the worker's event
-loop, of 5 s at most each: ``DEFAULT_CALL_TIMEOUT``.) That includes a child the
+that the copy need not wait for the TTL. A child that died before the execution
+took its ``until_*`` message's reservation over (as it built the arguments, or
+in ``before_start``) held nothing of its own: the message's reservation is freed
+instead, by its owner token, unless Celery requeues the message
+(``acks_late`` with ``task_reject_on_worker_lost``), whose delivery takes it
+over. (Two round trips on the worker's event loop, of 5 s at most each:
+``DEFAULT_CALL_TIMEOUT``; three for an ``until_executed`` retry whose
+reservation is not there yet.) That includes a child the
 worker itself signalled: ``revoke(terminate=True)``, or the cancel of a running
 task as the worker loses its broker connection
 (``worker_cancel_long_running_tasks_on_connection_loss``). Celery reports those
@@ -56,7 +62,17 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request as _CeleryRequest
 
 from celery_redislock.admin import LockInfo, force_release, read_lock
-from celery_redislock.task import SingletonTask, _shown, _written_ahead, take_written_ahead
+from celery_redislock.dropped import drop_id, free_dropped
+from celery_redislock.reservations import free_queued
+from celery_redislock.task import (
+    UNTIL_EXECUTED,
+    WHILE_EXECUTING,
+    SingletonTask,
+    _shown,
+    _written_ahead,
+    request_retries,
+    take_written_ahead,
+)
 
 __all__ = ["Request"]
 
@@ -148,7 +164,7 @@ class Request(_CeleryRequest):  # type: ignore[misc]
             # (task_retry_on_worker_lost, task_reject_on_worker_lost): the copy it
             # sends must find the lock free, or an until_* send takes it for a
             # duplicate.
-            self._free_dead_child_lock()
+            self._free_dead_child_lock(requeued=self._requeued_when_lost(exc))
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
@@ -190,39 +206,72 @@ class Request(_CeleryRequest):  # type: ignore[misc]
             time.sleep(GONE_POLL)
         self._free_dead_child_lock(held.fence)
 
-    def _childs_hold(self) -> LockInfo | None:
-        """This task's lock, if it is still held by the pool child that ran it (the
-        task's id, the worker's node and the child's process id in its description).
+    def _message_lock(self) -> tuple[str, LockInfo | None]:
+        """The name of this message's lock, and its hold, if it is held.
 
         Raises:
             LockBackendError: the lock store could not be reached.
         """
         task = self.task
         name = task._message_name(self, self.args, self.kwargs)
-        held = read_lock(task.lock_client, name, task.lock_options.prefix)
-        if (
-            held is None
-            or held.holder != self.id
-            or held.pid != self.worker_pid
-            or held.node != _shown(str(self.hostname))
-        ):
-            return None
-        return held
+        return name, read_lock(task.lock_client, name, task.lock_options.prefix)
 
-    def _free_dead_child_lock(self, fence: int | None = None) -> None:
+    def _is_childs(self, held: LockInfo) -> bool:
+        """Whether ``held`` is the hold of the pool child that ran this task (the
+        task's id, the worker's node and the child's process id in its description)."""
+        return (
+            held.holder == self.id
+            and held.pid == self.worker_pid
+            and held.node == _shown(str(self.hostname))
+        )
+
+    def _childs_hold(self) -> LockInfo | None:
+        """This task's lock, if it is still held by the pool child that ran it (see
+        :meth:`_is_childs`).
+
+        Raises:
+            LockBackendError: the lock store could not be reached.
+        """
+        held = self._message_lock()[1]
+        return held if held is not None and self._is_childs(held) else None
+
+    def _requeued_when_lost(self, exc: BaseException) -> bool:
+        """Whether Celery delivers this message again once it reports ``exc``, its
+        pool process lost: requeued as it is (``acks_late`` with
+        ``reject_on_worker_lost``), not sent again as a retry
+        (``retry_on_worker_lost``, whose retry reserves its own lock, or fails the
+        task once the retries have run out)."""
+        task = self.task
+        return (
+            isinstance(exc, WorkerLostError)
+            and bool(task.acks_late)
+            and bool(task.reject_on_worker_lost)
+            and not task.retry_on_worker_lost
+        )
+
+    def _free_dead_child_lock(self, fence: int | None = None, requeued: bool = False) -> None:
         """Free the hold of the pool child that died running this task, if it is
         still that child's (never one another delivery of the task took since: the
         node and process id must match, and the release names the hold's token,
-        which must be ``fence`` if given)."""
+        which must be ``fence`` if given).
+
+        A child that died before the execution took the message's ``until_*``
+        reservation over (as it built the arguments, or in ``before_start``) held
+        none: the reservation is freed instead, by its owner token (see
+        :meth:`_free_reservation`), unless the message is ``requeued``: its
+        delivery takes the reservation over as it comes back."""
         task = self.task
         if not isinstance(task, SingletonTask):
             return
         try:
             options = task.lock_options
-            held = self._childs_hold()
+            name, held = self._message_lock()
             if held is None or (fence is not None and held.fence != fence):
                 return
-            name = held.name
+            if not self._is_childs(held):
+                if fence is None and not requeued and held.holder == self.id:
+                    self._free_reservation(name)
+                return
             force_release(task.lock_client, name, options.prefix, fence=held.fence)
             logger.info(
                 "celery_redislock: freed lock %s of %s[%s], whose pool process %s died",
@@ -239,6 +288,39 @@ class Request(_CeleryRequest):  # type: ignore[misc]
                 task.name,
                 self.id,
                 exc,
+            )
+
+    def _free_reservation(self, name: str) -> None:
+        """Free lock ``name`` if this message's ``until_*`` reservation still holds
+        it (:func:`~celery_redislock.reservations.free_queued`: an execution's hold
+        is left alone), as for a message dropped as revoked: an ``until_executed``
+        retry's reservation that is not there yet (the execution that sent the
+        retry runs on) is left word to free it as that execution ends
+        (:func:`~celery_redislock.dropped.free_dropped`).
+
+        Raises:
+            LockBackendError: the lock store could not be reached.
+        """
+        task = self.task
+        options = task.lock_options
+        if options.strategy == WHILE_EXECUTING:
+            return
+        client, retries = task.lock_client, request_retries(self)
+        if options.strategy == UNTIL_EXECUTED:
+            drop = drop_id(self)
+            freed = free_dropped(
+                client, name, self.id, options.prefix, retries, options.enqueue_ttl, drop
+            )
+        else:
+            freed = free_queued(client, name, self.id, options.prefix, retries)
+        if freed:
+            logger.info(
+                "celery_redislock: freed the reservation %s of %s[%s], whose pool process "
+                "%s died before it started",
+                name,
+                task.name,
+                self.id,
+                self.worker_pid,
             )
 
     def _give_back(self) -> None:
