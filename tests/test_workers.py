@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis
-from billiard.exceptions import SoftTimeLimitExceeded, WorkerLostError
+from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
 
 from celery_redislock import is_skipped
 from celery_redislock.scripts import FENCE_FIELD, LEASE_FIELD
@@ -263,6 +263,44 @@ def test_a_pool_process_that_dies_before_its_task_starts_leaves_no_reservation(
     assert [r["id"] for r in records(client, task)] == [again.id]
     [start] = records(client, "starts")
     assert (start["id"], start["owner"]) == (again.id, f"{again.id}:queued")
+    wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
+
+
+def test_a_task_killed_for_its_time_limit_before_it_starts_leaves_no_reservation(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """An until_executed task whose prefork child is killed for its hard time limit
+    before the execution took the send's reservation over (here in a
+    ``before_start`` that runs too long) leaves no reservation behind: once the
+    child is gone, the worker frees it, and the same call sent again runs."""
+    mod, client, launch = env
+    launch("stalls", concurrency=1)
+    first = mod.executed_stalls_as_it_starts.delay("s")
+    with pytest.raises(TimeLimitExceeded):
+        first.get(timeout=30)
+    wait_for(lambda: lock_keys(client) == [], what="the reservation to be freed")
+    again = mod.executed_stalls_as_it_starts.delay("s")
+    assert again.id != first.id
+    assert again.get(timeout=30) == "s"
+    assert [r["id"] for r in records(client, "executed_stalls_as_it_starts")] == [again.id]
+    wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
+
+
+def test_a_message_requeued_as_it_is_killed_for_its_time_limit_keeps_its_reservation(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """An until_executed message that Celery requeues when it is killed for its
+    hard time limit before its start (``acks_late`` without ``acks_on_timeout``)
+    keeps its reservation: its next delivery finds it as it starts, takes it over
+    and runs, and leaves nothing behind."""
+    mod, client, launch = env
+    launch("requeue-stall", concurrency=1)
+    first = mod.requeued_stalls_as_it_starts.delay("s")
+    wait_for(lambda: records(client, "requeued_stalls_as_it_starts"), 30, "the redelivery")
+    [run] = records(client, "requeued_stalls_as_it_starts")
+    assert run["id"] == first.id
+    [start] = records(client, "starts")
+    assert (start["id"], start["owner"]) == (first.id, f"{first.id}:queued")
     wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
 
 

@@ -359,3 +359,45 @@ def resent_dies_as_it_starts(self: Any, name: str) -> str:
     process of its first delivery dies before its start."""
     log("resent_dies_as_it_starts", name=name, id=self.request.id, retries=self.request.retries)
     return name
+
+
+class StallsAsItStarts(SingletonTask):
+    """A task class whose first ``before_start`` for a name runs past the task's
+    hard time limit, so its pool process is killed before the task is called."""
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        if store.set(f"stalls-as-it-starts:{self.name}:{args[0]}", "1", nx=True):
+            time.sleep(60)
+        # Who holds the lock as a later delivery starts (before it takes it over).
+        key = lock_keys(self.lock_name(args, kwargs)).lock
+        log("starts", task=self.name, id=task_id, owner=field(store, key, OWNER_FIELD))
+
+
+@app.task(
+    base=StallsAsItStarts,
+    bind=True,
+    shared=False,
+    lock_strategy="until_executed",
+    time_limit=1,
+)
+def executed_stalls_as_it_starts(self: Any, name: str) -> str:
+    """An until_executed task whose first delivery is killed for its time limit
+    before its start."""
+    log("executed_stalls_as_it_starts", name=name, id=self.request.id)
+    return name
+
+
+@app.task(
+    base=StallsAsItStarts,
+    bind=True,
+    shared=False,
+    lock_strategy="until_executed",
+    time_limit=1,
+    acks_late=True,
+    acks_on_timeout=False,
+)
+def requeued_stalls_as_it_starts(self: Any, name: str) -> str:
+    """An until_executed task whose message Celery requeues when its first delivery
+    is killed for its time limit before its start."""
+    log("requeued_stalls_as_it_starts", name=name, id=self.request.id)
+    return name

@@ -92,6 +92,11 @@ HANDED_TO_POOL = "redislock_handed_to_pool"
 #: task's hard time limit is gone.
 GONE_POLL = 0.02
 
+#: How long, in seconds, the worker waits for a pool process killed for its
+#: task's hard time limit to be gone, before it frees the reservation that
+#: process had not taken over yet (the pool kills it at once).
+KILL_WAIT = 10.0
+
 #: Whether this system shows its processes under ``/proc`` (a zombie is told apart
 #: from a live process there).
 _PROC = os.path.isdir("/proc/self")
@@ -117,6 +122,16 @@ def _process_gone(pid: int) -> bool:
     except OSError:
         return False
     return False
+
+
+def _requeued_on_timeout(task: Any) -> bool:
+    """Whether Celery requeues the message of ``task`` killed for its hard time
+    limit (``acks_late`` without ``acks_on_timeout``, or without
+    ``acks_on_failure_or_timeout`` on a Celery that has only that)."""
+    acks = getattr(task, "acks_on_timeout", None)
+    if acks is None:
+        acks = getattr(task, "acks_on_failure_or_timeout", True)
+    return bool(task.acks_late) and acks is False
 
 
 class Request(_CeleryRequest):  # type: ignore[misc]
@@ -184,9 +199,12 @@ class Request(_CeleryRequest):  # type: ignore[misc]
     def _free_when_gone(self, pid: int) -> None:
         """Free the hold of pool child ``pid``, killed for this task's hard time
         limit, once the child is gone (and only that hold, by its token: read now,
-        while the child is being killed)."""
+        while the child is being killed). A child killed before the execution took
+        its ``until_*`` message's reservation over (in ``before_start``) held
+        none: the reservation is freed instead, unless Celery requeues the
+        message (``acks_late`` without ``acks_on_timeout``)."""
         try:
-            held = self._childs_hold()
+            held = self._message_lock()[1]
         except Exception as exc:
             logger.warning(
                 "celery_redislock: could not read the lock of %s[%s], whose pool process "
@@ -196,15 +214,20 @@ class Request(_CeleryRequest):  # type: ignore[misc]
                 exc,
             )
             return
-        if held is None:
+        if held is None or held.holder != self.id:
             return
-        # The child renews nothing once killed: by then the hold has expired.
-        until = time.monotonic() + max(0, held.ttl_ms) / 1000
+        childs = self._is_childs(held)
+        if not childs and _requeued_on_timeout(self.task):
+            return
+        # The child renews nothing once killed: by then its hold has expired. (A
+        # reservation it had not taken over lives on; the kill follows at once.)
+        until = time.monotonic() + (max(0, held.ttl_ms) / 1000 if childs else KILL_WAIT)
         while not _process_gone(pid):
             if time.monotonic() >= until:
                 return
             time.sleep(GONE_POLL)
-        self._free_dead_child_lock(held.fence)
+        # Read again: a child may have taken the reservation over as it was killed.
+        self._free_dead_child_lock(held.fence if childs else None)
 
     def _message_lock(self) -> tuple[str, LockInfo | None]:
         """The name of this message's lock, and its hold, if it is held.
