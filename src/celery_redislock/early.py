@@ -260,14 +260,18 @@ class Request(_CeleryRequest):  # type: ignore[misc]
 
     def _requeued_when_lost(self, exc: BaseException) -> bool:
         """Whether Celery delivers this message again once it reports ``exc``, its
-        pool process lost: requeued as it is (``acks_late`` with
-        ``reject_on_worker_lost``), not sent again as a retry
-        (``retry_on_worker_lost``, whose retry reserves its own lock, or fails the
-        task once the retries have run out)."""
+        pool process lost, as Celery's own ``on_failure`` decides it: requeued as
+        it is (``acks_late`` with ``reject_on_worker_lost``), or left unacked as
+        the worker cancelled it (its broker connection lost), not sent again as a
+        retry (``retry_on_worker_lost``, whose retry reserves its own lock, or
+        fails the task once the retries have run out) nor dropped as revoked."""
+        if getattr(self, "_already_cancelled", False) and not isinstance(exc, WorkerLostError):
+            return True
+        if isinstance(exc, Terminated):
+            return False
         task = self.task
         return (
-            isinstance(exc, WorkerLostError)
-            and bool(task.acks_late)
+            bool(task.acks_late)
             and bool(task.reject_on_worker_lost)
             and not task.retry_on_worker_lost
         )
