@@ -1597,3 +1597,75 @@ def test_an_until_task_that_cannot_reach_its_store_as_it_starts_frees_its_reserv
             proxy.heal()
             close_app(app)
     assert runs == ([1, 2] if mode == "run" else [2])
+
+
+@pytest.mark.parametrize("end", ["retry", "reject"])
+def test_a_hold_that_cannot_be_handed_to_the_redelivery_is_freed_once_the_store_answers(
+    redislock_server: RedisServer, redislock_client: redis.Redis, end: str
+) -> None:
+    """``until_executed``, ``raise self.retry()`` (or ``Reject(requeue=True)``,
+    ``acks_late``): the lock store is unreachable as the execution ends, so its
+    hold cannot be handed to the reservation of the message coming back. Once the
+    store answers again, that hold is freed in the background (by its owner
+    token): the redelivery, waiting behind it, runs then, not once the hold's
+    ``lock_ttl`` has run out; the lock is free after it."""
+    runs: list[int] = []
+    sender_ends = threading.Event()
+    ended = threading.Event()
+    healed = threading.Event()
+    again = threading.Event()
+    with FaultProxy("127.0.0.1", redislock_server.port) as proxy:
+        app = make_app(redislock_server.url, f"hand-over-blip-{end}")
+        app.conf.redislock_url = proxy.url
+
+        @app.task(
+            base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+            lock_ttl=60, max_retries=1, acks_late=True,
+        )  # fmt: skip
+        def job(self: SingletonTask) -> int:
+            runs.append(len(runs))
+            if len(runs) > 1:
+                again.set()
+                return 1
+            try:
+                if end == "retry":
+                    raise self.retry(countdown=0)
+                raise Reject("again", requeue=True)
+            finally:
+                wait_for(sender_ends.is_set, what="the store to go away")
+
+        @app.task(shared=False)
+        def gate() -> None:
+            # Keeps the worker's only thread until the store is back: the
+            # redelivery (queued behind) starts only then.
+            wait_for(healed.is_set, timeout=30, what="the store to come back")
+
+        def postrun(sender: Any, **_: Any) -> None:
+            ended.set()
+
+        task_postrun.connect(postrun, sender=job, weak=False)
+        name = job.lock_name((), {})
+        try:
+            with in_process_worker(app, concurrency=1):
+                first = job.delay()
+                wait_for(lambda: runs == [0], what="the first execution")
+                gate.delay()
+                proxy.refuse()
+                proxy.reset_all()
+                sender_ends.set()
+                # Its hand-over failed as it ended: the hold is still its own.
+                assert ended.wait(20), "the first execution did not end"
+                assert field(redislock_client, lock_keys(name).lock, OWNER_FIELD) is not None
+                proxy.heal()
+                healed.set()
+                # Far sooner than the 60 s lock_ttl (a hang guard, not a timing).
+                assert again.wait(20), "the redelivery waited for the hold to expire"
+                assert first.get(timeout=15) == 1
+                wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+        finally:
+            task_postrun.disconnect(postrun, sender=job)
+            sender_ends.set()
+            healed.set()
+            proxy.heal()
+            close_app(app)
+    assert runs == [0, 1]

@@ -1844,9 +1844,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         sent from ``before_start`` was handed the hold as it was sent). That
         delivery takes it over at once, while nobody else can (a copy of an
         earlier delivery of the message included, for a retry's); one that
-        started meanwhile, queued behind the hold, is woken as it moves. If the lock store fails, the hold stays
-        as it is and the redelivery waits until it expires, or (a hand-over whose
-        answer was lost) the lock is freed. Returns whether the hold moved.
+        started meanwhile, queued behind the hold, is woken as it moves. If the lock store fails, the hold is
+        freed in the background once the store answers (see
+        :meth:`_free_unmoved_later`), or (a hand-over whose answer was lost) the
+        reservation it made is. Returns whether the hold moved.
 
         With ``heed``, for a retry that was sent while the hold was kept (by the
         execution running on, or by a start that failed; ``copies`` of it), the
@@ -1892,15 +1893,48 @@ class SingletonTask(Task):  # type: ignore[misc]
             moved = reservation.acquire(blocking=False)
         except LockBackendError as exc:
             logger.warning(
-                "could not keep lock %s for the redelivery of %s[%s]; it waits for the "
-                "lock to expire: %s",
+                "could not keep lock %s for the redelivery of %s[%s]; it is freed once "
+                "the lock store answers, and taken anew by the redelivery: %s",
                 lock.name,
                 self.name,
                 lock.lease,
                 exc,
             )
+            self._free_unmoved_later(lock)
             return None
         return reservation if moved else None
+
+    def _free_unmoved_later(self, lock: RedisLock) -> None:
+        """Free ``lock``'s hold, which could not be handed to a redelivery's
+        reservation (see :meth:`_take_reservation`), in the background once the
+        store answers again, rather than leave it until its TTL: nobody would
+        take it over, and the redelivery (a retry waits behind the execution
+        that sent it) would wait for it to expire. Freed, it wakes that
+        redelivery, which takes the lock anew; a redelivery that already ended
+        (its start failed in the same outage) leaves the lock free. By the
+        hold's owner token only: a hold the move made after all (its answer
+        lost) is the reservation's, and stays, as does any other owner's.
+
+        The lock is not reserved between that free and the redelivery's start:
+        the same call sent meanwhile is not deduplicated, and the redelivery
+        then meets its hold as any conflicting execution does (``on_conflict``).
+        A move sent again in the background instead would keep the lock for a
+        redelivery that may have already ended, until the reservation's TTL.
+        Never raises: a hold that cannot be freed expires by its TTL."""
+        try:
+            lock._free_later(
+                time.monotonic() + lock.ttl,
+                f"freeing lock {lock.name!r} not handed to the redelivery of "
+                f"{self.name}[{lock.lease}]",
+            )
+        except Exception as error:
+            logger.warning(
+                "could not free lock %s of %s[%s] (it expires by its TTL): %s",
+                lock.name,
+                self.name,
+                lock.lease,
+                error,
+            )
 
     def _heed_dropped(
         self,
