@@ -1844,10 +1844,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         sent from ``before_start`` was handed the hold as it was sent). That
         delivery takes it over at once, while nobody else can (a copy of an
         earlier delivery of the message included, for a retry's); one that
-        started meanwhile, queued behind the hold, is woken as it moves. If the lock store fails, the hold is
-        freed in the background once the store answers (see
-        :meth:`_free_unmoved_later`), or (a hand-over whose answer was lost) the
-        reservation it made is. Returns whether the hold moved.
+        started meanwhile, queued behind the hold, is woken as it moves. If the
+        lock store fails, the hold is freed in the background once the store
+        answers (see :meth:`_free_unmoved_later`), or (a hand-over whose answer
+        was lost) the reservation it made is. Returns whether the hold moved.
 
         With ``heed``, for a retry that was sent while the hold was kept (by the
         execution running on, or by a start that failed; ``copies`` of it), the
