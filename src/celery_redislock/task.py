@@ -565,6 +565,17 @@ def _in_workflow(options: Mapping[str, Any]) -> bool:
     )
 
 
+def _free_in_background(lock: RedisLock, what: str) -> None:
+    """Free ``lock``'s hold in the background once the store answers again, until
+    its TTL, by its owner token only: a hold another owner took since stays (see
+    :meth:`RedisLock._free_later`). ``what`` names it in the log. Never raises:
+    a hold that cannot be freed so expires by its TTL."""
+    try:
+        lock._free_later(time.monotonic() + lock.ttl, what)
+    except Exception as error:
+        logger.warning("%s: not possible (it expires by its TTL): %s", what, error)
+
+
 def skipped_result(name: str, holder: str | None) -> dict[str, Any]:
     """The result a duplicate returns with ``on_conflict="skip"``: the lock name as
     ``lock_name`` (and as ``lock_key``, its older spelling) and the holder's task id."""
@@ -1276,8 +1287,14 @@ class SingletonTask(Task):  # type: ignore[misc]
                 )
             finally:
                 if not freed:
-                    # The store unreachable, or an interruption: not left to its TTL.
-                    self._free_unsent_later(lock, task_id)
+                    # The store unreachable (often in the outage that failed the
+                    # send), or an interruption: not left to its TTL, every send of
+                    # the call meanwhile deduplicated to a message never sent.
+                    _free_in_background(
+                        lock,
+                        f"freeing lock {key!r} reserved for {self.name}[{task_id}]"
+                        " after a failed send",
+                    )
             raise
 
     def _as_sent(self, args: Any, kwargs: Any, options: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -1775,48 +1792,16 @@ class SingletonTask(Task):  # type: ignore[misc]
         raises: a reservation that cannot be freed expires by its TTL."""
         if opts.strategy == WHILE_EXECUTING or request.is_eager:
             return
+        what = f"freeing lock {key!r} reserved for {self.name}[{task_id}]"
         try:
-            retries = request_retries(request)
-            owner = queued_owner(task_id, retries)
+            owner = queued_owner(task_id, request_retries(request))
             reservation = self._new_lock(
                 key, task_id, owner, opts.enqueue_ttl, heartbeat=False, opts=opts
             )
-            reservation._free_later(
-                time.monotonic() + opts.enqueue_ttl,
-                f"freeing lock {key!r} reserved for {self.name}[{task_id}]",
-            )
         except Exception as error:
-            logger.warning(
-                "could not free the lock %s reserved for %s[%s] (it expires by its TTL): %s",
-                key,
-                self.name,
-                task_id,
-                error,
-            )
-
-    def _free_unsent_later(self, reservation: RedisLock, task_id: str) -> None:
-        """Free ``reservation``, taken for the message of ``task_id`` whose send
-        failed, in the background once the store answers again: the store could
-        not be reached to free it at once (often the same outage that failed the
-        send). Left alone, it would outlive the failed send by up to its TTL,
-        every send of the same call meanwhile deduplicated to a message that was
-        never sent. By its owner token only: a hold another owner took since
-        stays. Never raises: a reservation that cannot be freed expires by its
-        TTL."""
-        try:
-            reservation._free_later(
-                time.monotonic() + reservation.ttl,
-                f"freeing lock {reservation.name!r} reserved for {self.name}[{task_id}]"
-                " after a failed send",
-            )
-        except Exception as error:
-            logger.warning(
-                "could not free the lock %s reserved for %s[%s] (it expires by its TTL): %s",
-                reservation.name,
-                self.name,
-                task_id,
-                error,
-            )
+            logger.warning("%s: not possible (it expires by its TTL): %s", what, error)
+            return
+        _free_in_background(reservation, what)
 
     def _same_lock(self, signature: Any, name: str) -> bool:
         """Whether the call ``signature`` (a retry's) takes lock ``name``."""
@@ -1921,20 +1906,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         A move sent again in the background instead would keep the lock for a
         redelivery that may have already ended, until the reservation's TTL.
         Never raises: a hold that cannot be freed expires by its TTL."""
-        try:
-            lock._free_later(
-                time.monotonic() + lock.ttl,
-                f"freeing lock {lock.name!r} not handed to the redelivery of "
-                f"{self.name}[{lock.lease}]",
-            )
-        except Exception as error:
-            logger.warning(
-                "could not free lock %s of %s[%s] (it expires by its TTL): %s",
-                lock.name,
-                self.name,
-                lock.lease,
-                error,
-            )
+        _free_in_background(
+            lock,
+            f"freeing lock {lock.name!r} not handed to the redelivery of {self.name}[{lock.lease}]",
+        )
 
     def _heed_dropped(
         self,
