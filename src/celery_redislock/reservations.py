@@ -60,6 +60,17 @@ def queued_retries(owner: str | None, task_id: str) -> int | None:
     return ascii_number(middle[1:]) if middle[0] == ":" else None
 
 
+def hold_retries(owner: str | None, task_id: str) -> int:
+    """The retry count of the message behind a hold of lease ``task_id`` with owner
+    token ``owner``: its reservation's (:func:`queued_retries`), or its
+    execution's, whose owner token ends with ``:<retries>`` (0 if it names none)."""
+    queued = queued_retries(owner, task_id)
+    if queued is not None:
+        return queued
+    _, colon, count = (owner or "").rpartition(":")
+    return (ascii_number(count) or 0) if colon else 0
+
+
 def ascii_number(text: str) -> int | None:
     """``text`` as a number, if it is written in ASCII digits only."""
     return int(text) if text.isascii() and text.isdigit() else None

@@ -89,13 +89,12 @@ from redis.cluster import RedisCluster
 from celery_redislock.dropped import REVOKED, drop_id, free_dropped, free_revoked
 from celery_redislock.early import HANDED_TO_POOL
 from celery_redislock.lock import name_from_key
-from celery_redislock.reservations import free_queued, queued_retries
+from celery_redislock.reservations import free_queued, hold_retries, queued_retries
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD, decode_lock
 from celery_redislock.task import (
     UNTIL_EXECUTED,
     WHILE_EXECUTING,
     SingletonTask,
-    _generation,
     request_retries,
 )
 from celery_redislock.transport import Client
@@ -436,7 +435,7 @@ def _free_found(
         if retries is not None:
             free_queued(client, name, lease, prefix, retries)
         elif owner is not None:
-            free_revoked(client, name, lease, prefix, _generation(owner, lease) + 1, 0.0)
+            free_revoked(client, name, lease, prefix, hold_retries(owner, lease) + 1, 0.0)
 
 
 def _glob_escape(text: str) -> str:

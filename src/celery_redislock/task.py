@@ -132,7 +132,7 @@ from celery_redislock.lock import (
     check_ttl,
     release_lease,
 )
-from celery_redislock.reservations import ascii_number
+from celery_redislock.reservations import ascii_number, hold_retries
 from celery_redislock.reservations import free_queued as free_queued
 from celery_redislock.reservations import queued_owner as queued_owner
 from celery_redislock.reservations import queued_retries as queued_retries
@@ -242,16 +242,6 @@ def _execution_owner(retries: int) -> str:
     """A new owner token for an execution of a message with retry count ``retries``,
     which a retry's (above 0) names, as its reservation does."""
     return f"{owner_token()}:{retries}" if retries else owner_token()
-
-
-def _generation(owner: str | None, task_id: str) -> int:
-    """The retry count of the message behind a hold of lease ``task_id`` with owner
-    token ``owner``: its reservation's, or its execution's (0 if it names none)."""
-    queued = queued_retries(owner, task_id)
-    if queued is not None:
-        return queued
-    _, colon, count = (owner or "").rpartition(":")
-    return (ascii_number(count) or 0) if colon else 0
 
 
 def _retries(value: object) -> int:
@@ -2149,7 +2139,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         # Renewed no more before it changes hands.
         lock.detach()
         return self._reserve(
-            lock, opts, kept[1], kept[0], heed=kept[0] != _generation(lock.owner, lock.lease or "")
+            lock, opts, kept[1], kept[0], heed=kept[0] != hold_retries(lock.owner, lock.lease or "")
         )
 
     def _release(self, lock: RedisLock, held: float, taken_over_ok: bool = False) -> None:
@@ -2296,7 +2286,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         # A retry behind an execution of an earlier delivery of its message (the
         # one that sent it, running on after ``self.retry(throw=False)``) waits for
         # it however long it runs: a hold no longer renewed expires within its TTL.
-        behind_sender = queued_retries(owner, lease or "") is None and _generation(
+        behind_sender = queued_retries(owner, lease or "") is None and hold_retries(
             owner, lease or ""
         ) < request_retries(request)
         limit = None if behind_sender else max(0, lock._pttl) / 1000 + REDELIVERY_GRACE
@@ -2306,7 +2296,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         )  # fmt: skip
         # A delivery of the same message running in this process is alive: no need
         # to wait and see. (A retry waits for the execution that sent it to end.)
-        here = _running_here.get(owner or "") == _process.pid and _generation(
+        here = _running_here.get(owner or "") == _process.pid and hold_retries(
             owner, lease or ""
         ) == request_retries(request)
         if not here and not self._superseded(lock, request):
@@ -2327,7 +2317,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 return taken or self._superseded(lock, request)
 
             if lock._acquire(True, limit, stop=stop):
-                if _generation(owner, lease or "") == request_retries(request) and (
+                if hold_retries(owner, lease or "") == request_retries(request) and (
                     self._succeeded(request)
                 ):
                     logger.info(
@@ -2344,7 +2334,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 "%s[%s] dropped: this message was sent again as its retry %d, which holds lock %s",
                 self.name,
                 request.id,
-                _generation(lock._blocked_owner, lease),
+                hold_retries(lock._blocked_owner, lease),
                 key,
             )
             raise Ignore()
@@ -2386,7 +2376,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         of the message (its reservation, or its execution) than ``request``'s."""
         if lock._blocked_owner is None:
             return False
-        return _generation(lock._blocked_owner, lock.lease or "") > request_retries(request)
+        return hold_retries(lock._blocked_owner, lock.lease or "") > request_retries(request)
 
     def _conflict(
         self, lock: RedisLock, key: str, request: Any, opts: LockOptions, waiting: list[float]
