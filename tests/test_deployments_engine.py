@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ from celery_redislock.deployments import (
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat, send_pending_now
 from celery_redislock.lock import lock_keys, release_lease
 from celery_redislock.reservations import free_queued, queued_owner
+from celery_redislock.revoke import find_and_free_queued
 from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import Client, Deadline, Transport, transport_for
@@ -543,6 +545,40 @@ def test_cluster_locks_keep_working_after_a_primary_fails(
 def _freed(admin: redis.Redis, key: str) -> bool:
     """Whether no owner holds the lock at ``key`` on ``admin``'s server."""
     return OWNER_FIELD not in fields(admin, key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["another primary", "the failed primary"])
+def test_the_revoke_search_frees_a_reservation_after_a_primary_failed_over(
+    redislock_cluster_factory: Callable[..., ClusterDeployment], where: str
+) -> None:
+    """The search for the locks of revoked tasks (a message still in the broker)
+    scans every primary: one that died since the client's slot map was made (its
+    replica promoted) does not keep the others from being scanned, and the
+    promoted replica is scanned once the map is refreshed. The reservation is
+    freed, on a healthy primary or on the promoted one."""
+    cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
+    client = cluster.client()
+    try:
+        victim, healthy = cluster.primaries()[:2]
+        on = victim if where == "the failed primary" else healthy
+        [name, _] = _names_on(cluster, client, on, "revoke-search-failover")
+        task_id = f"id-{uuid.uuid4().hex}"
+        reservation = RedisLock(
+            client, name, ttl=600, owner=queued_owner(task_id), lease=task_id, heartbeat=False
+        )
+        assert reservation.acquire(blocking=False)
+        direct = victim.client()
+        assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+        direct.close()
+        cluster.kill(victim)
+        cluster.wait_for_failover(victim, timeout=30)
+        wanted = {task_id}
+        find_and_free_queued(client, "redislock", wanted)
+        assert wanted == set()
+        assert not reservation.locked()
+    finally:
+        client.close()
 
 
 @pytest.mark.slow

@@ -97,7 +97,7 @@ from celery_redislock.task import (
     SingletonTask,
     request_retries,
 )
-from celery_redislock.transport import Client
+from celery_redislock.transport import Client, router_for
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,10 @@ CONTROL_STEP = "celery.worker.consumer.control.Control"
 #: store and prefix (a bound on the time a huge keyspace can take).
 SCAN_COUNT = 1000
 MAX_SCAN_CALLS = 200
+
+#: Scans of a cluster's primaries: the second, after a slot-map refresh, tries
+#: those the first could not reach.
+SCAN_ROUNDS = 2
 
 
 class _Pending(NamedTuple):
@@ -366,42 +370,81 @@ def find_and_free_queued(client: Client, prefix: str, task_ids: set[str]) -> Non
     is removed from ``task_ids`` (a task holds one lock at most); the scan stops
     when none is left. A lock an execution of one of them holds is left to it,
     with word that its next retry is revoked (see :func:`_free_found`).
+
+    A Redis Cluster's primaries are scanned one by one: one that cannot be
+    reached (a primary that died, its replica promoted since, which the client's
+    slot map does not know yet) does not keep the others from being scanned;
+    then the slot map is refreshed and the primaries not scanned yet are tried
+    once more.
+
+    Raises:
+        redis.RedisError: a server could not be scanned (the ids still not found
+            free when ``lock_enqueue_ttl`` runs out).
     """
     pattern = f"{_glob_escape(prefix)}:{{*}}"
-    calls = 0
-    # A Redis Cluster's keys are scanned primary by primary, each with a cursor of
-    # its own (the cluster client's scan() answers for all of them at once).
-    for server in _servers(client):
-        cursor = 0
-        while calls < MAX_SCAN_CALLS:
-            calls += 1
-            cursor, keys = server.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
-            if keys:
-                _free_found(client, server, keys, prefix, task_ids)
+    calls = [0]
+    scanned: set[str] = set()
+    error: redis.RedisError | None = None
+    for _ in range(SCAN_ROUNDS):
+        error = None
+        for where, server in _servers(client):
+            if where in scanned:
+                continue
+            try:
+                whole = _scan(client, server, pattern, prefix, task_ids, calls)
+            except redis.RedisError as exc:
+                error = exc
+                continue
             if not task_ids:
                 return
-            if cursor == 0:
-                break
-        else:
+            if not whole:
+                logger.warning(
+                    "gave up looking for the locks of revoked tasks %s under %r after %d "
+                    "SCAN calls; they free when lock_enqueue_ttl runs out",
+                    ", ".join(sorted(task_ids)),
+                    prefix,
+                    MAX_SCAN_CALLS,
+                )
+                return
+            scanned.add(where)
+        if error is None or not router_for(client).redirected(error):
             break
-    else:
-        return
-    logger.warning(
-        "gave up looking for the locks of revoked tasks %s under %r after %d SCAN calls; "
-        "they free when lock_enqueue_ttl runs out",
-        ", ".join(sorted(task_ids)),
-        prefix,
-        MAX_SCAN_CALLS,
-    )
+    if error is not None:
+        raise error
 
 
-def _servers(client: Client) -> list[redis.Redis]:
-    """The servers whose keyspaces together hold ``client``'s keys: each primary of a
-    Redis Cluster, or the one server."""
+def _scan(
+    client: Client,
+    server: redis.Redis,
+    pattern: str,
+    prefix: str,
+    task_ids: set[str],
+    calls: list[int],
+) -> bool:
+    """Scan ``server``'s lock keys and free those ``task_ids`` still own (see
+    :func:`_free_found`), counting the ``SCAN`` calls in ``calls[0]``; whether it
+    was scanned whole (or every id found) before :data:`MAX_SCAN_CALLS`."""
+    cursor = 0
+    while calls[0] < MAX_SCAN_CALLS:
+        calls[0] += 1
+        cursor, keys = server.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
+        if keys:
+            _free_found(client, server, keys, prefix, task_ids)
+        if not task_ids or cursor == 0:
+            return True
+    return False
+
+
+def _servers(client: Client) -> list[tuple[str, redis.Redis]]:
+    """The servers whose keyspaces together hold ``client``'s keys, each with its
+    address: each primary of a Redis Cluster (as the client's slot map has
+    them), or the one server. A cluster's keys are scanned primary by primary,
+    each with a cursor of its own (the cluster client's scan() answers for all
+    of them at once)."""
     if isinstance(client, RedisCluster):
         primaries = client.get_primaries()  # type: ignore[no-untyped-call]
-        return [client.get_redis_connection(node) for node in primaries]
-    return [client]
+        return [(node.name, client.get_redis_connection(node)) for node in primaries]
+    return [("", client)]
 
 
 def _free_found(
