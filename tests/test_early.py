@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis
+from billiard.exceptions import Terminated, WorkerLostError
 from celery import Celery
 from celery import signals as celery_signals
 from celery.contrib.testing.mocks import TaskMessage
@@ -22,7 +23,7 @@ from celery.exceptions import Reject
 from celery.worker.state import task_ready
 
 from celery_redislock import LockBackendError, RedisLock, SingletonTask, signals
-from celery_redislock.early import Request, _process_gone
+from celery_redislock.early import Request, _process_gone, _requeued_on_timeout
 from celery_redislock.heartbeat import Heartbeat
 from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
@@ -658,3 +659,84 @@ def test_a_child_process_that_ended_is_seen_gone_before_it_is_reaped() -> None:
         running.kill()
         running.wait()
         ended.wait()
+
+
+@pytest.mark.parametrize(
+    ("options", "exc", "cancelled", "requeued"),
+    [
+        ({}, WorkerLostError(), False, False),
+        ({"acks_late": True, "reject_on_worker_lost": True}, WorkerLostError(), False, True),
+        (
+            {"acks_late": True, "reject_on_worker_lost": True, "retry_on_worker_lost": True},
+            WorkerLostError(),
+            False,
+            False,
+        ),
+        ({"acks_late": True, "reject_on_worker_lost": True}, Terminated(), False, False),
+        ({}, Terminated(), True, True),
+        ({}, SystemExit(), True, True),
+        ({}, SystemExit(), False, False),
+    ],
+    ids=[
+        "lost",
+        "lost-requeued",
+        "lost-sent-as-a-retry",
+        "revoked-and-terminated",
+        "terminated-as-cancelled",
+        "exit-as-cancelled",
+        "exit",
+    ],
+)
+def test_a_message_whose_pool_process_died_is_known_to_come_back_as_celery_decides(
+    redislock_server: RedisServer,
+    options: dict[str, Any],
+    exc: BaseException,
+    cancelled: bool,
+    requeued: bool,
+) -> None:
+    """Whether a message whose pool process died before its start keeps its
+    reservation (its delivery comes back and takes it over) follows Celery's own
+    ``on_failure``: requeued with ``acks_late`` and ``reject_on_worker_lost`` (not
+    when sent again as a retry, ``retry_on_worker_lost``), left unacked when the
+    worker cancelled it as it lost its broker connection, and dropped when revoked
+    and terminated."""
+    app = make_app(redislock_server.url, "early-requeued")
+    try:
+
+        @app.task(base=SingletonTask, shared=False, name="early.requeued", **options)
+        def job(name: str) -> str:
+            return name
+
+        request = Request(TaskMessage(job.name, args=("r",)), app=app, task=job)
+        request._already_cancelled = cancelled
+        assert request._requeued_when_lost(exc) is requeued
+    finally:
+        close_app(app)
+
+
+@pytest.mark.parametrize(
+    ("options", "requeued"),
+    [
+        ({}, False),
+        ({"acks_late": True}, False),
+        ({"acks_late": True, "acks_on_timeout": False}, True),
+        ({"acks_late": True, "acks_on_failure_or_timeout": False}, True),
+    ],
+    ids=["acks-early", "acks-late", "requeued", "requeued-by-the-older-setting"],
+)
+def test_a_message_killed_for_its_time_limit_is_known_to_come_back_as_celery_decides(
+    redislock_server: RedisServer, options: dict[str, Any], requeued: bool
+) -> None:
+    """Celery requeues a message killed for its hard time limit only with
+    ``acks_late`` and without ``acks_on_timeout`` (which falls back to
+    ``acks_on_failure_or_timeout``): only then is its reservation kept."""
+    app = make_app(redislock_server.url, "early-timeout")
+    try:
+
+        @app.task(base=SingletonTask, shared=False, name="early.timeout", **options)
+        def job(name: str) -> str:
+            return name
+
+        assert _requeued_on_timeout(job) is requeued
+    finally:
+        close_app(app)

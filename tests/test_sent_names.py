@@ -465,8 +465,11 @@ def test_the_worker_finds_a_running_execution_under_the_name_its_send_reserved(
     sent = send_as_reserved(tasks.versioned_held, (item,), reserved)
     try:
         wait_for(lambda: item in runs("versioned_held"), TIMEOUT, "the body to start")
-        held = worker_state.requests[sent.id]._childs_hold()
+        request = worker_state.requests[sent.id]
+        name, held = request._message_lock()
         assert held is not None
+        assert request._is_childs(held)
+        assert name == reserved
         assert held.name == reserved
         assert held.holder == sent.id
     finally:

@@ -304,100 +304,60 @@ def fails_to_start(name: str) -> str:
     return name
 
 
-class DiesAsItStarts(SingletonTask):
-    """A task class whose pool process dies once before the task is called (as
-    one the out-of-memory killer ends while it builds the arguments): its first
-    ``before_start`` for a name kills its own process."""
+class TroubledStart(SingletonTask):
+    """A task class whose first ``before_start`` for a name goes wrong before the
+    task is called: its pool process kills itself (``trouble = "dies"``, as one
+    the out-of-memory killer ends while it builds the arguments), or it runs past
+    the task's hard time limit (``"stalls"``). A later delivery logs who holds the
+    lock as it starts (before it takes it over) under ``starts``."""
+
+    trouble = "dies"
 
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
-        if store.set(f"dies-as-it-starts:{self.name}:{args[0]}", "1", nx=True):
-            os.kill(os.getpid(), signal.SIGKILL)
-        # Who holds the lock as a later delivery starts (before it takes it over).
-        key = lock_keys(self.lock_name(args, kwargs)).lock
-        log("starts", task=self.name, id=task_id, owner=field(store, key, OWNER_FIELD))
-
-
-@app.task(base=DiesAsItStarts, bind=True, shared=False, lock_strategy="until_executing")
-def executing_dies_as_it_starts(self: Any, name: str) -> str:
-    """An until_executing task whose first delivery's pool process dies before its start."""
-    log("executing_dies_as_it_starts", name=name, id=self.request.id)
-    return name
-
-
-@app.task(base=DiesAsItStarts, bind=True, shared=False, lock_strategy="until_executed")
-def executed_dies_as_it_starts(self: Any, name: str) -> str:
-    """An until_executed task whose first delivery's pool process dies before its start."""
-    log("executed_dies_as_it_starts", name=name, id=self.request.id)
-    return name
-
-
-@app.task(
-    base=DiesAsItStarts,
-    bind=True,
-    shared=False,
-    lock_strategy="until_executed",
-    acks_late=True,
-    reject_on_worker_lost=True,
-)
-def requeued_dies_as_it_starts(self: Any, name: str) -> str:
-    """An until_executed task whose message Celery requeues when the pool process of
-    its first delivery dies before its start."""
-    log("requeued_dies_as_it_starts", name=name, id=self.request.id)
-    return name
-
-
-@app.task(
-    base=DiesAsItStarts,
-    bind=True,
-    shared=False,
-    lock_strategy="until_executing",
-    retry_on_worker_lost=True,
-    default_retry_delay=0,
-)
-def resent_dies_as_it_starts(self: Any, name: str) -> str:
-    """An until_executing task that Celery sends again as a retry when the pool
-    process of its first delivery dies before its start."""
-    log("resent_dies_as_it_starts", name=name, id=self.request.id, retries=self.request.retries)
-    return name
-
-
-class StallsAsItStarts(SingletonTask):
-    """A task class whose first ``before_start`` for a name runs past the task's
-    hard time limit, so its pool process is killed before the task is called."""
-
-    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
-        if store.set(f"stalls-as-it-starts:{self.name}:{args[0]}", "1", nx=True):
+        if store.set(f"troubled-start:{self.name}:{args[0]}", "1", nx=True):
+            if self.trouble == "dies":
+                os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)
-        # Who holds the lock as a later delivery starts (before it takes it over).
         key = lock_keys(self.lock_name(args, kwargs)).lock
         log("starts", task=self.name, id=task_id, owner=field(store, key, OWNER_FIELD))
 
 
-@app.task(
-    base=StallsAsItStarts,
-    bind=True,
-    shared=False,
-    lock_strategy="until_executed",
-    time_limit=1,
-)
-def executed_stalls_as_it_starts(self: Any, name: str) -> str:
-    """An until_executed task whose first delivery is killed for its time limit
-    before its start."""
-    log("executed_stalls_as_it_starts", name=name, id=self.request.id)
-    return name
+def troubled_start(kind: str, trouble: str, **options: Any) -> Any:
+    """A :class:`TroubledStart` task named ``kind`` here, whose first delivery meets
+    ``trouble``; each run is logged under ``kind``."""
+
+    @app.task(
+        base=TroubledStart, bind=True, shared=False, name=f"{__name__}.{kind}",
+        trouble=trouble, **options,
+    )  # fmt: skip
+    def run(self: Any, name: str) -> str:
+        log(kind, name=name, id=self.request.id, retries=self.request.retries)
+        return name
+
+    return run
 
 
-@app.task(
-    base=StallsAsItStarts,
-    bind=True,
-    shared=False,
-    lock_strategy="until_executed",
-    time_limit=1,
-    acks_late=True,
-    acks_on_timeout=False,
+executing_dies_as_it_starts = troubled_start(
+    "executing_dies_as_it_starts", "dies", lock_strategy="until_executing"
 )
-def requeued_stalls_as_it_starts(self: Any, name: str) -> str:
-    """An until_executed task whose message Celery requeues when its first delivery
-    is killed for its time limit before its start."""
-    log("requeued_stalls_as_it_starts", name=name, id=self.request.id)
-    return name
+executed_dies_as_it_starts = troubled_start(
+    "executed_dies_as_it_starts", "dies", lock_strategy="until_executed"
+)
+# Celery requeues its message when the first delivery's pool process dies.
+requeued_dies_as_it_starts = troubled_start(
+    "requeued_dies_as_it_starts", "dies", lock_strategy="until_executed",
+    acks_late=True, reject_on_worker_lost=True,
+)  # fmt: skip
+# Celery sends it again as a retry when the first delivery's pool process dies.
+resent_dies_as_it_starts = troubled_start(
+    "resent_dies_as_it_starts", "dies", lock_strategy="until_executing",
+    retry_on_worker_lost=True, default_retry_delay=0,
+)  # fmt: skip
+executed_stalls_as_it_starts = troubled_start(
+    "executed_stalls_as_it_starts", "stalls", lock_strategy="until_executed", time_limit=1
+)
+# Celery requeues its message when the first delivery is killed for its time limit.
+requeued_stalls_as_it_starts = troubled_start(
+    "requeued_stalls_as_it_starts", "stalls", lock_strategy="until_executed",
+    time_limit=1, acks_late=True, acks_on_timeout=False,
+)  # fmt: skip

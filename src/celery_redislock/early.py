@@ -248,16 +248,6 @@ class Request(_CeleryRequest):  # type: ignore[misc]
             and held.node == _shown(str(self.hostname))
         )
 
-    def _childs_hold(self) -> LockInfo | None:
-        """This task's lock, if it is still held by the pool child that ran it (see
-        :meth:`_is_childs`).
-
-        Raises:
-            LockBackendError: the lock store could not be reached.
-        """
-        held = self._message_lock()[1]
-        return held if held is not None and self._is_childs(held) else None
-
     def _requeued_when_lost(self, exc: BaseException) -> bool:
         """Whether Celery delivers this message again once it reports ``exc``, its
         pool process lost, as Celery's own ``on_failure`` decides it: requeued as

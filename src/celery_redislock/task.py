@@ -232,9 +232,9 @@ _RETRYING = "redislock_retrying"
 
 #: Request attribute: the retry count and delay (s) of a retry an execution's body
 #: sent (raised, or sent as it runs on with ``self.retry(throw=False)``), whose
-#: reservation it hands its hold to as it ends (``until_executed``), and how many copies of it the
-#: execution sent (each call whose send returned counts one; the longest delay is
-#: kept).
+#: reservation it hands its hold to as it ends (``until_executed``), and how many
+#: copies of it the execution sent (each call whose send returned counts one;
+#: the longest delay is kept).
 _SENT_RETRY = "redislock_sent_retry"
 
 
