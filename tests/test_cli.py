@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -696,6 +697,71 @@ def test_name_of_a_call(app: Celery) -> None:
     assert "no task 'cliapp.nope'" in one_line_failure(unknown)
     bad = celery(url, "name", "cliapp.report", "1", "--kwargs", "[1]")
     assert "--kwargs must be a JSON object" in one_line_failure(bad)
+
+
+def test_name_refuses_an_unknown_option(app: Celery) -> None:
+    """An unknown option given to `name` (a mistyped --kwargs) is a usage error that
+    names it, the option meant and the options there are, rather than a string
+    argument of the call whose lock name is printed; a negative number is an
+    argument, and so is anything after '--'."""
+    url = str(app.conf.redislock_url)
+    typo = celery(url, "name", "cliapp.report", "--kwarg", '{"account_id": 1}')
+    assert typo.returncode == 2, typo.stdout
+    assert typo.stdout == ""
+    assert (
+        "Error: No such option '--kwarg'. Did you mean '--kwargs'? The options of 'name' "
+        "are --help, --kwargs; an argument of the call that starts with '-' goes after '--'"
+    ) in typo.stderr
+    unknown = celery(url, "name", "cliapp.report", "7", "-x")
+    assert unknown.returncode == 2, unknown.stdout
+    assert "No such option '-x'. The options of 'name' are --help, --kwargs" in unknown.stderr
+    assert "as in: name TASK -- -x" in unknown.stderr
+    dashes = celery(url, "name", "cliapp.report", "-1", "--kwargs={}", "--", "--kwarg")
+    assert dashes.returncode == 0, dashes.stderr
+    assert dashes.stdout.strip() == cli_app.report.lock_name((-1, "--kwarg"), {})
+
+
+def test_name_of_a_call_that_does_not_fit_shows_the_parameters(app: Celery) -> None:
+    """Arguments the task's body could not take are refused in one line that shows
+    the parameters it takes."""
+    result = celery(str(app.conf.redislock_url), "name", "cliapp.report", "1", "true", "3")
+    assert one_line_failure(result) == (
+        "Error: the arguments do not fit task 'cliapp.report', whose body takes "
+        "(account_id, full=False): too many positional arguments"
+    )
+
+
+def test_release_of_a_task_id_or_a_mistyped_name_says_what_to_give(
+    app: Celery, locks: redis.Redis, worker: Any
+) -> None:
+    """`release NAME` given the task id of a holder frees nothing and says to use
+    --holder; given a task id that holds nothing, it says so and how to find the held
+    locks. `release --holder` given a lock name says to give it as NAME, and
+    `--task` a task the app does not have lists those it has."""
+    running = running_report(app, locks, 15)
+    url = str(app.conf.redislock_url)
+    name = cli_app.report.lock_name((15,), {})
+    by_id = one_line_failure(celery(url, "release", running.id, "--yes"))
+    assert by_id == (
+        f"Error: no lock named {running.id!r} is held; {running.id} is the task id holding "
+        f"{name}: use --holder {running.id}"
+    )
+    nobody = str(uuid.uuid4())
+    gone = one_line_failure(celery(url, "release", nobody, "--yes"))
+    assert f"no lock is held by task id {nobody} either (--holder TASK_ID" in gone
+    assert "`celery -A proj redislock list` shows the held locks" in gone
+    by_name = one_line_failure(celery(url, "release", "--holder", name, "--yes"))
+    assert by_name == (
+        f"Error: no lock is held by task id {name!r}; {name!r} is a lock's name: "
+        f"release it with `release {name}`"
+    )
+    typo = one_line_failure(celery(url, "release", "--task", "cliapp.reprot", "--yes"))
+    assert typo == (
+        "Error: no lock of task cliapp.reprot is held (app 'cliapp' has no task "
+        "'cliapp.reprot'; its SingletonTasks: cliapp.queued, cliapp.report)"
+    )
+    assert read_lock(locks, name) is not None
+    finish_report(locks, 15, running)
 
 
 def test_release_asks_first(app: Celery, locks: redis.Redis) -> None:

@@ -442,7 +442,9 @@ def console_commands() -> Iterator[tuple[Block, list[str]]]:
 
 
 def _options(words: list[str]) -> list[str]:
-    return [word.split("=", 1)[0] for word in words if word.startswith("-") and word != "-"]
+    """The options among a command's ``words``: up to ``--``, after which all are arguments."""
+    given = words[: words.index("--")] if "--" in words else words
+    return [word.split("=", 1)[0] for word in given if word.startswith("-") and word != "-"]
 
 
 @cache

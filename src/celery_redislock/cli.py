@@ -19,8 +19,10 @@ Every failure is one line on stderr and a non-zero exit status.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -59,6 +61,13 @@ DEFAULT_INSPECT_TIMEOUT = 1.0
 #: before its release and was left to its new holder (1 is a failure, 2 a usage
 #: error): what was freed is done, the rest wants a second look.
 CHANGED_HANDS_EXIT = 3
+
+#: Where to find the held locks' names and holders, for messages about a lock not found.
+_LIST_HINT = "`celery -A proj redislock list` shows the held locks and their holders"
+
+#: A Celery task id as Celery makes them (a UUID), in any case.
+_TASK_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I)
+
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -308,7 +317,10 @@ def show(ctx: click.Context, name_or_id: str, timeout: float, as_json: bool) -> 
         for info in find_locks(store.client, name_or_id, store.prefix)
     ]
     if not found:
-        raise Failure(f"no lock named {name_or_id!r} is held, and no lock is held by that task id")
+        raise Failure(
+            f"no lock named {name_or_id!r} is held, and no lock is held by that task id; "
+            + _LIST_HINT
+        )
     holders = [info.holder for _, info in found if info.holder]
     activity = worker_activity(ctx.obj.app, timeout) if holders else WorkerActivity()
     now = time.time()
@@ -372,7 +384,56 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-@redislock.command(context_settings={"ignore_unknown_options": True})
+#: A negative JSON number: an argument of a call, not an option, though it starts with '-'.
+_NEGATIVE_NUMBER = re.compile(r"-(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+
+
+class _CallCommand(click.Command):
+    """A command whose trailing arguments are those of a task call.
+
+    An unknown option is an error naming it and the options there are, as for any
+    command, rather than a string argument of the call: a mistyped ``--kwargs``
+    would otherwise name another call's lock. A negative number is an argument;
+    any other argument that starts with ``-`` goes after ``--``, which ends the
+    options (everything after it is an argument).
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Refuse unknown options, then parse as click does (which lets negative
+        numbers through as arguments)."""
+        takes_value: dict[str, bool] = {}
+        for param in self.get_params(ctx):
+            if isinstance(param, click.Option):
+                for opt in (*param.opts, *param.secondary_opts):
+                    takes_value[opt] = not param.is_flag and not param.count
+        rest = iter(args)
+        for arg in rest:
+            if arg == "--":
+                break
+            option, equals, _ = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+            if option in takes_value:
+                if takes_value[option] and not equals:
+                    next(rest, None)  # its value, whatever it looks like
+                continue
+            if arg.startswith("-") and arg != "-" and not _NEGATIVE_NUMBER.fullmatch(arg):
+                raise self._no_such_option(ctx, option, sorted(takes_value))
+        return super().parse_args(ctx, args)
+
+    def _no_such_option(
+        self, ctx: click.Context, option: str, options: list[str]
+    ) -> click.NoSuchOption:
+        close = difflib.get_close_matches(option, options, n=1)
+        guess = f" Did you mean {close[0]!r}?" if close else ""
+        return click.NoSuchOption(
+            option,
+            f"No such option {option!r}.{guess} The options of {self.name!r} are "
+            f"{', '.join(options)}; an argument of the call that starts with '-' "
+            f"goes after '--', as in: {self.name} TASK -- {option}",
+            ctx=ctx,
+        )
+
+
+@redislock.command(cls=_CallCommand, context_settings={"ignore_unknown_options": True})
 @click.argument("task_name", metavar="TASK")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--kwargs", "kwargs_json", metavar="JSON", help="Keyword arguments, a JSON object.")
@@ -383,8 +444,11 @@ def name(
 ) -> None:
     """Print the lock name a call of TASK with ARGS would use.
 
-    Each ARG is read as a JSON value (42, "42", [1, 2], null), else taken as a
-    string: `name proj.tasks.rebuild_report 42 --kwargs '{"full": true}'`.
+    Each ARG is read as a JSON value (42, -1, "42", [1, 2], null), else taken as
+    a string: `name proj.tasks.rebuild_report 42 --kwargs '{"full": true}'`.
+    An unknown option is an error; an ARG that starts with '-' (other than a
+    negative number) goes after '--', which ends the options:
+    `name proj.tasks.tag 7 -- -draft`.
     """
     from celery_redislock.task import SingletonTask
 
@@ -392,12 +456,8 @@ def name(
     app = ctx.obj.app
     task = app.tasks.get(task_name)
     if task is None or not isinstance(task, SingletonTask):
-        known = sorted(n for n, t in app.tasks.items() if isinstance(t, SingletonTask))
         what = "no task" if task is None else "not a SingletonTask:"
-        raise Failure(
-            f"{what} {task_name!r} in app {app.main!r}; its SingletonTasks: "
-            + (", ".join(known) or "none")
-        )
+        raise Failure(f"{what} {task_name!r} in app {app.main!r}; {_singleton_tasks(app)}")
     kwargs: Any = {}
     if kwargs_json is not None:
         try:
@@ -524,18 +584,9 @@ def release(
     if len(chosen) != 1:
         raise Failure("give exactly one of NAME, --pattern GLOB, --holder TASK_ID, --task NAME", 2)
     if lock_name is not None:
-        found = [
-            (store, info)
-            for store in _stores_of(ctx)
-            if (info := read_lock(store.client, lock_name, store.prefix)) is not None
-        ]
+        found = _named(ctx, lock_name)
         if not found:
-            hint = (
-                f"; it looks like a pattern: use --pattern {lock_name!r}"
-                if is_glob(lock_name)
-                else ""
-            )
-            raise Failure(f"no lock named {lock_name!r} is held{hint}")
+            raise Failure(_no_lock_named(ctx, lock_name))
         what = f"named {lock_name}"
     elif pattern is not None:
         found = _collect(ctx, check_pattern(pattern))
@@ -543,12 +594,62 @@ def release(
     elif holder is not None:
         found = _collect(ctx, holder=holder)
         what = f"held by {holder}"
+        if not found:
+            hint = (
+                f"; {holder!r} is a lock's name: release it with `release {holder}`"
+                if holder and _named(ctx, holder)
+                else f"; {_LIST_HINT}"
+            )
+            raise Failure(f"no lock is held by task id {holder!r}{hint}")
     else:
         found = _collect(ctx, task=task)
         what = f"of task {task}"
     if not found:
-        raise Failure(f"no lock {what} is held")
+        raise Failure(f"no lock {what} is held{_unknown_task(ctx, task)}")
     _release_all(ctx, found, what, yes, force, timeout)
+
+
+def _named(ctx: click.Context, lock_name: str) -> list[tuple[Store, LockInfo]]:
+    """The held lock called ``lock_name``, in each of the app's lock stores."""
+    return [
+        (store, info)
+        for store in _stores_of(ctx)
+        if (info := read_lock(store.client, lock_name, store.prefix)) is not None
+    ]
+
+
+def _no_lock_named(ctx: click.Context, lock_name: str) -> str:
+    """Why ``release NAME`` found nothing to release, and what to give it instead:
+    the NAME may be a pattern, or the task id of a holder (``--holder``)."""
+    said = f"no lock named {lock_name!r} is held"
+    if is_glob(lock_name):
+        return f"{said}; it looks like a pattern: use --pattern {lock_name!r}"
+    held = _collect(ctx, holder=lock_name)
+    if held:
+        names = ", ".join(info.name for _, info in held)
+        return f"{said}; {lock_name} is the task id holding {names}: use --holder {lock_name}"
+    if _TASK_ID.fullmatch(lock_name):
+        return (
+            f"{said}, and no lock is held by task id {lock_name} either (--holder TASK_ID "
+            f"releases by task id); {_LIST_HINT}"
+        )
+    return f"{said}; {_LIST_HINT}"
+
+
+def _unknown_task(ctx: click.Context, task: str | None) -> str:
+    """A hint for ``--task NAME`` that found no lock: the app has no such task."""
+    app = ctx.obj.app
+    if task is None or task in app.tasks:
+        return ""
+    return f" (app {app.main!r} has no task {task!r}; {_singleton_tasks(app)})"
+
+
+def _singleton_tasks(app: Any) -> str:
+    """The app's SingletonTasks, for a message about a task name it does not know."""
+    from celery_redislock.task import SingletonTask
+
+    known = sorted(n for n, t in app.tasks.items() if isinstance(t, SingletonTask))
+    return "its SingletonTasks: " + (", ".join(known) or "none")
 
 
 @redislock.command()
@@ -588,7 +689,7 @@ def purge(
         if part
     )
     if not found:
-        click.echo(f"no lock {what} is held")
+        click.echo(f"no lock {what} is held{_unknown_task(ctx, task)}")
         return
     _release_all(ctx, found, what, yes, force, timeout)
 

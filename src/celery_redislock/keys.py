@@ -280,6 +280,13 @@ def _text_digest(values: Sequence[Any], order: Sequence[tuple[int, str]]) -> str
 _LENGTHS = tuple(str(n) for n in range(1024))
 
 
+def _bare(signature: inspect.Signature) -> str:
+    """``signature`` without its annotations, for a message: ``(account_id, full=False)``."""
+    empty = inspect.Parameter.empty
+    parameters = [p.replace(annotation=empty) for p in signature.parameters.values()]
+    return str(signature.replace(parameters=parameters, return_annotation=empty))
+
+
 class KeyBuilder:
     """Derives lock names for one task.
 
@@ -376,7 +383,8 @@ class KeyBuilder:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise KeyDerivationError(
-                f"arguments do not match task {self.task_name!r}'s signature: {exc}"
+                f"the arguments do not fit task {self.task_name!r}, whose body takes "
+                f"{_bare(self.signature)}: {exc}"
             ) from exc
         bound.apply_defaults()
         return bound
