@@ -23,11 +23,13 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 from redis.cluster import RedisCluster
 from redis.exceptions import ClusterDownError, NoPermissionError, TryAgainError
 from redis.sentinel import Sentinel
 
-from celery_redislock import LockBackendError, LockLostError, RedisLock, signals
+from celery_redislock import LockBackendError, LockLostError, RedisLock, SingletonTask, signals
+from celery_redislock import lock as lock_module
 from celery_redislock import transport as transport_module
 from celery_redislock.admin import force_release, list_locks, read_lock
 from celery_redislock.client import get_client
@@ -540,6 +542,114 @@ def test_cluster_locks_keep_working_after_a_primary_fails(
         assert not [lock for lock in (held, fresh, other) if lock in renewed]
     finally:
         client.close()
+
+
+@pytest.mark.slow
+def test_cluster_delay_just_after_its_primary_died_waits_for_the_failover(
+    redislock_cluster_factory: Callable[..., ClusterDeployment],
+) -> None:
+    """An ``until_executed`` task sent just after the primary of its lock's slot was
+    killed (SIGKILL), while the slot map still names the dead node, is not refused
+    after a few tries: its reservation is asked for again within its call's
+    deadline (5 s, longer than the failover: ``cluster-node-timeout`` is 1 s), the
+    slot map refreshed each time, and is taken once on the promoted replica. The
+    task is sent, and a second send is deduplicated to it."""
+    cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
+    client = cluster.client()
+    app = Celery("cluster-failover-send", broker="memory://", set_as_current=False)
+    app.conf.update(redislock_client=client)
+    victim = cluster.primaries()[0]
+    [warm, _] = _names_on(cluster, client, victim, "cluster-failover-send")
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        name="cluster.failover_send",
+        lock_strategy="until_executed",
+    )
+    def reserve(n: int) -> None: ...
+
+    def home(n: int) -> RedisServer:
+        slot = client.keyslot(lock_keys(reserve.lock_name((n,), {}))[0])  # type: ignore[no-untyped-call]
+        return cluster.primary_for_slot(slot)
+
+    n = next(n for n in range(300) if home(n) is victim)
+    name = reserve.lock_name((n,), {})
+    try:
+        # The connections and scripts in place first, as in a process that has sent before.
+        first = RedisLock(client, warm, ttl=10)
+        assert first.acquire(blocking=False)
+        first.release()
+        cluster.kill(victim)
+        sent = reserve.delay(n)
+        heir = cluster.wait_for_failover(victim, timeout=30)
+        admin = heir.client()
+        key = lock_keys(name)[0]
+        assert fields(admin, key).get(OWNER_FIELD) == queued_owner(sent.id)
+        assert hold_count(admin, key) == 1
+        admin.close()
+        assert reserve.delay(n).id == sent.id
+        assert free_queued(client, name, sent.id, "redislock")
+    finally:
+        app.close()
+        client.close()
+
+
+@pytest.mark.slow
+def test_cluster_waiter_through_a_failover_is_woken_on_the_promoted_replica(
+    redislock_cluster_factory: Callable[..., ClusterDeployment],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A waiter whose wait spans its primary's death (SIGKILL) and its replica's
+    promotion moves its wake-up subscription to the promoted replica: the hub of
+    the dead node stops reconnecting there (no warning each second) while the
+    waiter still waits, and the holder's release wakes the waiter by a wake-up
+    message, not by a re-check (made far longer than the test here)."""
+    monkeypatch.setattr(lock_module, "RECHECK", 600.0)
+    monkeypatch.setattr(lock_module, "UNSUBSCRIBED_RECHECK", 600.0)
+    cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
+    client = cluster.client()
+    thread: threading.Thread | None = None
+    try:
+        victim = cluster.primaries()[0]
+        [name, _] = _names_on(cluster, client, victim, "cluster-failover-wait")
+        holder = RedisLock(client, name, ttl=10)
+        assert holder.acquire(blocking=False)
+        waiter = RedisLock(client, name, ttl=10, call_timeout=20)
+        dead = hub_for(waiter.transport, waiter.prefix)
+        thread, outcome = in_thread(lambda: waiter.acquire(timeout=60))
+        direct = victim.client()
+        wait_for(
+            lambda: direct.zcard(waiter.queue_key) == 1,
+            timeout=10,
+            what="the waiter to queue",
+        )
+        # The hold and the queued waiter are on the replica before the primary dies.
+        assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+        direct.close()
+
+        cluster.kill(victim)
+        cluster.wait_for_failover(victim, timeout=30)
+        wait_for(
+            lambda: dead._thread is None or "ended" in outcome,
+            timeout=30,
+            what="the dead node's hub to stop reconnecting",
+        )
+        assert "ended" not in outcome, outcome.get("error")
+        live = hub_for(waiter.transport, waiter.prefix)
+        assert live is not dead
+        wait_for(lambda: live.subscribed, timeout=30, what="the waiter's new subscription")
+        received = live.received
+        holder.release()
+        thread.join(30)
+        assert outcome.get("result") is True, outcome.get("error")
+        assert live.received > received
+        assert dead.received == 0
+        waiter.release()
+    finally:
+        client.close()
+        if thread is not None:
+            thread.join(60)
 
 
 def _freed(admin: redis.Redis, key: str) -> bool:

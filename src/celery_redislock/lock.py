@@ -105,7 +105,7 @@ from celery_redislock.transport import (
     may_have_run,
     router_for,
 )
-from celery_redislock.wakeups import hub_for
+from celery_redislock.wakeups import Waiter, WakeHub, hub_for
 
 logger = logging.getLogger(__name__)
 
@@ -1526,9 +1526,18 @@ class RedisLock:
         in a row (or whose time ran out after a failure) raises, but for one whose
         last try, having found the lock held before, timed out with the time: that
         returns ``False``.
+
+        On a Redis Cluster the waiter's subscription follows its lock's key: once
+        a try has found the key on another primary (a failover promoted a
+        replica), the waiter moves to that primary's hub, keeping its id (its
+        place in the queue), and is subscribed there before its next try. A hub
+        whose server cannot be reached is not waited for: a try finds where the
+        key lives now.
         """
         hub = hub_for(self.transport, self.prefix)
         waiter = hub.join()
+        # On a cluster, a try is not held up by a subscription to a node out of reach.
+        cluster = self._router.single is None
         entry = queue_entry(waiter.id, self.owner, self.ttl_ms, self.lease, self._info)
         self._position = None
         acquired = False
@@ -1549,12 +1558,16 @@ class RedisLock:
                 now = time.monotonic()
                 trying = False
                 try:
+                    if cluster and hub.transport is not self.transport:
+                        hub = self._follow_key(hub, waiter)
+                        subscribed = True
                     # Re-armed first: a break of the subscription right after it is
                     # confirmed wakes this waiter, which then waits for it again.
                     hub.rearm(waiter)
                     # After a try without it, the wait for it is already over.
                     subscribed = hub.wait_ready(
-                        self._call_deadline(ends) if subscribed else Deadline(0.0)
+                        self._call_deadline(ends) if subscribed else Deadline(0.0),
+                        wait_if_unreachable=not cluster,
                     )
                     if subscribed:
                         unheard_since = None
@@ -1592,6 +1605,10 @@ class RedisLock:
                         last_try = remaining <= wait
                         wait = min(wait, remaining)
                     if not subscribed:
+                        if cluster and hub.transport is not self.transport:
+                            # The key lives on another primary now: subscribed
+                            # there before the next try.
+                            continue
                         # No wake-up can come: asked again after the pause, or as
                         # soon as the subscription is back (one sent before it is
                         # lost).
@@ -1662,6 +1679,16 @@ class RedisLock:
             if not acquired and (self._position is not None or unsure):
                 self._leave_queue(entry)
             self._position = None
+
+    def _follow_key(self, hub: WakeHub, waiter: Waiter) -> WakeHub:
+        """Move ``waiter`` from ``hub`` to the hub of the primary this lock's key
+        lives on now (a Redis Cluster's failover or resharding moved it); return
+        that hub. The waiter keeps its id, so its place in the queue: the hub it
+        leaves stops subscribing once nobody else waits on it."""
+        hub.leave(waiter)
+        moved = hub_for(self.transport, self.prefix)
+        moved.join(waiter)
+        return moved
 
     def _keep_handed(self, fence: int) -> bool:
         """Hold the lock a release handed to this waiter (with ``fence``), without

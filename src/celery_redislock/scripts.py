@@ -113,6 +113,7 @@ from celery_redislock.ids import REQUEST_ID_DIGITS
 from celery_redislock.transport import (
     ATTEMPTS,
     SCRIPT_TEXTS,
+    TRANSIENT,
     Deadline,
     Router,
     Transport,
@@ -1131,6 +1132,12 @@ def run_calls(
 #: migration's end settles. Sent again until the deadline.
 TRYAGAIN_PAUSE = 0.05
 
+#: Pause, in seconds, before sending again a request whose Redis Cluster primary
+#: could not be reached while the refreshed slot map still names it: it may have
+#: died, and a replica takes its slots over within a few ``cluster-node-timeout``.
+#: Sent again (the slot map refreshed each time) until the deadline.
+FAILOVER_PAUSE = 0.1
+
 
 def send(
     router: Router,
@@ -1150,7 +1157,11 @@ def send(
     updates the slot map and the request goes again to the key's owner now; a
     slot being migrated sends it to the primary its key has moved to (``ASK``),
     each of its commands after an ``ASKING``, or again after a pause while its
-    keys are split (``TRYAGAIN``).
+    keys are split (``TRYAGAIN``). A primary that cannot be reached (killed, its
+    failover under way) is asked again until the deadline, the slot map
+    refreshed before each try and a :data:`FAILOVER_PAUSE` taken while the map
+    still names it, so the request reaches the replica promoted in its place
+    (a retried acquire is recognised by its request id, and acts once).
 
     Raises:
         redis.RedisError: the request failed for good (connection, timeout, or
@@ -1198,6 +1209,19 @@ def send(
                 asked = router.asked(exc)
                 if asked is None or last:
                     raise
+            elif router.single is None and isinstance(exc, TRANSIENT):
+                asked = None
+                if deadline.expired():
+                    raise
+                # (A refresh that fails, all nodes out of reach, is tried again
+                # on the next failure: the deadline bounds them all.)
+                router.redirected(exc, deadline)
+                if router.transport(key) is transport:
+                    # Still the slot's primary by the cluster's word: its replica
+                    # has not taken over yet.
+                    if deadline.remaining() <= FAILOVER_PAUSE:
+                        raise
+                    time.sleep(FAILOVER_PAUSE)
             else:
                 asked = None
                 if last or not router.redirected(exc):

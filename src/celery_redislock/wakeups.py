@@ -154,9 +154,12 @@ class WakeHub:
         """Whether the subscription is confirmed now (a waiter may queue at once)."""
         return self._subscribed
 
-    def join(self) -> Waiter:
-        """A new waiter; the hub subscribes (in the background) if it is not yet."""
-        waiter = Waiter(f"{process_token()}.{next(_counter)}")
+    def join(self, waiter: Waiter | None = None) -> Waiter:
+        """A new waiter, or ``waiter`` (one that leaves another hub, keeping its id
+        and so its place in its lock's queue); the hub subscribes (in the
+        background) if it is not yet."""
+        if waiter is None:
+            waiter = Waiter(f"{process_token()}.{next(_counter)}")
         with self._guard:
             self._waiters[waiter.id] = waiter
             if self._thread is None:
@@ -171,8 +174,14 @@ class WakeHub:
         with self._guard:
             self._waiters.pop(waiter.id, None)
 
-    def wait_ready(self, deadline: Deadline) -> bool:
+    def wait_ready(self, deadline: Deadline, wait_if_unreachable: bool = True) -> bool:
         """Block until the subscription is confirmed, or ``deadline`` passes.
+
+        With ``wait_if_unreachable=False``, ``False`` as soon as the server is
+        found out of reach (the subscription broke, or could not be made, with a
+        connection error), rather than at ``deadline``: a waiter on a Redis
+        Cluster then asks for its lock at once, which finds the primary its key
+        lives on now (the server of this hub may have died and been failed over).
 
         Raises:
             redis.RedisError: subscribing failed for a reason a retry will not
@@ -183,6 +192,8 @@ class WakeHub:
                 failure = self._failure
                 if failure is not None and not is_transient(failure):
                     raise failure
+                if not wait_if_unreachable and isinstance(failure, RedisConnectionError):
+                    return False
                 remaining = deadline.remaining()
                 if remaining <= 0:
                     return False
