@@ -226,12 +226,16 @@ _ENTERED = "redislock_entered"
 #: execution runs on (from ``before_start`` too, which hands nothing over).
 _RUNS_ON = "redislock_runs_on"
 
-#: Request attribute set while ``self.retry()`` sends the retry (whatever ``throw``
-#: says): from the body, the execution hands its hold over only as it ends.
-_RETRYING = "redislock_retrying"
+#: Message header of a send of an execution's own task id from its body (its
+#: retry, ``self.replace()``, ``apply_async(task_id=self.request.id)``): the owner
+#: token of that execution's hold, which it hands to the message's reservation
+#: only as it ends. A delivery that finds that hold waits for it as long as it runs.
+_SENDER_HEADER = "redislock_sender"
 
-#: Request attribute: the retry count and delay (s) of a retry an execution's body
-#: sent (raised, or sent as it runs on with ``self.retry(throw=False)``), whose
+#: Request attribute: the retry count and delay (s) of a send of its own task id
+#: an execution's body made (its retry, raised or sent as it runs on with
+#: ``self.retry(throw=False)``; ``self.replace()``; any ``apply_async`` of its
+#: own id and lock), whose
 #: reservation it hands its hold to as it ends (``until_executed``), and how many
 #: copies of it the execution sent (each call whose send returned counts one;
 #: the longest delay is kept).
@@ -471,6 +475,17 @@ def _sent_name(request: Any) -> Any:
             given = getattr(request, "headers", None)
             found = given.get(_NAME_HEADER) if isinstance(given, dict) else None
     return found
+
+
+def _sender(request: Any) -> str | None:
+    """The owner token of the hold of the execution whose body sent ``request``'s
+    message under its own task id (see :data:`_SENDER_HEADER`), if any."""
+    found = getattr(request, _SENDER_HEADER, None)
+    if found is None:
+        headers = getattr(request, "request_dict", None) or getattr(request, "headers", None)
+        if isinstance(headers, dict):
+            found = headers.get(_SENDER_HEADER)
+    return found if isinstance(found, str) else None
 
 
 def request_retries(request: Any) -> int:
@@ -1194,15 +1209,13 @@ class SingletonTask(Task):  # type: ignore[misc]
         # What the execution records once the retry is sent (only then: a send
         # that raises sent no copy that could take the hold over).
         sent: tuple[int, float, int] | None = None
-        if (
-            running is not None
-            and getattr(self.request, _RETRYING, False)
-            and getattr(self.request, _ENTERED, False)
-        ):
-            # self.retry() from the body (or Celery's autoretry around it): the execution
-            # keeps its hold until it has ended, its ``finally`` blocks and
-            # ``with`` exits included, and hands it over then; or it runs on
-            # (``self.retry(throw=False)``).
+        if running is not None and getattr(self.request, _ENTERED, False):
+            # Its own task id sent from the body: self.retry() (or Celery's
+            # autoretry around it), self.replace(), or apply_async(task_id=
+            # self.request.id). The execution keeps its hold until it has ended,
+            # its ``finally`` blocks and ``with`` exits included (or all it runs
+            # on to), and hands it over then; the message's delivery waits for it.
+            options["headers"] = {**options["headers"], _SENDER_HEADER: running.owner}
             before = getattr(self.request, _SENT_RETRY, None)
             sent = (retries, delay, 1)
             if before is not None and before[0] == retries:
@@ -1444,10 +1457,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         of each copy when it sent the retry more than once: see
         :func:`free_dropped`)."""
         request = self.request
-        own = not request.called_directly
-        runs_on = own and not throw
-        if own:
-            setattr(request, _RETRYING, True)
+        runs_on = not request.called_directly and not throw
         if runs_on:
             setattr(request, _RUNS_ON, True)
         try:
@@ -1455,18 +1465,17 @@ class SingletonTask(Task):  # type: ignore[misc]
         finally:
             if runs_on:
                 delattr(request, _RUNS_ON)
-            if own:
-                delattr(request, _RETRYING)
 
     def _own_retry(self, task_id: str) -> bool:
-        """Whether sending ``task_id`` is ``self.retry()`` of the running execution."""
+        """Whether sending ``task_id`` sends the running execution's own task id
+        (its ``self.retry()``, ``self.replace()``, or a send under that id)."""
         request = self.request
         return not request.called_directly and request.id == task_id
 
     def _own_hold(self, task_id: str, name: str) -> RedisLock | None:
-        """The running execution's hold of lock ``name``, when sending ``task_id`` is
-        its own retry (which it hands the hold to: at once from ``before_start``,
-        as it ends from the body)."""
+        """The running execution's hold of lock ``name``, when sending ``task_id``
+        sends its own task id (which it hands the hold to: at once from
+        ``before_start``, as it ends from the body)."""
         if not self._own_retry(task_id):
             return None
         request = self.request
@@ -2271,7 +2280,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         (see :meth:`_conflict`) as soon as it finds so. A retry whose lock is held
         by an execution of an earlier delivery of its message (the one that sent
         it, which ran on after ``self.retry(throw=False)``) is not a copy: it
-        waits for that execution however long it runs, then runs.
+        waits for that execution however long it runs, then runs. Nor is a
+        message an execution's body sent under its own task id (its retry,
+        ``self.replace()``, ``apply_async(task_id=self.request.id)``: see
+        :data:`_SENDER_HEADER`) that finds that execution's hold: it waits
+        likewise, whatever its retry count.
 
         A copy whose message was sent again since, as a retry, finding that retry
         holding the lock (its reservation, or its execution), is superseded: it
@@ -2286,9 +2299,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         # A retry behind an execution of an earlier delivery of its message (the
         # one that sent it, running on after ``self.retry(throw=False)``) waits for
         # it however long it runs: a hold no longer renewed expires within its TTL.
-        behind_sender = queued_retries(owner, lease or "") is None and hold_retries(
-            owner, lease or ""
-        ) < request_retries(request)
+        # So does a message an execution's body sent under its own id (its
+        # replacement, a send of that id), named by its header.
+        behind_sender = (
+            queued_retries(owner, lease or "") is None
+            and hold_retries(owner, lease or "") < request_retries(request)
+        ) or (owner is not None and owner == _sender(request))
         limit = None if behind_sender else max(0, lock._pttl) / 1000 + REDELIVERY_GRACE
         _send(
             signals.lock_conflict, self, key, task_id=lock.lease, holder=lock.lease,
@@ -2296,9 +2312,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         )  # fmt: skip
         # A delivery of the same message running in this process is alive: no need
         # to wait and see. (A retry waits for the execution that sent it to end.)
-        here = _running_here.get(owner or "") == _process.pid and hold_retries(
-            owner, lease or ""
-        ) == request_retries(request)
+        here = (
+            not behind_sender
+            and _running_here.get(owner or "") == _process.pid
+            and hold_retries(owner, lease or "") == request_retries(request)
+        )
         if not here and not self._superseded(lock, request):
             logger.info(
                 "%s[%s]: an earlier delivery of this message holds lock %s; waiting %s for "
@@ -2317,8 +2335,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                 return taken or self._superseded(lock, request)
 
             if lock._acquire(True, limit, stop=stop):
-                if hold_retries(owner, lease or "") == request_retries(request) and (
-                    self._succeeded(request)
+                if (
+                    not behind_sender
+                    and hold_retries(owner, lease or "") == request_retries(request)
+                    and self._succeeded(request)
                 ):
                     logger.info(
                         "%s[%s] dropped: an earlier delivery of this message succeeded "
@@ -2373,8 +2393,10 @@ class SingletonTask(Task):  # type: ignore[misc]
     @staticmethod
     def _superseded(lock: RedisLock, request: Any) -> bool:
         """Whether the hold of ``lock``'s lease its last try found is a later retry's
-        of the message (its reservation, or its execution) than ``request``'s."""
-        if lock._blocked_owner is None:
+        of the message (its reservation, or its execution) than ``request``'s: not
+        the hold of the execution that sent ``request``'s message (a task with
+        retries that replaced itself sent its replacement with none)."""
+        if lock._blocked_owner is None or lock._blocked_owner == _sender(request):
             return False
         return hold_retries(lock._blocked_owner, lock.lease or "") > request_retries(request)
 
