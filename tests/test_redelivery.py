@@ -1624,6 +1624,7 @@ def test_a_retry_whose_send_failed_is_not_counted_as_sent(
         ("until_executing", "fail"),
         ("until_executed", "run"),
         ("until_executed", "taken over"),
+        ("until_executed", "made again"),
     ],
 )
 def test_an_until_task_that_cannot_reach_its_store_as_it_starts_frees_its_reservation(
@@ -1637,7 +1638,10 @@ def test_an_until_task_that_cannot_reach_its_store_as_it_starts_frees_its_reserv
     ``lock_enqueue_ttl``; with ``"run"``, even while the unlocked body still runs.
     Only that reservation, by its owner token: a hold another execution took
     meanwhile (``"taken over"``: the lock freed and taken while the store was
-    away from the worker) stays."""
+    away from the worker) stays; and, tied to the reservation's fencing token (the
+    message names it), so does a later reservation of the same task id, which has
+    the same owner token (``"made again"``: the call sent again under that id
+    once the first reservation was gone)."""
     runs: list[int] = []
     go_on = threading.Event()
     with FaultProxy("127.0.0.1", redislock_server.port) as proxy:
@@ -1675,13 +1679,20 @@ def test_an_until_task_that_cannot_reach_its_store_as_it_starts_frees_its_reserv
                     owner = queued_owner(first.id)
                     return [p for lane in lanes for p in lane.pending if owner in p.call.args]
 
-                if mode == "taken over":
+                if mode in ("taken over", "made again"):
                     assert freeing()
                     redislock_client.delete(key)
-                    other = RedisLock(redislock_client, job.lock_name((1,), {}), ttl=30)
+                    name = job.lock_name((1,), {})
+                    if mode == "made again":
+                        owner = queued_owner(first.id)
+                        other = RedisLock(
+                            redislock_client, name, ttl=30, owner=owner, lease=first.id
+                        )
+                    else:
+                        other = RedisLock(redislock_client, name, ttl=30)
                     assert other.acquire(blocking=False)
                 proxy.heal()
-                if mode == "taken over":
+                if mode in ("taken over", "made again"):
                     wait_for(lambda: not freeing(), what="the free to land")
                     assert other.owned()
                     other.release()

@@ -215,6 +215,14 @@ _OVERRIDES_HEADER = "redislock_options"
 #: which its execution takes (and frees) rather than deriving one of its own.
 _NAME_HEADER = "redislock_name"
 
+#: Message header of an ``until_*`` message whose send made its reservation:
+#: ``<retry count>:<fencing token>`` of that reservation, which a background free
+#: of it (its execution could not reach the store as it began) is tied to, so
+#: that it never frees a later reservation of the same task id (same owner token).
+#: A message whose reservation was handed over, or not made, carries none (one
+#: copied into a retry's headers names another retry count, and is not heeded).
+_FENCE_HEADER = "redislock_fence"
+
 #: ``apply_async`` option that re-queues without taking the enqueue-time lock.
 _NO_ENQUEUE_LOCK = "redislock_no_enqueue_lock"
 
@@ -488,6 +496,22 @@ def _sender(request: Any) -> str | None:
     return found if isinstance(found, str) else None
 
 
+def _sent_fence(request: Any) -> int | None:
+    """The fencing token of the reservation the send of ``request``'s message made
+    (see :data:`_FENCE_HEADER`), if the message names it for its own retry count."""
+    found = getattr(request, _FENCE_HEADER, None)
+    if found is None:
+        headers = getattr(request, "request_dict", None) or getattr(request, "headers", None)
+        if isinstance(headers, dict):
+            found = headers.get(_FENCE_HEADER)
+    if not isinstance(found, str):
+        return None
+    retries, _, fence = found.partition(":")
+    if ascii_number(retries) != request_retries(request):
+        return None
+    return ascii_number(fence)
+
+
 def request_retries(request: Any) -> int:
     """The retry count of the message behind ``request``: an execution's context,
     or a worker request (which carries it in its message)."""
@@ -570,13 +594,15 @@ def _in_workflow(options: Mapping[str, Any]) -> bool:
     )
 
 
-def _free_in_background(lock: RedisLock, what: str) -> None:
+def _free_in_background(lock: RedisLock, what: str, fence: int | None = None) -> None:
     """Free ``lock``'s hold in the background once the store answers again, until
-    its TTL, by its owner token only: a hold another owner took since stays (see
+    its TTL, by its owner token, and tied to its fencing token (``lock``'s, or
+    ``fence`` for a hold it did not take) when known: a hold another owner took
+    since stays, and so does a later hold of the same owner token (see
     :meth:`RedisLock._free_later`). ``what`` names it in the log. Never raises:
     a hold that cannot be freed so expires by its TTL."""
     try:
-        lock._free_later(time.monotonic() + lock.ttl, what)
+        lock._free_later(time.monotonic() + lock.ttl, what, fence)
     except Exception as error:
         logger.warning("%s: not possible (it expires by its TTL): %s", what, error)
 
@@ -1202,7 +1228,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         key = self._builder()(*self._as_sent(args, kwargs, options))
         # The name its execution takes: this one, not one the worker derives (a
         # retry's headers, copied from its request, name the first send's).
-        options["headers"] = {**(options.get("headers") or {}), _NAME_HEADER: key}
+        headers = {**(options.get("headers") or {}), _NAME_HEADER: key}
+        # (One copied from the request of an execution that sends its retry.)
+        headers.pop(_FENCE_HEADER, None)
+        options["headers"] = headers
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
         retries = _retries(options.get("retries"))
         running = self._own_hold(task_id, key)
@@ -1274,6 +1303,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             if holder:
                 return self.AsyncResult(holder)
             raise LockConflictError(key, holder)
+        if running is None and lock.token is not None:
+            headers[_FENCE_HEADER] = f"{retries}:{lock.token}"
         try:
             return self._publish(args, kwargs, task_id, options, sent)
         except BaseException:
@@ -1800,7 +1831,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         except Exception as error:
             logger.warning("%s: not possible (it expires by its TTL): %s", what, error)
             return
-        _free_in_background(reservation, what)
+        _free_in_background(reservation, what, _sent_fence(request))
 
     def _same_lock(self, signature: Any, name: str) -> bool:
         """Whether the call ``signature`` (a retry's) takes lock ``name``."""
