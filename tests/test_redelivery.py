@@ -729,26 +729,29 @@ def test_an_autoretry_runs_after_its_senders_cleanup_and_takes_its_lock_over(
 
 @pytest.mark.parametrize("retried", [False, True], ids=["first-run", "retried-run"])
 @pytest.mark.parametrize("how", ["replace", "send-own-id", "send-own-id-and-return"])
+@pytest.mark.parametrize("strategy", ["until_executed", "while_executing"])
 def test_a_send_of_its_own_id_from_the_body_runs_only_once_its_sender_has_ended(
     app: Celery,
     redislock_client: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,
     how: str,
     retried: bool,
+    strategy: str,
 ) -> None:
-    """``until_executed``: a body that sends its own task id again, by
+    """A body that sends its own task id again, by
     ``self.replace()`` (Celery sends the replacement under the same id, then raises
     ``Ignore``) or by ``apply_async(task_id=self.request.id)``, keeps its lock until
     it has ended, its ``finally`` included. The new message, started meanwhile on
     another thread, is neither run beside it nor dropped as a copy of it (even sent
     with fewer retries than the sender's, as a replacement is): it waits for it,
-    woken as the hold is handed to its reservation, then runs and frees the lock."""
+    woken as the hold is handed to its reservation (``until_executed``) or
+    released (``while_executing``), then runs and frees the lock."""
     monkeypatch.setattr(lock_module, "RECHECK", 60.0)
     events: list[str] = []
     lost: list[str] = []
 
     @app.task(
-        base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+        base=SingletonTask, bind=True, shared=False, lock_strategy=strategy,
         lock_ttl=30, max_retries=1,
     )  # fmt: skip
     def job(self: SingletonTask, n: int) -> str:

@@ -219,8 +219,9 @@ _NAME_HEADER = "redislock_name"
 #: ``<retry count>:<fencing token>`` of that reservation, which a background free
 #: of it (its execution could not reach the store as it began) is tied to, so
 #: that it never frees a later reservation of the same task id (same owner token).
-#: A message whose reservation was handed over, or not made, carries none (one
-#: copied into a retry's headers names another retry count, and is not heeded).
+#: A message whose reservation was handed over, or not made, carries none: one
+#: copied into a retry's headers from its request goes as the retry is sent (and
+#: one that did not, naming another retry count, is not heeded).
 _FENCE_HEADER = "redislock_fence"
 
 #: ``apply_async`` option that re-queues without taking the enqueue-time lock.
@@ -237,15 +238,16 @@ _RUNS_ON = "redislock_runs_on"
 #: Message header of a send of an execution's own task id from its body (its
 #: retry, ``self.replace()``, ``apply_async(task_id=self.request.id)``): the owner
 #: token of that execution's hold, which it hands to the message's reservation
-#: only as it ends. A delivery that finds that hold waits for it as long as it runs.
+#: (``until_executed``) or releases (``while_executing``) only as it ends. A
+#: delivery that finds that hold waits for it as long as it runs, rather than be
+#: dropped as a copy of a running delivery.
 _SENDER_HEADER = "redislock_sender"
 
 #: Request attribute: the retry count and delay (s) of a send of its own task id
-#: an execution's body made (its retry, raised or sent as it runs on with
-#: ``self.retry(throw=False)``; ``self.replace()``; any ``apply_async`` of its
-#: own id and lock), whose
-#: reservation it hands its hold to as it ends (``until_executed``), and how many
-#: copies of it the execution sent (each call whose send returned counts one;
+#: and lock an execution's body made (its retry, raised or sent as it runs on with
+#: ``self.retry(throw=False)``; ``self.replace()``; ``apply_async`` of that id),
+#: whose reservation it hands its hold to as it ends (``until_executed``), and how
+#: many copies of it the execution sent (each call whose send returned counts one;
 #: the longest delay is kept).
 _SENT_RETRY = "redislock_sent_retry"
 
@@ -1222,6 +1224,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         if opts.strategy == WHILE_EXECUTING or skip_lock:
             # (A re-queue of a message that met a holder keeps the name it was
             # sent with, which the holder holds.)
+            running = self._running_hold(task_id)
+            if running is not None:
+                # Its own task id sent from the body (self.replace(), say): the
+                # delivery waits for this hold, not dropped as a copy of it.
+                headers = options.get("headers") or {}
+                options["headers"] = {**headers, _SENDER_HEADER: running.owner}
             # By name: a base class between this one and Celery's may name fewer.
             return super().apply_async(args, kwargs, task_id, **options)
         task_id = task_id or uuid()
@@ -1502,6 +1510,14 @@ class SingletonTask(Task):  # type: ignore[misc]
         (its ``self.retry()``, ``self.replace()``, or a send under that id)."""
         request = self.request
         return not request.called_directly and request.id == task_id
+
+    def _running_hold(self, task_id: str | None) -> RedisLock | None:
+        """The hold of the execution whose body sends ``task_id``, its own task id."""
+        if task_id is None or not self._own_retry(task_id):
+            return None
+        handle = getattr(self.request, "redislock", None)
+        lock = handle._lock if handle is not None else None
+        return lock if lock is not None and lock.holding else None
 
     def _own_hold(self, task_id: str, name: str) -> RedisLock | None:
         """The running execution's hold of lock ``name``, when sending ``task_id``
