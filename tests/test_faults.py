@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import os
 import signal
@@ -2277,6 +2278,74 @@ def test_a_send_that_fails_with_its_store_unreachable_frees_its_reservation_once
             wait_for(lambda: background_sends_about(key) == [], timeout=10, what="the free")
             assert fields(direct, key)[OWNER_FIELD] == other.owner
             other.release()
+    finally:
+        signals.before_task_publish.disconnect(server_goes_away)
+        queue.close()
+        app.close()
+
+
+@pytest.mark.parametrize("task_id", ["the same id", "a new id"])
+def test_a_send_made_again_before_a_failed_sends_reservation_is_freed_is_published(
+    server: RedisServer, proxy: FaultProxy, direct: redis.Redis, task_id: str
+) -> None:
+    """A send fails while the broker and the lock store are unreachable, and the
+    free of its reservation goes to the background, backing off. The same call,
+    sent again from this process once the store answers, before that free has
+    gone, is published (under the same task id or another), not deduplicated to
+    the message never sent: its acquire sends the free first. The background free,
+    tied to the failed reservation's fencing token, then leaves the new
+    reservation alone, though under the same id it has the same owner token."""
+    name = f"failed-send-again-{task_id.replace(' ', '-')}"
+    app = Celery(name, broker=proxy.url_for(1), set_as_current=False)
+    app.conf.update(
+        redislock_url=proxy.url_for(0),
+        task_default_queue=f"{name}-queue",
+        task_publish_retry=False,
+        broker_connection_retry_on_startup=True,
+    )
+
+    @app.task(base=SingletonTask, shared=False, name=name, lock_strategy="until_executed")
+    def job(n: int) -> None: ...
+
+    outage = threading.Event()
+
+    def server_goes_away(**_: Any) -> None:
+        if outage.is_set():
+            outage.clear()
+            proxy.refuse()
+            proxy.reset_all()
+
+    queue = server.client(db=1, socket_timeout=5)
+    key = lock_keys(job.lock_name((1,), {}))[0]
+    signals.before_task_publish.connect(server_goes_away, weak=False)
+    try:
+        job.delay(0)  # Both connections open.
+        outage.set()
+        with pytest.raises(Exception) as failed:
+            job.apply_async((1,), task_id="sent-1")
+        assert not isinstance(failed.value, LockConflictError)
+        assert held(direct, key)
+        [(lane, free)] = [
+            (lane, p)
+            for lane in get_heartbeat()._lanes.values()
+            for p in lane.pending
+            if key in p.call.keys
+        ]
+        with lane.cond:
+            # Backed off past the outage (a try under way when this is set goes
+            # after the same pause once it fails).
+            free.next_try, free.pause = lane.clock() + 3600, 3600.0
+        proxy.heal()
+        again = job.apply_async((1,), task_id="sent-1" if task_id == "the same id" else None)
+        queued = [json.loads(m)["headers"]["id"] for m in queue.lrange(f"{name}-queue", 0, -1)]
+        assert len(queued) == 2
+        assert again.id in queued
+        assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
+        with lane.cond:
+            free.next_try, free.pause = lane.clock(), 0.1
+            lane._wake(free.next_try)
+        wait_for(lambda: background_sends_about(key) == [], timeout=10, what="the free")
+        assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
     finally:
         signals.before_task_publish.disconnect(server_goes_away)
         queue.close()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from celery.exceptions import Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import (
     before_task_publish,
     task_failure,
@@ -725,6 +725,113 @@ def test_an_autoretry_runs_after_its_senders_cleanup_and_takes_its_lock_over(
         signals.lock_lost.disconnect(receive)
     assert runs == [(0, False), (1, True)]
     assert lost == []
+
+
+@pytest.mark.parametrize("retried", [False, True], ids=["first-run", "retried-run"])
+@pytest.mark.parametrize("how", ["replace", "send-own-id", "send-own-id-and-return"])
+@pytest.mark.parametrize("strategy", ["until_executed", "while_executing"])
+def test_a_send_of_its_own_id_from_the_body_runs_only_once_its_sender_has_ended(
+    app: Celery,
+    redislock_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+    retried: bool,
+    strategy: str,
+) -> None:
+    """A body that sends its own task id again, by
+    ``self.replace()`` (Celery sends the replacement under the same id, then raises
+    ``Ignore``) or by ``apply_async(task_id=self.request.id)``, keeps its lock until
+    it has ended, its ``finally`` included. The new message, started meanwhile on
+    another thread, is neither run beside it nor dropped as a copy of it (even sent
+    with fewer retries than the sender's, as a replacement is): it waits for it,
+    woken as the hold is handed to its reservation (``until_executed``) or
+    released (``while_executing``), then runs and frees the lock."""
+    monkeypatch.setattr(lock_module, "RECHECK", 60.0)
+    events: list[str] = []
+    lost: list[str] = []
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy=strategy,
+        lock_ttl=30, max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask, n: int) -> str:
+        request = self.request
+        if retried and not events and not request.retries:
+            raise self.retry(countdown=0)
+        first = not events
+        events.append(f"start {'sender' if first else 'new'}")
+        if not first:
+            return "new"
+        keys = lock_keys(self.lock.name)
+        try:
+            if how == "replace":
+                self.replace(job.s(n))
+            self.apply_async((n,), task_id=request.id)
+            if how == "send-own-id":
+                raise Ignore()
+            return "sender"
+        finally:
+            # The new message waits behind this execution (or, wrongly, has run).
+            wait_for(lambda: len(events) > 1 or redislock_client.zcard(keys.queue) == 1)
+            hold = self.lock._lock
+            assert hold is not None
+            assert field(redislock_client, keys.lock, OWNER_FIELD) == hold.owner
+            self.lock.check()
+            events.append("sender ended")
+
+    def receive(sender: Any, task_id: str, **_: Any) -> None:
+        lost.append(task_id)
+
+    done: list[str] = []
+    signals.lock_lost.connect(receive, weak=False)
+    try:
+        with in_process_worker(app, concurrency=2):
+
+            @task_postrun.connect(weak=False)
+            def ended(task_id: str, retval: Any = None, **_: Any) -> None:
+                if retval == "new":
+                    done.append(task_id)
+
+            try:
+                sent = job.delay(1)
+                wait_for(lambda: done, what="the new message to run")
+                assert done == [sent.id]
+                if how == "replace":
+                    assert sent.get(timeout=10) == "new"
+                name = job.lock_name((1,), {})
+                wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+            finally:
+                task_postrun.disconnect(ended)
+    finally:
+        signals.lock_lost.disconnect(receive)
+    assert events == ["start sender", "sender ended", "start new"]
+    assert lost == []
+
+
+def test_a_replacement_keeps_its_senders_chain(app: Celery, redislock_client: redis.Redis) -> None:
+    """A chain step that replaces itself: its replacement (sent with the rest of
+    the chain, under the step's id) runs once the step has ended, and the chain
+    goes on from it."""
+    ran: list[str] = []
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed")
+    def step(self: SingletonTask, n: int) -> int:
+        if not self.request.replaced_task_nesting:
+            ran.append("sender")
+            self.replace(step.s(n))
+        ran.append("replacement")
+        return n + 1
+
+    @app.task(shared=False)
+    def after(n: int) -> int:
+        ran.append("after")
+        return n * 10
+
+    with in_process_worker(app, concurrency=2):
+        result = (step.s(1) | after.s()).delay()
+        assert result.get(timeout=15) == 20
+        wait_for(lambda: _lock_free(redislock_client, step.lock_name((1,), {})), what="a free lock")
+    assert ran == ["sender", "replacement", "after"]
 
 
 @pytest.mark.parametrize("strategy", ["while_executing", "until_executed"])
@@ -1520,6 +1627,7 @@ def test_a_retry_whose_send_failed_is_not_counted_as_sent(
         ("until_executing", "fail"),
         ("until_executed", "run"),
         ("until_executed", "taken over"),
+        ("until_executed", "made again"),
     ],
 )
 def test_an_until_task_that_cannot_reach_its_store_as_it_starts_frees_its_reservation(
@@ -1533,7 +1641,10 @@ def test_an_until_task_that_cannot_reach_its_store_as_it_starts_frees_its_reserv
     ``lock_enqueue_ttl``; with ``"run"``, even while the unlocked body still runs.
     Only that reservation, by its owner token: a hold another execution took
     meanwhile (``"taken over"``: the lock freed and taken while the store was
-    away from the worker) stays."""
+    away from the worker) stays; and, tied to the reservation's fencing token (the
+    message names it), so does a later reservation of the same task id, which has
+    the same owner token (``"made again"``: the call sent again under that id
+    once the first reservation was gone)."""
     runs: list[int] = []
     go_on = threading.Event()
     with FaultProxy("127.0.0.1", redislock_server.port) as proxy:
@@ -1571,13 +1682,20 @@ def test_an_until_task_that_cannot_reach_its_store_as_it_starts_frees_its_reserv
                     owner = queued_owner(first.id)
                     return [p for lane in lanes for p in lane.pending if owner in p.call.args]
 
-                if mode == "taken over":
+                if mode in ("taken over", "made again"):
                     assert freeing()
                     redislock_client.delete(key)
-                    other = RedisLock(redislock_client, job.lock_name((1,), {}), ttl=30)
+                    name = job.lock_name((1,), {})
+                    if mode == "made again":
+                        owner = queued_owner(first.id)
+                        other = RedisLock(
+                            redislock_client, name, ttl=30, owner=owner, lease=first.id
+                        )
+                    else:
+                        other = RedisLock(redislock_client, name, ttl=30)
                     assert other.acquire(blocking=False)
                 proxy.heal()
-                if mode == "taken over":
+                if mode in ("taken over", "made again"):
                     wait_for(lambda: not freeing(), what="the free to land")
                     assert other.owned()
                     other.release()

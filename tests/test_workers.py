@@ -453,6 +453,22 @@ def test_a_retry_raised_in_a_try_finally_runs_only_once_its_sender_has_cleaned_u
     assert lock_keys(client) == []
 
 
+def test_a_replacement_runs_only_once_the_task_it_replaced_has_cleaned_up(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """Prefork: an until_executed task replaces itself (``self.replace()``, the
+    replacement sent under its own task id) inside a ``try``/``finally``; the
+    replacement, started by the other pool process while the sender still runs its
+    ``finally``, runs only once the sender has ended, taking over the hold handed
+    to its reservation. Nothing is left locked."""
+    mod, client, launch = env
+    launch("replace", concurrency=2)
+    assert mod.replaces_in_cleanup.delay("r").get(timeout=30) == "replaced"
+    steps = [(r["step"], r["nesting"]) for r in records(client, "replaces_in_cleanup")]
+    assert steps == [("start", 0), ("cleaned", 0), ("start", 1)]
+    assert lock_keys(client) == []
+
+
 def test_soft_time_limit_releases(env: tuple[Any, redis.Redis, Callable[..., Worker]]) -> None:
     """A task stopped by its soft time limit releases its lock at once."""
     from celery.exceptions import SoftTimeLimitExceeded

@@ -200,6 +200,36 @@ def retries_in_cleanup(self: Any, name: str) -> int:
         log("retries_in_cleanup", step="cleaned", retries=retries, pid=os.getpid())
 
 
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    shared=False,
+    lock_strategy="until_executed",
+    lock_ttl=30,
+)
+def replaces_in_cleanup(self: Any, name: str) -> str:
+    """An until_executed task whose first run replaces itself (``self.replace()``,
+    which sends the replacement under its own task id) from inside a
+    ``try``/``finally`` whose cleanup lasts until the replacement, started
+    meanwhile by another pool process, waits for the lock (or has run). Records
+    its steps in one list, in the order they happen."""
+    nesting = int(self.request.replaced_task_nesting or 0)
+    log("replaces_in_cleanup", step="start", nesting=nesting, pid=os.getpid())
+    if nesting:
+        return "replaced"
+    queue = lock_keys(self.lock.name).queue
+    try:
+        self.replace(replaces_in_cleanup.s(name))
+    finally:
+        deadline = time.monotonic() + 20
+        while not store.zcard(queue) and time.monotonic() < deadline:
+            if store.llen("log:replaces_in_cleanup") > 1:
+                break  # the replacement has started its body
+            time.sleep(0.01)
+        log("replaces_in_cleanup", step="cleaned", nesting=nesting, pid=os.getpid())
+    return "not replaced"
+
+
 @signals.lock_conflict.connect
 def log_conflict(sender: Any, task_id: str, action: str, **_: Any) -> None:
     """Record every ``lock_conflict`` under ``log:conflict``."""

@@ -46,6 +46,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Literal, NamedTuple, NoReturn
@@ -328,6 +329,58 @@ def name_from_key(key: str, prefix: str = DEFAULT_PREFIX) -> str:
     """The lock name behind a lock key: the inverse of :func:`lock_keys`."""
     name = key[len(prefix) + 2 : -1]
     return name[1:] if name.startswith("\\") else name
+
+
+#: The frees of a hold that :meth:`RedisLock._free_later` sends in the background,
+#: tied to the hold's fencing token, by the router of their store and lock key,
+#: each with when it gives up. Until one lands, the next acquire of that key in
+#: this process sends it ahead, in its own round trip: a hold due to be freed
+#: (the reservation of a send that failed while the store was unreachable) no
+#: longer meets that acquire, back-off or not. Tied to its hold, a free that
+#: arrives after the lock changed hands (even to the same owner token, a
+#: message's reservation made again) changes nothing.
+_frees_pending: weakref.WeakKeyDictionary[Router, dict[str, tuple[tuple[Call, float], ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+_frees_guard = threading.Lock()
+
+
+def _pending_frees(router: Router, key: str) -> tuple[tuple[Call, float], ...]:
+    """The frees sent in the background still due for lock ``key`` (see
+    :data:`_frees_pending`); those that gave up are forgotten."""
+    with _frees_guard:
+        by_key = _frees_pending.get(router)
+        if not by_key or key not in by_key:
+            return ()
+        now = time.monotonic()
+        due = tuple(item for item in by_key[key] if item[1] > now)
+        _keep(router, by_key, key, due)
+        return due
+
+
+def _frees_landed(router: Router, key: str, landed: tuple[tuple[Call, float], ...]) -> None:
+    """Forget the frees ``landed`` ahead of a request about ``key`` that was answered."""
+    with _frees_guard:
+        by_key = _frees_pending.get(router)
+        if not by_key or key not in by_key:
+            return
+        _keep(router, by_key, key, tuple(item for item in by_key[key] if item not in landed))
+
+
+def _keep(
+    router: Router,
+    by_key: dict[str, tuple[tuple[Call, float], ...]],
+    key: str,
+    frees: tuple[tuple[Call, float], ...],
+) -> None:
+    """Keep ``frees`` as those still due for ``key`` (under ``_frees_guard``):
+    none left, the key goes, and the router with its last key."""
+    if frees:
+        by_key[key] = frees
+        return
+    del by_key[key]
+    if not by_key:
+        del _frees_pending[router]
 
 
 class RedisLock:
@@ -884,13 +937,26 @@ class RedisLock:
         """The RELEASE script call of this lock with these ARGV."""
         return Call(RELEASE_SCRIPT, (self.key, self.queue_key), args)
 
-    def _free_later(self, until: float, what: str) -> None:
+    def _free_later(self, until: float, what: str, fence: int | None = None) -> None:
         """Free the lock in the background, if this owner still holds it, once
-        the store answers: sent until it lands or ``until``. For a hold this
-        object never took (a message's reservation), released by its owner token
-        alone, and never another owner's hold."""
-        args = (self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, "", "", "")
-        self._beat().retry_in_background(self, self._release_call(args), until, what, quiet=True)
+        the store answers: sent until it lands or ``until``. Never another
+        owner's hold. Tied to the hold's fencing token (this object's, or
+        ``fence`` for a hold it never took, such as a message's reservation),
+        it never frees a later hold of the same owner token either, and the next
+        acquire of the key in this process sends it first (see
+        :data:`_frees_pending`). With neither known, it goes by the owner token
+        alone."""
+        token = self.token if fence is None else fence
+        args = (
+            self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, "",
+            "" if token is None else token, "",
+        )  # fmt: skip
+        call = self._release_call(args)
+        if token is not None:
+            with _frees_guard:
+                by_key = _frees_pending.setdefault(self._router, {})
+                by_key[self.key] = (*by_key.get(self.key, ()), (call, until))
+        self._beat().retry_in_background(self, call, until, what, quiet=True)
 
     def _free_ttl_ms(self, now: float) -> int:
         """How long the key outlives a release sent ``now`` (the RELEASE script's
@@ -1263,8 +1329,9 @@ class RedisLock:
         sent = self._tried = time.monotonic()
         self._held_fence = None
         ahead = self._ahead() if self._behind else ()
+        frees = _pending_frees(self._router, self.key) if _frees_pending else ()
         try:
-            before = [c for c, _ in ahead] if ahead else ()
+            before = [c for c, _ in (*ahead, *frees)] if ahead or frees else ()
             raw = send(self._router, self.key, call, deadline, wait, before)
             reply = AcquireReply.parse(raw[0] if wait else raw)
         except RedisError as exc:
@@ -1284,6 +1351,8 @@ class RedisLock:
         self._unconfirmed = None
         if ahead:
             self._landed(ahead)
+        if frees:
+            _frees_landed(self._router, self.key, frees)
         if wait and reply.outcome is _TAKEN:
             self._check_replicas(raw[1], request, deadline)
         return self._record(reply, sent, request, late_to_caller)
@@ -1351,7 +1420,12 @@ class RedisLock:
         that came in long since.
         """
         transport = self._router.single
-        if transport is None or self.min_replicas or self._behind:
+        if (
+            transport is None
+            or self.min_replicas
+            or self._behind
+            or (_frees_pending and _pending_frees(self._router, self.key))
+        ):
             return None
         ahead = SentAcquire(self, transport, request_id())
         # By text until this server is known to have the script: a request that

@@ -215,6 +215,15 @@ _OVERRIDES_HEADER = "redislock_options"
 #: which its execution takes (and frees) rather than deriving one of its own.
 _NAME_HEADER = "redislock_name"
 
+#: Message header of an ``until_*`` message whose send made its reservation:
+#: ``<retry count>:<fencing token>`` of that reservation, which a background free
+#: of it (its execution could not reach the store as it began) is tied to, so
+#: that it never frees a later reservation of the same task id (same owner token).
+#: A message whose reservation was handed over, or not made, carries none: one
+#: copied into a retry's headers from its request goes as the retry is sent (and
+#: one that did not, naming another retry count, is not heeded).
+_FENCE_HEADER = "redislock_fence"
+
 #: ``apply_async`` option that re-queues without taking the enqueue-time lock.
 _NO_ENQUEUE_LOCK = "redislock_no_enqueue_lock"
 
@@ -226,14 +235,19 @@ _ENTERED = "redislock_entered"
 #: execution runs on (from ``before_start`` too, which hands nothing over).
 _RUNS_ON = "redislock_runs_on"
 
-#: Request attribute set while ``self.retry()`` sends the retry (whatever ``throw``
-#: says): from the body, the execution hands its hold over only as it ends.
-_RETRYING = "redislock_retrying"
+#: Message header of a send of an execution's own task id from its body (its
+#: retry, ``self.replace()``, ``apply_async(task_id=self.request.id)``): the owner
+#: token of that execution's hold, which it hands to the message's reservation
+#: (``until_executed``) or releases (``while_executing``) only as it ends. A
+#: delivery that finds that hold waits for it as long as it runs, rather than be
+#: dropped as a copy of a running delivery.
+_SENDER_HEADER = "redislock_sender"
 
-#: Request attribute: the retry count and delay (s) of a retry an execution's body
-#: sent (raised, or sent as it runs on with ``self.retry(throw=False)``), whose
-#: reservation it hands its hold to as it ends (``until_executed``), and how many
-#: copies of it the execution sent (each call whose send returned counts one;
+#: Request attribute: the retry count and delay (s) of a send of its own task id
+#: and lock an execution's body made (its retry, raised or sent as it runs on with
+#: ``self.retry(throw=False)``; ``self.replace()``; ``apply_async`` of that id),
+#: whose reservation it hands its hold to as it ends (``until_executed``), and how
+#: many copies of it the execution sent (each call whose send returned counts one;
 #: the longest delay is kept).
 _SENT_RETRY = "redislock_sent_retry"
 
@@ -473,6 +487,33 @@ def _sent_name(request: Any) -> Any:
     return found
 
 
+def _sender(request: Any) -> str | None:
+    """The owner token of the hold of the execution whose body sent ``request``'s
+    message under its own task id (see :data:`_SENDER_HEADER`), if any."""
+    found = getattr(request, _SENDER_HEADER, None)
+    if found is None:
+        headers = getattr(request, "request_dict", None) or getattr(request, "headers", None)
+        if isinstance(headers, dict):
+            found = headers.get(_SENDER_HEADER)
+    return found if isinstance(found, str) else None
+
+
+def _sent_fence(request: Any) -> int | None:
+    """The fencing token of the reservation the send of ``request``'s message made
+    (see :data:`_FENCE_HEADER`), if the message names it for its own retry count."""
+    found = getattr(request, _FENCE_HEADER, None)
+    if found is None:
+        headers = getattr(request, "request_dict", None) or getattr(request, "headers", None)
+        if isinstance(headers, dict):
+            found = headers.get(_FENCE_HEADER)
+    if not isinstance(found, str):
+        return None
+    retries, _, fence = found.partition(":")
+    if ascii_number(retries) != request_retries(request):
+        return None
+    return ascii_number(fence)
+
+
 def request_retries(request: Any) -> int:
     """The retry count of the message behind ``request``: an execution's context,
     or a worker request (which carries it in its message)."""
@@ -555,13 +596,15 @@ def _in_workflow(options: Mapping[str, Any]) -> bool:
     )
 
 
-def _free_in_background(lock: RedisLock, what: str) -> None:
+def _free_in_background(lock: RedisLock, what: str, fence: int | None = None) -> None:
     """Free ``lock``'s hold in the background once the store answers again, until
-    its TTL, by its owner token only: a hold another owner took since stays (see
+    its TTL, by its owner token, and tied to its fencing token (``lock``'s, or
+    ``fence`` for a hold it did not take) when known: a hold another owner took
+    since stays, and so does a later hold of the same owner token (see
     :meth:`RedisLock._free_later`). ``what`` names it in the log. Never raises:
     a hold that cannot be freed so expires by its TTL."""
     try:
-        lock._free_later(time.monotonic() + lock.ttl, what)
+        lock._free_later(time.monotonic() + lock.ttl, what, fence)
     except Exception as error:
         logger.warning("%s: not possible (it expires by its TTL): %s", what, error)
 
@@ -1181,28 +1224,35 @@ class SingletonTask(Task):  # type: ignore[misc]
         if opts.strategy == WHILE_EXECUTING or skip_lock:
             # (A re-queue of a message that met a holder keeps the name it was
             # sent with, which the holder holds.)
+            running = self._running_hold(task_id)
+            if running is not None:
+                # Its own task id sent from the body (self.replace(), say): the
+                # delivery waits for this hold, not dropped as a copy of it.
+                headers = options.get("headers") or {}
+                options["headers"] = {**headers, _SENDER_HEADER: running.owner}
             # By name: a base class between this one and Celery's may name fewer.
             return super().apply_async(args, kwargs, task_id, **options)
         task_id = task_id or uuid()
         key = self._builder()(*self._as_sent(args, kwargs, options))
         # The name its execution takes: this one, not one the worker derives (a
         # retry's headers, copied from its request, name the first send's).
-        options["headers"] = {**(options.get("headers") or {}), _NAME_HEADER: key}
+        headers = {**(options.get("headers") or {}), _NAME_HEADER: key}
+        # (One copied from the request of an execution that sends its retry.)
+        headers.pop(_FENCE_HEADER, None)
+        options["headers"] = headers
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
         retries = _retries(options.get("retries"))
         running = self._own_hold(task_id, key)
         # What the execution records once the retry is sent (only then: a send
         # that raises sent no copy that could take the hold over).
         sent: tuple[int, float, int] | None = None
-        if (
-            running is not None
-            and getattr(self.request, _RETRYING, False)
-            and getattr(self.request, _ENTERED, False)
-        ):
-            # self.retry() from the body (or Celery's autoretry around it): the execution
-            # keeps its hold until it has ended, its ``finally`` blocks and
-            # ``with`` exits included, and hands it over then; or it runs on
-            # (``self.retry(throw=False)``).
+        if running is not None and getattr(self.request, _ENTERED, False):
+            # Its own task id sent from the body: self.retry() (or Celery's
+            # autoretry around it), self.replace(), or apply_async(task_id=
+            # self.request.id). The execution keeps its hold until it has ended,
+            # its ``finally`` blocks and ``with`` exits included (or all it runs
+            # on to), and hands it over then; the message's delivery waits for it.
+            options["headers"] = {**options["headers"], _SENDER_HEADER: running.owner}
             before = getattr(self.request, _SENT_RETRY, None)
             sent = (retries, delay, 1)
             if before is not None and before[0] == retries:
@@ -1261,6 +1311,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             if holder:
                 return self.AsyncResult(holder)
             raise LockConflictError(key, holder)
+        if running is None and lock.token is not None:
+            headers[_FENCE_HEADER] = f"{retries}:{lock.token}"
         try:
             return self._publish(args, kwargs, task_id, options, sent)
         except BaseException:
@@ -1444,10 +1496,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         of each copy when it sent the retry more than once: see
         :func:`free_dropped`)."""
         request = self.request
-        own = not request.called_directly
-        runs_on = own and not throw
-        if own:
-            setattr(request, _RETRYING, True)
+        runs_on = not request.called_directly and not throw
         if runs_on:
             setattr(request, _RUNS_ON, True)
         try:
@@ -1455,18 +1504,25 @@ class SingletonTask(Task):  # type: ignore[misc]
         finally:
             if runs_on:
                 delattr(request, _RUNS_ON)
-            if own:
-                delattr(request, _RETRYING)
 
     def _own_retry(self, task_id: str) -> bool:
-        """Whether sending ``task_id`` is ``self.retry()`` of the running execution."""
+        """Whether sending ``task_id`` sends the running execution's own task id
+        (its ``self.retry()``, ``self.replace()``, or a send under that id)."""
         request = self.request
         return not request.called_directly and request.id == task_id
 
+    def _running_hold(self, task_id: str | None) -> RedisLock | None:
+        """The hold of the execution whose body sends ``task_id``, its own task id."""
+        if task_id is None or not self._own_retry(task_id):
+            return None
+        handle = getattr(self.request, "redislock", None)
+        lock = handle._lock if handle is not None else None
+        return lock if lock is not None and lock.holding else None
+
     def _own_hold(self, task_id: str, name: str) -> RedisLock | None:
-        """The running execution's hold of lock ``name``, when sending ``task_id`` is
-        its own retry (which it hands the hold to: at once from ``before_start``,
-        as it ends from the body)."""
+        """The running execution's hold of lock ``name``, when sending ``task_id``
+        sends its own task id (which it hands the hold to: at once from
+        ``before_start``, as it ends from the body)."""
         if not self._own_retry(task_id):
             return None
         request = self.request
@@ -1791,7 +1847,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         except Exception as error:
             logger.warning("%s: not possible (it expires by its TTL): %s", what, error)
             return
-        _free_in_background(reservation, what)
+        _free_in_background(reservation, what, _sent_fence(request))
 
     def _same_lock(self, signature: Any, name: str) -> bool:
         """Whether the call ``signature`` (a retry's) takes lock ``name``."""
@@ -2271,7 +2327,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         (see :meth:`_conflict`) as soon as it finds so. A retry whose lock is held
         by an execution of an earlier delivery of its message (the one that sent
         it, which ran on after ``self.retry(throw=False)``) is not a copy: it
-        waits for that execution however long it runs, then runs.
+        waits for that execution however long it runs, then runs. Nor is a
+        message an execution's body sent under its own task id (its retry,
+        ``self.replace()``, ``apply_async(task_id=self.request.id)``: see
+        :data:`_SENDER_HEADER`) that finds that execution's hold: it waits
+        likewise, whatever its retry count.
 
         A copy whose message was sent again since, as a retry, finding that retry
         holding the lock (its reservation, or its execution), is superseded: it
@@ -2286,9 +2346,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         # A retry behind an execution of an earlier delivery of its message (the
         # one that sent it, running on after ``self.retry(throw=False)``) waits for
         # it however long it runs: a hold no longer renewed expires within its TTL.
-        behind_sender = queued_retries(owner, lease or "") is None and hold_retries(
-            owner, lease or ""
-        ) < request_retries(request)
+        # So does a message an execution's body sent under its own id (its
+        # replacement, a send of that id), named by its header.
+        behind_sender = (
+            queued_retries(owner, lease or "") is None
+            and hold_retries(owner, lease or "") < request_retries(request)
+        ) or (owner is not None and owner == _sender(request))
         limit = None if behind_sender else max(0, lock._pttl) / 1000 + REDELIVERY_GRACE
         _send(
             signals.lock_conflict, self, key, task_id=lock.lease, holder=lock.lease,
@@ -2296,9 +2359,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         )  # fmt: skip
         # A delivery of the same message running in this process is alive: no need
         # to wait and see. (A retry waits for the execution that sent it to end.)
-        here = _running_here.get(owner or "") == _process.pid and hold_retries(
-            owner, lease or ""
-        ) == request_retries(request)
+        here = (
+            not behind_sender
+            and _running_here.get(owner or "") == _process.pid
+            and hold_retries(owner, lease or "") == request_retries(request)
+        )
         if not here and not self._superseded(lock, request):
             logger.info(
                 "%s[%s]: an earlier delivery of this message holds lock %s; waiting %s for "
@@ -2317,8 +2382,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                 return taken or self._superseded(lock, request)
 
             if lock._acquire(True, limit, stop=stop):
-                if hold_retries(owner, lease or "") == request_retries(request) and (
-                    self._succeeded(request)
+                if (
+                    not behind_sender
+                    and hold_retries(owner, lease or "") == request_retries(request)
+                    and self._succeeded(request)
                 ):
                     logger.info(
                         "%s[%s] dropped: an earlier delivery of this message succeeded "
@@ -2373,8 +2440,10 @@ class SingletonTask(Task):  # type: ignore[misc]
     @staticmethod
     def _superseded(lock: RedisLock, request: Any) -> bool:
         """Whether the hold of ``lock``'s lease its last try found is a later retry's
-        of the message (its reservation, or its execution) than ``request``'s."""
-        if lock._blocked_owner is None:
+        of the message (its reservation, or its execution) than ``request``'s: not
+        the hold of the execution that sent ``request``'s message (a task with
+        retries that replaced itself sent its replacement with none)."""
+        if lock._blocked_owner is None or lock._blocked_owner == _sender(request):
             return False
         return hold_retries(lock._blocked_owner, lock.lease or "") > request_retries(request)
 
