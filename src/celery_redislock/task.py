@@ -192,6 +192,11 @@ STORE_RECHECK = 1.0
 #: holder alive (see :meth:`SingletonTask._redelivered`).
 REDELIVERY_GRACE = 1.0
 
+#: Seconds an ``until_*`` send's reservation outlives its message's ``expires``:
+#: a worker that took the message just before it expired finds the reservation
+#: still there to take over (see :func:`_reservation_ttl`).
+EXPIRES_GRACE = 1.0
+
 
 class _OwnDelivery(Exception):
     """A waiting task found its own task id holding the lock (another delivery of
@@ -822,6 +827,25 @@ def _seconds_until(when: object) -> float:
     return 0.0
 
 
+def _reservation_ttl(ttl: float, expires: object) -> float:
+    """``ttl`` for an ``until_*`` send's reservation, cut to the time left until the
+    message's ``expires`` (seconds, a datetime, naive read as UTC as Celery reads
+    it, or the ISO text a retry carries) plus :data:`EXPIRES_GRACE`.
+
+    A message that has expired is dropped unrun, by the worker that reaches it or
+    by none; a reservation kept for it past that would deduplicate every later
+    send of the call to a message that never runs.
+    """
+    if isinstance(expires, str):
+        try:
+            expires = datetime.fromisoformat(expires)
+        except ValueError:
+            return ttl  # Celery refuses it as the message is built
+    if isinstance(expires, bool) or not isinstance(expires, int | float | datetime):
+        return ttl
+    return min(ttl, max(0.001, _seconds_until(expires) + EXPIRES_GRACE))
+
+
 class _ResolvedOption:
     """A task attribute for an option: as set on a class, as in effect on a task.
 
@@ -1215,7 +1239,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                 key,
                 task_id,
                 queued_owner(task_id, retries),
-                opts.enqueue_ttl + delay,
+                # Celery adds the task's own ``expires`` to a call that names none.
+                _reservation_ttl(opts.enqueue_ttl + delay, options.get("expires", self.expires)),
                 heartbeat=False,
                 opts=opts,
             )
