@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, chain, chord, group
+from celery import Celery, chain, chord, group, xmap, xstarmap
 from celery.exceptions import Ignore, Reject
 from celery.result import AsyncResult
 from redis.cluster import RedisCluster
@@ -934,6 +934,49 @@ class TestEager:
     def test_direct_call_is_plain(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
         """Calling the task object directly runs the function without a lock."""
         assert tasks.add(2, 3) == 5
+
+    def test_a_batch_signature_built_by_hand_runs_its_items_unlocked(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """xmap/xstarmap built from celery.canvas around the task's signature are
+        not refused: their items are direct calls, which run while the lock is held
+        (where apply() of the same call is skipped)."""
+        holders = [
+            RedisLock(locks, task.lock_name(args, {}), ttl=30, lease="someone")
+            for task, args in ((tasks.add, (5, 6)), (tasks.ends, ("fine",)))
+        ]
+        assert all(holder.acquire(blocking=False) for holder in holders)
+        try:
+            assert is_skipped(tasks.add.apply((5, 6)).get())
+            assert is_skipped(tasks.ends.apply(("fine",)).get())
+            assert xstarmap(tasks.add.s(), [(5, 6)]).apply().get() == [11]
+            assert xmap(tasks.ends.s(), ["fine"]).apply().get() == ["fine"]
+        finally:
+            for holder in holders:
+                holder.release()
+
+    @pytest.mark.parametrize(
+        ("method", "items", "runner", "instead"),
+        [
+            ("chunks", ([(1, 2), (1, 2)], 1), "starmap", "task.s(*args)"),
+            ("map", ([1, 1],), "map", "task.s(arg)"),
+            ("starmap", ([(1, 2), (1, 2)],), "starmap", "task.s(*args)"),
+        ],
+    )
+    def test_batch_signatures_that_would_run_items_unlocked_are_refused(
+        self, tasks: SimpleNamespace, method: str, items: tuple[Any, ...], runner: str, instead: str
+    ) -> None:
+        """chunks(), map() and starmap() run each item as a direct call inside
+        Celery's celery.map/celery.starmap task, which takes no lock: refused, the
+        message saying why and what to send instead (a group of signatures, which
+        locks: test_group_of_duplicates)."""
+        with pytest.raises(TypeError) as raised:
+            getattr(tasks.add, method)(*items)
+        message = str(raised.value)
+        assert f"{method}() of task 't.add'" in message
+        assert f"celery.{runner} task" in message
+        assert "a direct call takes no lock" in message
+        assert f"group({instead} for " in message
 
     @pytest.mark.usefixtures("worker")
     def test_a_task_calling_itself_in_its_body_is_a_plain_call(

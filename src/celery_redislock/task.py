@@ -1554,6 +1554,48 @@ class SingletonTask(Task):  # type: ignore[misc]
         setattr(request, _ENTERED, True)
         return self._run_locked(request, args, kwargs)
 
+    # Celery's batch signatures, which would run every item unlocked.
+    def chunks(self, it: Any, n: int) -> Any:
+        """Refused: see :meth:`_no_batches`.
+
+        Raises:
+            TypeError: always; the message says what to send instead.
+        """
+        raise self._no_batches("chunks", "starmap", "group(task.s(*args) for args in items)")
+
+    def map(self, it: Any) -> Any:
+        """Refused: see :meth:`_no_batches`.
+
+        Raises:
+            TypeError: always; the message says what to send instead.
+        """
+        raise self._no_batches("map", "map", "group(task.s(arg) for arg in items)")
+
+    def starmap(self, it: Any) -> Any:
+        """Refused: see :meth:`_no_batches`.
+
+        Raises:
+            TypeError: always; the message says what to send instead.
+        """
+        raise self._no_batches("starmap", "starmap", "group(task.s(*args) for args in items)")
+
+    def _no_batches(self, method: str, runner: str, instead: str) -> TypeError:
+        """Why ``method`` (``chunks``, ``map``, ``starmap``) is refused.
+
+        Celery runs the items of these signatures inside its built-in
+        ``celery.map``/``celery.starmap`` task (``runner``), each as a direct
+        call of this task, which takes no lock (see :meth:`__call__`): items
+        with the same lock name would run at once. A ``group`` of the task's own
+        signatures (``instead``) sends each item as a message of its own, which
+        locks.
+        """
+        return TypeError(
+            f"{method}() of task {self.name!r} would run each item as a direct call of "
+            f"the task inside Celery's celery.{runner} task, and a direct call takes no "
+            "lock: items with the same lock name would run at once. Send a group of the "
+            f"task's signatures instead: {instead}"
+        )
+
     def _execution_lock(
         self, key: str, task_id: str, opts: LockOptions, request: Any, retries: int | None = None
     ) -> RedisLock:
