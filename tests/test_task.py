@@ -191,6 +191,17 @@ def define_tasks(app: Celery) -> SimpleNamespace:
     @app.task(
         base=SingletonTask,
         shared=False,
+        bind=True,
+        name="t.retry_expiring",
+        lock_strategy="until_executed",
+        max_retries=1,
+    )
+    def retry_expiring(self: Any, name: str, queue: str) -> None:
+        raise self.retry(countdown=600, expires=2, queue=queue)
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
         name="t.until_executed_expiring",
         lock_strategy="until_executed",
         expires=30,
@@ -298,7 +309,7 @@ def define_tasks(app: Celery) -> SimpleNamespace:
         hold, hold_raise, hold_wait, short_wait, hold_retry, retry_exhausted, self_retry,
         until_executed, until_executing, ends, lose, add, plain_hold, recurse, note_error,
         until_executing_retry, until_executed_rejects, until_executed_other_args,
-        until_executed_expiring,
+        until_executed_expiring, retry_expiring,
     ]})  # fmt: skip
 
 
@@ -801,6 +812,28 @@ class TestEnqueueStrategies:
             task.apply_async((name,), queue=nobody, countdown=600, **options)
             pttl = locks.pttl(key)
             assert max(0, left - 1) * 1000 < pttl <= (left + EXPIRES_GRACE) * 1000
+        finally:
+            locks.delete(key)
+            broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
+            broker.delete(nobody)
+            broker.close()
+
+    def test_a_retrys_reservation_lasts_until_the_retry_expires(
+        self, redislock_server: RedisServer, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """The reservation an until_executed execution hands its retry as it ends
+        lasts no longer than until the retry's message expires (plus EXPIRES_GRACE),
+        its countdown notwithstanding."""
+        name, nobody = unique("rexp"), unique("nobody")
+        task = tasks.retry_expiring
+        key = f"redislock:{{{task.lock_name((name, nobody), {})}}}"
+        try:
+            result = task.delay(name, nobody)
+            wait_for(
+                lambda: field(locks, key, OWNER_FIELD) == queued_owner(result.id, 1),
+                what="the hand-over to the retry's reservation",
+            )
+            assert 0 < locks.pttl(key) <= (2 + EXPIRES_GRACE) * 1000
         finally:
             locks.delete(key)
             broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")

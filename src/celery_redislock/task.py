@@ -1212,7 +1212,13 @@ class SingletonTask(Task):  # type: ignore[misc]
         # The name its execution takes: this one, not one the worker derives (a
         # retry's headers, copied from its request, name the first send's).
         options["headers"] = {**(options.get("headers") or {}), _NAME_HEADER: key}
+        # What the reservation (or a retry's, handed over as its sender ends) keeps
+        # beyond lock_enqueue_ttl: the countdown, or less, below 0, for a message
+        # that expires sooner (Celery adds the task's own ``expires`` to a call
+        # that names none).
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
+        expires = options.get("expires", self.expires)
+        delay = _reservation_ttl(opts.enqueue_ttl + delay, expires) - opts.enqueue_ttl
         retries = _retries(options.get("retries"))
         running = self._own_hold(task_id, key)
         # What the execution records once the retry is sent (only then: a send
@@ -1239,8 +1245,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 key,
                 task_id,
                 queued_owner(task_id, retries),
-                # Celery adds the task's own ``expires`` to a call that names none.
-                _reservation_ttl(opts.enqueue_ttl + delay, options.get("expires", self.expires)),
+                opts.enqueue_ttl + delay,
                 heartbeat=False,
                 opts=opts,
             )
