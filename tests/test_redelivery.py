@@ -32,6 +32,7 @@ from celery_redislock.server import RedisServer
 from celery_redislock.task import REDELIVERY_GRACE, free_queued, queued_owner, skipped_result
 from tests.proxy import FaultProxy
 from tests.support import close_app, field, in_process_worker, make_app, wait_for
+from tests.support import lock_keys as held_keys
 
 
 @pytest.fixture
@@ -559,6 +560,36 @@ def test_a_copy_of_a_message_running_in_the_same_process_is_dropped_at_once(
         task_postrun.disconnect(postrun)
         go.set()
     assert len(runs) == 1
+
+
+def test_an_until_executing_copy_of_a_running_message_runs_beside_it(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """``until_executing`` frees its lock as the body starts, so nothing holds the
+    call's name while the body runs: a copy of the message delivered meanwhile
+    (the same task id) runs beside the first delivery, as documented. Use
+    ``until_executed`` or ``while_executing`` to keep it out."""
+    go = threading.Event()
+    runs: list[str] = []
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_strategy="until_executing")
+    def job(self: SingletonTask) -> str:
+        runs.append(str(self.request.id))
+        go.wait(30)
+        return "ran"
+
+    try:
+        with in_process_worker(app, concurrency=2):
+            result = job.delay()
+            wait_for(lambda: runs, what="the first delivery")
+            app.send_task(job.name, task_id=result.id)
+            wait_for(lambda: len(runs) == 2, timeout=10, what="the copy to run beside it")
+            assert runs == [result.id, result.id]
+            go.set()
+            assert result.get(timeout=30) == "ran"
+    finally:
+        go.set()
+    assert held_keys(redislock_client) == []
 
 
 def test_a_retry_rejected_with_requeue_keeps_its_lock_for_itself_not_for_an_older_copy(

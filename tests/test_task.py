@@ -9,14 +9,15 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
-from celery import Celery, chain, chord, group
+from celery import Celery, chain, chord, group, xmap, xstarmap
 from celery.exceptions import Ignore, Reject
 from celery.result import AsyncResult
 from redis.cluster import RedisCluster
@@ -34,7 +35,7 @@ from celery_redislock.admin import force_release
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.scripts import FENCE_FIELD, LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer, free_port
-from celery_redislock.task import OPTIONS, LockOptions, queued_owner
+from celery_redislock.task import EXPIRES_GRACE, OPTIONS, LockOptions, queued_owner
 from tests.support import (
     client_left_clean,
     close_app,
@@ -191,6 +192,27 @@ def define_tasks(app: Celery) -> SimpleNamespace:
         base=SingletonTask,
         shared=False,
         bind=True,
+        name="t.retry_expiring",
+        lock_strategy="until_executed",
+        max_retries=1,
+    )
+    def retry_expiring(self: Any, name: str, queue: str) -> None:
+        raise self.retry(countdown=600, expires=2, queue=queue)
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        name="t.until_executed_expiring",
+        lock_strategy="until_executed",
+        expires=30,
+    )
+    def until_executed_expiring(name: str) -> str:
+        return name
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        bind=True,
         name="t.until_executing",
         lock_strategy="until_executing",
     )
@@ -287,6 +309,7 @@ def define_tasks(app: Celery) -> SimpleNamespace:
         hold, hold_raise, hold_wait, short_wait, hold_retry, retry_exhausted, self_retry,
         until_executed, until_executing, ends, lose, add, plain_hold, recurse, note_error,
         until_executing_retry, until_executed_rejects, until_executed_other_args,
+        until_executed_expiring, retry_expiring,
     ]})  # fmt: skip
 
 
@@ -728,6 +751,95 @@ class TestEnqueueStrategies:
         assert first.get(timeout=TIMEOUT) == "done"
         assert second.get(timeout=TIMEOUT) == "done"
 
+    @pytest.mark.parametrize("strategy", ["until_executing", "until_executed"])
+    def test_a_send_after_the_queued_message_expired_is_sent_and_runs(
+        self,
+        redislock_server: RedisServer,
+        tasks: SimpleNamespace,
+        locks: redis.Redis,
+        strategy: str,
+    ) -> None:
+        """A reservation lasts no longer than its message's ``expires`` (plus
+        EXPIRES_GRACE): once the message has expired unrun, a send of the same call
+        is published, not deduplicated to a message that never runs."""
+        name, nobody = unique("uexp"), unique("nobody")  # a queue no worker consumes
+        task = getattr(tasks, strategy)
+        key = f"redislock:{{{task.lock_name((name,), {})}}}"
+        try:
+            first = task.apply_async((name,), expires=0.5, queue=nobody)
+            assert 0 < locks.pttl(key) <= (0.5 + EXPIRES_GRACE) * 1000
+            wait_for(lambda: not held(locks, key), what="the reservation to end")
+            second = task.apply_async((name,))
+            assert second.id != first.id
+            gate(name).set()
+            gate(f"{name}:0").set()
+            assert second.get(timeout=TIMEOUT) in ("done", 0)
+        finally:
+            broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
+            broker.delete(nobody)
+            broker.close()
+
+    @pytest.mark.parametrize(
+        ("expires", "left"),
+        [
+            (lambda: 30, 30),
+            (lambda: 30.0, 30),
+            (lambda: datetime.now(timezone.utc) + timedelta(seconds=30), 30),
+            (lambda: datetime.now(timezone(timedelta(hours=-5))) + timedelta(seconds=30), 30),
+            (lambda: datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(seconds=30), 30),
+            (lambda: (datetime.now(timezone.utc) + timedelta(seconds=30)).isoformat(), 30),
+            (lambda: datetime.now(timezone.utc) - timedelta(seconds=30), 0),
+            (None, 30),
+        ],
+        ids=["int", "float", "aware", "aware-other-zone", "naive-utc", "iso", "past", "task"],
+    )
+    def test_a_reservation_lasts_until_its_message_expires(
+        self,
+        redislock_server: RedisServer,
+        tasks: SimpleNamespace,
+        locks: redis.Redis,
+        expires: Callable[[], object] | None,
+        left: float,
+    ) -> None:
+        """``expires`` as Celery takes it (seconds, a datetime, naive read as UTC, ISO
+        text; or the task's own ``expires`` when the call names none) bounds the
+        reservation, a countdown past it or not."""
+        name, nobody = unique("uexpt"), unique("nobody")
+        task = tasks.until_executed_expiring if expires is None else tasks.until_executed
+        key = f"redislock:{{{task.lock_name((name,), {})}}}"
+        options = {} if expires is None else {"expires": expires()}
+        try:
+            task.apply_async((name,), queue=nobody, countdown=600, **options)
+            pttl = locks.pttl(key)
+            assert max(0, left - 1) * 1000 < pttl <= (left + EXPIRES_GRACE) * 1000
+        finally:
+            locks.delete(key)
+            broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
+            broker.delete(nobody)
+            broker.close()
+
+    def test_a_retrys_reservation_lasts_until_the_retry_expires(
+        self, redislock_server: RedisServer, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """The reservation an until_executed execution hands its retry as it ends
+        lasts no longer than until the retry's message expires (plus EXPIRES_GRACE),
+        its countdown notwithstanding."""
+        name, nobody = unique("rexp"), unique("nobody")
+        task = tasks.retry_expiring
+        key = f"redislock:{{{task.lock_name((name, nobody), {})}}}"
+        try:
+            result = task.delay(name, nobody)
+            wait_for(
+                lambda: field(locks, key, OWNER_FIELD) == queued_owner(result.id, 1),
+                what="the hand-over to the retry's reservation",
+            )
+            assert 0 < locks.pttl(key) <= (2 + EXPIRES_GRACE) * 1000
+        finally:
+            locks.delete(key)
+            broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
+            broker.delete(nobody)
+            broker.close()
+
     def test_revoked_in_queue_frees_lock(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
         """Revoking a queued until_executed task frees its lock."""
         name = unique("revoke")
@@ -855,6 +967,49 @@ class TestEager:
     def test_direct_call_is_plain(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
         """Calling the task object directly runs the function without a lock."""
         assert tasks.add(2, 3) == 5
+
+    def test_a_batch_signature_built_by_hand_runs_its_items_unlocked(
+        self, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """xmap/xstarmap built from celery.canvas around the task's signature are
+        not refused: their items are direct calls, which run while the lock is held
+        (where apply() of the same call is skipped)."""
+        holders = [
+            RedisLock(locks, task.lock_name(args, {}), ttl=30, lease="someone")
+            for task, args in ((tasks.add, (5, 6)), (tasks.ends, ("fine",)))
+        ]
+        assert all(holder.acquire(blocking=False) for holder in holders)
+        try:
+            assert is_skipped(tasks.add.apply((5, 6)).get())
+            assert is_skipped(tasks.ends.apply(("fine",)).get())
+            assert xstarmap(tasks.add.s(), [(5, 6)]).apply().get() == [11]
+            assert xmap(tasks.ends.s(), ["fine"]).apply().get() == ["fine"]
+        finally:
+            for holder in holders:
+                holder.release()
+
+    @pytest.mark.parametrize(
+        ("method", "items", "runner", "instead"),
+        [
+            ("chunks", ([(1, 2), (1, 2)], 1), "starmap", "task.s(*args)"),
+            ("map", ([1, 1],), "map", "task.s(arg)"),
+            ("starmap", ([(1, 2), (1, 2)],), "starmap", "task.s(*args)"),
+        ],
+    )
+    def test_batch_signatures_that_would_run_items_unlocked_are_refused(
+        self, tasks: SimpleNamespace, method: str, items: tuple[Any, ...], runner: str, instead: str
+    ) -> None:
+        """chunks(), map() and starmap() run each item as a direct call inside
+        Celery's celery.map/celery.starmap task, which takes no lock: refused, the
+        message saying why and what to send instead (a group of signatures, which
+        locks: test_group_of_duplicates)."""
+        with pytest.raises(TypeError) as raised:
+            getattr(tasks.add, method)(*items)
+        message = str(raised.value)
+        assert f"{method}() of task 't.add'" in message
+        assert f"celery.{runner} task" in message
+        assert "a direct call takes no lock" in message
+        assert f"group({instead} for " in message
 
     @pytest.mark.usefixtures("worker")
     def test_a_task_calling_itself_in_its_body_is_a_plain_call(

@@ -192,6 +192,11 @@ STORE_RECHECK = 1.0
 #: holder alive (see :meth:`SingletonTask._redelivered`).
 REDELIVERY_GRACE = 1.0
 
+#: Seconds an ``until_*`` send's reservation outlives its message's ``expires``:
+#: a worker that took the message just before it expired finds the reservation
+#: still there to take over (see :func:`_reservation_ttl`).
+EXPIRES_GRACE = 1.0
+
 
 class _OwnDelivery(Exception):
     """A waiting task found its own task id holding the lock (another delivery of
@@ -865,6 +870,25 @@ def _seconds_until(when: object) -> float:
     return 0.0
 
 
+def _reservation_ttl(ttl: float, expires: object) -> float:
+    """``ttl`` for an ``until_*`` send's reservation, cut to the time left until the
+    message's ``expires`` (seconds, a datetime, naive read as UTC as Celery reads
+    it, or the ISO text a retry carries) plus :data:`EXPIRES_GRACE`.
+
+    A message that has expired is dropped unrun, by the worker that reaches it or
+    by none; a reservation kept for it past that would deduplicate every later
+    send of the call to a message that never runs.
+    """
+    if isinstance(expires, str):
+        try:
+            expires = datetime.fromisoformat(expires)
+        except ValueError:
+            return ttl  # Celery refuses it as the message is built
+    if isinstance(expires, bool) or not isinstance(expires, int | float | datetime):
+        return ttl
+    return min(ttl, max(0.001, _seconds_until(expires) + EXPIRES_GRACE))
+
+
 class _ResolvedOption:
     """A task attribute for an option: as set on a class, as in effect on a task.
 
@@ -1240,7 +1264,13 @@ class SingletonTask(Task):  # type: ignore[misc]
         # (One copied from the request of an execution that sends its retry.)
         headers.pop(_FENCE_HEADER, None)
         options["headers"] = headers
+        # What the reservation (or a retry's, handed over as its sender ends) keeps
+        # beyond lock_enqueue_ttl: the countdown, or less, below 0, for a message
+        # that expires sooner (Celery adds the task's own ``expires`` to a call
+        # that names none).
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
+        expires = options.get("expires", self.expires)
+        delay = _reservation_ttl(opts.enqueue_ttl + delay, expires) - opts.enqueue_ttl
         retries = _retries(options.get("retries"))
         running = self._own_hold(task_id, key)
         # What the execution records once the retry is sent (only then: a send
@@ -1584,6 +1614,48 @@ class SingletonTask(Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         setattr(request, _ENTERED, True)
         return self._run_locked(request, args, kwargs)
+
+    # Celery's batch signatures, which would run every item unlocked.
+    def chunks(self, it: Any, n: int) -> Any:
+        """Refused: see :meth:`_no_batches`.
+
+        Raises:
+            TypeError: always; the message says what to send instead.
+        """
+        raise self._no_batches("chunks", "starmap", "group(task.s(*args) for args in items)")
+
+    def map(self, it: Any) -> Any:
+        """Refused: see :meth:`_no_batches`.
+
+        Raises:
+            TypeError: always; the message says what to send instead.
+        """
+        raise self._no_batches("map", "map", "group(task.s(arg) for arg in items)")
+
+    def starmap(self, it: Any) -> Any:
+        """Refused: see :meth:`_no_batches`.
+
+        Raises:
+            TypeError: always; the message says what to send instead.
+        """
+        raise self._no_batches("starmap", "starmap", "group(task.s(*args) for args in items)")
+
+    def _no_batches(self, method: str, runner: str, instead: str) -> TypeError:
+        """Why ``method`` (``chunks``, ``map``, ``starmap``) is refused.
+
+        Celery runs the items of these signatures inside its built-in
+        ``celery.map``/``celery.starmap`` task (``runner``), each as a direct
+        call of this task, which takes no lock (see :meth:`__call__`): items
+        with the same lock name would run at once. A ``group`` of the task's own
+        signatures (``instead``) sends each item as a message of its own, which
+        locks.
+        """
+        return TypeError(
+            f"{method}() of task {self.name!r} would run each item as a direct call of "
+            f"the task inside Celery's celery.{runner} task, and a direct call takes no "
+            "lock: items with the same lock name would run at once. Send a group of the "
+            f"task's signatures instead: {instead}"
+        )
 
     def _execution_lock(
         self, key: str, task_id: str, opts: LockOptions, request: Any, retries: int | None = None
