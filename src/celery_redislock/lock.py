@@ -1529,7 +1529,12 @@ class RedisLock:
         """
         hub = hub_for(self.transport, self.prefix)
         waiter = hub.join()
-        entry = queue_entry(waiter.id, self.owner, self.ttl_ms, self.lease, self._info)
+        # The hub subscribes on the server that holds the queue, unless that can
+        # change (a cluster's slot, a Sentinel's primary): a release may then read
+        # there whether this process still lives (see scripts.WATCHED).
+        single = self._router.single
+        watched = single is not None and single.service is None and not hub.unseen
+        entry = queue_entry(waiter.id, self.owner, self.ttl_ms, self.lease, self._info, watched)
         self._position = None
         acquired = False
         failing_since: float | None = None
@@ -1548,6 +1553,12 @@ class RedisLock:
             while True:
                 now = time.monotonic()
                 trying = False
+                if watched and waiter.passed:
+                    # A release passed it over as dead (and took its entry out of
+                    # the queue), yet its message came (see WakeHub.unseen): it asks
+                    # again at once, queued in its place, and is not checked again.
+                    watched = False
+                    entry = queue_entry(waiter.id, self.owner, self.ttl_ms, self.lease, self._info)
                 try:
                     # Re-armed first: a break of the subscription right after it is
                     # confirmed wakes this waiter, which then waits for it again.
