@@ -131,13 +131,31 @@ def holder(
     return 0
 
 
-def waiter(url: str, name: str, resource: str, report_key: str) -> int:
+def waiter(url: str, name: str, resource: str, report_key: str, threads: int = 1) -> int:
     """Wait for lock ``name`` (60 s TTL), write to ``resource`` once with its fencing
-    token, and release it.
+    token, and release it; with ``threads`` above 1, as many threads do so at once
+    (as a worker's thread pool would), each with a lock object of its own.
 
     Reports ``waiting`` (owner, pid) before it asks, ``acquired`` (token),
     ``wrote`` (whether the fence accepted the write) and ``released``.
     """
+    outcomes: list[int] = []
+    others = [
+        threading.Thread(
+            target=lambda: outcomes.append(_wait_once(url, name, resource, report_key))
+        )
+        for _ in range(threads - 1)
+    ]
+    for thread in others:
+        thread.start()
+    outcome = _wait_once(url, name, resource, report_key)
+    for thread in others:
+        thread.join()
+    return max([outcome, *outcomes])
+
+
+def _wait_once(url: str, name: str, resource: str, report_key: str) -> int:
+    """One waiter of :func:`waiter`."""
     client = redis.Redis.from_url(url)
 
     def report(event: str, **fields: Any) -> None:
@@ -239,6 +257,7 @@ def main(argv: list[str]) -> int:
     queued.add_argument("name")
     queued.add_argument("resource")
     queued.add_argument("report_key")
+    queued.add_argument("--threads", type=int, default=1)
     many = commands.add_parser("soak")
     many.add_argument("lock_url")
     many.add_argument("record_url")
@@ -252,7 +271,7 @@ def main(argv: list[str]) -> int:
             args.url, args.name, args.resource, args.report_key, args.ttl, args.freeze_after_check
         )
     if args.command == "waiter":
-        return waiter(args.url, args.name, args.resource, args.report_key)
+        return waiter(args.url, args.name, args.resource, args.report_key, args.threads)
     return soak(
         args.lock_url, args.record_url, args.label, args.ttl, args.threads, args.names.split(",")
     )

@@ -122,6 +122,12 @@ def write_fields(client: redis.Redis, key: str, **changes: str) -> None:
     assert client.set(key, raw, keepttl=True)
 
 
+def queue_entries(client: redis.Redis, key: str) -> list[tuple[bytes, float]]:
+    """The waiter queue ``key``: each entry (as stored) with its score, first first."""
+    entries: list[tuple[bytes, float]] = client.zrange(key, 0, -1, withscores=True)  # type: ignore[assignment]
+    return entries
+
+
 def held(client: redis.Redis, key: str) -> bool:
     """Whether the lock key ``key`` has an owner (a free lock's key stays a while,
     keeping its fencing counter)."""

@@ -44,7 +44,7 @@ from celery_redislock.heartbeat import Heartbeat, get_heartbeat, send_pending_no
 from celery_redislock.lock import lock_keys, release_lease
 from celery_redislock.reservations import free_queued, queued_owner
 from celery_redislock.revoke import find_and_free_queued
-from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD
+from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD, queue_entry
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import Client, Deadline, Transport, transport_for
 from celery_redislock.wakeups import PROBE_AFTER, PROBE_WAIT, hub_for
@@ -55,6 +55,7 @@ from tests.support import (
     migrate_keys,
     migrating,
     node_command,
+    queue_entries,
     settle,
     wait_for,
     write_fields,
@@ -287,7 +288,10 @@ def test_reentry_counts_holds(locks: Store) -> None:
 
 def test_waiter_is_woken_by_the_release(locks: Store) -> None:
     """A blocked waiter subscribed to the release channel gets the lock right after the
-    holder releases it — long before the holder's 60 s TTL would have freed it."""
+    holder releases it — long before the holder's 60 s TTL would have freed it. Its
+    queue entry asks a release to check that its process is still subscribed only on
+    a single server (not a cluster, whose slots move, nor a Sentinel-managed one,
+    whose primary changes): there its subscription is on the server of the queue."""
     name = f"{locks.kind}:waiter"
     holder = RedisLock(locks.target, name, ttl=60)
     waiter = RedisLock(locks.target, name, ttl=30)
@@ -295,6 +299,8 @@ def test_waiter_is_woken_by_the_release(locks: Store) -> None:
     thread, outcome = in_thread(lambda: waiter.acquire(timeout=30))
     admin = locks.admin_for(holder.key)
     wait_for(lambda: admin.zcard(holder.queue_key) >= 1, what="the waiter in the queue")
+    [(entry, _)] = queue_entries(admin, holder.queue_key)
+    assert entry.endswith(b",1]") == (locks.kind in ("tls", "acl"))
     released = time.monotonic()
     holder.release()
     thread.join(30)
@@ -1888,6 +1894,29 @@ def test_the_wake_up_probe_needs_no_more_than_the_minimal_acl(
     assert hub_for(waiter.transport, waiter.prefix).subscriptions == 1
     assert refusals(user.server) == []
     holder.release()
+
+
+@pytest.mark.parametrize("numsub", [False, True])
+def test_a_release_passes_over_dead_waiters_only_where_the_acl_allows_pubsub_numsub(
+    numsub: bool, redislock_acl_server_factory: Callable[..., AclUser]
+) -> None:
+    """A release counts the subscribers of a queued waiter's process (to pass it over
+    if it died) only if the user may run ``PUBSUB NUMSUB``, which MINIMAL_ACL leaves
+    out: without it, the lock is handed to a dead waiter's entry as before (for its
+    grant), and nothing is refused; with ``+pubsub|numsub`` it is passed over."""
+    rules = [*MINIMAL_ACL, "+pubsub|numsub"] if numsub else list(MINIMAL_ACL)
+    user = redislock_acl_server_factory(rules)
+    holder = RedisLock(user.url, "numsub", ttl=10)
+    assert holder.acquire()
+    admin = user.server.client()
+    dead = queue_entry("dead-process.1", "dead-owner", 10_000, "", "", watched=True)
+    other = queue_entry("other-process.1", "other-owner", 10_000, "", "")
+    admin.zadd(holder.queue_key, {dead: 1, other: 2})
+    write_fields(admin, holder.key, q="1")
+    holder.release()
+    assert fields(admin, holder.key)[OWNER_FIELD] == ("other-owner" if numsub else "dead-owner")
+    assert refusals(user.server) == []
+    admin.close()
 
 
 @pytest.mark.parametrize("rule", [rule for rule in MINIMAL_ACL if rule != "-@all"])

@@ -47,6 +47,7 @@ from celery_redislock.scripts import (
     OWNER_FIELD,
     RELEASE,
     Call,
+    queue_entry,
 )
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import pack, transport_for
@@ -60,6 +61,7 @@ from tests.support import (
     held,
     in_forked_child,
     make_app,
+    queue_entries,
     wait_for,
     wait_until,
 )
@@ -1306,6 +1308,50 @@ def test_a_waiter_whose_process_cannot_subscribe_asks_for_the_lock_all_the_same(
     finally:
         proxy.heal()
     waiter.release()
+
+
+def test_a_waiter_passed_over_while_its_subscription_is_down_keeps_its_place(
+    proxy: FaultProxy, server: RedisServer, direct: redis.Redis
+) -> None:
+    """A live waiter's wake-up subscription is dropped by the server (and cannot be
+    made again for a while) as the lock is released: the release takes it for a
+    waiter whose process died, passes it over and hands the lock to the waiter
+    behind it. The waiter is not lost: it asks again (without the subscription, or
+    once it is back), queued again with its first place in the queue, ahead of a
+    waiter that queued after it, and takes the lock once the hold handed past it
+    ends."""
+    holder = RedisLock(server.url, "passed-over-blip", ttl=60)
+    assert holder.acquire()
+    waiter = RedisLock(redis.Redis.from_url(proxy.url), "passed-over-blip", ttl=60, call_timeout=1)
+    hub = hub_for(waiter.transport, waiter.prefix)
+    outcome, waiting = outcome_in_thread(lambda: waiter.acquire(timeout=30))
+    wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
+    wait_for(lambda: hub.subscribed, what="the wake-up subscription")
+    [(entry, score)] = queue_entries(direct, holder.queue_key)
+    # Behind it: a waiter handed the lock past it (it never confirms: a 2 s grant),
+    # and one that queued after it.
+    after = queue_entry("elsewhere.1", "after-owner", 60_000, "", "")
+    later = queue_entry("elsewhere.2", "later-owner", 60_000, "", "")
+    direct.zadd(holder.queue_key, {after: score + 1, later: score + 2})
+    proxy.refuse()
+    try:
+        direct.client_kill_filter(_type="pubsub")
+        wait_for(lambda: not hub.subscribed, what="the subscription to break")
+        holder.release()
+        assert field(direct, holder.key, OWNER_FIELD) == "after-owner"
+        assert [m for m, _ in queue_entries(direct, holder.queue_key)] == [later.encode()]
+        wait_for(lambda: direct.zcard(holder.queue_key) == 2, what="the waiter to queue again")
+        assert queue_entries(direct, holder.queue_key) == [
+            (entry, score),
+            (later.encode(), score + 2),
+        ]
+    finally:
+        proxy.heal()
+    waiting.join(30)
+    assert outcome == [True]
+    assert waiter.owned()
+    waiter.release()
+    direct.delete(holder.key, holder.queue_key)
 
 
 def test_a_lock_evicted_by_the_server_is_lost_and_fenced(

@@ -36,7 +36,15 @@ from celery_redislock.scripts import OWNER_FIELD, QUEUED_FIELD
 from celery_redislock.server import RedisServer
 from tests.fault_children import SOAK_HOLDS, SOAK_STATS, SOAK_STOP, fence_log, fenced_write
 from tests.proxy import FaultProxy
-from tests.support import acquire_in_thread, close_app, field, held, lock_keys, wait_for
+from tests.support import (
+    acquire_in_thread,
+    close_app,
+    field,
+    held,
+    lock_keys,
+    queue_entries,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,13 +53,18 @@ pytestmark = pytest.mark.slow
 Process = subprocess.Popen[bytes]
 
 
+#: The caller's own PYTHONPATH, which a child keeps after the root: it imports what
+#: the tests do.
+_PATH = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+
+
 def spawn(args: list[str], log: Path, **env: str) -> Process:
     """Start ``args`` from the repository root in a session of its own, output to ``log``."""
     with log.open("wb") as out:
         return subprocess.Popen(
             args,
             cwd=ROOT,
-            env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *_PATH]), **env),
             start_new_session=True,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -473,16 +486,17 @@ def test_release_retried_after_another_owner_freed_the_lock(
 
 
 def queued_waiter(
-    client: redis.Redis, server: RedisServer, tmp_path: Path, holder: RedisLock
+    client: redis.Redis, server: RedisServer, tmp_path: Path, holder: RedisLock, threads: int = 1
 ) -> Process:
-    """A child process queued behind ``holder`` (see ``fault_children.waiter``)."""
+    """A child process queued behind ``holder`` (see ``fault_children.waiter``), with
+    ``threads`` waiters."""
     child = spawn(
         [sys.executable, "-m", "tests.fault_children", "waiter", server.url, holder.name, "res",
-         "report"],
+         "report", "--threads", str(threads)],
         tmp_path / "waiter.log",
     )  # fmt: skip
     wait_for(
-        lambda: child.poll() is not None or client.zcard(holder.queue_key) == 1,
+        lambda: child.poll() is not None or client.zcard(holder.queue_key) == threads,
         timeout=30,
         what="the child to queue",
     )
@@ -491,39 +505,47 @@ def queued_waiter(
 
 
 def live_waiter_behind(
-    client: redis.Redis, holder: RedisLock
+    client: redis.Redis, holder: RedisLock, ahead: int = 1
 ) -> tuple[RedisLock, list[bool], threading.Thread]:
-    """A waiter of this process queued second for ``holder``'s lock, in a thread: its
-    lock, where its outcome lands, and the thread."""
+    """A waiter of this process queued for ``holder``'s lock behind ``ahead`` others, in
+    a thread: its lock, where its outcome lands, and the thread."""
     live = RedisLock(client, holder.name, ttl=60)
     got, thread = acquire_in_thread(live, 30)
-    wait_for(lambda: client.zcard(holder.queue_key) == 2, what="the live waiter to queue")
+    wait_for(lambda: client.zcard(holder.queue_key) == ahead + 1, what="the live waiter to queue")
     return live, got, thread
 
 
-def test_waiter_killed_while_queued_holds_up_the_next_only_for_the_grant(
+def test_waiters_of_a_killed_process_are_passed_over_by_the_next_release(
     redislock_server_factory: Callable[..., RedisServer], tmp_path: Path
 ) -> None:
-    """A waiting process is SIGKILLed while queued first. The release hands the lock to it
-    all the same; the live waiter behind it gets the lock once the 2 s grant runs out,
-    long before the holder's 60 s TTL would have freed it."""
+    """A process with three threads waiting for a lock is SIGKILLed while they are queued
+    first. The server drops the process's wake-up subscription with its connection, so
+    the release passes its waiters over: it takes them out of the queue and hands the
+    lock at once to the live waiter behind them, rather than to each dead one in turn
+    for its grant."""
     server = redislock_server_factory()
     client = server.client()
     holder = RedisLock(client, "handed-killed", ttl=60)
     assert holder.acquire()
-    child = queued_waiter(client, server, tmp_path, holder)
+    child = queued_waiter(client, server, tmp_path, holder, threads=3)
     try:
+        (process,) = {
+            json.loads(m)[0].split(".")[0] for m, _ in queue_entries(client, holder.queue_key)
+        }
+        channel = f"{holder.wake_prefix}{process}"
+        assert client.pubsub_numsub(channel) == [(channel.encode(), 1)]
         os.kill(child.pid, signal.SIGKILL)
         child.wait(10)
-        live, got, thread = live_waiter_behind(client, holder)
+        wait_for(lambda: client.pubsub_numsub(channel) == [(channel.encode(), 0)])
+        live, got, thread = live_waiter_behind(client, holder, ahead=3)
         holder.release()
-        (waiting,) = [e for e in entries(client, "report") if e["event"] == "waiting"]
-        assert field(client, holder.key, OWNER_FIELD) == waiting["owner"]
+        assert field(client, holder.key, OWNER_FIELD) == live.owner
+        assert client.zcard(holder.queue_key) == 0
         thread.join(40)
         assert got == [True]
         assert holder.token is not None
         assert live.token is not None
-        assert live.token > holder.token + 1
+        assert live.token > holder.token
         assert fenced_write(client, "res", live.token, "parent", live.key)
         live.release()
     finally:
@@ -536,10 +558,12 @@ def test_waiter_frozen_while_handed_the_lock_takes_its_turn_after_the_next(
     redislock_server_factory: Callable[..., RedisServer], tmp_path: Path
 ) -> None:
     """A waiting process is SIGSTOPped while queued first, and the release hands it the
-    lock. The waiter behind it takes the lock once the grant has run out. Resumed, the
-    frozen one reads its wake-up too late to trust the handed hold: it asks, finds the
-    lock held, queues again, and gets it only after the other's release. No two holds
-    overlap: every write the fence accepts is from the lock's current holder."""
+    lock: frozen, it keeps its wake-up subscription, and the release, which checks it,
+    cannot tell it from a live waiter. The waiter behind it takes the lock once the
+    grant has run out. Resumed, the frozen one reads its wake-up too late to trust the
+    handed hold: it asks, finds the lock held, queues again, and gets it only after the
+    other's release. No two holds overlap: every write the fence accepts is from the
+    lock's current holder."""
     server = redislock_server_factory()
     client = server.client()
     holder = RedisLock(client, "handed-frozen", ttl=60)
@@ -548,7 +572,10 @@ def test_waiter_frozen_while_handed_the_lock_takes_its_turn_after_the_next(
     try:
         os.kill(child.pid, signal.SIGSTOP)
         live, got, thread = live_waiter_behind(client, holder)
+        assert queue_entries(client, holder.queue_key)[0][0].endswith(b",1]")  # checked
         holder.release()
+        (waiting,) = [e for e in entries(client, "report") if e["event"] == "waiting"]
+        assert field(client, holder.key, OWNER_FIELD) == waiting["owner"]
         thread.join(40)
         assert got == [True]
         assert fenced_write(client, "res", live.token, "parent", live.key)

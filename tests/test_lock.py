@@ -62,7 +62,15 @@ from celery_redislock.scripts import (
 )
 from celery_redislock.server import RedisServer, available_server_binaries, free_port
 from tests.proxy import FaultProxy
-from tests.support import acquire_in_thread, field, fields, hold_count, wait_until, write_fields
+from tests.support import (
+    acquire_in_thread,
+    field,
+    fields,
+    hold_count,
+    queue_entries,
+    wait_until,
+    write_fields,
+)
 from tests.support import lock_keys as lock_keys_held
 
 #: Names that exercise the ``{hash tag}`` rules and unusual characters.
@@ -142,7 +150,8 @@ def held_ahead_of_a_gone_waiter(
     client: redis.Redis, name: str, gone_ttl_ms: int = 60_000
 ) -> RedisLock:
     """Lock ``name``, held, with the queue entry of a waiter whose process is gone
-    (with a TTL of ``gone_ttl_ms``) first in its queue."""
+    (with a TTL of ``gone_ttl_ms``) first in its queue: an entry that does not ask a
+    release to check its process (a cluster's, say), which is handed the lock."""
     holder = RedisLock(client, name, ttl=60)
     assert holder.acquire()
     gone = scripts.queue_entry("gone-process.1", "gone-owner", gone_ttl_ms, "", "")
@@ -1254,8 +1263,9 @@ def test_a_handed_hold_kept_without_a_round_trip_is_re_entered_by_its_owner(
 def test_a_waiter_gone_since_it_queued_keeps_the_lock_only_for_the_grant(
     client: redis.Redis, cleanup: list[RedisLock]
 ) -> None:
-    """The first waiter's process died while it was queued: the release hands it the
-    lock all the same, for GRANT_MS at most. The live waiter behind it (woken as the
+    """The first waiter's process died while it was queued, where a release cannot tell
+    (its entry does not ask to be checked): the release hands it the lock all the
+    same, for GRANT_MS at most. The live waiter behind it (woken as the
     spare) gets the lock once that runs out, long before the holder's 60 s TTL."""
     holder = held_ahead_of_a_gone_waiter(client, "handed-gone")
     waiter_lock, waiter = wait_behind(holder, cleanup)
@@ -1360,8 +1370,9 @@ def test_a_waiter_that_leaves_gives_back_a_lock_handed_to_it(
 def test_waiters_gone_ahead_of_a_live_one_hold_it_up_only_until_it_asks_again(
     client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first two queued waiters are gone (a worker killed with them): the release
-    hands the lock to the first and wakes the second, neither of which answers. The
+    """The first two queued waiters are gone (a worker killed with them), where a
+    release cannot tell (their entries do not ask to be checked): the release hands
+    the lock to the first and wakes the second, neither of which answers. The
     live waiter behind them, asleep until the holder's TTL it saw, asks again after
     RECHECK at the latest and takes the lock, long before that TTL."""
     monkeypatch.setattr(lock_module, "RECHECK", 0.5)
@@ -1377,6 +1388,111 @@ def test_waiters_gone_ahead_of_a_live_one_hold_it_up_only_until_it_asks_again(
     assert got == [True]
     live.release()
     client.delete(holder.queue_key)
+
+
+def dead_entries(count: int, watched: bool = True, start: int = 0) -> dict[str, int]:
+    """Queue entries (with their scores) of ``count`` waiters of a process that has no
+    wake-up subscription, that ask to be checked (``watched``) or not."""
+    return {
+        queue_entry(f"dead-process.{n}", f"dead-owner-{n}", 30_000, "", "", watched): n + 1
+        for n in range(start, start + count)
+    }
+
+
+def test_waiters_of_a_process_without_a_subscription_are_passed_over(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """Queued first, three waiters of a process whose wake channel has no subscriber on
+    the server (it died) and whose entries say its subscription would be there: the
+    release takes them out of the queue and hands the lock to the live waiter behind
+    them at once."""
+    holder = RedisLock(client, "passed-over", ttl=60)
+    assert holder.acquire()
+    client.zadd(holder.queue_key, dead_entries(3))
+    waiter_lock, waiter = wait_behind(holder, cleanup)
+    assert wait_until(lambda: queued(client, holder) == 4)
+    entry = queue_entries(client, holder.queue_key)[3][0]
+    assert entry.endswith(b",1]")  # a waiter on a single server asks to be checked
+    holder.release()
+    assert field(client, holder.key, OWNER_FIELD) == waiter_lock.owner
+    assert queued(client, holder) == 0
+    assert wait_until(waiter.done)
+    assert (waiter.error, waiter.result) == (None, True)
+
+
+def test_waiters_whose_entries_do_not_ask_to_be_checked_are_handed_the_lock(
+    client: redis.Redis,
+) -> None:
+    """Entries that do not say where their process is subscribed (a cluster's, a
+    Sentinel-managed server's) are handed the lock as before, whether or not their
+    channel has a subscriber here: their process may be subscribed elsewhere."""
+    holder = RedisLock(client, "not-watched", ttl=60)
+    assert holder.acquire()
+    client.zadd(holder.queue_key, dead_entries(2, watched=False))
+    write_fields(client, holder.key, q="1")
+    holder.release()
+    assert field(client, holder.key, OWNER_FIELD) == "dead-owner-0"
+    assert queued(client, holder) == 1
+    client.delete(holder.key, holder.queue_key)
+
+
+def test_a_release_passes_over_at_most_passed_over_limit_dead_waiters(
+    client: redis.Redis,
+) -> None:
+    """One release takes at most PASSED_OVER_LIMIT dead waiters out of the queue: the
+    next one is handed the lock (for its grant), and the one after it woken as the spare."""
+    holder = RedisLock(client, "passed-over-limit", ttl=60)
+    assert holder.acquire()
+    client.zadd(holder.queue_key, dead_entries(scripts.PASSED_OVER_LIMIT + 2))
+    write_fields(client, holder.key, q="1")
+    holder.release()
+    limit = scripts.PASSED_OVER_LIMIT
+    assert field(client, holder.key, OWNER_FIELD) == f"dead-owner-{limit}"
+    assert [entry for entry, _ in queue_entries(client, holder.queue_key)] == [
+        queue_entry(
+            f"dead-process.{limit + 1}", f"dead-owner-{limit + 1}", 30_000, "", "", True
+        ).encode()
+    ]
+    client.delete(holder.key, holder.queue_key)
+
+
+def test_a_waiter_passed_over_is_woken_and_queues_again_in_its_place(
+    client: redis.Redis, cleanup: list[RedisLock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The message a release sends a waiter it passed over as dead, should it reach it
+    all the same (its subscription where the server does not count it), wakes it: it
+    asks again at once, queued in the place it had, with an entry that no longer asks
+    to be checked; and so do the process's later waiters."""
+    holder = RedisLock(client, "passed-over-told", ttl=60)
+    assert holder.acquire()
+    waiter_lock, waiter = wait_behind(holder, cleanup)
+    assert wait_until(lambda: queued(client, holder) == 1)
+    [(entry, score)] = queue_entries(client, holder.queue_key)
+    hub = wakeups.hub_for(waiter_lock.transport, waiter_lock.prefix)
+    monkeypatch.setattr(hub, "unseen", False)  # and back to it after the test
+    wait_id = json.loads(entry)[0]
+    # As a release that passed it over would, after taking its entry out.
+    client.zrem(holder.queue_key, entry)
+    client.publish(
+        f"{holder.wake_prefix}{wait_id.split('.')[0]}", f"{wait_id}{scripts.PASSED_MARK}"
+    )
+    assert wait_until(lambda: queued(client, holder) == 1)
+    [(again, again_score)] = queue_entries(client, holder.queue_key)
+    assert again_score == score
+    assert json.loads(again)[0] == wait_id
+    assert not again.endswith(b",1]")
+    assert hub.unseen
+    later_lock, later = wait_behind(holder, cleanup)
+    assert wait_until(lambda: queued(client, holder) == 2)
+    assert not any(m.endswith(b",1]") for m, _ in queue_entries(client, holder.queue_key))
+    holder.release()
+    assert field(client, holder.key, OWNER_FIELD) == waiter_lock.owner
+    assert wait_until(waiter.done)
+    assert waiter.result
+    waiter_lock.release()
+    assert wait_until(later.done)
+    assert later.result
+    later_lock.release()
 
 
 def test_a_spare_handed_the_lock_before_it_pauses_keeps_the_hand_over(

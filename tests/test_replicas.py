@@ -8,10 +8,11 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from celery_redislock import LockBackendError, RedisLock
-from celery_redislock.scripts import OWNER_FIELD, REQUEST_FIELD
+from celery_redislock import LockBackendError, RedisLock, wakeups
+from celery_redislock.scripts import OWNER_FIELD, REQUEST_FIELD, queue_entry
 from celery_redislock.server import RedisServer
-from tests.support import acquire_in_thread, field, held, wait_for
+from celery_redislock.transport import transport_for
+from tests.support import acquire_in_thread, field, held, queue_entries, wait_for
 
 
 def primary_and_replica(
@@ -189,3 +190,38 @@ def test_an_acquire_right_after_one_replicas_did_not_confirm_is_not_taken_unconf
     checker = primary.client()
     wait_for(lambda: not held(checker, lock.key), what="the hold given back")
     checker.close()
+
+
+def test_a_waiter_the_primary_counts_no_subscription_for_is_passed_over_once(
+    redislock_server_factory: Callable[..., RedisServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter whose process's wake-up subscription is on a replica (as a server that
+    switched under its address could leave it) is passed over by the release, as if
+    its process had died: the primary counts no subscriber on its channel. The
+    release's message to it reaches it through the replica all the same: it asks
+    again at once, its process's entries no longer ask to be checked, and it takes
+    the lock as soon as the one handed it instead lets it go."""
+    primary, replica_client = primary_and_replica(redislock_server_factory)
+    holder = RedisLock(primary.url, "unseen", ttl=30)
+    assert holder.acquire()
+    waiter = RedisLock(primary.url, "unseen", ttl=30)
+    hub = wakeups.WakeHub(transport_for(replica_client), waiter.prefix)
+    monkeypatch.setitem(wakeups._hubs, (waiter.transport, waiter.prefix), hub)
+    got, thread = acquire_in_thread(waiter, 20)
+    checker = primary.client()
+    wait_for(lambda: checker.zcard(waiter.queue_key) == 1, what="the waiter queued")
+    [(entry, score)] = queue_entries(checker, waiter.queue_key)
+    assert entry.endswith(b",1]")
+    # Queued behind it: a waiter of a process elsewhere, gone, with a 0.3 s TTL.
+    checker.zadd(
+        waiter.queue_key, {queue_entry("elsewhere.1", "other-owner", 300, "", ""): score + 1}
+    )
+    holder.release()
+    assert field(checker, waiter.key, OWNER_FIELD) == "other-owner"
+    wait_for(lambda: hub.unseen, what="the message to reach the waiter")
+    thread.join(20)
+    assert got == [True]
+    assert waiter.owned()
+    waiter.release()
+    checker.close()
+    replica_client.close()

@@ -1610,9 +1610,14 @@ class RedisLock:
         """
         hub = hub_for(self.transport, self.prefix)
         waiter = hub.join()
+        single = self._router.single
         # On a cluster, a try is not held up by a subscription to a node out of reach.
-        cluster = self._router.single is None
-        entry = queue_entry(waiter.id, self.owner, self.ttl_ms, self.lease, self._info)
+        cluster = single is None
+        # The hub subscribes on the server that holds the queue, unless that can
+        # change (a cluster's slot, a Sentinel's primary): a release may then read
+        # there whether this process still lives (see scripts.WATCHED).
+        watched = single is not None and single.service is None and not hub.unseen
+        entry = queue_entry(waiter.id, self.owner, self.ttl_ms, self.lease, self._info, watched)
         self._position = None
         acquired = False
         failing_since: float | None = None
@@ -1631,6 +1636,12 @@ class RedisLock:
             while True:
                 now = time.monotonic()
                 trying = False
+                if watched and waiter.passed:
+                    # A release passed it over as dead (and took its entry out of
+                    # the queue), yet its message came (see WakeHub.unseen): it asks
+                    # again at once, queued in its place, and is not checked again.
+                    watched = False
+                    entry = queue_entry(waiter.id, self.owner, self.ttl_ms, self.lease, self._info)
                 try:
                     if cluster and hub.transport is not self.transport:
                         hub = self._follow_key(hub, waiter)

@@ -80,6 +80,16 @@ release takes only the first out of the queue: the spare keeps its place at the
 front, so the next release wakes it first (it is then handed the lock, or asks
 at once).
 
+**Dead waiters.** A waiter whose process has died is passed over: where its
+entry ends in :data:`WATCHED` (its process subscribes on this server), a release
+counts the subscribers of its wake channel (``PUBSUB NUMSUB``, before the first
+write), and takes the entry out of the queue, waking the next instead, when
+there is none: the server dropped the subscription as the process's connection
+closed. Each such waiter is sent :data:`PASSED_MARK` all the same, which only a
+process subscribed where the server does not count it hears (it then asks again,
+in its place, and no longer asks to be checked). Up to
+:data:`PASSED_OVER_LIMIT` entries go per release.
+
 **Retries.** A request can reach the server and run while its reply is lost
 (a reset connection, a timeout); the client then sends it again. Every request
 that changes state carries a fresh request id, and the scripts recognise their
@@ -209,6 +219,23 @@ GRANT_MS = 2000
 #: its waiter: this, followed by the waiter id.
 GRANTED_TO = "g:"
 
+#: What follows the waiter id in the message a release sends to a waiter it
+#: passed over (:data:`WATCHED`) as its process's wake channel had no subscriber on
+#: the server: a waiter that reads it all the same is subscribed where the server
+#: does not count it, and no longer asks to be checked so.
+PASSED_MARK = " passed"
+
+#: The last element of a queue entry whose waiter's wake-up subscription is on the
+#: server that holds the entry (see :func:`queue_entry`): a release passes such a
+#: waiter over, and takes its entry out of the queue, when its process's wake
+#: channel has no subscriber there (the process has died: the server dropped its
+#: subscription as its connection closed).
+WATCHED = 1
+
+#: The most queue entries of dead processes (:data:`WATCHED`) one release takes out
+#: of the queue; the next release takes out more.
+PASSED_OVER_LIMIT = 100
+
 #: What ends the owner token of a hold that reserves the lock for its lease (a
 #: message sent but not yet started). ``<task id>:queued`` is handed to the first
 #: other owner of the lease that asks. A retry's, ``<task id>:<retries>:queued``
@@ -291,6 +318,11 @@ def _lua(text: str) -> str:
         GRANTED_TO=f"'{GRANTED_TO}'",
         RESERVATION=f"'{RESERVATION_SUFFIX}'",
         GRANT_MS=GRANT_MS,
+        PASSED=f"'{PASSED_MARK}'",
+        WATCHED=WATCHED,
+        WATCHED_AT=4 + len(HOLDER_FIELDS) + 1,
+        WATCHED_END=f"',{WATCHED}]'",
+        PASSED_OVER_LIMIT=PASSED_OVER_LIMIT,
         RELEASE_HISTORY=RELEASES_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
         DROP_HISTORY=DROPS_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
         COPY_HISTORY=COPIES_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
@@ -432,7 +464,7 @@ end
 # Shared by the scripts that free the lock: keep the key (and its fence) as a
 # free remnant for ARGV[4] ms (its current expiry for "0"), remember the release
 # (ARGV[3]), and hand the lock to the first of the queued waiters, waking the
-# first two (wake channel prefix ARGV[2]).
+# first two (wake channel prefix ARGV[2]), past those whose process has died.
 _FREE = _lua("""
 -- read(), once ARGV[4] (how long the free value keeps the fence) is checked; else
 -- nil and the error to return.
@@ -457,11 +489,56 @@ local function entry(member)
     return member, nil
 end
 
+-- Whether a queue entry's waiter has died with its process: its entry says the
+-- process is subscribed to its wake channel on this server (WATCHED), and the
+-- channel has no subscriber here (the server dropped it as the process's
+-- connection closed). ``known`` keeps what was learnt of each process. Asked
+-- only where the ACL can be checked first (Redis 7, Valkey) and lets the user
+-- ask: a refusal would be logged; a count the server does not give is one.
+local function dead(member, known)
+    if string.sub(member, -#$WATCHED_END) ~= $WATCHED_END then return false end
+    local ok, value = pcall(cjson.decode, member)
+    if not ok or type(value) ~= 'table' or value[$WATCHED_AT] ~= $WATCHED
+            or type(value[1]) ~= 'string' then
+        return false
+    end
+    local process = string.match(value[1], '^([^.]+)%.')
+    if not process then return false end
+    if known[process] == nil then
+        local channel = ARGV[2] .. process
+        local gone = false
+        if redis.acl_check_cmd and redis.acl_check_cmd('pubsub', 'numsub', channel) then
+            local reply = redis.pcall('PUBSUB', 'NUMSUB', channel)
+            gone = type(reply) == 'table' and not reply.err and tonumber(reply[2]) == 0
+        end
+        known[process] = gone
+    end
+    return known[process]
+end
+
 local function free(lock)
-    -- The first two queued waiters, read before the first write (refused, a read
-    -- writes nothing).
-    local next = lock[$QUEUED] and redis.call('ZRANGE', KEYS[2], 0, 1) or {}
-    if #next > 0 then
+    -- The first two queued waiters still alive, and the dead ones queued ahead of
+    -- them (PASSED_OVER_LIMIT at most), read before the first write (refused, a
+    -- read writes nothing).
+    local next, passed = {}, {}
+    if lock[$QUEUED] then
+        local known, from, size = {}, 0, 2
+        while true do
+            local batch = redis.call('ZRANGE', KEYS[2], from, from + size - 1)
+            for _, member in ipairs(batch) do
+                if #next < 2 then
+                    if #passed < $PASSED_OVER_LIMIT and dead(member, known) then
+                        passed[#passed + 1] = member
+                    else
+                        next[#next + 1] = member
+                    end
+                end
+            end
+            if #next > 1 or #batch < size then break end
+            from, size = from + size, 16
+        end
+    end
+    if #next > 0 or #passed > 0 then
         local bad = denied('zrem', KEYS[2], 'w') or denied('publish', ARGV[2] .. '0', '')
         if bad then return bad end
     end
@@ -504,7 +581,7 @@ local function free(lock)
         messages[1] = woken[1]
         if #woken > 1 then
             messages[2] = woken[2] .. $SPARE
-            for _, member in ipairs(redis.call('ZRANGE', KEYS[2], 2, -1)) do
+            for _, member in ipairs(redis.call('ZRANGE', KEYS[2], #passed + 2, -1)) do
                 woken[#woken + 1] = entry(member)
                 messages[#woken] = woken[#woken]
             end
@@ -514,13 +591,22 @@ local function free(lock)
         -- Only the first leaves the queue: the second (the spare) leaves it only
         -- by taking the lock, so while it lets the first go ahead the next
         -- release still finds it at the front.
-        redis.call('ZREM', KEYS[2], next[1])
+        passed[#passed + 1] = next[1]
     end
+    if #passed > 0 then redis.call('ZREM', KEYS[2], unpack(passed)) end
     for i, message in ipairs(messages) do
         local process = string.match(woken[i], '^([^.]+)%.')
         if process then
             redis.call('PUBLISH', ARGV[2] .. process, message)
         end
+    end
+    -- The dead are told too: should one be alive all the same (its subscription
+    -- on another server that passes the message on), it is woken, asks again,
+    -- and keeps its place (see lock.RedisLock._wait).
+    for i = 1, #passed - (#next > 0 and 1 or 0) do
+        local id = string.match(passed[i], '^%["([^"]+)"')
+        local process = id and string.match(id, '^([^.]+)%.')
+        if process then redis.call('PUBLISH', ARGV[2] .. process, id .. $PASSED) end
     end
     return 1
 end
@@ -1038,12 +1124,23 @@ def decode_lock(raw: bytes | str | None) -> dict[str, str]:
     return {name: value for name, value in fields if value}
 
 
-def queue_entry(waiter: str, owner: str, ttl_ms: int, lease: str, info: str) -> str:
+def queue_entry(
+    waiter: str, owner: str, ttl_ms: int, lease: str, info: str, watched: bool = False
+) -> str:
     """A waiter's entry in the lock's queue (ACQUIRE's ARGV[5]): what a release
     needs to hand the lock over to it, as one JSON array; ``info`` is the holder's
     description as ACQUIRE takes it (its values joined by :data:`SEPARATOR`), and
-    its values come last, one element each."""
-    described = info.split(SEPARATOR) if info else []
+    its values come next, one element each.
+
+    ``watched``: the waiter's process is subscribed to its wake channel on the
+    server that holds the queue (a single server, not a cluster nor one Sentinel
+    may switch), so a release may read there whether the process still is; the
+    description is then padded to all of :data:`HOLDER_FIELDS`, and
+    :data:`WATCHED` follows it."""
+    described: list[str | int] = list(info.split(SEPARATOR)) if info else []
+    if watched:
+        described += [""] * (len(HOLDER_FIELDS) - len(described))
+        described.append(WATCHED)
     return json.dumps([waiter, owner, ttl_ms, lease, *described], separators=(",", ":"))
 
 

@@ -15,12 +15,14 @@ reading to another. A lone waiter, the usual case in a worker process, so wakes
 up in its own thread, without a hand-off from a reader thread to it.
 
 The subscription must be in place before a waiter queues itself, or a wake-up
-sent in between would be lost: :meth:`WakeHub.wait_ready` blocks until it is (a
-waiter it keeps waiting too long asks for the lock without it, now and then,
-until it is back). When a reader finds the subscription broken, the hub wakes
-every waiter (each then re-checks the lock and waits for the hub to be
-subscribed again) and subscribes again, on a new connection
-(:data:`SUBSCRIBE_WAIT`).
+sent in between would be lost, and (on a single server, where a release checks
+it) the waiter taken for one whose process died: :meth:`WakeHub.wait_ready`
+blocks until it is (a waiter it keeps waiting too long asks for the lock without
+it, now and then, until it is back; a release may pass it over meanwhile, and it
+keeps its place in the queue as it asks again). When a reader finds the
+subscription broken, the hub wakes every waiter (each then re-checks the lock and
+waits for the hub to be subscribed again) and subscribes again, on a new
+connection (:data:`SUBSCRIBE_WAIT`).
 
 A subscription can also die without a word: a firewall or load balancer that
 forgets an idle connection passes nothing on and closes nothing, and the server
@@ -45,7 +47,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_redislock.scripts import BEHIND_MARK, GRANT_MARK, SPARE_MARK
+from celery_redislock.scripts import BEHIND_MARK, GRANT_MARK, PASSED_MARK, SPARE_MARK
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
     Deadline,
@@ -98,7 +100,17 @@ class Waiter:
     was handed to, or not — or handed it the lock, with this fencing token), and
     the event that rings when it is woken or may take over the reading."""
 
-    __slots__ = ("behind", "event", "fence", "following", "id", "recheck", "spare", "woken")
+    __slots__ = (
+        "behind",
+        "event",
+        "fence",
+        "following",
+        "id",
+        "passed",
+        "recheck",
+        "spare",
+        "woken",
+    )
 
     def __init__(self, waiter_id: str) -> None:
         self.id = waiter_id
@@ -107,6 +119,9 @@ class Waiter:
         self.behind = False
         self.fence: int | None = None
         self.woken = False
+        # Whether a release passed it over as dead since its last rearm() (see
+        # WakeHub.unseen).
+        self.passed = False
         # Whether a break of the subscription woke it (to re-check the lock once
         # subscribed again) since its last rearm().
         self.recheck = False
@@ -145,6 +160,11 @@ class WakeHub:
         # down it since (None: not since); kept by whoever holds the reading.
         self._heard = 0.0
         self._probed: float | None = None
+        #: Whether a release passed over one of this hub's waiters as dead (its
+        #: channel had no subscriber on the lock's server) though its message came
+        #: here: the server's subscriber count does not see this subscription, and
+        #: this process's waiters no longer ask to be checked by it.
+        self.unseen = False
         #: Wake-up messages received, and subscriptions made, for tests and benchmarks.
         self.received = 0
         self.subscriptions = 0
@@ -203,7 +223,7 @@ class WakeHub:
     @staticmethod
     def rearm(waiter: Waiter) -> None:
         """Forget what woke ``waiter`` before: call it before each try of the lock."""
-        waiter.woken = waiter.spare = waiter.behind = waiter.recheck = False
+        waiter.woken = waiter.spare = waiter.behind = waiter.recheck = waiter.passed = False
         waiter.fence = None
         waiter.event.clear()
 
@@ -335,6 +355,16 @@ class WakeHub:
         """Wake the waiter a message names (as the spare, or as the one the lock
         was handed to, if it says so)."""
         self.received += 1
+        if message.endswith(PASSED_MARK):
+            # Passed over as dead: woken to ask again (and keep its place).
+            self.unseen = True
+            message = message.removesuffix(PASSED_MARK)
+            with self._guard:
+                waiter = self._waiters.get(message)
+                if waiter is not None:
+                    waiter.passed = waiter.woken = True
+                    waiter.event.set()
+            return
         spare = message.endswith(SPARE_MARK)
         message = message.removesuffix(SPARE_MARK)
         behind = spare and message.endswith(BEHIND_MARK)
