@@ -30,6 +30,7 @@ from celery_redislock import (
     SingletonTask,
 )
 from celery_redislock import lock as lock_module
+from celery_redislock.admin import ForceReleased, force_release
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.lock import lock_keys, release_lease, wake_channel_prefix
 from celery_redislock.reservations import queued_owner
@@ -46,8 +47,10 @@ from celery_redislock.scripts import (
     GRANT_MS,
     OWNER_FIELD,
     RELEASE,
+    WATCHED,
     Call,
     queue_entry,
+    unwatched,
 )
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import pack, transport_for
@@ -1318,8 +1321,10 @@ def test_a_waiter_passed_over_while_its_subscription_is_down_keeps_its_place(
     waiter whose process died, passes it over and hands the lock to the waiter
     behind it. The waiter is not lost: it asks again (without the subscription, or
     once it is back), queued again with its first place in the queue, ahead of a
-    waiter that queued after it, and takes the lock once the hold handed past it
-    ends."""
+    waiter that queued after it; and while its subscription is down it asks with
+    its entry unmarked, so the next release hands it the lock rather than pass it
+    over again (with the subscription down for good, it would else be passed over
+    at every release)."""
     holder = RedisLock(server.url, "passed-over-blip", ttl=60)
     assert holder.acquire()
     waiter = RedisLock(redis.Redis.from_url(proxy.url), "passed-over-blip", ttl=60, call_timeout=1)
@@ -1328,23 +1333,29 @@ def test_a_waiter_passed_over_while_its_subscription_is_down_keeps_its_place(
     wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
     wait_for(lambda: hub.subscribed, what="the wake-up subscription")
     [(entry, score)] = queue_entries(direct, holder.queue_key)
-    # Behind it: a waiter handed the lock past it (it never confirms: a 2 s grant),
-    # and one that queued after it.
-    after = queue_entry("elsewhere.1", "after-owner", 60_000, "", "")
+    assert entry.decode().endswith(f",{WATCHED}]")
+    # Behind it: a waiter handed the lock past it, and one that queued after it.
+    handed = queue_entry("elsewhere.1", "handed-owner", 60_000, "", "")
     later = queue_entry("elsewhere.2", "later-owner", 60_000, "", "")
-    direct.zadd(holder.queue_key, {after: score + 1, later: score + 2})
+    direct.zadd(holder.queue_key, {handed: score + 1, later: score + 2})
     proxy.refuse()
     try:
         direct.client_kill_filter(_type="pubsub")
         wait_for(lambda: not hub.subscribed, what="the subscription to break")
         holder.release()
-        assert field(direct, holder.key, OWNER_FIELD) == "after-owner"
+        assert field(direct, holder.key, OWNER_FIELD) == "handed-owner"
         assert [m for m, _ in queue_entries(direct, holder.queue_key)] == [later.encode()]
         wait_for(lambda: direct.zcard(holder.queue_key) == 2, what="the waiter to queue again")
         assert queue_entries(direct, holder.queue_key) == [
-            (entry, score),
+            (unwatched(entry.decode()).encode(), score),
             (later.encode(), score + 2),
         ]
+        # The hold handed past it goes (an operator's release, which hands the lock
+        # on as a release does): the waiter, still without its subscription, is
+        # handed the lock this time.
+        assert force_release(direct, "passed-over-blip") is ForceReleased.FREED
+        assert field(direct, holder.key, OWNER_FIELD) == waiter.owner
+        assert [m for m, _ in queue_entries(direct, holder.queue_key)] == [later.encode()]
     finally:
         proxy.heal()
     waiting.join(30)

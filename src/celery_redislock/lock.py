@@ -91,6 +91,7 @@ from celery_redislock.scripts import (
     decode_lock,
     queue_entry,
     send,
+    unwatched,
 )
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
@@ -1617,7 +1618,11 @@ class RedisLock:
         # change (a cluster's slot, a Sentinel's primary): a release may then read
         # there whether this process still lives (see scripts.WATCHED).
         watched = single is not None and single.service is None and not hub.unseen
-        entry = queue_entry(waiter.id, self.owner, self.ttl_ms, self.lease, self._info, watched)
+        marked = queue_entry(waiter.id, self.owner, self.ttl_ms, self.lease, self._info, watched)
+        # Sent while the subscription is down (or after a release passed the waiter
+        # over all the same), lest every release take the waiter for dead.
+        plain = unwatched(marked)
+        entry = marked
         self._position = None
         acquired = False
         failing_since: float | None = None
@@ -1641,7 +1646,6 @@ class RedisLock:
                     # the queue), yet its message came (see WakeHub.unseen): it asks
                     # again at once, queued in its place, and is not checked again.
                     watched = False
-                    entry = queue_entry(waiter.id, self.owner, self.ttl_ms, self.lease, self._info)
                 try:
                     if cluster and hub.transport is not self.transport:
                         hub = self._follow_key(hub, waiter)
@@ -1658,6 +1662,7 @@ class RedisLock:
                         unheard_since = None
                     elif unheard_since is None:
                         unheard_since = now
+                    entry = marked if watched and subscribed else plain
                     now = time.monotonic()
                     trying = True
                     if self._try_acquire(self._call_deadline(ends), request, entry):

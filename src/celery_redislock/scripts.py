@@ -618,6 +618,18 @@ local function released_here(lock)
 end
 """)
 
+# A waiter's queue entry in its other form: marked WATCHED if it is not, and the
+# other way round (see unwatched()). A waiter sends one or the other as its
+# subscription comes and goes, and keeps one entry in the queue.
+_OTHER_ENTRY = _lua("""
+local function other_entry(member)
+    if string.sub(member, -#$WATCHED_END) == $WATCHED_END then
+        return string.sub(member, 1, -#$WATCHED_END - 1) .. ']'
+    end
+    return string.sub(member, 1, -2) .. $WATCHED_END
+end
+""")
+
 #: Take the lock, take it again (re-entrant), take over the reservation of the
 #: caller's lease (:data:`RESERVATION_SUFFIX`) or a hold of that lease its holder
 #: hands over; a waiter that finds it held joins the queue.
@@ -696,6 +708,7 @@ end
 """)
     + _READ
     + _HELPERS
+    + _OTHER_ENTRY
     + _lua("""
 local bad = check_ttl(ARGV[2])
 if bad then return bad end
@@ -776,6 +789,8 @@ if wait_ms then
     end
     bad = denied('pexpire', KEYS[2], '1') or (not lock[$QUEUED] and denied('set', KEYS[1], 'w'))
     if bad then return bad end
+    -- The waiter's entry in its other form, if it is there (see unwatched()).
+    redis.call('ZREM', KEYS[2], other_entry(ARGV[5]))
     redis.call('ZADD', KEYS[2], 'NX', position, ARGV[5])
     if redis.call('PTTL', KEYS[2]) < wait_ms + tonumber(ARGV[2]) then
         redis.call('PEXPIRE', KEYS[2], wait_ms + tonumber(ARGV[2]))
@@ -805,7 +820,7 @@ if ARGV[5] ~= '' then
 end
 write(new, ARGV[2])
 if ARGV[5] ~= '' then
-    redis.call('ZREM', KEYS[2], ARGV[5])
+    redis.call('ZREM', KEYS[2], ARGV[5], other_entry(ARGV[5]))
 elseif (ARGV[11] or '') ~= '' and new[$QUEUED] and ARGV[3] ~= '' then
     -- A hold moved to a reservation: the queued waiters of its lease are woken
     -- to ask again. Only a wake-up, after the write (a read or a publish the
@@ -1022,7 +1037,9 @@ return free(lock)
 #: ARGV[4] how long the free value keeps the fence, in ms; ARGV[5] the waiter's
 #: queue entry (as ACQUIRE's ARGV[5])
 #: Returns 1 when it was queued, 2 when it was handed the lock (now freed), else 0.
-LEAVE = _freeing("""
+LEAVE = _freeing(
+    _OTHER_ENTRY
+    + """
 local lock, bad = checked_read()
 if bad then return bad end
 local waiter = string.match(ARGV[5], '^%["([^"]+)"') or ARGV[5]
@@ -1031,8 +1048,9 @@ if lock[$OWNER] == ARGV[1] and lock[$REQ] == $GRANTED_TO .. waiter then
     if bad ~= 1 then return bad end
     return 2
 end
-return redis.call('ZREM', KEYS[2], ARGV[5])
-""")
+return math.min(1, redis.call('ZREM', KEYS[2], ARGV[5], other_entry(ARGV[5])))
+"""
+)
 
 #: Leave word, beside the lock, that a delivery of retry ARGV[2] of lease ARGV[1]
 #: ended without running (it failed to start, or was dropped as revoked) while a
@@ -1142,6 +1160,16 @@ def queue_entry(
         described += [""] * (len(HOLDER_FIELDS) - len(described))
         described.append(WATCHED)
     return json.dumps([waiter, owner, ttl_ms, lease, *described], separators=(",", ":"))
+
+
+def unwatched(entry: str) -> str:
+    """``entry``, a :func:`queue_entry` made ``watched``, without the mark: what
+    the waiter sends while its subscription is down, so that a release no longer
+    takes it for a waiter whose process died and passes it over at every release
+    until it is back. ACQUIRE and LEAVE take the entry's other form out of the
+    queue as they queue or remove one, so a waiter has one entry either way."""
+    mark = f",{WATCHED}]"
+    return entry[: -len(mark)] + "]" if entry.endswith(mark) else entry
 
 
 class Script:
