@@ -550,16 +550,27 @@ def test_cluster_locks_keep_working_after_a_primary_fails(
         client.close()
 
 
+def _fail(cluster: ClusterDeployment, node: RedisServer, fault: str) -> None:
+    """Make the primary ``node`` fail: killed (SIGKILL), or hung (SIGSTOP: it
+    answers nothing, not even a refusal, as behind a network partition)."""
+    if fault == "kill":
+        cluster.kill(node)
+    else:
+        cluster.pause(node)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_cluster_delay_just_after_its_primary_died_waits_for_the_failover(
-    redislock_cluster_factory: Callable[..., ClusterDeployment],
+    redislock_cluster_factory: Callable[..., ClusterDeployment], fault: str
 ) -> None:
     """An ``until_executed`` task sent just after the primary of its lock's slot was
-    killed (SIGKILL), while the slot map still names the dead node, is not refused
-    after a few tries: its reservation is asked for again within its call's
-    deadline (5 s, longer than the failover: ``cluster-node-timeout`` is 1 s), the
-    slot map refreshed each time, and is taken once on the promoted replica. The
-    task is sent, and a second send is deduplicated to it."""
+    killed (SIGKILL) or froze (SIGSTOP), while the slot map still names it, is not
+    refused: its reservation is asked for again within its call's deadline (5 s,
+    longer than the failover: ``cluster-node-timeout`` is 1 s), each try to a
+    frozen node cut short (``CLUSTER_TRY``) and the other nodes asked where the
+    slot lives now, and is taken once on the promoted replica. The task is sent,
+    and a second send is deduplicated to it."""
     cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
     client = cluster.client()
     app = Celery("cluster-failover-send", broker="memory://", set_as_current=False)
@@ -586,7 +597,7 @@ def test_cluster_delay_just_after_its_primary_died_waits_for_the_failover(
         first = RedisLock(client, warm, ttl=10)
         assert first.acquire(blocking=False)
         first.release()
-        cluster.kill(victim)
+        _fail(cluster, victim, fault)
         sent = reserve.delay(n)
         heir = cluster.wait_for_failover(victim, timeout=30)
         admin = heir.client()
@@ -597,20 +608,28 @@ def test_cluster_delay_just_after_its_primary_died_waits_for_the_failover(
         assert reserve.delay(n).id == sent.id
         assert free_queued(client, name, sent.id, "redislock")
     finally:
+        if victim.is_paused:
+            victim.resume()
         app.close()
         client.close()
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_cluster_waiter_through_a_failover_is_woken_on_the_promoted_replica(
     redislock_cluster_factory: Callable[..., ClusterDeployment],
     monkeypatch: pytest.MonkeyPatch,
+    fault: str,
 ) -> None:
-    """A waiter whose wait spans its primary's death (SIGKILL) and its replica's
-    promotion moves its wake-up subscription to the promoted replica: the hub of
-    the dead node stops reconnecting there (no warning each second) while the
-    waiter still waits, and the holder's release wakes the waiter by a wake-up
-    message, not by a re-check (made far longer than the test here)."""
+    """A waiter whose wait spans its primary's death (SIGKILL) or hang (SIGSTOP)
+    and its replica's promotion moves its wake-up subscription to the promoted
+    replica: it leaves the failed node's hub, which (for a dead node) stops
+    reconnecting there (no warning each second) while the waiter still waits,
+    and the holder's release wakes
+    the waiter by a wake-up message, not by a re-check (made far longer than the
+    test here). A hung node's subscription, whose probe goes unanswered, has the
+    waiter ask the other nodes where its key lives now long before the probe
+    gives up."""
     monkeypatch.setattr(lock_module, "RECHECK", 600.0)
     monkeypatch.setattr(lock_module, "UNSUBSCRIBED_RECHECK", 600.0)
     cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
@@ -634,13 +653,21 @@ def test_cluster_waiter_through_a_failover_is_woken_on_the_promoted_replica(
         assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
         direct.close()
 
-        cluster.kill(victim)
+        _fail(cluster, victim, fault)
         cluster.wait_for_failover(victim, timeout=30)
         wait_for(
-            lambda: dead._thread is None or "ended" in outcome,
+            lambda: not dead._waiters or "ended" in outcome,
             timeout=30,
-            what="the dead node's hub to stop reconnecting",
+            what="the waiter to leave the failed node's hub",
         )
+        if fault == "kill":
+            # (A frozen node's hub keeps its silent subscription, idle, for
+            # IDLE_EXIT: it does not reconnect either.)
+            wait_for(
+                lambda: dead._thread is None or "ended" in outcome,
+                timeout=30,
+                what="the dead node's hub to stop reconnecting",
+            )
         assert "ended" not in outcome, outcome.get("error")
         live = hub_for(waiter.transport, waiter.prefix)
         assert live is not dead
@@ -653,6 +680,8 @@ def test_cluster_waiter_through_a_failover_is_woken_on_the_promoted_replica(
         assert dead.received == 0
         waiter.release()
     finally:
+        if victim.is_paused:
+            victim.resume()
         client.close()
         if thread is not None:
             thread.join(60)

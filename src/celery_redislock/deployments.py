@@ -131,6 +131,12 @@ def _running(server: RedisServer) -> bool:
     return server.process is not None and server.process.poll() is None
 
 
+def _answering(server: RedisServer) -> bool:
+    """Whether ``server``'s process is alive and not frozen (see
+    :meth:`~celery_redislock.server.RedisServer.pause`)."""
+    return _running(server) and not server.is_paused
+
+
 class _Deployment:
     """What every deployment shares: a directory for configuration and logs, the
     processes it started, stopping all of them, and waiting with a deadline."""
@@ -373,8 +379,10 @@ class ClusterDeployment(_Deployment):
         return RedisCluster(startup_nodes=self.startup_nodes, **kwargs)
 
     def primaries(self) -> list[RedisServer]:
-        """The live nodes that serve slots now, in slot order (as the first live node sees it)."""
-        return [node for _slots, node in self._slot_owners() if _running(node)]
+        """The live nodes that serve slots now, in slot order (as the first live node
+        sees it). A node frozen by its :meth:`~celery_redislock.server.RedisServer.pause`
+        is not live: it answers nothing."""
+        return [node for _slots, node in self._slot_owners() if _answering(node)]
 
     def replicas(self) -> list[RedisServer]:
         """The live nodes that serve no slots (replicas) now."""
@@ -405,14 +413,25 @@ class ClusterDeployment(_Deployment):
     def kill(self, node: RedisServer) -> None:
         """End ``node`` at once with SIGKILL, as a crash would; its replica (if any)
         takes its slots over after ``node_timeout_ms`` (see :meth:`wait_for_failover`)."""
-        line = _cluster_nodes(node)[self.node_ids[node.port]] if _running(node) else None
+        line = _cluster_nodes(node)[self.node_ids[node.port]] if _answering(node) else None
         if line is not None:
             self._slots_before_kill[node.port] = line.slots
         node.kill()
 
+    def pause(self, node: RedisServer) -> None:
+        """Freeze ``node`` with SIGSTOP, as a hang (or a network partition) would:
+        it answers nothing, and its replica (if any) takes its slots over after
+        ``node_timeout_ms`` (see :meth:`wait_for_failover`). It counts as down
+        here until its :meth:`~celery_redislock.server.RedisServer.resume`, and
+        :meth:`stop` continues it before stopping it."""
+        line = _cluster_nodes(node)[self.node_ids[node.port]] if _answering(node) else None
+        if line is not None:
+            self._slots_before_kill[node.port] = line.slots
+        node.pause()
+
     def wait_for_failover(self, failed: RedisServer, timeout: float = 30.0) -> RedisServer:
-        """Wait until another node serves the slots the (killed) primary ``failed``
-        served and the live nodes agree again (:meth:`wait_until_ok`); return
+        """Wait until another node serves the slots the primary ``failed`` (killed,
+        or frozen by :meth:`pause`) served and the live nodes agree again (:meth:`wait_until_ok`); return
         the node that serves them now (the promoted replica).
 
         Raises:
@@ -524,7 +543,7 @@ class ClusterDeployment(_Deployment):
         return found
 
     def _live(self) -> list[RedisServer]:
-        live = [node for node in self.nodes if _running(node)]
+        live = [node for node in self.nodes if _answering(node)]
         if not live:
             raise DeploymentError("no cluster node is running")
         return live

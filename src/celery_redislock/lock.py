@@ -74,6 +74,7 @@ from celery_redislock.heartbeat import Heartbeat, _Lane, get_heartbeat
 from celery_redislock.ids import owner_token, request_id
 from celery_redislock.scripts import (
     ACQUIRE_SCRIPT,
+    CLUSTER_TRY,
     COPY_MARK,
     EXTEND_SCRIPT,
     GRANT_MS,
@@ -161,6 +162,11 @@ DEFAULT_REPLICA_TIMEOUT = 1.0
 
 #: Shortest TTL accepted, in seconds: Redis counts expiries in milliseconds.
 MIN_TTL = 0.001
+
+#: How often, in seconds, a waiter on a Redis Cluster looks up from waiting for
+#: its wake-up to see whether its lock's key has moved to another primary (see
+#: :meth:`RedisLock._wait_on`).
+WATCH_HUB = 0.25
 
 #: Shortest deadline of a round trip made for a caller whose own time is
 #: (nearly) up, in seconds: a last check still gets a fair chance to answer.
@@ -1605,9 +1611,11 @@ class RedisLock:
         On a Redis Cluster the waiter's subscription follows its lock's key: once
         a try has found the key on another primary (a failover promoted a
         replica), the waiter moves to that primary's hub, keeping its id (its
-        place in the queue), and is subscribed there before its next try. A hub
-        whose server cannot be reached is not waited for: a try finds where the
-        key lives now.
+        place in the queue), and is subscribed there before its next try, made
+        at once. A hub whose server cannot be reached (killed, frozen, cut off)
+        is not waited for: a try finds where the key lives now. A failed try
+        after which the cluster names another primary for the key starts the
+        count of failures afresh.
         """
         hub = hub_for(self.transport, self.prefix)
         waiter = hub.join()
@@ -1694,18 +1702,19 @@ class RedisLock:
                         # Sleeping to the deadline: the try after it is the last.
                         last_try = remaining <= wait
                         wait = min(wait, remaining)
+                    if cluster and hub.transport is not self.transport:
+                        # The key lives on another primary now (the try followed
+                        # it there), where a release sends its wake-ups:
+                        # subscribed there before the next try, at once.
+                        continue
                     if not subscribed:
-                        if cluster and hub.transport is not self.transport:
-                            # The key lives on another primary now: subscribed
-                            # there before the next try.
-                            continue
                         # No wake-up can come: asked again after the pause, or as
                         # soon as the subscription is back (one sent before it is
                         # lost).
                         if hub.wait_ready(Deadline.after(wait)):
                             last_try = False
                         continue
-                    if hub.wait(waiter, wait):
+                    if self._wait_on(hub, waiter, wait) if cluster else hub.wait(waiter, wait):
                         last_try = False
                         if waiter.spare:
                             # Woken second: the first woken waiter goes ahead, unless
@@ -1745,7 +1754,12 @@ class RedisLock:
                 # another try.
                 if not is_transient(error.__cause__):
                     raise error
-                if failing_since is None:
+                if cluster and hub.transport is not self.transport:
+                    # The cluster names another primary for the key now (a
+                    # failover): not out of reach, but on its way there, where
+                    # the next try goes (its failures count from now).
+                    failing_since = time.monotonic()
+                elif failing_since is None:
                     # A try that fails without the subscription confirms what its
                     # absence suggested: Redis has been out of reach since it went
                     # (or since the last try it answered).
@@ -1769,6 +1783,26 @@ class RedisLock:
             if not acquired and (self._position is not None or unsure):
                 self._leave_queue(entry)
             self._position = None
+
+    def _wait_on(self, hub: WakeHub, waiter: Waiter, timeout: float) -> bool:
+        """:meth:`WakeHub.wait` on a Redis Cluster: whether ``waiter`` was woken
+        within ``timeout`` seconds. While the hub's server leaves a probe of the
+        subscription unanswered for :data:`CLUSTER_TRY` (it hangs: frozen, cut
+        off), the other nodes are asked where the lock's key lives now; ``False``
+        as soon as that is another primary, whose hub the waiter then moves to,
+        there to be woken by the next release (a lock handed to it by one
+        meanwhile is found by the try that follows the move)."""
+        ends = time.monotonic() + timeout
+        while True:
+            if hub.wait(waiter, min(WATCH_HUB, ends - time.monotonic())):
+                return True
+            if time.monotonic() >= ends:
+                return False
+            if hub.unanswered() >= CLUSTER_TRY:
+                # In the background: looked at again after the next slice.
+                self._router.relocate(self.key, hub.transport, Deadline(0.0))
+            if hub.transport is not self.transport:
+                return False
 
     def _follow_key(self, hub: WakeHub, waiter: Waiter) -> WakeHub:
         """Move ``waiter`` from ``hub`` to the hub of the primary this lock's key

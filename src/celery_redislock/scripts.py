@@ -117,17 +117,27 @@ from string import Template
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from redis.exceptions import AskError, MovedError, NoScriptError, RedisError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    BusyLoadingError,
+    MovedError,
+    NoScriptError,
+    RedisError,
+    TryAgainError,
+)
 
 from celery_redislock.ids import REQUEST_ID_DIGITS
 from celery_redislock.transport import (
     ATTEMPTS,
+    LOADING_PAUSE,
     SCRIPT_TEXTS,
+    STALLED,
     TRANSIENT,
     Deadline,
     Router,
     Transport,
     ended,
+    held_off,
     may_have_run,
     run,
 )
@@ -1263,6 +1273,21 @@ TRYAGAIN_PAUSE = 0.05
 #: Sent again (the slot map refreshed each time) until the deadline.
 FAILOVER_PAUSE = 0.1
 
+#: How long, in seconds, one try of a request to a Redis Cluster primary may take
+#: (beyond the time it asks the server to block, a ``WAIT`` for replicas), within
+#: the request's deadline: a primary that hangs (frozen, cut off by the network:
+#: how a failover usually starts) costs a try no more than that, and the request
+#: goes again, to the replica promoted in its place once the cluster names it.
+CLUSTER_TRY = 1.0
+
+
+def _try_deadline(deadline: Deadline, then: Sequence[Sequence[Any]]) -> Deadline:
+    """The deadline of one try of a request to a Redis Cluster primary, within
+    the request's ``deadline`` (see :data:`CLUSTER_TRY`); a ``WAIT`` among
+    ``then`` adds the time it may block."""
+    blocks = sum(int(command[2]) for command in then if command[0] == "WAIT") / 1000
+    return Deadline(min(deadline.at, time.monotonic() + CLUSTER_TRY + blocks))
+
 
 def send(
     router: Router,
@@ -1282,11 +1307,14 @@ def send(
     updates the slot map and the request goes again to the key's owner now; a
     slot being migrated sends it to the primary its key has moved to (``ASK``),
     each of its commands after an ``ASKING``, or again after a pause while its
-    keys are split (``TRYAGAIN``). A primary that cannot be reached (killed, its
-    failover under way) is asked again until the deadline, the slot map
-    refreshed before each try and a :data:`FAILOVER_PAUSE` taken while the map
-    still names it, so the request reaches the replica promoted in its place
-    (a retried acquire is recognised by its request id, and acts once).
+    keys are split (``TRYAGAIN``). A primary that cannot be reached (killed, or
+    hung: frozen, cut off; its failover under way) is asked again until the
+    deadline, each try given :data:`CLUSTER_TRY` of it at most, the other nodes
+    asked after each failed try which primary serves the key's slot now
+    (:meth:`~celery_redislock.transport.Router.relocate`, in the background
+    once the deadline has passed) and a :data:`FAILOVER_PAUSE` taken while they
+    still name it, so the request reaches the replica promoted in its place (a
+    retried acquire is recognised by its request id, and acts once).
 
     Raises:
         redis.RedisError: the request failed for good (connection, timeout, or
@@ -1299,23 +1327,25 @@ def send(
     ran = False
     while True:
         transport = asked or router.single or router.transport(key)
+        # The deadline of this try: on a cluster, a slice of the request's.
+        bound = deadline if router.single is not None else _try_deadline(deadline, then)
         try:
             if before:
                 assert isinstance(call, Call)
-                replies = _run_behind(transport, asked is not None, before, call, then, deadline)
+                replies = _run_behind(transport, asked is not None, before, call, then, bound)
             elif isinstance(call, Call):
                 # run_calls() for one call, inline: this is every acquire's path.
                 if asked is None:
-                    replies = run(transport, [call.by_sha(), *then], deadline)
+                    replies = run(transport, [call.by_sha(), *then], bound)
                 else:
-                    replies = _run_asking(transport, [call.by_sha(), *then], deadline, True)
+                    replies = _run_asking(transport, [call.by_sha(), *then], bound, True)
                 if isinstance(replies[0], NoScriptError):
                     commands = [call.by_text(), *then]
-                    replies = _run_asking(transport, commands, deadline, asked is not None)
+                    replies = _run_asking(transport, commands, bound, asked is not None)
                 if not isinstance(replies[0], NoScriptError):
                     transport.scripts.add(call.script.sha)
             else:
-                replies = _run_asking(transport, [call, *then], deadline, asked is not None)
+                replies = _run_asking(transport, [call, *then], bound, asked is not None)
             if isinstance(replies[0], Exception):
                 raise replies[0]
             return replies if then else replies[0]
@@ -1327,6 +1357,16 @@ def send(
                     raise
                 time.sleep(TRYAGAIN_PAUSE)
                 continue
+            if bound is not deadline and (
+                isinstance(exc, BusyLoadingError) or held_off(exc) in STALLED
+            ):
+                # Refused unrun (the cluster down while a shard fails over, say)
+                # until the try's own time ran out: asked again until the
+                # request's deadline, as run() does within one.
+                if deadline.remaining() <= LOADING_PAUSE:
+                    raise
+                time.sleep(LOADING_PAUSE)
+                continue
             last = attempt + 1 == ATTEMPTS or deadline.expired()
             # (redis-py's MovedError is an AskError: a slot that has moved for good
             # updates the slot map, below, rather than be asked for once.)
@@ -1336,12 +1376,15 @@ def send(
                     raise
             elif router.single is None and isinstance(exc, TRANSIENT):
                 asked = None
+                # Where the key lives now, from the other nodes: waited for
+                # within the deadline, and learnt in the background for the next
+                # request once it has passed. (A question no node answers, all
+                # out of reach, is asked again on the next failure: the deadline
+                # bounds them all.)
+                moved = router.relocate(key, transport, deadline)
                 if deadline.expired():
                     raise
-                # (A refresh that fails, all nodes out of reach, is tried again
-                # on the next failure: the deadline bounds them all.)
-                router.redirected(exc, deadline)
-                if router.transport(key) is transport:
+                if not moved:
                     # Still the slot's primary by the cluster's word: its replica
                     # has not taken over yet.
                     if deadline.remaining() <= FAILOVER_PAUSE:

@@ -45,7 +45,7 @@ from typing import Any, TypeVar, cast
 import redis
 from redis._parsers.base import BaseParser
 from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import PRIMARY, RedisCluster
 from redis.exceptions import (
     AskError,
     BusyLoadingError,
@@ -1634,6 +1634,9 @@ class Router:
         # The slot map's refresh under way, or the last one (see redirected()).
         self._refresh: _SlotRefresh | None = None
         self._refresh_guard = threading.Lock()
+        # The questions of where the slots of a primary that failed live now, by
+        # that primary, under way or the last (see relocate()).
+        self._questions: dict[Transport, _SlotQuestion] = {}
         _every_router.add(self)
 
     @property
@@ -1706,6 +1709,114 @@ class Router:
                     refresh = self._refresh = _SlotRefresh(client)
             return refresh.wait(deadline)
         return False
+
+    def relocate(self, key: str, failed: Transport, deadline: Deadline) -> bool:
+        """After ``failed``, the primary the slot map names for ``key``, could not
+        be reached: learn from the cluster's other nodes which primaries serve
+        the slots the map gives ``failed`` now, and put them in the slot map (the
+        locks of every such slot, their renewals too, follow); return whether the
+        map names another primary for ``key`` now.
+
+        The nodes are asked (``CLUSTER SLOTS``) one after another, primaries
+        first, never ``failed``, each for :data:`SLOT_QUESTION` at most, and the
+        first answer counts: a frozen or cut-off node (one that answers nothing,
+        not even a refusal) costs no more than that. The question runs in a
+        thread of its own, one per failed primary at a time, and is waited for until
+        ``deadline`` at most: one whose caller's time is up (a past ``deadline``)
+        goes on there, so the next request finds the new primary. A single
+        server has nowhere else to go: ``False``.
+        """
+        if self.single is not None:
+            return False
+        client = cast(RedisCluster, self.client)
+        with self._refresh_guard:
+            question = self._questions.get(failed)
+            if question is None or question.done.is_set():
+                # Those answered are forgotten.
+                self._questions = {t: q for t, q in self._questions.items() if not q.done.is_set()}
+                question = self._questions[failed] = _SlotQuestion(client, failed)
+        question.done.wait(max(0.0, deadline.remaining()))
+        return self.transport(key) is not failed
+
+
+#: How long, in seconds, one Redis Cluster node is given to say which primary
+#: serves a slot (``CLUSTER SLOTS``) when the primary the slot map names could
+#: not be reached (see :meth:`Router.relocate`).
+SLOT_QUESTION = 0.5
+
+
+class _SlotQuestion:
+    """Which primaries serve the slots of a primary that failed now, as the first
+    node of the cluster (not that one) that answers says, put in the cluster
+    client's slot map: in a thread of its own (see :meth:`Router.relocate`)."""
+
+    def __init__(self, client: RedisCluster, failed: Transport) -> None:
+        self.done = threading.Event()
+        thread = threading.Thread(
+            target=self._run,
+            args=(client, failed),
+            name="celery-redislock-cluster-slot",
+            daemon=True,
+        )
+        thread.start()
+
+    def _run(self, client: RedisCluster, failed: Transport) -> None:
+        try:
+            nodes = sorted(
+                client.get_nodes(),  # type: ignore[no-untyped-call]
+                key=lambda node: node.server_type != PRIMARY,
+            )
+            for node in nodes:
+                transport = transport_for(client.get_redis_connection(node))
+                if transport is failed:
+                    continue
+                try:
+                    [reply] = run(
+                        transport, [("CLUSTER", "SLOTS")], Deadline.after(SLOT_QUESTION), 1
+                    )
+                except RedisError:
+                    continue
+                served = _served(reply, node.host)
+                if not served:
+                    continue
+                # Every slot the map gives the failed node (not only this one)
+                # goes where the answer puts it: the locks of the others follow
+                # too, their renewals among them.
+                manager = client.nodes_manager
+                failed_names = {
+                    each.name
+                    for each in nodes
+                    if each.redis_connection is not None
+                    and _transports.get(each.redis_connection) is failed
+                }
+                for low, high, host, port in served:
+                    for moved in range(low, high + 1):
+                        owners = manager.slots_cache.get(moved)
+                        if owners and owners[0].name in failed_names:
+                            manager.move_slot(MovedError(f"{moved} {host}:{port}"))
+                return
+        except Exception as exc:
+            logger.debug(
+                "celery_redislock: could not learn where the slots of %s live: %s",
+                failed.describe(),
+                exc,
+            )
+        finally:
+            self.done.set()
+
+
+def _served(reply: Any, host: str) -> list[tuple[int, int, str, int]]:
+    """The slot ranges of a ``CLUSTER SLOTS`` reply, each with the address of its
+    primary (an empty host: ``host``, the node that answered); none for a reply
+    that is not a list of them (an error)."""
+    if not isinstance(reply, list):
+        return []
+    ranges = []
+    for served in reply:
+        primary = served[2]
+        named = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
+        ranges.append((int(served[0]), int(served[1]), named or host, int(primary[1])))
+    return ranges
 
 
 class _SlotRefresh:

@@ -174,6 +174,14 @@ class WakeHub:
         """Whether the subscription is confirmed now (a waiter may queue at once)."""
         return self._subscribed
 
+    def unanswered(self) -> float:
+        """For how long, in seconds, a probe of the subscription (see
+        :data:`PROBE_AFTER`) has gone unanswered: ``0.0`` if none is owed. A
+        server that hangs (frozen, cut off) shows so long before the probe gives
+        up (:data:`PROBE_WAIT`)."""
+        probed = self._probed
+        return 0.0 if probed is None else time.monotonic() - probed
+
     def join(self, waiter: Waiter | None = None) -> Waiter:
         """A new waiter, or ``waiter`` (one that leaves another hub, keeping its id
         and so its place in its lock's queue); the hub subscribes (in the
@@ -199,7 +207,8 @@ class WakeHub:
 
         With ``wait_if_unreachable=False``, ``False`` as soon as the server is
         found out of reach (the subscription broke, or could not be made, with a
-        connection error), rather than at ``deadline``: a waiter on a Redis
+        connection error or a timeout: a server killed, or frozen or cut off by
+        the network), rather than at ``deadline``: a waiter on a Redis
         Cluster then asks for its lock at once, which finds the primary its key
         lives on now (the server of this hub may have died and been failed over).
 
@@ -212,7 +221,9 @@ class WakeHub:
                 failure = self._failure
                 if failure is not None and not is_transient(failure):
                     raise failure
-                if not wait_if_unreachable and isinstance(failure, RedisConnectionError):
+                if not wait_if_unreachable and isinstance(
+                    failure, RedisConnectionError | RedisTimeoutError
+                ):
                     return False
                 remaining = deadline.remaining()
                 if remaining <= 0:
