@@ -839,6 +839,44 @@ def test_a_send_of_its_own_id_from_the_body_runs_only_once_its_sender_has_ended(
     assert lost == []
 
 
+@pytest.mark.parametrize("header", [False, True], ids=["plain", "sender-header"])
+@pytest.mark.parametrize("strategy", ["until_executed", "while_executing"])
+def test_an_eager_send_of_its_own_id_from_the_body_runs_at_once(
+    app: Celery, redislock_client: redis.Redis, strategy: str, header: bool
+) -> None:
+    """With ``task_always_eager``, a body's ``apply_async(task_id=self.request.id)``
+    runs the new execution nested in the sender, on its thread: it cannot wait for
+    its sender to end. ``until_executed`` hands the hold over at once and the
+    nested run takes it; ``while_executing`` finds its sender alive and drops the
+    nested run. Even a message naming its sender in its header (one put there by
+    hand) is not kept waiting for it. Either way the call returns and leaves the
+    lock free."""
+    app.conf.task_always_eager = True
+    runs: list[str] = []
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy=strategy, lock_ttl=30,
+    )  # fmt: skip
+    def job(self: SingletonTask, n: int) -> str:
+        runs.append("new" if runs else "sender")
+        if len(runs) == 1:
+            hold = self.lock._lock
+            assert hold is not None
+            headers = {"redislock_sender": hold.owner} if header else {}
+            self.apply_async((n,), task_id=self.request.id, headers=headers)
+            return "sender"
+        return "new"
+
+    out: list[Any] = []
+    caller = threading.Thread(target=lambda: out.append(job.apply_async((1,))), daemon=True)
+    caller.start()
+    caller.join(20)  # a hang guard only
+    assert not caller.is_alive(), "the eager call still waits"
+    assert out[0].result == "sender"
+    assert runs == (["sender", "new"] if strategy == "until_executed" else ["sender"])
+    assert _lock_free(redislock_client, job.lock_name((1,), {}))
+
+
 def test_a_replacement_keeps_its_senders_chain(app: Celery, redislock_client: redis.Redis) -> None:
     """A chain step that replaces itself: its replacement (sent with the rest of
     the chain, under the step's id) runs once the step has ended, and the chain

@@ -553,6 +553,21 @@ _written_ahead: dict[int, _Ahead] = {}
 #: its lock knows that delivery alive without waiting.
 _running_here: dict[str, str] = {}
 
+#: The owner tokens of the executions running on this thread, outermost first:
+#: more than one when an execution runs another eagerly (``task_always_eager``,
+#: ``apply()``) from its body. A delivery that finds one of them holding its lock
+#: runs nested inside that execution, which cannot end while it waits.
+_on_this_thread = threading.local()
+
+
+def _held_on_this_thread() -> list[str]:
+    """The owner tokens of the executions running on this thread (see
+    :data:`_on_this_thread`), which the caller may change."""
+    held: list[str] | None = getattr(_on_this_thread, "owners", None)
+    if held is None:
+        held = _on_this_thread.owners = []
+    return held
+
 
 def take_written_ahead(task_id: str) -> _Ahead | None:
     """This thread's acquire written ahead, if it is task ``task_id``'s (then it is
@@ -1245,10 +1260,14 @@ class SingletonTask(Task):  # type: ignore[misc]
             # The worker applies them too: they travel with the message.
             options["headers"] = {**(options.get("headers") or {}), _OVERRIDES_HEADER: overrides}
         options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
+        # Sent eagerly (task_always_eager), the message runs here and now, inside
+        # this call: an execution sending its own task id cannot make it wait for
+        # its own end, so its hold goes (or meets the new run) at once.
+        eager = bool(self.app.conf.task_always_eager)
         if opts.strategy == WHILE_EXECUTING or skip_lock:
             # (A re-queue of a message that met a holder keeps the name it was
             # sent with, which the holder holds.)
-            running = self._running_hold(task_id)
+            running = None if eager else self._running_hold(task_id)
             if running is not None:
                 # Its own task id sent from the body (self.replace(), say): the
                 # delivery waits for this hold, not dropped as a copy of it.
@@ -1276,7 +1295,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         # What the execution records once the retry is sent (only then: a send
         # that raises sent no copy that could take the hold over).
         sent: tuple[int, float, int] | None = None
-        if running is not None and getattr(self.request, _ENTERED, False):
+        if running is not None and not eager and getattr(self.request, _ENTERED, False):
             # Its own task id sent from the body: self.retry() (or Celery's
             # autoretry around it), self.replace(), or apply_async(task_id=
             # self.request.id). The execution keeps its hold until it has ended,
@@ -1828,6 +1847,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     return outcome
             request.redislock = LockHandle(key, lock, opts)
             _running_here[lock.owner] = _process.pid
+            _held_on_this_thread().append(lock.owner)
             taken = time.monotonic()
             if signals.lock_acquired.receivers:
                 _send(
@@ -1852,6 +1872,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise
         finally:
             _running_here.pop(lock.owner, None)
+            on_thread = _held_on_this_thread()
+            if on_thread and on_thread[-1] == lock.owner:
+                on_thread.pop()
             sent = getattr(request, _SENT_RETRY, None)
             if sent is not None and opts.strategy == UNTIL_EXECUTED:
                 # A retry its body sent (raised, or sent as it ran on): held for it.
@@ -2391,7 +2414,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         hold had left (plus :data:`REDELIVERY_GRACE`), during which a dead
         holder's hold expires and a live one's is renewed. (A holder of the same
         retry count running in this process, on the threads pool, is known alive
-        at once.) Freed or expired in that time, the lock is taken (the wait's
+        at once; so is one this delivery runs nested in, on the same thread, sent
+        eagerly from its body, whatever the header or retry count says.) Freed or expired in that time, the lock is taken (the wait's
         start is added to ``waiting``) and ``None`` returned: the task runs.
         Still held, its holder is alive and runs the message: this copy raises
         ``Ignore`` (its message is acknowledged, and no state is stored over the
@@ -2420,10 +2444,16 @@ class SingletonTask(Task):  # type: ignore[misc]
         # it however long it runs: a hold no longer renewed expires within its TTL.
         # So does a message an execution's body sent under its own id (its
         # replacement, a send of that id), named by its header.
-        behind_sender = (
-            queued_retries(owner, lease or "") is None
-            and hold_retries(owner, lease or "") < request_retries(request)
-        ) or (owner is not None and owner == _sender(request))
+        # Never for a hold of an execution on this thread: this delivery runs
+        # nested in it (sent eagerly from its body), which cannot end meanwhile.
+        nested = owner is not None and owner in _held_on_this_thread()
+        behind_sender = not nested and (
+            (
+                queued_retries(owner, lease or "") is None
+                and hold_retries(owner, lease or "") < request_retries(request)
+            )
+            or (owner is not None and owner == _sender(request))
+        )
         limit = None if behind_sender else max(0, lock._pttl) / 1000 + REDELIVERY_GRACE
         _send(
             signals.lock_conflict, self, key, task_id=lock.lease, holder=lock.lease,
@@ -2431,7 +2461,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         )  # fmt: skip
         # A delivery of the same message running in this process is alive: no need
         # to wait and see. (A retry waits for the execution that sent it to end.)
-        here = (
+        here = nested or (
             not behind_sender
             and _running_here.get(owner or "") == _process.pid
             and hold_retries(owner, lease or "") == request_retries(request)
