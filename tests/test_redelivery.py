@@ -1786,6 +1786,66 @@ def test_an_until_task_that_cannot_reach_its_store_as_it_starts_frees_its_reserv
     assert runs == ([1, 2] if mode == "run" else [2])
 
 
+def test_a_requeued_message_that_cannot_reach_its_store_as_it_starts_frees_its_reservation(
+    redislock_server: RedisServer, redislock_client: redis.Redis
+) -> None:
+    """``until_executed``, ``acks_late``: the first delivery raises
+    ``Reject(requeue=True)``, handing its hold to the message's reservation, made
+    anew with another fencing token than the one the send made (which the
+    message still names). The store refuses connections as the redelivery
+    starts, so it fails without taking the reservation over; once the store
+    answers, that reservation is freed in the background all the same (by its
+    owner token: the broker marks the message redelivered), not left for
+    ``lock_enqueue_ttl``, and the same call sent again runs."""
+    runs: list[int] = []
+    with FaultProxy("127.0.0.1", redislock_server.port) as proxy:
+        app = make_app(redislock_server.url, "requeued-away-at-start")
+        app.conf.redislock_url = proxy.url
+
+        @app.task(
+            base=SingletonTask, shared=False, lock_strategy="until_executed", lock_key="fixed",
+            lock_on_redis_error="fail", lock_ttl=30, acks_late=True, lock_enqueue_ttl=3600,
+        )  # fmt: skip
+        def job(n: int) -> int:
+            runs.append(n)
+            if len(runs) == 1:
+                raise Reject("again", requeue=True)
+            return n
+
+        key = lock_keys(job.lock_name((1,), {})).lock
+
+        def postrun(**_: Any) -> None:
+            if runs == [1] and not proxy_refused:
+                # Handed to the message's reservation: the store goes away before
+                # the redelivery starts.
+                proxy_refused.append(field(redislock_client, key, OWNER_FIELD))
+                proxy.refuse()
+                proxy.reset_all()
+
+        proxy_refused: list[str | None] = []
+        task_postrun.connect(postrun, weak=False)
+        try:
+            first = job.delay(1)
+            with in_process_worker(app, concurrency=1):
+                first.get(timeout=30, propagate=False)
+                assert first.failed()
+                assert proxy_refused == [queued_owner(first.id)]
+                proxy.heal()
+                wait_for(
+                    lambda: field(redislock_client, key, OWNER_FIELD) is None,
+                    timeout=20,
+                    what="the reservation to be freed",
+                )
+                again = job.delay(2)
+                assert again.id != first.id
+                assert again.get(timeout=15) == 2
+        finally:
+            task_postrun.disconnect(postrun)
+            proxy.heal()
+            close_app(app)
+    assert runs == [1, 2]
+
+
 @pytest.mark.parametrize("end", ["retry", "reject"])
 def test_a_hold_that_cannot_be_handed_to_the_redelivery_is_freed_once_the_store_answers(
     redislock_server: RedisServer, redislock_client: redis.Redis, end: str

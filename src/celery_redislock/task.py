@@ -226,7 +226,8 @@ _NAME_HEADER = "redislock_name"
 #: that it never frees a later reservation of the same task id (same owner token).
 #: A message whose reservation was handed over, or not made, carries none: one
 #: copied into a retry's headers from its request goes as the retry is sent (and
-#: one that did not, naming another retry count, is not heeded).
+#: one that did not, naming another retry count, is not heeded; nor is it on a
+#: delivery marked redelivered: see :func:`_sent_fence`).
 _FENCE_HEADER = "redislock_fence"
 
 #: ``apply_async`` option that re-queues without taking the enqueue-time lock.
@@ -505,7 +506,18 @@ def _sender(request: Any) -> str | None:
 
 def _sent_fence(request: Any) -> int | None:
     """The fencing token of the reservation the send of ``request``'s message made
-    (see :data:`_FENCE_HEADER`), if the message names it for its own retry count."""
+    (see :data:`_FENCE_HEADER`), if the message names it for its own retry count
+    and that reservation may still be the one the message has.
+
+    Not for a delivery its broker marks redelivered: the message came back, and
+    the reservation it finds may have been made anew since, with another fencing
+    token, by an earlier delivery that handed its hold to it (``Reject(requeue=
+    True)`` of an ``until_executed`` task), which a free tied to the send's token
+    would leave for ``lock_enqueue_ttl``. Its reservation is freed by its owner
+    token alone."""
+    delivery = getattr(request, "delivery_info", None)
+    if isinstance(delivery, dict) and delivery.get("redelivered"):
+        return None
     found = getattr(request, _FENCE_HEADER, None)
     if found is None:
         headers = getattr(request, "request_dict", None) or getattr(request, "headers", None)
