@@ -3,6 +3,7 @@ id, same lease): never run beside it, never dropped while the earlier one may be
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -875,6 +876,68 @@ def test_an_eager_send_of_its_own_id_from_the_body_runs_at_once(
     assert out[0].result == "sender"
     assert runs == (["sender", "new"] if strategy == "until_executed" else ["sender"])
     assert _lock_free(redislock_client, job.lock_name((1,), {}))
+
+
+def test_a_copy_of_a_send_of_its_own_id_is_a_copy_of_the_delivery_that_took_the_hand_over(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """A message a body sent under its own task id (``until_executed``) is delivered
+    twice while its sender still cleans up: both deliveries wait for the sender.
+    The one that takes the hand-over first runs; the other, finding the lock passed
+    from the sender to that delivery, is a copy of it from then on: not kept
+    waiting behind it however long it runs (then to run the body again), but
+    dropped, that delivery being known alive."""
+    app.conf.task_acks_late = True
+    events: list[str] = []
+    ended: list[str] = []
+    captured: dict[str, Any] = {}
+    copy_sent = threading.Event()
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, acks_late=True,
+    )  # fmt: skip
+    def job(self: SingletonTask, n: int) -> str:
+        first = not events
+        events.append("sender" if first else "new")
+        if not first:
+            # Runs on until the other delivery has ended (or, wrongly, a while,
+            # that one waiting behind it).
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: len(ended) >= 2, timeout=5)
+            return "new"
+        queue = lock_keys(self.lock.name).queue
+        try:
+            self.apply_async((n,), task_id=self.request.id)
+            raise Ignore()
+        finally:
+            wait_for(copy_sent.is_set, what="the copy to be sent")
+            wait_for(lambda: redislock_client.zcard(queue) == 2, what="both deliveries to wait")
+
+    def grab(headers: dict[str, Any], **_: Any) -> None:
+        if headers.get("redislock_sender"):
+            captured.setdefault("headers", dict(headers))
+
+    def postrun(task_id: str, state: str, **_: Any) -> None:
+        ended.append(state)
+
+    before_task_publish.connect(grab, weak=False)
+    task_postrun.connect(postrun, weak=False)
+    try:
+        with in_process_worker(app, concurrency=3):
+            sent = job.delay(1)
+            wait_for(lambda: "headers" in captured, what="the send of its own id")
+            extra = {k: v for k, v in captured["headers"].items() if k.startswith("redislock_")}
+            # The broker delivers that message a second time.
+            app.send_task(job.name, args=(1,), task_id=sent.id, headers=extra)
+            copy_sent.set()
+            wait_for(lambda: len(ended) == 3, timeout=20, what="every delivery to end")
+            name = job.lock_name((1,), {})
+            wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+    finally:
+        before_task_publish.disconnect(grab)
+        task_postrun.disconnect(postrun)
+    assert events == ["sender", "new"]
 
 
 def test_a_replacement_keeps_its_senders_chain(app: Celery, redislock_client: redis.Redis) -> None:

@@ -2439,7 +2439,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         message an execution's body sent under its own task id (its retry,
         ``self.replace()``, ``apply_async(task_id=self.request.id)``: see
         :data:`_SENDER_HEADER`) that finds that execution's hold: it waits
-        likewise, whatever its retry count.
+        likewise, whatever its retry count. Should that hold pass meanwhile to
+        another delivery of the message (a copy of it delivered beside it,
+        which took the hand-over first), this one is a copy of that delivery
+        from then on, and meets it as above.
 
         A copy whose message was sent again since, as a retry, finding that retry
         holding the lock (its reservation, or its execution), is superseded: it
@@ -2488,12 +2491,28 @@ class SingletonTask(Task):  # type: ignore[misc]
                 "as long as it runs" if limit is None else f"up to {limit:.1f} s",
             )
 
+            passed: list[bool] = []
+
             def stop() -> bool:
                 # No longer the earlier delivery's hold: another owner's (a task's,
                 # or a lock's without a lease), or a retry's reservation. (Not
                 # taken: freed for the waiters a release woke.)
                 taken = lock._blocked_taken and lock.blocked_by != lease
-                return taken or self._superseded(lock, request)
+                if taken or self._superseded(lock, request):
+                    return True
+                holder = lock._blocked_owner
+                if (
+                    behind_sender
+                    and holder is not None
+                    and holder != owner
+                    and queued_retries(holder, lease or "") is None
+                ):
+                    # The sender's hold passed to another delivery of this message
+                    # (a copy of it that took the hand-over first): no longer one
+                    # to wait for however long it runs.
+                    passed.append(True)
+                    return True
+                return False
 
             if lock._acquire(True, limit, stop=stop):
                 if (
@@ -2510,6 +2529,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                     raise Ignore()
                 waiting.append(started)
                 return None
+            if passed and lock.blocked_by == lease:
+                # Met as a copy of the delivery that now holds it.
+                return self._redelivered(lock, key, request, opts, waiting)
         if self._superseded(lock, request):
             logger.info(
                 "%s[%s] dropped: this message was sent again as its retry %d, which holds lock %s",
