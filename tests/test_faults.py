@@ -561,8 +561,9 @@ class HeldBack(Heartbeat):
         what: str,
         quiet: bool = False,
         on_switch: bool = False,
+        then: Callable[[], None] | None = None,
     ) -> None:
-        self.kept.append((lock, call, until, what, quiet, on_switch))
+        self.kept.append((lock, call, until, what, quiet, on_switch, then))
 
     def let_go(self) -> None:
         kept, self.kept = self.kept, []
@@ -2338,6 +2339,78 @@ def test_a_send_that_fails_with_its_store_unreachable_frees_its_reservation_once
     finally:
         signals.before_task_publish.disconnect(server_goes_away)
         queue.close()
+        app.close()
+
+
+def frees_sent_ahead_of(key: str) -> int:
+    """How many background frees the next acquire of lock key ``key`` in this
+    process would send ahead of it."""
+    with lock_module._frees_guard:
+        return sum(len(by_key.get(key, ())) for by_key in lock_module._frees_pending.values())
+
+
+@pytest.mark.parametrize("end", ["landed", "given up"])
+def test_a_background_free_is_no_longer_sent_ahead_once_its_tries_end(
+    server: RedisServer, proxy: FaultProxy, direct: redis.Redis, end: str
+) -> None:
+    """A send fails while the broker and the lock store are unreachable, and the
+    free of its reservation goes to the background, to be sent ahead of the next
+    acquire of that lock in this process until it lands. Once the heartbeat's
+    tries of it end (it landed, or it was given up), it is forgotten: the next
+    send of the call sends no spent free ahead, and the frees of an outage are
+    not kept in memory."""
+    name = f"free-forgotten-{end.replace(' ', '-')}"
+    app = Celery(name, broker=proxy.url_for(1), set_as_current=False)
+    app.conf.update(
+        redislock_url=proxy.url_for(0),
+        task_default_queue=f"{name}-queue",
+        task_publish_retry=False,
+        broker_connection_retry_on_startup=True,
+    )
+
+    @app.task(base=SingletonTask, shared=False, name=name, lock_strategy="until_executed")
+    def job(n: int) -> None: ...
+
+    outage = threading.Event()
+
+    def server_goes_away(**_: Any) -> None:
+        if outage.is_set():
+            outage.clear()
+            proxy.refuse()
+            proxy.reset_all()
+
+    key = lock_keys(job.lock_name((1,), {}))[0]
+    signals.before_task_publish.connect(server_goes_away, weak=False)
+    try:
+        job.delay(0)  # Both connections open.
+        outage.set()
+        with pytest.raises(Exception) as failed:
+            job.apply_async((1,), task_id="sent-1")
+        assert not isinstance(failed.value, LockConflictError)
+        assert frees_sent_ahead_of(key) == 1
+        if end == "given up":
+            [(lane, free)] = [
+                (lane, p)
+                for lane in get_heartbeat()._lanes.values()
+                for p in lane.pending
+                if key in p.call.keys
+            ]
+            with lane.cond:
+                free.until = free.next_try = lane.clock()
+                lane._wake(free.next_try)
+        else:
+            proxy.heal()
+        wait_for(lambda: background_sends_about(key) == [], timeout=10, what="the free")
+        assert frees_sent_ahead_of(key) == 0
+        if end == "given up":
+            assert held(direct, key)
+            direct.delete(key)
+            proxy.heal()
+        else:
+            assert not held(direct, key)
+    finally:
+        signals.before_task_publish.disconnect(server_goes_away)
+        proxy.heal()
         app.close()
 
 

@@ -3,6 +3,7 @@ id, same lease): never run beside it, never dropped while the earlier one may be
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -837,6 +838,106 @@ def test_a_send_of_its_own_id_from_the_body_runs_only_once_its_sender_has_ended(
         signals.lock_lost.disconnect(receive)
     assert events == ["start sender", "sender ended", "start new"]
     assert lost == []
+
+
+@pytest.mark.parametrize("header", [False, True], ids=["plain", "sender-header"])
+@pytest.mark.parametrize("strategy", ["until_executed", "while_executing"])
+def test_an_eager_send_of_its_own_id_from_the_body_runs_at_once(
+    app: Celery, redislock_client: redis.Redis, strategy: str, header: bool
+) -> None:
+    """With ``task_always_eager``, a body's ``apply_async(task_id=self.request.id)``
+    runs the new execution nested in the sender, on its thread: it cannot wait for
+    its sender to end. ``until_executed`` hands the hold over at once and the
+    nested run takes it; ``while_executing`` finds its sender alive and drops the
+    nested run. Even a message naming its sender in its header (one put there by
+    hand) is not kept waiting for it. Either way the call returns and leaves the
+    lock free."""
+    app.conf.task_always_eager = True
+    runs: list[str] = []
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy=strategy, lock_ttl=30,
+    )  # fmt: skip
+    def job(self: SingletonTask, n: int) -> str:
+        runs.append("new" if runs else "sender")
+        if len(runs) == 1:
+            hold = self.lock._lock
+            assert hold is not None
+            headers = {"redislock_sender": hold.owner} if header else {}
+            self.apply_async((n,), task_id=self.request.id, headers=headers)
+            return "sender"
+        return "new"
+
+    out: list[Any] = []
+    caller = threading.Thread(target=lambda: out.append(job.apply_async((1,))), daemon=True)
+    caller.start()
+    caller.join(20)  # a hang guard only
+    assert not caller.is_alive(), "the eager call still waits"
+    assert out[0].result == "sender"
+    assert runs == (["sender", "new"] if strategy == "until_executed" else ["sender"])
+    assert _lock_free(redislock_client, job.lock_name((1,), {}))
+
+
+def test_a_copy_of_a_send_of_its_own_id_is_a_copy_of_the_delivery_that_took_the_hand_over(
+    app: Celery, redislock_client: redis.Redis
+) -> None:
+    """A message a body sent under its own task id (``until_executed``) is delivered
+    twice while its sender still cleans up: both deliveries wait for the sender.
+    The one that takes the hand-over first runs; the other, finding the lock passed
+    from the sender to that delivery, is a copy of it from then on: not kept
+    waiting behind it however long it runs (then to run the body again), but
+    dropped, that delivery being known alive."""
+    app.conf.task_acks_late = True
+    events: list[str] = []
+    ended: list[str] = []
+    captured: dict[str, Any] = {}
+    copy_sent = threading.Event()
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, acks_late=True,
+    )  # fmt: skip
+    def job(self: SingletonTask, n: int) -> str:
+        first = not events
+        events.append("sender" if first else "new")
+        if not first:
+            # Runs on until the other delivery has ended (or, wrongly, a while,
+            # that one waiting behind it).
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: len(ended) >= 2, timeout=5)
+            return "new"
+        queue = lock_keys(self.lock.name).queue
+        try:
+            self.apply_async((n,), task_id=self.request.id)
+            raise Ignore()
+        finally:
+            wait_for(copy_sent.is_set, what="the copy to be sent")
+            wait_for(lambda: redislock_client.zcard(queue) == 2, what="both deliveries to wait")
+
+    def grab(headers: dict[str, Any], **_: Any) -> None:
+        if headers.get("redislock_sender"):
+            captured.setdefault("headers", dict(headers))
+
+    def postrun(task_id: str, state: str, **_: Any) -> None:
+        ended.append(state)
+
+    before_task_publish.connect(grab, weak=False)
+    task_postrun.connect(postrun, weak=False)
+    try:
+        with in_process_worker(app, concurrency=3):
+            sent = job.delay(1)
+            wait_for(lambda: "headers" in captured, what="the send of its own id")
+            extra = {k: v for k, v in captured["headers"].items() if k.startswith("redislock_")}
+            # The broker delivers that message a second time.
+            app.send_task(job.name, args=(1,), task_id=sent.id, headers=extra)
+            copy_sent.set()
+            wait_for(lambda: len(ended) == 3, timeout=20, what="every delivery to end")
+            name = job.lock_name((1,), {})
+            wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+    finally:
+        before_task_publish.disconnect(grab)
+        task_postrun.disconnect(postrun)
+    assert events == ["sender", "new"]
 
 
 def test_a_replacement_keeps_its_senders_chain(app: Celery, redislock_client: redis.Redis) -> None:
@@ -1746,6 +1847,66 @@ def test_an_until_task_that_cannot_reach_its_store_as_it_starts_frees_its_reserv
             proxy.heal()
             close_app(app)
     assert runs == ([1, 2] if mode == "run" else [2])
+
+
+def test_a_requeued_message_that_cannot_reach_its_store_as_it_starts_frees_its_reservation(
+    redislock_server: RedisServer, redislock_client: redis.Redis
+) -> None:
+    """``until_executed``, ``acks_late``: the first delivery raises
+    ``Reject(requeue=True)``, handing its hold to the message's reservation, made
+    anew with another fencing token than the one the send made (which the
+    message still names). The store refuses connections as the redelivery
+    starts, so it fails without taking the reservation over; once the store
+    answers, that reservation is freed in the background all the same (by its
+    owner token: the broker marks the message redelivered), not left for
+    ``lock_enqueue_ttl``, and the same call sent again runs."""
+    runs: list[int] = []
+    with FaultProxy("127.0.0.1", redislock_server.port) as proxy:
+        app = make_app(redislock_server.url, "requeued-away-at-start")
+        app.conf.redislock_url = proxy.url
+
+        @app.task(
+            base=SingletonTask, shared=False, lock_strategy="until_executed", lock_key="fixed",
+            lock_on_redis_error="fail", lock_ttl=30, acks_late=True, lock_enqueue_ttl=3600,
+        )  # fmt: skip
+        def job(n: int) -> int:
+            runs.append(n)
+            if len(runs) == 1:
+                raise Reject("again", requeue=True)
+            return n
+
+        key = lock_keys(job.lock_name((1,), {})).lock
+
+        def postrun(**_: Any) -> None:
+            if runs == [1] and not proxy_refused:
+                # Handed to the message's reservation: the store goes away before
+                # the redelivery starts.
+                proxy_refused.append(field(redislock_client, key, OWNER_FIELD))
+                proxy.refuse()
+                proxy.reset_all()
+
+        proxy_refused: list[str | None] = []
+        task_postrun.connect(postrun, weak=False)
+        try:
+            first = job.delay(1)
+            with in_process_worker(app, concurrency=1):
+                first.get(timeout=30, propagate=False)
+                assert first.failed()
+                assert proxy_refused == [queued_owner(first.id)]
+                proxy.heal()
+                wait_for(
+                    lambda: field(redislock_client, key, OWNER_FIELD) is None,
+                    timeout=20,
+                    what="the reservation to be freed",
+                )
+                again = job.delay(2)
+                assert again.id != first.id
+                assert again.get(timeout=15) == 2
+        finally:
+            task_postrun.disconnect(postrun)
+            proxy.heal()
+            close_app(app)
+    assert runs == [1, 2]
 
 
 @pytest.mark.parametrize("end", ["retry", "reject"])

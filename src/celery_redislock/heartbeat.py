@@ -174,6 +174,7 @@ class _Pending:
         "quiet",
         "redirect",
         "settled",
+        "then",
         "until",
         "what",
     )
@@ -187,8 +188,11 @@ class _Pending:
         quiet: bool,
         redirect: Callable[[Call, Deadline], Any] | None,
         on_switch: bool = False,
+        then: Callable[[], None] | None = None,
     ) -> None:
         self.call = call
+        #: Called once it has settled (landed or given up), by whoever settled it.
+        self.then = then
         #: A last hold's release: once it frees the lock, it goes again to a new
         #: primary should the Sentinels turn out to have replaced the one that
         #: answered (see Transport.resend_on_switch).
@@ -320,10 +324,11 @@ class _Lane:
         quiet: bool,
         redirect: Callable[[Call, Deadline], Any] | None = None,
         on_switch: bool = False,
+        then: Callable[[], None] | None = None,
     ) -> None:
         with self.cond:
             self.pending.append(
-                _Pending(call, until, what, self.clock(), quiet, redirect, on_switch)
+                _Pending(call, until, what, self.clock(), quiet, redirect, on_switch, then)
             )
             self._wake(self.clock())
 
@@ -784,6 +789,12 @@ class _Lane:
                 describe_error(error),
                 " as the process exits" if after < item.until else "",
             )
+        for item, _ in (*landed, *failed):
+            if item.then is not None:
+                try:
+                    item.then()
+                except Exception:
+                    logger.exception("celery_redislock: %s: its follow-up failed", item.what)
         if freed and self.transport.follows_switches and not final:
             self._resend_on_switch(written_at, freed)
 
@@ -855,11 +866,12 @@ class Heartbeat:
         what: str,
         quiet: bool = False,
         on_switch: bool = False,
+        then: Callable[[], None] | None = None,
     ) -> None:
         """Send ``call`` (a request about ``lock``, safe to send twice) until it
         lands or the heartbeat's clock reaches ``until``; ``what`` names it in the
         logs, where a release that found the lock not held is a warning unless
-        ``quiet``. On a cluster it follows the lock's key: to the primary its slot
+        ``quiet``. ``then`` is called once it has landed or been given up. On a cluster it follows the lock's key: to the primary its slot
         moved to, or to the replica promoted after its primary failed (a try that
         finds the primary unreachable is sent again at once to wherever the
         cluster's refreshed slot map puts the key). With ``on_switch`` (a last
@@ -874,7 +886,7 @@ class Heartbeat:
         # is collected (and no longer renewed) at once, as the lane holds locks weakly.
         sender = getattr(lock, "_sender", None)
         redirect = sender() if sender is not None else None
-        self._lane(lock.transport).add_pending(call, until, what, quiet, redirect, on_switch)
+        self._lane(lock.transport).add_pending(call, until, what, quiet, redirect, on_switch, then)
 
     def send_in_background(self, transport: Transport, call: Call, until: float, what: str) -> None:
         """Send ``call`` (safe to send twice) on ``transport`` until it lands or the

@@ -340,10 +340,12 @@ def name_from_key(key: str, prefix: str = DEFAULT_PREFIX) -> str:
 
 #: The frees of a hold that :meth:`RedisLock._free_later` sends in the background,
 #: tied to the hold's fencing token, by the router of their store and lock key,
-#: each with when it gives up. Until one lands, the next acquire of that key in
-#: this process sends it ahead, in its own round trip: a hold due to be freed
-#: (the reservation of a send that failed while the store was unreachable) no
-#: longer meets that acquire, back-off or not. Tied to its hold, a free that
+#: each with when it gives up; each goes once the heartbeat's tries of it end
+#: (landed or given up), or, past its time, as another is added. Until one
+#: lands, the next acquire of that key in this process sends it ahead, in its
+#: own round trip: a hold due to be freed (the reservation of a send that
+#: failed while the store was unreachable) no longer meets that acquire,
+#: back-off or not. Tied to its hold, a free that
 #: arrives after the lock changed hands (even to the same owner token, a
 #: message's reservation made again) changes nothing.
 _frees_pending: weakref.WeakKeyDictionary[Router, dict[str, tuple[tuple[Call, float], ...]]] = (
@@ -366,12 +368,21 @@ def _pending_frees(router: Router, key: str) -> tuple[tuple[Call, float], ...]:
 
 
 def _frees_landed(router: Router, key: str, landed: tuple[tuple[Call, float], ...]) -> None:
-    """Forget the frees ``landed`` ahead of a request about ``key`` that was answered."""
+    """Forget the frees ``landed`` ahead of a request about ``key`` that was
+    answered, or whose tries in the background have ended."""
     with _frees_guard:
         by_key = _frees_pending.get(router)
         if not by_key or key not in by_key:
             return
         _keep(router, by_key, key, tuple(item for item in by_key[key] if item not in landed))
+
+
+def _free_ended(held: weakref.ref[Router], key: str, item: tuple[Call, float]) -> None:
+    """The heartbeat's tries of the free ``item`` of lock ``key`` have ended: it
+    is no longer sent ahead of an acquire (see :data:`_frees_pending`)."""
+    router = held()
+    if router is not None:
+        _frees_landed(router, key, (item,))
 
 
 def _keep(
@@ -959,11 +970,22 @@ class RedisLock:
             "" if token is None else token, "",
         )  # fmt: skip
         call = self._release_call(args)
+        then = None
         if token is not None:
+            item = (call, until)
             with _frees_guard:
                 by_key = _frees_pending.setdefault(self._router, {})
-                by_key[self.key] = (*by_key.get(self.key, ()), (call, until))
-        self._beat().retry_in_background(self, call, until, what, quiet=True)
+                now = time.monotonic()
+                for key, frees in list(by_key.items()):
+                    kept = tuple(free for free in frees if free[1] > now)
+                    if len(kept) < len(frees):
+                        if kept:
+                            by_key[key] = kept
+                        else:
+                            del by_key[key]
+                by_key[self.key] = (*by_key.get(self.key, ()), item)
+            then = functools.partial(_free_ended, weakref.ref(self._router), self.key, item)
+        self._beat().retry_in_background(self, call, until, what, quiet=True, then=then)
 
     def _free_ttl_ms(self, now: float) -> int:
         """How long the key outlives a release sent ``now`` (the RELEASE script's

@@ -226,7 +226,8 @@ _NAME_HEADER = "redislock_name"
 #: that it never frees a later reservation of the same task id (same owner token).
 #: A message whose reservation was handed over, or not made, carries none: one
 #: copied into a retry's headers from its request goes as the retry is sent (and
-#: one that did not, naming another retry count, is not heeded).
+#: one that did not, naming another retry count, is not heeded; nor is it on a
+#: delivery marked redelivered: see :func:`_sent_fence`).
 _FENCE_HEADER = "redislock_fence"
 
 #: ``apply_async`` option that re-queues without taking the enqueue-time lock.
@@ -505,7 +506,18 @@ def _sender(request: Any) -> str | None:
 
 def _sent_fence(request: Any) -> int | None:
     """The fencing token of the reservation the send of ``request``'s message made
-    (see :data:`_FENCE_HEADER`), if the message names it for its own retry count."""
+    (see :data:`_FENCE_HEADER`), if the message names it for its own retry count
+    and that reservation may still be the one the message has.
+
+    Not for a delivery its broker marks redelivered: the message came back, and
+    the reservation it finds may have been made anew since, with another fencing
+    token, by an earlier delivery that handed its hold to it (``Reject(requeue=
+    True)`` of an ``until_executed`` task), which a free tied to the send's token
+    would leave for ``lock_enqueue_ttl``. Its reservation is freed by its owner
+    token alone."""
+    delivery = getattr(request, "delivery_info", None)
+    if isinstance(delivery, dict) and delivery.get("redelivered"):
+        return None
     found = getattr(request, _FENCE_HEADER, None)
     if found is None:
         headers = getattr(request, "request_dict", None) or getattr(request, "headers", None)
@@ -552,6 +564,21 @@ _written_ahead: dict[int, _Ahead] = {}
 #: pool), with the process id: a copy of a message that finds one of them holding
 #: its lock knows that delivery alive without waiting.
 _running_here: dict[str, str] = {}
+
+#: The owner tokens of the executions running on this thread, outermost first:
+#: more than one when an execution runs another eagerly (``task_always_eager``,
+#: ``apply()``) from its body. A delivery that finds one of them holding its lock
+#: runs nested inside that execution, which cannot end while it waits.
+_on_this_thread = threading.local()
+
+
+def _held_on_this_thread() -> list[str]:
+    """The owner tokens of the executions running on this thread (see
+    :data:`_on_this_thread`), which the caller may change."""
+    held: list[str] | None = getattr(_on_this_thread, "owners", None)
+    if held is None:
+        held = _on_this_thread.owners = []
+    return held
 
 
 def take_written_ahead(task_id: str) -> _Ahead | None:
@@ -1245,10 +1272,14 @@ class SingletonTask(Task):  # type: ignore[misc]
             # The worker applies them too: they travel with the message.
             options["headers"] = {**(options.get("headers") or {}), _OVERRIDES_HEADER: overrides}
         options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
+        # Sent eagerly (task_always_eager), the message runs here and now, inside
+        # this call: an execution sending its own task id cannot make it wait for
+        # its own end, so its hold goes (or meets the new run) at once.
+        eager = bool(self.app.conf.task_always_eager)
         if opts.strategy == WHILE_EXECUTING or skip_lock:
             # (A re-queue of a message that met a holder keeps the name it was
             # sent with, which the holder holds.)
-            running = self._running_hold(task_id)
+            running = None if eager else self._running_hold(task_id)
             if running is not None:
                 # Its own task id sent from the body (self.replace(), say): the
                 # delivery waits for this hold, not dropped as a copy of it.
@@ -1276,7 +1307,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         # What the execution records once the retry is sent (only then: a send
         # that raises sent no copy that could take the hold over).
         sent: tuple[int, float, int] | None = None
-        if running is not None and getattr(self.request, _ENTERED, False):
+        if running is not None and not eager and getattr(self.request, _ENTERED, False):
             # Its own task id sent from the body: self.retry() (or Celery's
             # autoretry around it), self.replace(), or apply_async(task_id=
             # self.request.id). The execution keeps its hold until it has ended,
@@ -1828,6 +1859,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     return outcome
             request.redislock = LockHandle(key, lock, opts)
             _running_here[lock.owner] = _process.pid
+            _held_on_this_thread().append(lock.owner)
             taken = time.monotonic()
             if signals.lock_acquired.receivers:
                 _send(
@@ -1852,6 +1884,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise
         finally:
             _running_here.pop(lock.owner, None)
+            on_thread = _held_on_this_thread()
+            if on_thread and on_thread[-1] == lock.owner:
+                on_thread.pop()
             sent = getattr(request, _SENT_RETRY, None)
             if sent is not None and opts.strategy == UNTIL_EXECUTED:
                 # A retry its body sent (raised, or sent as it ran on): held for it.
@@ -2391,7 +2426,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         hold had left (plus :data:`REDELIVERY_GRACE`), during which a dead
         holder's hold expires and a live one's is renewed. (A holder of the same
         retry count running in this process, on the threads pool, is known alive
-        at once.) Freed or expired in that time, the lock is taken (the wait's
+        at once; so is one this delivery runs nested in, on the same thread, sent
+        eagerly from its body, whatever the header or retry count says.) Freed or expired in that time, the lock is taken (the wait's
         start is added to ``waiting``) and ``None`` returned: the task runs.
         Still held, its holder is alive and runs the message: this copy raises
         ``Ignore`` (its message is acknowledged, and no state is stored over the
@@ -2403,7 +2439,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         message an execution's body sent under its own task id (its retry,
         ``self.replace()``, ``apply_async(task_id=self.request.id)``: see
         :data:`_SENDER_HEADER`) that finds that execution's hold: it waits
-        likewise, whatever its retry count.
+        likewise, whatever its retry count. Should that hold pass meanwhile to
+        another delivery of the message (a copy of it delivered beside it,
+        which took the hand-over first), this one is a copy of that delivery
+        from then on, and meets it as above.
 
         A copy whose message was sent again since, as a retry, finding that retry
         holding the lock (its reservation, or its execution), is superseded: it
@@ -2420,10 +2459,16 @@ class SingletonTask(Task):  # type: ignore[misc]
         # it however long it runs: a hold no longer renewed expires within its TTL.
         # So does a message an execution's body sent under its own id (its
         # replacement, a send of that id), named by its header.
-        behind_sender = (
-            queued_retries(owner, lease or "") is None
-            and hold_retries(owner, lease or "") < request_retries(request)
-        ) or (owner is not None and owner == _sender(request))
+        # Never for a hold of an execution on this thread: this delivery runs
+        # nested in it (sent eagerly from its body), which cannot end meanwhile.
+        nested = owner is not None and owner in _held_on_this_thread()
+        behind_sender = not nested and (
+            (
+                queued_retries(owner, lease or "") is None
+                and hold_retries(owner, lease or "") < request_retries(request)
+            )
+            or (owner is not None and owner == _sender(request))
+        )
         limit = None if behind_sender else max(0, lock._pttl) / 1000 + REDELIVERY_GRACE
         _send(
             signals.lock_conflict, self, key, task_id=lock.lease, holder=lock.lease,
@@ -2431,7 +2476,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         )  # fmt: skip
         # A delivery of the same message running in this process is alive: no need
         # to wait and see. (A retry waits for the execution that sent it to end.)
-        here = (
+        here = nested or (
             not behind_sender
             and _running_here.get(owner or "") == _process.pid
             and hold_retries(owner, lease or "") == request_retries(request)
@@ -2446,12 +2491,28 @@ class SingletonTask(Task):  # type: ignore[misc]
                 "as long as it runs" if limit is None else f"up to {limit:.1f} s",
             )
 
+            passed: list[bool] = []
+
             def stop() -> bool:
                 # No longer the earlier delivery's hold: another owner's (a task's,
                 # or a lock's without a lease), or a retry's reservation. (Not
                 # taken: freed for the waiters a release woke.)
                 taken = lock._blocked_taken and lock.blocked_by != lease
-                return taken or self._superseded(lock, request)
+                if taken or self._superseded(lock, request):
+                    return True
+                holder = lock._blocked_owner
+                if (
+                    behind_sender
+                    and holder is not None
+                    and holder != owner
+                    and queued_retries(holder, lease or "") is None
+                ):
+                    # The sender's hold passed to another delivery of this message
+                    # (a copy of it that took the hand-over first): no longer one
+                    # to wait for however long it runs.
+                    passed.append(True)
+                    return True
+                return False
 
             if lock._acquire(True, limit, stop=stop):
                 if (
@@ -2468,6 +2529,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                     raise Ignore()
                 waiting.append(started)
                 return None
+            if passed and lock.blocked_by == lease:
+                # Met as a copy of the delivery that now holds it.
+                return self._redelivered(lock, key, request, opts, waiting)
         if self._superseded(lock, request):
             logger.info(
                 "%s[%s] dropped: this message was sent again as its retry %d, which holds lock %s",
