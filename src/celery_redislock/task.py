@@ -1272,15 +1272,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             # The worker applies them too: they travel with the message.
             options["headers"] = {**(options.get("headers") or {}), _OVERRIDES_HEADER: overrides}
         options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
-        # Sent eagerly (task_always_eager), the message runs here and now, inside
-        # this call: an execution sending its own task id cannot make it wait for
-        # its own end, so its hold goes (or meets the new run) at once.
-        eager = bool(self.app.conf.task_always_eager)
         if opts.strategy == WHILE_EXECUTING or skip_lock:
             # (A re-queue of a message that met a holder keeps the name it was
             # sent with, which the holder holds.)
-            running = None if eager else self._running_hold(task_id)
-            if running is not None:
+            running = self._running_hold(task_id)
+            if running is not None and not self._sent_eagerly():
                 # Its own task id sent from the body (self.replace(), say): the
                 # delivery waits for this hold, not dropped as a copy of it.
                 headers = options.get("headers") or {}
@@ -1307,7 +1303,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         # What the execution records once the retry is sent (only then: a send
         # that raises sent no copy that could take the hold over).
         sent: tuple[int, float, int] | None = None
-        if running is not None and not eager and getattr(self.request, _ENTERED, False):
+        if (
+            running is not None
+            and getattr(self.request, _ENTERED, False)
+            and not self._sent_eagerly()
+        ):
             # Its own task id sent from the body: self.retry() (or Celery's
             # autoretry around it), self.replace(), or apply_async(task_id=
             # self.request.id). The execution keeps its hold until it has ended,
@@ -1565,6 +1565,14 @@ class SingletonTask(Task):  # type: ignore[misc]
         finally:
             if runs_on:
                 delattr(request, _RUNS_ON)
+
+    def _sent_eagerly(self) -> bool:
+        """Whether a send runs the message here and now, inside the call
+        (``task_always_eager``): an execution sending its own task id cannot make
+        it wait for its own end, so its hold goes (or meets the new run) at once.
+        Asked only of such a send: the setting is a lookup in the app's
+        configuration."""
+        return bool(self.app.conf.task_always_eager)
 
     def _own_retry(self, task_id: str) -> bool:
         """Whether sending ``task_id`` sends the running execution's own task id
