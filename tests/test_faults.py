@@ -2280,16 +2280,27 @@ def background_sends_about(key: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("meanwhile", ["nothing", "taken by another"])
-def test_a_send_that_fails_with_its_store_unreachable_frees_its_reservation_once_it_answers(
-    server: RedisServer, proxy: FaultProxy, direct: redis.Redis, meanwhile: str
-) -> None:
-    """The broker and the lock store, one server behind the proxy, go away as an
-    ``until_executed`` message is published: the send fails, and so does the free of
-    the reservation it took. Once the store answers again, the reservation is freed
-    in the background, and the same call sent again is published. Freed by its owner
-    token only: a hold another owner took meanwhile stays."""
-    name = f"failed-send-{meanwhile.replace(' ', '-')}"
+def background_send_about(key: str) -> tuple[Any, Any]:
+    """The one request the process's heartbeat is still sending about lock key
+    ``key``, with the heartbeat lane that sends it."""
+    [(lane, pending)] = [
+        (lane, p)
+        for lane in get_heartbeat()._lanes.values()
+        for p in lane.pending
+        if key in p.call.keys
+    ]
+    return lane, pending
+
+
+@contextlib.contextmanager
+def store_gone_as_it_publishes(
+    proxy: FaultProxy, name: str
+) -> Iterator[tuple[Any, Callable[..., BaseException]]]:
+    """An app whose broker and lock store are one server behind ``proxy``, and its
+    ``until_executed`` task (connected to both once); with it, a function that
+    sends the task (``apply_async``'s arguments) while the server goes away as the
+    message is published (the proxy refuses and resets every connection), and
+    returns what the send raised, which is not a conflict."""
     app = Celery(name, broker=proxy.url_for(1), set_as_current=False)
     app.conf.update(
         redislock_url=proxy.url_for(0),
@@ -2309,15 +2320,36 @@ def test_a_send_that_fails_with_its_store_unreachable_frees_its_reservation_once
             proxy.refuse()
             proxy.reset_all()
 
-    queue = server.client(db=1, socket_timeout=5)
-    key = lock_keys(job.lock_name((1,), {}))[0]
+    def send_failing(*args: Any, **options: Any) -> BaseException:
+        outage.set()
+        with pytest.raises(Exception) as failed:
+            job.apply_async(*args, **options)
+        assert not isinstance(failed.value, LockConflictError)
+        return failed.value
+
     signals.before_task_publish.connect(server_goes_away, weak=False)
     try:
         job.delay(0)  # Both connections open.
-        outage.set()
-        with pytest.raises(Exception) as failed:
-            job.delay(1)
-        assert not isinstance(failed.value, LockConflictError)
+        yield job, send_failing
+    finally:
+        signals.before_task_publish.disconnect(server_goes_away)
+        app.close()
+
+
+@pytest.mark.parametrize("meanwhile", ["nothing", "taken by another"])
+def test_a_send_that_fails_with_its_store_unreachable_frees_its_reservation_once_it_answers(
+    server: RedisServer, proxy: FaultProxy, direct: redis.Redis, meanwhile: str
+) -> None:
+    """The broker and the lock store, one server behind the proxy, go away as an
+    ``until_executed`` message is published: the send fails, and so does the free of
+    the reservation it took. Once the store answers again, the reservation is freed
+    in the background, and the same call sent again is published. Freed by its owner
+    token only: a hold another owner took meanwhile stays."""
+    name = f"failed-send-{meanwhile.replace(' ', '-')}"
+    queue = server.client(db=1, socket_timeout=5)
+    with store_gone_as_it_publishes(proxy, name) as (job, send_failing):
+        key = lock_keys(job.lock_name((1,), {}))[0]
+        send_failing((1,))
         assert queue.llen(f"{name}-queue") == 1
         assert held(direct, key)
         assert background_sends_about(key) != []
@@ -2336,10 +2368,7 @@ def test_a_send_that_fails_with_its_store_unreachable_frees_its_reservation_once
             wait_for(lambda: background_sends_about(key) == [], timeout=10, what="the free")
             assert fields(direct, key)[OWNER_FIELD] == other.owner
             other.release()
-    finally:
-        signals.before_task_publish.disconnect(server_goes_away)
-        queue.close()
-        app.close()
+    queue.close()
 
 
 def frees_sent_ahead_of(key: str) -> int:
@@ -2360,58 +2389,28 @@ def test_a_background_free_is_no_longer_sent_ahead_once_its_tries_end(
     send of the call sends no spent free ahead, and the frees of an outage are
     not kept in memory."""
     name = f"free-forgotten-{end.replace(' ', '-')}"
-    app = Celery(name, broker=proxy.url_for(1), set_as_current=False)
-    app.conf.update(
-        redislock_url=proxy.url_for(0),
-        task_default_queue=f"{name}-queue",
-        task_publish_retry=False,
-        broker_connection_retry_on_startup=True,
-    )
-
-    @app.task(base=SingletonTask, shared=False, name=name, lock_strategy="until_executed")
-    def job(n: int) -> None: ...
-
-    outage = threading.Event()
-
-    def server_goes_away(**_: Any) -> None:
-        if outage.is_set():
-            outage.clear()
-            proxy.refuse()
-            proxy.reset_all()
-
-    key = lock_keys(job.lock_name((1,), {}))[0]
-    signals.before_task_publish.connect(server_goes_away, weak=False)
     try:
-        job.delay(0)  # Both connections open.
-        outage.set()
-        with pytest.raises(Exception) as failed:
-            job.apply_async((1,), task_id="sent-1")
-        assert not isinstance(failed.value, LockConflictError)
-        assert frees_sent_ahead_of(key) == 1
-        if end == "given up":
-            [(lane, free)] = [
-                (lane, p)
-                for lane in get_heartbeat()._lanes.values()
-                for p in lane.pending
-                if key in p.call.keys
-            ]
-            with lane.cond:
-                free.until = free.next_try = lane.clock()
-                lane._wake(free.next_try)
-        else:
-            proxy.heal()
-        wait_for(lambda: background_sends_about(key) == [], timeout=10, what="the free")
-        assert frees_sent_ahead_of(key) == 0
-        if end == "given up":
-            assert held(direct, key)
-            direct.delete(key)
-            proxy.heal()
-        else:
-            assert not held(direct, key)
+        with store_gone_as_it_publishes(proxy, name) as (job, send_failing):
+            key = lock_keys(job.lock_name((1,), {}))[0]
+            send_failing((1,), task_id="sent-1")
+            assert frees_sent_ahead_of(key) == 1
+            if end == "given up":
+                lane, free = background_send_about(key)
+                with lane.cond:
+                    free.until = free.next_try = lane.clock()
+                    lane._wake(free.next_try)
+            else:
+                proxy.heal()
+            wait_for(lambda: background_sends_about(key) == [], timeout=10, what="the free")
+            assert frees_sent_ahead_of(key) == 0
+            if end == "given up":
+                assert held(direct, key)
+                direct.delete(key)
+                proxy.heal()
+            else:
+                assert not held(direct, key)
     finally:
-        signals.before_task_publish.disconnect(server_goes_away)
         proxy.heal()
-        app.close()
 
 
 @pytest.mark.parametrize("task_id", ["the same id", "a new id"])
@@ -2426,41 +2425,12 @@ def test_a_send_made_again_before_a_failed_sends_reservation_is_freed_is_publish
     tied to the failed reservation's fencing token, then leaves the new
     reservation alone, though under the same id it has the same owner token."""
     name = f"failed-send-again-{task_id.replace(' ', '-')}"
-    app = Celery(name, broker=proxy.url_for(1), set_as_current=False)
-    app.conf.update(
-        redislock_url=proxy.url_for(0),
-        task_default_queue=f"{name}-queue",
-        task_publish_retry=False,
-        broker_connection_retry_on_startup=True,
-    )
-
-    @app.task(base=SingletonTask, shared=False, name=name, lock_strategy="until_executed")
-    def job(n: int) -> None: ...
-
-    outage = threading.Event()
-
-    def server_goes_away(**_: Any) -> None:
-        if outage.is_set():
-            outage.clear()
-            proxy.refuse()
-            proxy.reset_all()
-
     queue = server.client(db=1, socket_timeout=5)
-    key = lock_keys(job.lock_name((1,), {}))[0]
-    signals.before_task_publish.connect(server_goes_away, weak=False)
-    try:
-        job.delay(0)  # Both connections open.
-        outage.set()
-        with pytest.raises(Exception) as failed:
-            job.apply_async((1,), task_id="sent-1")
-        assert not isinstance(failed.value, LockConflictError)
+    with store_gone_as_it_publishes(proxy, name) as (job, send_failing):
+        key = lock_keys(job.lock_name((1,), {}))[0]
+        send_failing((1,), task_id="sent-1")
         assert held(direct, key)
-        [(lane, free)] = [
-            (lane, p)
-            for lane in get_heartbeat()._lanes.values()
-            for p in lane.pending
-            if key in p.call.keys
-        ]
+        lane, free = background_send_about(key)
         with lane.cond:
             # Backed off past the outage (a try under way when this is set goes
             # after the same pause once it fails).
@@ -2476,7 +2446,4 @@ def test_a_send_made_again_before_a_failed_sends_reservation_is_freed_is_publish
             lane._wake(free.next_try)
         wait_for(lambda: background_sends_about(key) == [], timeout=10, what="the free")
         assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
-    finally:
-        signals.before_task_publish.disconnect(server_goes_away)
-        queue.close()
-        app.close()
+    queue.close()
