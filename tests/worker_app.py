@@ -171,6 +171,18 @@ def rejects_once(self: Any, name: str) -> str:
     return name
 
 
+def _until_queued_or_started(queue: str, name: str) -> None:
+    """Wait (20 s at most) until a waiter is queued for the lock whose waiter queue
+    is ``queue``, or the task ``name`` logged by :func:`log` has started a second
+    run: a sender's cleanup that lasts until its new message, started meanwhile
+    by another pool process, waits for the lock (or has run)."""
+    deadline = time.monotonic() + 20
+    while not store.zcard(queue) and time.monotonic() < deadline:
+        if store.llen(f"log:{name}") > 1:
+            break
+        time.sleep(0.01)
+
+
 @app.task(
     base=SingletonTask,
     bind=True,
@@ -192,11 +204,7 @@ def retries_in_cleanup(self: Any, name: str) -> int:
     try:
         raise self.retry(countdown=0)
     finally:
-        deadline = time.monotonic() + 20
-        while not store.zcard(queue) and time.monotonic() < deadline:
-            if store.llen("log:retries_in_cleanup") > 1:
-                break  # the retry has started its body
-            time.sleep(0.01)
+        _until_queued_or_started(queue, "retries_in_cleanup")
         log("retries_in_cleanup", step="cleaned", retries=retries, pid=os.getpid())
 
 
@@ -221,11 +229,7 @@ def replaces_in_cleanup(self: Any, name: str) -> str:
     try:
         self.replace(replaces_in_cleanup.s(name))
     finally:
-        deadline = time.monotonic() + 20
-        while not store.zcard(queue) and time.monotonic() < deadline:
-            if store.llen("log:replaces_in_cleanup") > 1:
-                break  # the replacement has started its body
-            time.sleep(0.01)
+        _until_queued_or_started(queue, "replaces_in_cleanup")
         log("replaces_in_cleanup", step="cleaned", nesting=nesting, pid=os.getpid())
     return "not replaced"
 
