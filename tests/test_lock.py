@@ -1495,6 +1495,45 @@ def test_a_waiter_passed_over_is_woken_and_queues_again_in_its_place(
     later_lock.release()
 
 
+def test_a_waiter_that_switches_its_entry_form_keeps_one_entry_in_its_place(
+    client: redis.Redis,
+) -> None:
+    """A waiter sends its queue entry marked for the check that its process lives,
+    or unmarked (while its wake-up subscription is down): either form takes the
+    other out of the queue, so the waiter has one entry, which keeps its place even
+    when the try does not know its position (the answer that gave it was lost);
+    and a leave in either form takes both."""
+    key, queue = "redislock:{entry-forms}", "redislock:{entry-forms}:queue"
+
+    def ask(owner: str, entry: str, position: str = "") -> Any:
+        return client.eval(
+            scripts.ACQUIRE_SCRIPT.text, 2, key, queue, owner, 30_000, "", f"r-{owner}-{entry[-3:]}",
+            entry, position,
+        )  # fmt: skip
+
+    assert ask("holder", "")[0] == 1
+    first = scripts.queue_entry("p1.1", "first", 30_000, "", "", True)
+    second = scripts.queue_entry("p2.1", "second", 30_000, "", "", True)
+    assert ask("first", first)[0] == 0
+    assert ask("second", second)[0] == 0
+    [(_, place), _] = queue_entries(client, queue)
+    reply = ask("first", scripts.unwatched(first))
+    assert [m for m, _ in queue_entries(client, queue)] == [
+        scripts.unwatched(first).encode(),
+        second.encode(),
+    ]
+    assert queue_entries(client, queue)[0][1] == place
+    assert float(reply[3]) == place
+    assert ask("first", first, reply[3].decode())[0] == 0
+    assert [m for m, _ in queue_entries(client, queue)] == [first.encode(), second.encode()]
+    assert client.eval(
+        scripts.LEAVE_SCRIPT.text, 2, key, queue, "first", "wake:", "r-leave", 1000,
+        scripts.unwatched(first),
+    ) == 1  # fmt: skip
+    assert [m for m, _ in queue_entries(client, queue)] == [second.encode()]
+    client.delete(key, queue)
+
+
 def test_a_spare_handed_the_lock_before_it_pauses_keeps_the_hand_over(
     client: redis.Redis,
 ) -> None:
