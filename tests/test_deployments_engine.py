@@ -561,6 +561,45 @@ def _fail(cluster: ClusterDeployment, node: RedisServer, fault: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_cluster_held_locks_are_renewed_on_the_replica_promoted_for_their_failed_primary(
+    redislock_cluster_factory: Callable[..., ClusterDeployment], fault: str
+) -> None:
+    """Locks held (and replicated) on a primary that is killed (SIGKILL) or hangs
+    (SIGSTOP), with nothing else sent to its slots: the heartbeat's rounds to it
+    fail (a hung one's cut short), the other nodes are asked which primary serves
+    its slots now, and the renewals follow to the promoted replica before the
+    holds expire: none is lost."""
+    cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
+    client = cluster.client()
+    victim = cluster.primaries()[0]
+    lost: list[RedisLock] = []
+    locks = [
+        RedisLock(client, name, ttl=6, on_lost=lost.append)
+        for name in _names_on(cluster, client, victim, "cluster-renewed")
+    ]
+    try:
+        for lock in locks:
+            assert lock.acquire(blocking=False)
+        direct = victim.client()
+        assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+        direct.close()
+        _fail(cluster, victim, fault)
+        heir = cluster.wait_for_failover(victim, timeout=30)
+        admin = heir.client()
+        for lock in locks:
+            assert_renewed_there(admin, lock)
+        admin.close()
+        assert lost == []
+        for lock in locks:
+            lock.release()
+    finally:
+        if victim.is_paused:
+            victim.resume()
+        client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_cluster_delay_just_after_its_primary_died_waits_for_the_failover(
     redislock_cluster_factory: Callable[..., ClusterDeployment], fault: str
 ) -> None:

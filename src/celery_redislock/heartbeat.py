@@ -46,7 +46,7 @@ from redis.exceptions import AskError, MovedError, RedisError, TryAgainError
 
 from celery_redislock import signals
 from celery_redislock import transport as _transport
-from celery_redislock.scripts import EXTEND_SCRIPT, Call, Released, run_calls
+from celery_redislock.scripts import CLUSTER_TRY, EXTEND_SCRIPT, Call, Released, run_calls
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
     TRANSIENT,
@@ -108,6 +108,9 @@ class Renewable(Protocol):
     def _expires_at(self) -> float: ...
 
     def _redirected(self, exc: BaseException) -> bool: ...
+
+    @property
+    def _clustered(self) -> bool: ...
 
 
 def _token(token: int | None) -> int | str:
@@ -541,6 +544,11 @@ class _Lane:
             return
         until = min(lock._expires_at() for lock, _, _ in live)
         longest = max(lock.renew_interval for lock, _, _ in live)
+        if live[0][0]._clustered:
+            # A round to a Redis Cluster primary that hangs (frozen, cut off) is cut
+            # short, as any request to one is, for the renewals to follow the
+            # failover in time (see the failure below).
+            longest = min(longest, CLUSTER_TRY)
         deadline: Deadline
         if lane_thread:
             with self.cond:

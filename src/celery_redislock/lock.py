@@ -96,7 +96,9 @@ from celery_redislock.scripts import (
 )
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
+    SLOT_QUESTION,
     SWITCH_RESEND,
+    TRANSIENT,
     Client,
     Deadline,
     Router,
@@ -159,6 +161,12 @@ MAX_SECONDS = 315_360_000.0
 
 #: How long, in seconds, an acquire waits for replicas to confirm it (``min_replicas``).
 DEFAULT_REPLICA_TIMEOUT = 1.0
+
+#: How long, in seconds, a renewal round whose Redis Cluster primary could not be
+#: reached waits for the other nodes to say which primary serves its slots now
+#: (see :meth:`~celery_redislock.transport.Router.relocate`): two of them asked,
+#: if the first does not answer.
+RELOCATE_WAIT = 2 * SLOT_QUESTION
 
 #: Shortest TTL accepted, in seconds: Redis counts expiries in milliseconds.
 MIN_TTL = 0.001
@@ -726,8 +734,19 @@ class RedisLock:
     def _expires_at(self) -> float:
         return self._expiry
 
+    @property
+    def _clustered(self) -> bool:
+        return self._router.single is None
+
     def _redirected(self, exc: BaseException) -> bool:
-        return self._router.redirected(exc)
+        router = self._router
+        if router.single is None and isinstance(exc, TRANSIENT):
+            # A primary out of reach (killed, or hung: frozen, cut off): the other
+            # nodes say which primary serves its slots now, so that the renewals
+            # reach the replica promoted in its place before the holds expire.
+            failed = router.transport(self.key)
+            return router.relocate(self.key, failed, Deadline.after(RELOCATE_WAIT))
+        return router.redirected(exc)
 
     def _confirmed(self) -> int:
         return self._confirmations
