@@ -878,6 +878,40 @@ def test_an_eager_send_of_its_own_id_from_the_body_runs_at_once(
     assert _lock_free(redislock_client, job.lock_name((1,), {}))
 
 
+@pytest.mark.parametrize("strategy", ["until_executed", "while_executing", "until_executing"])
+def test_an_eager_replace_with_the_same_call_is_dropped_as_a_copy(
+    app: Celery, redislock_client: redis.Redis, strategy: str
+) -> None:
+    """With ``task_always_eager``, Celery runs a replacement with ``apply()``, on the
+    sender's thread while the sender still holds its lock, not with
+    ``apply_async()``: a replacement with the same arguments of an
+    ``until_executed`` or ``while_executing`` task finds that hold and is dropped
+    as a copy, never run; ``until_executing``, whose lock is free once the body
+    has started, runs it. (Celery's eager replace then fails the call: it waits
+    for the replacement's result within the task, a plain task's too.) Either
+    way the call returns and leaves the lock free."""
+    app.conf.task_always_eager = True
+    runs: list[str] = []
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy=strategy, lock_ttl=30,
+    )  # fmt: skip
+    def job(self: SingletonTask, n: int) -> str:
+        runs.append("new" if runs else "sender")
+        if len(runs) == 1:
+            self.replace(job.s(n))
+        return "new"
+
+    out: list[Any] = []
+    caller = threading.Thread(target=lambda: out.append(job.apply_async((1,))), daemon=True)
+    caller.start()
+    caller.join(20)  # a hang guard only
+    assert not caller.is_alive(), "the eager call still waits"
+    assert isinstance(out[0].result, RuntimeError)  # Celery's own, as said above
+    assert runs == (["sender", "new"] if strategy == "until_executing" else ["sender"])
+    assert _lock_free(redislock_client, job.lock_name((1,), {}))
+
+
 def test_a_copy_of_a_send_of_its_own_id_is_a_copy_of_the_delivery_that_took_the_hand_over(
     app: Celery, redislock_client: redis.Redis
 ) -> None:

@@ -202,6 +202,21 @@ def define_tasks(app: Celery) -> SimpleNamespace:
     @app.task(
         base=SingletonTask,
         shared=False,
+        bind=True,
+        name="t.retry_expiring_running_on",
+        lock_strategy="until_executed",
+        max_retries=1,
+    )
+    def retry_expiring_running_on(
+        self: Any, name: str, queue: str, expires: float, run_on: float
+    ) -> str:
+        self.retry(expires=expires, queue=queue, throw=False)
+        time.sleep(run_on)
+        return "done"
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
         name="t.until_executed_expiring",
         lock_strategy="until_executed",
         expires=30,
@@ -309,7 +324,7 @@ def define_tasks(app: Celery) -> SimpleNamespace:
         hold, hold_raise, hold_wait, short_wait, hold_retry, retry_exhausted, self_retry,
         until_executed, until_executing, ends, lose, add, plain_hold, recurse, note_error,
         until_executing_retry, until_executed_rejects, until_executed_other_args,
-        until_executed_expiring, retry_expiring,
+        until_executed_expiring, retry_expiring, retry_expiring_running_on,
     ]})  # fmt: skip
 
 
@@ -788,10 +803,9 @@ class TestEnqueueStrategies:
             (lambda: datetime.now(timezone(timedelta(hours=-5))) + timedelta(seconds=30), 30),
             (lambda: datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(seconds=30), 30),
             (lambda: (datetime.now(timezone.utc) + timedelta(seconds=30)).isoformat(), 30),
-            (lambda: datetime.now(timezone.utc) - timedelta(seconds=30), 0),
             (None, 30),
         ],
-        ids=["int", "float", "aware", "aware-other-zone", "naive-utc", "iso", "past", "task"],
+        ids=["int", "float", "aware", "aware-other-zone", "naive-utc", "iso", "task"],
     )
     def test_a_reservation_lasts_until_its_message_expires(
         self,
@@ -839,6 +853,79 @@ class TestEnqueueStrategies:
             broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
             broker.delete(nobody)
             broker.close()
+
+    def test_a_retry_that_expired_as_its_sender_ran_on_is_handed_no_reservation(
+        self, redislock_server: RedisServer, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """An until_executed execution that sent its retry with ``expires`` and ran
+        on past the retry's expiry (plus EXPIRES_GRACE) frees the lock as it ends,
+        rather than handing it to the reservation of a retry nobody runs: the same
+        call sent then is published, not deduplicated to that retry."""
+        name, nobody = unique("rexpon"), unique("nobody")
+        task = tasks.retry_expiring_running_on
+        # Runs on until its retry has expired, the grace after it included.
+        call = (name, nobody, 0.1, 0.1 + EXPIRES_GRACE + 0.4)
+        key = f"redislock:{{{task.lock_name(call, {})}}}"
+        try:
+            first = task.delay(*call)
+            assert first.get(timeout=TIMEOUT) == "done"
+            assert not held(locks, key)
+            again = task.apply_async(call, queue=nobody)
+            assert again.id != first.id
+        finally:
+            locks.delete(key)
+            broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
+            broker.delete(nobody)
+            broker.close()
+
+    def test_a_retry_handed_over_late_keeps_only_what_was_left_of_its_reservation(
+        self, redislock_server: RedisServer, tasks: SimpleNamespace, locks: redis.Redis
+    ) -> None:
+        """The reservation an until_executed execution that ran on hands its retry
+        (sent with ``expires``) ends when the retry expires (plus EXPIRES_GRACE),
+        counted from the send: what the sender ran meanwhile is not added."""
+        name, nobody = unique("rexpleft"), unique("nobody")
+        task = tasks.retry_expiring_running_on
+        call = (name, nobody, 2.0, 1.0)
+        key = f"redislock:{{{task.lock_name(call, {})}}}"
+        try:
+            first = task.delay(*call)
+            assert first.get(timeout=TIMEOUT) == "done"
+            assert field(locks, key, OWNER_FIELD) == queued_owner(first.id, 1)
+            # At most 2 s + EXPIRES_GRACE from the send, of which 1 s is gone.
+            assert 0 < locks.pttl(key) <= (2.0 + EXPIRES_GRACE - 0.5) * 1000
+        finally:
+            locks.delete(key)
+            broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
+            broker.delete(nobody)
+            broker.close()
+
+    @pytest.mark.parametrize("strategy", ["until_executing", "until_executed"])
+    @pytest.mark.parametrize(
+        "expires",
+        [lambda: datetime.now(timezone.utc) - timedelta(seconds=30), lambda: 0],
+        ids=["past", "zero"],
+    )
+    def test_a_message_expired_as_it_is_sent_takes_no_reservation(
+        self,
+        tasks: SimpleNamespace,
+        locks: redis.Redis,
+        strategy: str,
+        expires: Callable[[], object],
+    ) -> None:
+        """A send whose ``expires`` has already passed is published (the worker
+        drops it unrun) without a reservation: the same call sent next is
+        published too, and runs."""
+        name = unique("uexpd")
+        task = getattr(tasks, strategy)
+        key = f"redislock:{{{task.lock_name((name,), {})}}}"
+        first = task.apply_async((name,), expires=expires())
+        assert not held(locks, key)
+        second = task.apply_async((name,))
+        assert second.id != first.id
+        gate(name).set()
+        gate(f"{name}:0").set()
+        assert second.get(timeout=TIMEOUT) in ("done", 0)
 
     def test_revoked_in_queue_frees_lock(self, tasks: SimpleNamespace, locks: redis.Redis) -> None:
         """Revoking a queued until_executed task frees its lock."""

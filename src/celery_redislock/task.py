@@ -257,6 +257,11 @@ _SENDER_HEADER = "redislock_sender"
 #: the longest delay is kept).
 _SENT_RETRY = "redislock_sent_retry"
 
+#: What :data:`_SENT_RETRY` holds: the retry count, the delay (s) its reservation
+#: keeps beyond ``lock_enqueue_ttl``, the copies sent, and the monotonic time its
+#: reservation ends at the latest (its message expired then; ``None``: never).
+_SentRetry = tuple[int, float, int, float | None]
+
 
 def _execution_owner(retries: int) -> str:
     """A new owner token for an execution of a message with retry count ``retries``,
@@ -897,23 +902,32 @@ def _seconds_until(when: object) -> float:
     return 0.0
 
 
+def _expires_in(expires: object) -> float | None:
+    """Seconds until a message's ``expires`` (seconds, a datetime, naive read as
+    UTC as Celery reads it, or the ISO text a retry carries), 0 if it has passed;
+    ``None`` if it names no expiry."""
+    if isinstance(expires, str):
+        try:
+            expires = datetime.fromisoformat(expires)
+        except ValueError:
+            return None  # Celery refuses it as the message is built
+    if isinstance(expires, bool) or not isinstance(expires, int | float | datetime):
+        return None
+    return _seconds_until(expires)
+
+
 def _reservation_ttl(ttl: float, expires: object) -> float:
     """``ttl`` for an ``until_*`` send's reservation, cut to the time left until the
-    message's ``expires`` (seconds, a datetime, naive read as UTC as Celery reads
-    it, or the ISO text a retry carries) plus :data:`EXPIRES_GRACE`.
+    message's ``expires`` (see :func:`_expires_in`) plus :data:`EXPIRES_GRACE`.
 
     A message that has expired is dropped unrun, by the worker that reaches it or
     by none; a reservation kept for it past that would deduplicate every later
     send of the call to a message that never runs.
     """
-    if isinstance(expires, str):
-        try:
-            expires = datetime.fromisoformat(expires)
-        except ValueError:
-            return ttl  # Celery refuses it as the message is built
-    if isinstance(expires, bool) or not isinstance(expires, int | float | datetime):
+    left = _expires_in(expires)
+    if left is None:
         return ttl
-    return min(ttl, max(0.001, _seconds_until(expires) + EXPIRES_GRACE))
+    return min(ttl, max(0.001, left + EXPIRES_GRACE))
 
 
 class _ResolvedOption:
@@ -1298,11 +1312,21 @@ class SingletonTask(Task):  # type: ignore[misc]
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
         expires = options.get("expires", self.expires)
         delay = _reservation_ttl(opts.enqueue_ttl + delay, expires) - opts.enqueue_ttl
+        expires_in = _expires_in(expires)
+        # (Monotonic) when a retry's reservation ends at the latest, handed over
+        # however late its sender ends: once its message has expired.
+        end = None if expires_in is None else time.monotonic() + expires_in + EXPIRES_GRACE
         retries = _retries(options.get("retries"))
         running = self._own_hold(task_id, key)
+        if expires_in is not None and expires_in <= 0 and running is None:
+            # Expired already: published as Celery would, and dropped unrun by the
+            # worker that reaches it. No reservation, which would deduplicate the
+            # same call sent next to it; an execution that comes all the same
+            # takes the lock as one finding no reservation does.
+            return self._publish(args, kwargs, task_id, options, None)
         # What the execution records once the retry is sent (only then: a send
         # that raises sent no copy that could take the hold over).
-        sent: tuple[int, float, int] | None = None
+        sent: _SentRetry | None = None
         if (
             running is not None
             and getattr(self.request, _ENTERED, False)
@@ -1315,10 +1339,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             # on to), and hands it over then; the message's delivery waits for it.
             options["headers"] = {**options["headers"], _SENDER_HEADER: running.owner}
             before = getattr(self.request, _SENT_RETRY, None)
-            sent = (retries, delay, 1)
+            sent = (retries, delay, 1, end)
             if before is not None and before[0] == retries:
                 # Another copy of the same retry: each must end unrun for a free.
-                sent = (retries, max(delay, before[1]), before[2] + 1)
+                last = None if end is None or before[3] is None else max(end, before[3])
+                sent = (retries, max(delay, before[1]), before[2] + 1, last)
             running = None
         try:
             # (Making the lock resolves the store: its client may fail to reach it.)
@@ -1444,7 +1469,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         kwargs: Any,
         task_id: str,
         options: dict[str, Any],
-        sent: tuple[int, float, int] | None,
+        sent: _SentRetry | None,
     ) -> Any:
         """Send the message (Celery's ``apply_async``); once it is sent, record
         ``sent`` on the running execution: the retry it sent as it runs on (see
@@ -1895,7 +1920,15 @@ class SingletonTask(Task):  # type: ignore[misc]
             on_thread = _held_on_this_thread()
             if on_thread and on_thread[-1] == lock.owner:
                 on_thread.pop()
-            sent = getattr(request, _SENT_RETRY, None)
+            sent: _SentRetry | None = getattr(request, _SENT_RETRY, None)
+            # What is left of the reservation of that retry (s): until its message
+            # expires, plus EXPIRES_GRACE, counted from its send, not from now.
+            left = None if sent is None or sent[3] is None else sent[3] - time.monotonic()
+            if left is not None and left <= 0:
+                # Expired while its sender ran on: nobody runs it, so nobody is
+                # handed the hold (an execution of it all the same takes the
+                # lock as one finding no reservation does).
+                sent = None
             if sent is not None and opts.strategy == UNTIL_EXECUTED:
                 # A retry its body sent (raised, or sent as it ran on): held for it.
                 keep = reserve = True
@@ -1914,6 +1947,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                         if sent is not None:
                             # (It may wait for its countdown, as one just sent.)
                             retries, ttl = sent[0], opts.enqueue_ttl + sent[1]
+                            if left is not None:
+                                ttl = min(ttl, left)
                         # (A retry sent as it ran on may have ended unrun meanwhile.)
                         self._reserve(
                             lock, opts, ttl, retries, heed=sent is not None,
