@@ -793,17 +793,19 @@ if wait_ms then
     local fence = tonumber(lock[$FENCE]) or 0
     if ARGV[5] == '' then return {0, wait_ms, holder, '', fence, owner, taken} end
     local position, other = ARGV[6], other_entry(ARGV[5])
+    bad = denied('pexpire', KEYS[2], '1') or (not lock[$QUEUED] and denied('set', KEYS[1], 'w'))
+    if bad then return bad end
     if position == '' then
         -- Not known to the waiter (the answer that gave it was lost): the place
-        -- its entry has, in either form (see unwatched()), else a new one.
-        position = redis.call('ZSCORE', KEYS[2], ARGV[5]) or redis.call('ZSCORE', KEYS[2], other)
+        -- its entry has, in either form (see unwatched()), else a new one. (An
+        -- increment of 0 reads a score with ZADD, which the ACL gives already.)
+        position = redis.call('ZADD', KEYS[2], 'XX', 'INCR', 0, ARGV[5])
+            or redis.call('ZADD', KEYS[2], 'XX', 'INCR', 0, other)
         if not position then
             local now = redis.call('TIME')
             position = now[1] .. string.format('%06d', tonumber(now[2]))
         end
     end
-    bad = denied('pexpire', KEYS[2], '1') or (not lock[$QUEUED] and denied('set', KEYS[1], 'w'))
-    if bad then return bad end
     -- The waiter's entry in its other form, if it is there.
     redis.call('ZREM', KEYS[2], other)
     redis.call('ZADD', KEYS[2], 'NX', position, ARGV[5])
