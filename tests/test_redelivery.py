@@ -840,6 +840,17 @@ def test_a_send_of_its_own_id_from_the_body_runs_only_once_its_sender_has_ended(
     assert lost == []
 
 
+def _call_eagerly(job: Any) -> list[Any]:
+    """``job.apply_async((1,))`` (in eager mode) in a thread of its own, waited for
+    20 s as a hang guard only; what it returned, in a list."""
+    out: list[Any] = []
+    caller = threading.Thread(target=lambda: out.append(job.apply_async((1,))), daemon=True)
+    caller.start()
+    caller.join(20)
+    assert not caller.is_alive(), "the eager call still waits"
+    return out
+
+
 @pytest.mark.parametrize("header", [False, True], ids=["plain", "sender-header"])
 @pytest.mark.parametrize("strategy", ["until_executed", "while_executing"])
 def test_an_eager_send_of_its_own_id_from_the_body_runs_at_once(
@@ -868,11 +879,7 @@ def test_an_eager_send_of_its_own_id_from_the_body_runs_at_once(
             return "sender"
         return "new"
 
-    out: list[Any] = []
-    caller = threading.Thread(target=lambda: out.append(job.apply_async((1,))), daemon=True)
-    caller.start()
-    caller.join(20)  # a hang guard only
-    assert not caller.is_alive(), "the eager call still waits"
+    out = _call_eagerly(job)
     assert out[0].result == "sender"
     assert runs == (["sender", "new"] if strategy == "until_executed" else ["sender"])
     assert _lock_free(redislock_client, job.lock_name((1,), {}))
@@ -902,11 +909,7 @@ def test_an_eager_replace_with_the_same_call_is_dropped_as_a_copy(
             self.replace(job.s(n))
         return "new"
 
-    out: list[Any] = []
-    caller = threading.Thread(target=lambda: out.append(job.apply_async((1,))), daemon=True)
-    caller.start()
-    caller.join(20)  # a hang guard only
-    assert not caller.is_alive(), "the eager call still waits"
+    out = _call_eagerly(job)
     assert isinstance(out[0].result, RuntimeError)  # Celery's own, as said above
     assert runs == (["sender", "new"] if strategy == "until_executing" else ["sender"])
     assert _lock_free(redislock_client, job.lock_name((1,), {}))

@@ -358,6 +358,13 @@ def locks(redislock_server: RedisServer) -> Iterator[redis.Redis]:
         yield client
 
 
+def _drop_queue(server: RedisServer, queue: str) -> None:
+    """Delete broker queue ``queue`` (the tasks' broker: ``server``'s database 1)."""
+    broker = redis.Redis.from_url(server.url.rsplit("/", 1)[0] + "/1")
+    broker.delete(queue)
+    broker.close()
+
+
 def unique(prefix: str) -> str:
     """A name no other test uses."""
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
@@ -790,9 +797,7 @@ class TestEnqueueStrategies:
             gate(f"{name}:0").set()
             assert second.get(timeout=TIMEOUT) in ("done", 0)
         finally:
-            broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
-            broker.delete(nobody)
-            broker.close()
+            _drop_queue(redislock_server, nobody)
 
     @pytest.mark.parametrize(
         ("expires", "left"),
@@ -828,9 +833,7 @@ class TestEnqueueStrategies:
             assert max(0, left - 1) * 1000 < pttl <= (left + EXPIRES_GRACE) * 1000
         finally:
             locks.delete(key)
-            broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
-            broker.delete(nobody)
-            broker.close()
+            _drop_queue(redislock_server, nobody)
 
     def test_a_retrys_reservation_lasts_until_the_retry_expires(
         self, redislock_server: RedisServer, tasks: SimpleNamespace, locks: redis.Redis
@@ -850,9 +853,7 @@ class TestEnqueueStrategies:
             assert 0 < locks.pttl(key) <= (2 + EXPIRES_GRACE) * 1000
         finally:
             locks.delete(key)
-            broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
-            broker.delete(nobody)
-            broker.close()
+            _drop_queue(redislock_server, nobody)
 
     def test_a_retry_that_expired_as_its_sender_ran_on_is_handed_no_reservation(
         self, redislock_server: RedisServer, tasks: SimpleNamespace, locks: redis.Redis
@@ -874,9 +875,7 @@ class TestEnqueueStrategies:
             assert again.id != first.id
         finally:
             locks.delete(key)
-            broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
-            broker.delete(nobody)
-            broker.close()
+            _drop_queue(redislock_server, nobody)
 
     def test_a_retry_handed_over_late_keeps_only_what_was_left_of_its_reservation(
         self, redislock_server: RedisServer, tasks: SimpleNamespace, locks: redis.Redis
@@ -896,9 +895,7 @@ class TestEnqueueStrategies:
             assert 0 < locks.pttl(key) <= (2.0 + EXPIRES_GRACE - 0.5) * 1000
         finally:
             locks.delete(key)
-            broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
-            broker.delete(nobody)
-            broker.close()
+            _drop_queue(redislock_server, nobody)
 
     @pytest.mark.parametrize("strategy", ["until_executing", "until_executed"])
     @pytest.mark.parametrize(

@@ -993,16 +993,15 @@ class RedisLock:
         if token is not None:
             item = (call, until)
             with _frees_guard:
-                by_key = _frees_pending.setdefault(self._router, {})
                 now = time.monotonic()
-                for key, frees in list(by_key.items()):
-                    kept = tuple(free for free in frees if free[1] > now)
-                    if len(kept) < len(frees):
-                        if kept:
-                            by_key[key] = kept
-                        else:
-                            del by_key[key]
-                by_key[self.key] = (*by_key.get(self.key, ()), item)
+                # Those past their time go too (whose end was never reported).
+                kept = {
+                    key: due
+                    for key, frees in _frees_pending.get(self._router, {}).items()
+                    if (due := tuple(free for free in frees if free[1] > now))
+                }
+                kept[self.key] = (*kept.get(self.key, ()), item)
+                _frees_pending[self._router] = kept
             then = functools.partial(_free_ended, weakref.ref(self._router), self.key, item)
         self._beat().retry_in_background(self, call, until, what, quiet=True, then=then)
 

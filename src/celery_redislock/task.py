@@ -498,15 +498,22 @@ def _sent_name(request: Any) -> Any:
     return found
 
 
-def _sender(request: Any) -> str | None:
-    """The owner token of the hold of the execution whose body sent ``request``'s
-    message under its own task id (see :data:`_SENDER_HEADER`), if any."""
-    found = getattr(request, _SENDER_HEADER, None)
+def _text_header(request: Any, name: str) -> str | None:
+    """Header ``name`` of ``request``'s message, if it is text: an execution's
+    context holds the headers as attributes, a worker's request in its
+    ``request_dict``, an eager run in its ``headers``."""
+    found = getattr(request, name, None)
     if found is None:
         headers = getattr(request, "request_dict", None) or getattr(request, "headers", None)
         if isinstance(headers, dict):
-            found = headers.get(_SENDER_HEADER)
+            found = headers.get(name)
     return found if isinstance(found, str) else None
+
+
+def _sender(request: Any) -> str | None:
+    """The owner token of the hold of the execution whose body sent ``request``'s
+    message under its own task id (see :data:`_SENDER_HEADER`), if any."""
+    return _text_header(request, _SENDER_HEADER)
 
 
 def _sent_fence(request: Any) -> int | None:
@@ -523,12 +530,8 @@ def _sent_fence(request: Any) -> int | None:
     delivery = getattr(request, "delivery_info", None)
     if isinstance(delivery, dict) and delivery.get("redelivered"):
         return None
-    found = getattr(request, _FENCE_HEADER, None)
+    found = _text_header(request, _FENCE_HEADER)
     if found is None:
-        headers = getattr(request, "request_dict", None) or getattr(request, "headers", None)
-        if isinstance(headers, dict):
-            found = headers.get(_FENCE_HEADER)
-    if not isinstance(found, str):
         return None
     retries, _, fence = found.partition(":")
     if ascii_number(retries) != request_retries(request):
@@ -916,15 +919,15 @@ def _expires_in(expires: object) -> float | None:
     return _seconds_until(expires)
 
 
-def _reservation_ttl(ttl: float, expires: object) -> float:
-    """``ttl`` for an ``until_*`` send's reservation, cut to the time left until the
-    message's ``expires`` (see :func:`_expires_in`) plus :data:`EXPIRES_GRACE`.
+def _reservation_ttl(ttl: float, left: float | None) -> float:
+    """``ttl`` for an ``until_*`` send's reservation, cut to ``left``, the time left
+    until the message's ``expires`` (see :func:`_expires_in`; ``None``: it names
+    none), plus :data:`EXPIRES_GRACE`.
 
     A message that has expired is dropped unrun, by the worker that reaches it or
     by none; a reservation kept for it past that would deduplicate every later
     send of the call to a message that never runs.
     """
-    left = _expires_in(expires)
     if left is None:
         return ttl
     return min(ttl, max(0.001, left + EXPIRES_GRACE))
@@ -1311,8 +1314,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         # that names none).
         delay = _seconds_until(options.get("countdown") or options.get("eta"))
         expires = options.get("expires", self.expires)
-        delay = _reservation_ttl(opts.enqueue_ttl + delay, expires) - opts.enqueue_ttl
         expires_in = _expires_in(expires)
+        delay = _reservation_ttl(opts.enqueue_ttl + delay, expires_in) - opts.enqueue_ttl
         # (Monotonic) when a retry's reservation ends at the latest, handed over
         # however late its sender ends: once its message has expired.
         end = None if expires_in is None else time.monotonic() + expires_in + EXPIRES_GRACE
