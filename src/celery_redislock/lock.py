@@ -715,8 +715,7 @@ class RedisLock:
 
     def _renewed(self, sent: float) -> None:
         with self._state:
-            for floor in self._extending:
-                floor[0] = min(floor[0], sent + self.ttl)
+            self._may_have_renewed(sent)
             if self._lost:
                 return
             if self._extended:
@@ -730,6 +729,20 @@ class RedisLock:
                 self._expiry = min(self._expiry, sent + self.ttl)
             else:
                 self._expiry = max(self._expiry, sent + self.ttl)
+
+    def _renewal_failed(self, sent: float) -> None:
+        """A renewal sent at ``sent`` failed: it may have run all the same (its
+        answer lost), so the server's expiry may be no later than its own, however
+        much longer an extend made it."""
+        with self._state:
+            self._may_have_renewed(sent)
+            self._expiry = min(self._expiry, sent + self.ttl)
+
+    def _may_have_renewed(self, sent: float) -> None:
+        """Bound by a renewal sent at ``sent`` the expiry each extend on its way
+        will take: the renewal may run on the server after it."""
+        for floor in self._extending:
+            floor[0] = min(floor[0], sent + self.ttl)
 
     def _expires_at(self) -> float:
         return self._expiry
@@ -1204,6 +1217,9 @@ class RedisLock:
         except BaseException:
             with self._state:
                 self._extending = tuple(f for f in self._extending if f is not floor)
+                # It may have run all the same (its answer lost): a shorter TTL
+                # then holds on the server.
+                self._expiry = min(self._expiry, sent + new_ttl)
             raise
         if result != 1:
             with self._state:
