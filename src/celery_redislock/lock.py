@@ -2294,13 +2294,16 @@ _process_id = os.getpid()
 
 
 def _new_state_guard_after_fork() -> None:
-    global _process_id
+    global _process_id, _frees_guard
     _process_id = os.getpid()
     # The parent's heartbeat (or another of its threads) may have held the
-    # guard as the process forked; that thread does not exist here to free it.
+    # guards as the process forked; that thread does not exist here to free them.
     RedisLock._state = threading.Lock()
     RedisLock._answers = threading.Condition(RedisLock._state)
     RedisLock._awaiting = 0
+    _frees_guard = threading.Lock()
+    # The parent sends its own background frees; the child's acquires owe none.
+    _frees_pending.clear()
 
 
 os.register_at_fork(after_in_child=_new_state_guard_after_fork)
