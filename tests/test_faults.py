@@ -1130,9 +1130,7 @@ def test_a_shorter_extend_whose_answer_is_lost_brings_the_deadline_back(
 ) -> None:
     """An extend() to a shorter TTL that fails may still have run on the server:
     the holder's local deadline is no later than the shorter TTL's."""
-    holder = RedisLock(
-        proxy.url, "shortened-unanswered", ttl=30, call_timeout=0.5, heartbeat=False
-    )
+    holder = RedisLock(proxy.url, "shortened-unanswered", ttl=30, call_timeout=0.5, heartbeat=False)
     assert holder.acquire()
     holder.extend()  # (the server knows the script from now on)
     # The extend runs on the server; its answer is lost, and it cannot be sent again.

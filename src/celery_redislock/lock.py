@@ -1194,6 +1194,8 @@ class RedisLock:
         With the heartbeat on, it goes on renewing the lock to its own TTL, the
         next time before ``ttl`` runs out: a shorter ``ttl`` brings the next
         renewal forward, and a longer one lasts until the next renewal.
+        An extend that raises may still have run (its answer lost): the holder's
+        local deadline (see :attr:`lost`) is then no later than ``ttl`` from now.
 
         Raises:
             LockNotOwnedError: this owner does not hold the lock.
