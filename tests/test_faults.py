@@ -1125,6 +1125,23 @@ def test_a_renewal_whose_answer_is_lost_after_an_extend_brings_the_deadline_back
     )
 
 
+def test_a_reentrant_acquire_whose_answer_is_lost_after_an_extend_brings_the_deadline_back(
+    proxy: FaultProxy, server: RedisServer
+) -> None:
+    """A re-entrant acquire sets the lock's own TTL, back from a longer extend():
+    one that fails, having run with its answer lost, brings the holder's local
+    deadline back with it."""
+    holder = RedisLock(proxy.url, "extended-then-reentered", ttl=2, call_timeout=0.5)
+    assert holder.acquire()
+    holder.extend(60)
+    proxy.drop_replies(1, then_close_port=True)
+    with pytest.raises(LockBackendError):
+        holder.acquire(blocking=False)
+    assert _taken_by_a_rival_once_expired(holder, server), (
+        "another owner took the lock while its holder still trusted it"
+    )
+
+
 def test_a_shorter_extend_whose_answer_is_lost_brings_the_deadline_back(
     proxy: FaultProxy, server: RedisServer
 ) -> None:

@@ -1628,6 +1628,11 @@ class RedisLock:
         self._unconfirmed = None
         # If it lands, it makes a change this object does not know the id of.
         self._last_change = None
+        with self._state:
+            if self._holds:
+                # A re-entry that landed set the lock's own TTL (the undo keeps
+                # it), back from a longer extend's.
+                self._expiry = min(self._expiry, sent + self.ttl)
         call, until = self._undo_call(request), sent + self.ttl
         with self._state:
             self._behind = (*self._behind, (call, until))
