@@ -43,6 +43,7 @@ from celery_redislock.scripts import (
     DROPS_FIELD,
     DROPS_REMEMBERED,
     EXTEND,
+    EXTEND_SCRIPT,
     FENCE_FIELD,
     GRANT_MS,
     OWNER_FIELD,
@@ -1091,6 +1092,73 @@ def test_holder_extended_past_its_ttl_then_cut_off_knows_before_anyone_else_can_
     assert was_lost, "another owner took the lock while its holder still trusted it"
     rival.release()
     direct.close()
+
+
+def _taken_by_a_rival_once_expired(holder: RedisLock, server: RedisServer) -> bool:
+    """Take ``holder``'s lock with a rival as soon as it is free on the server;
+    return whether the holder knew it lost the lock just before."""
+    rival = RedisLock(server.url, holder.name, ttl=2)
+    deadline = time.monotonic() + 10
+    while True:
+        was_lost = holder.lost
+        if rival.acquire(blocking=False):
+            rival.release()
+            return was_lost
+        assert time.monotonic() < deadline, "the lock never expired"
+        time.sleep(0.02)
+
+
+def test_a_renewal_whose_answer_is_lost_after_an_extend_brings_the_deadline_back(
+    proxy: FaultProxy, server: RedisServer
+) -> None:
+    """A renewal may have set the TTL back from a longer extend() even when its
+    answer never came: the holder's local deadline comes back with it, so the
+    holder finds its lock lost before another owner can take it."""
+    holder = RedisLock(proxy.url, "extended-then-unanswered", ttl=2, call_timeout=0.5)
+    assert holder.acquire()
+    holder.extend(60)
+    # The next renewal runs on the server; its answer is lost, and no later try
+    # reaches the server.
+    proxy.drop_replies(1, then_close_port=True)
+    assert _taken_by_a_rival_once_expired(holder, server), (
+        "another owner took the lock while its holder still trusted it"
+    )
+
+
+def test_a_reentrant_acquire_whose_answer_is_lost_after_an_extend_brings_the_deadline_back(
+    proxy: FaultProxy, server: RedisServer
+) -> None:
+    """A re-entrant acquire sets the lock's own TTL, back from a longer extend():
+    one that fails, having run with its answer lost, brings the holder's local
+    deadline back with it."""
+    holder = RedisLock(proxy.url, "extended-then-reentered", ttl=2, call_timeout=0.5)
+    assert holder.acquire()
+    holder.extend(60)
+    proxy.drop_replies(1, then_close_port=True)
+    with pytest.raises(LockBackendError):
+        holder.acquire(blocking=False)
+    assert _taken_by_a_rival_once_expired(holder, server), (
+        "another owner took the lock while its holder still trusted it"
+    )
+
+
+def test_a_shorter_extend_whose_answer_is_lost_brings_the_deadline_back(
+    proxy: FaultProxy, server: RedisServer
+) -> None:
+    """An extend() to a shorter TTL that fails may still have run on the server:
+    the holder's local deadline is no later than the shorter TTL's."""
+    holder = RedisLock(proxy.url, "shortened-unanswered", ttl=30, call_timeout=0.5, heartbeat=False)
+    assert holder.acquire()
+    holder.extend()  # (the server knows the script from now on)
+    # The extend runs on the server; its answer is lost, and it cannot be sent again.
+    proxy.drop_reply_to(EXTEND_SCRIPT.sha.encode())
+    proxy.refuse()
+    with pytest.raises(LockBackendError):
+        holder.extend(1)
+    assert proxy.marked_drops == 1
+    assert _taken_by_a_rival_once_expired(holder, server), (
+        "another owner took the lock while its holder still trusted it"
+    )
 
 
 def test_waiter_that_gives_up_unsure_whether_it_queued_leaves_the_queue(

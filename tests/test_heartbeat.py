@@ -19,10 +19,11 @@ from redis.retry import Retry
 from celery_redislock import LockBackendError, LockLostError, RedisLock
 from celery_redislock import client as client_module
 from celery_redislock import heartbeat as heartbeat_module
+from celery_redislock import lock as lock_module
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.scripts import EXTEND, OWNER_FIELD, Call
 from celery_redislock.scripts import run_calls as real_run_calls
-from celery_redislock.server import RedisServer
+from celery_redislock.server import RedisServer, free_port
 from celery_redislock.transport import Deadline, Transport, flush, transport_for
 from tests.proxy import FaultProxy
 from tests.support import field, held, in_forked_child, wait_until
@@ -773,6 +774,42 @@ def test_lock_inherited_by_a_forked_child_leaves_the_parents_lane_alone(
         holder.join(10)
     assert lock in get_heartbeat().held()
     lock.release()
+
+
+def _acquire_in_child(url: str, conn: Connection) -> None:
+    lock = RedisLock(url, "taken-in-a-child", ttl=5, heartbeat=False)
+    conn.send(lock.acquire(blocking=False))
+    lock.release()
+    conn.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork()")
+@pytest.mark.filterwarnings(FORK_WARNING)
+def test_a_child_forked_as_a_thread_keeps_the_background_frees_takes_its_locks(
+    redislock_url: str,
+) -> None:
+    """A child forked while a thread of the parent keeps the background frees of
+    failed sends (their guard held) takes its own locks: the guard and the frees,
+    which the parent sends, are not the child's."""
+    unreachable = f"redis://127.0.0.1:{free_port()}/0"
+    failed = RedisLock(unreachable, "sent-in-an-outage", ttl=5, call_timeout=0.2)
+    failed._free_later(time.monotonic() + 1, "freeing after a failed send", fence=1)
+    assert lock_module._frees_pending
+    holding, done = threading.Event(), threading.Event()
+
+    def hold_frees() -> None:
+        with lock_module._frees_guard:
+            holding.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold_frees)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        assert in_forked_child(_acquire_in_child, redislock_url) is True
+    finally:
+        done.set()
+        holder.join(10)
 
 
 def _release_inherited(lock: RedisLock, conn: Connection) -> None:

@@ -99,6 +99,8 @@ class Renewable(Protocol):
 
     def _renewed(self, sent: float) -> None: ...
 
+    def _renewal_failed(self, sent: float) -> None: ...
+
     def _confirmed(self) -> int: ...
 
     def _mark_lost(self, confirmed: int) -> bool | None: ...
@@ -592,6 +594,10 @@ class _Lane:
         refused: list[Exception] = []
         lost = len(renewals) - len(live)
         for (lock, entry, confirmed), result in zip(live, results, strict=True):
+            if isinstance(result, Exception):
+                # It may have run all the same (its answer lost), setting the TTL
+                # back from a longer extend's.
+                lock._renewal_failed(now)
             if lock.transport is not self.transport and isinstance(result, Exception):
                 # A cluster slot moved: the lane of the lock's new primary takes it.
                 self._move(lock, entry, after)

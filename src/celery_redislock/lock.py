@@ -715,8 +715,7 @@ class RedisLock:
 
     def _renewed(self, sent: float) -> None:
         with self._state:
-            for floor in self._extending:
-                floor[0] = min(floor[0], sent + self.ttl)
+            self._may_have_renewed(sent)
             if self._lost:
                 return
             if self._extended:
@@ -730,6 +729,20 @@ class RedisLock:
                 self._expiry = min(self._expiry, sent + self.ttl)
             else:
                 self._expiry = max(self._expiry, sent + self.ttl)
+
+    def _renewal_failed(self, sent: float) -> None:
+        """A renewal sent at ``sent`` failed: it may have run all the same (its
+        answer lost), so the server's expiry may be no later than its own, however
+        much longer an extend made it."""
+        with self._state:
+            self._may_have_renewed(sent)
+            self._expiry = min(self._expiry, sent + self.ttl)
+
+    def _may_have_renewed(self, sent: float) -> None:
+        """Bound by a renewal sent at ``sent`` the expiry each extend on its way
+        will take: the renewal may run on the server after it."""
+        for floor in self._extending:
+            floor[0] = min(floor[0], sent + self.ttl)
 
     def _expires_at(self) -> float:
         return self._expiry
@@ -1181,6 +1194,8 @@ class RedisLock:
         With the heartbeat on, it goes on renewing the lock to its own TTL, the
         next time before ``ttl`` runs out: a shorter ``ttl`` brings the next
         renewal forward, and a longer one lasts until the next renewal.
+        An extend that raises may still have run (its answer lost): the holder's
+        local deadline (see :attr:`lost`) is then no later than ``ttl`` from now.
 
         Raises:
             LockNotOwnedError: this owner does not hold the lock.
@@ -1204,6 +1219,9 @@ class RedisLock:
         except BaseException:
             with self._state:
                 self._extending = tuple(f for f in self._extending if f is not floor)
+                # It may have run all the same (its answer lost): a shorter TTL
+                # then holds on the server.
+                self._expiry = min(self._expiry, sent + new_ttl)
             raise
         if result != 1:
             with self._state:
@@ -1610,6 +1628,11 @@ class RedisLock:
         self._unconfirmed = None
         # If it lands, it makes a change this object does not know the id of.
         self._last_change = None
+        with self._state:
+            if self._holds:
+                # A re-entry that landed set the lock's own TTL (the undo keeps
+                # it), back from a longer extend's.
+                self._expiry = min(self._expiry, sent + self.ttl)
         call, until = self._undo_call(request), sent + self.ttl
         with self._state:
             self._behind = (*self._behind, (call, until))
@@ -2278,13 +2301,16 @@ _process_id = os.getpid()
 
 
 def _new_state_guard_after_fork() -> None:
-    global _process_id
+    global _process_id, _frees_guard
     _process_id = os.getpid()
     # The parent's heartbeat (or another of its threads) may have held the
-    # guard as the process forked; that thread does not exist here to free it.
+    # guards as the process forked; that thread does not exist here to free them.
     RedisLock._state = threading.Lock()
     RedisLock._answers = threading.Condition(RedisLock._state)
     RedisLock._awaiting = 0
+    _frees_guard = threading.Lock()
+    # The parent sends its own background frees; the child's acquires owe none.
+    _frees_pending.clear()
 
 
 os.register_at_fork(after_in_child=_new_state_guard_after_fork)
