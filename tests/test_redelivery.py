@@ -1189,6 +1189,92 @@ def test_a_retry_sent_as_its_sender_runs_on_that_is_revoked_leaves_the_lock_free
     assert runs == [0, 0]
 
 
+@pytest.mark.parametrize(
+    ("drop", "order"),
+    [
+        ("fails-to-start", "dropped_first"),
+        ("fails-to-start", "sender_first"),
+        ("revoked", "dropped_first"),
+    ],
+)
+@pytest.mark.parametrize("how", ["replace", "send-own-id"])
+def test_a_send_of_its_own_id_that_ends_unrun_as_its_sender_runs_leaves_the_lock_free(
+    app: Celery, redislock_client: redis.Redis, how: str, drop: str, order: str
+) -> None:
+    """``until_executed``: an execution sends its own task id again without a retry
+    count, by ``self.replace()`` (the sender's ``finally`` still to run) or by
+    ``apply_async(task_id=self.request.id)`` (running on), and the new message ends
+    without running: its ``before_start`` raises, or the task id is revoked and the
+    worker drops the message. Whether that happens while the sender still holds the
+    lock (it hands its hold to the message's reservation only as it ends) or after,
+    nothing is left holding the lock for the message: it is free once both have
+    ended, long before ``lock_enqueue_ttl``, and the same call sent again runs."""
+    sent, dropped, settled = threading.Event(), threading.Event(), threading.Event()
+    runs: list[str] = []
+    senders: list[str] = []
+    countdown = 0.5 if drop == "revoked" else 0
+
+    class FailsOnTheNewMessage(SingletonTask):
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            if drop != "fails-to-start" or not sent.is_set() or settled.is_set():
+                return
+            if order == "sender_first":
+                key = lock_keys(self.lock_name((1,), {})).lock
+                wait_for(
+                    lambda: field(redislock_client, key, OWNER_FIELD) not in (None, *senders),
+                    what="the sender to hand its hold over",
+                )
+            raise RuntimeError("not ready for the new message")
+
+    @app.task(
+        base=FailsOnTheNewMessage, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, lock_enqueue_ttl=3600,
+    )  # fmt: skip
+    def job(self: SingletonTask, n: int) -> str:
+        runs.append(self.request.id)
+        if sent.is_set():
+            return "again"
+        hold = self.lock._lock
+        assert hold is not None
+        senders.append(hold.owner)
+        sent.set()
+        try:
+            if how == "replace":
+                self.replace(job.s(n).set(countdown=countdown))
+            self.apply_async((n,), task_id=self.request.id, countdown=countdown)
+            return "sender"
+        finally:
+            if drop == "revoked":
+                self.app.control.revoke(self.request.id)
+            if order == "dropped_first":
+                wait_for(dropped.is_set, what="the new message to end unrun")
+
+    def on_failure(**_: Any) -> None:
+        dropped.set()
+
+    def on_revoked(request: Any = None, **_: Any) -> None:
+        dropped.set()
+
+    task_failure.connect(on_failure, sender=job, weak=False)
+    # Connected after celery_redislock's own receiver, so called after it.
+    task_revoked.connect(on_revoked, sender=job, weak=False)
+    try:
+        with in_process_worker(app, concurrency=2):
+            first = job.delay(1)
+            wait_for(dropped.is_set, what="the new message to end unrun")
+            name = job.lock_name((1,), {})
+            wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+            settled.set()
+            again = job.delay(1)
+            assert again.id != first.id
+            assert again.get(timeout=15) == "again"
+    finally:
+        task_failure.disconnect(on_failure, sender=job)
+        task_revoked.disconnect(on_revoked, sender=job)
+    assert runs == [first.id, again.id]
+    assert _words(redislock_client) == []
+
+
 #: A queue no worker consumes: a message sent there stays in the broker.
 NOBODY = "redelivery-nobody"
 
@@ -1284,6 +1370,67 @@ def test_a_retry_revoked_long_before_its_eta_frees_the_lock_as_its_sender_ends(
         broker.delete(NOBODY, app.conf.task_default_queue)
         broker.close()
     assert runs == [0, 0]
+
+
+@pytest.mark.parametrize("how", ["replace", "send-own-id"])
+def test_a_send_of_its_own_id_revoked_in_the_broker_frees_the_lock_as_its_sender_ends(
+    app: Celery, redislock_client: redis.Redis, redislock_server: RedisServer, how: str
+) -> None:
+    """``until_executed``: an execution sends its own task id again without a retry
+    count (``self.replace()``, or ``apply_async(task_id=self.request.id)`` and runs
+    on) to a queue no worker consumes; the task id is revoked while the sender still
+    runs. No worker ever sees that message, but the worker running the sender leaves
+    it word that every message of its id is revoked: the lock is free as soon as the
+    sender ends, not once ``lock_enqueue_ttl`` has passed."""
+    go_on, sent = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    @app.task(
+        base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, lock_enqueue_ttl=3600,
+    )  # fmt: skip
+    def job(self: SingletonTask, n: int) -> None:
+        runs.append(self.request.id)
+        if len(runs) > 1:
+            return
+        try:
+            if how == "replace":
+                self.replace(job.s(n).set(queue=NOBODY))
+            self.apply_async((n,), task_id=self.request.id, queue=NOBODY)
+        finally:
+            sent.set()
+            assert go_on.wait(30)
+
+    @app.task(base=SingletonTask, shared=False, lock_strategy="until_executed")
+    def marker(name: str) -> None:
+        pass
+
+    try:
+        with in_process_worker(app, concurrency=2):
+            first = job.delay(1)
+            assert sent.wait(15), "the new message was not sent"
+            # A revoke of another id, sent after it, tells when this one was handled.
+            marked = marker.apply_async(("marker",), queue=NOBODY)
+            marker_key = lock_keys(marker.lock_name(("marker",), {})).lock
+            app.control.revoke(first.id)
+            app.control.revoke(marked.id)
+            wait_for(
+                lambda: field(redislock_client, marker_key, OWNER_FIELD) is None,
+                what="the revokes to be handled",
+            )
+            name = job.lock_name((1,), {})
+            assert not _lock_free(redislock_client, name)  # the sender holds it still
+            go_on.set()
+            wait_for(lambda: _lock_free(redislock_client, name), timeout=10, what="a free lock")
+            again = job.delay(1)
+            assert again.id != first.id
+            again.get(timeout=15)
+    finally:
+        go_on.set()
+        broker = redis.Redis.from_url(redislock_server.url.rsplit("/", 1)[0] + "/1")
+        broker.delete(NOBODY)
+        broker.close()
+    assert runs == [first.id, again.id]
 
 
 def test_a_retry_sent_from_before_start_finds_its_reservation_at_once(
@@ -1460,6 +1607,65 @@ def test_a_retry_sent_by_a_failed_start_while_its_sender_runs_on_is_handed_the_l
     finally:
         task_retry.disconnect(on_retry, sender=job)
     assert runs == [0, 2]
+
+
+@pytest.mark.parametrize("how", ["replace", "send-own-id"])
+def test_a_retry_sent_by_the_failed_start_of_a_send_of_its_own_id_is_handed_the_lock(
+    app: Celery, redislock_client: redis.Redis, how: str
+) -> None:
+    """``until_executed``: an execution sends its own task id again without a retry
+    count (``self.replace()``, or ``apply_async(task_id=self.request.id)`` and runs
+    on); the new message's ``before_start`` sends a retry and raises it while the
+    sender still holds the lock. As the sender ends, its hold goes on to that retry's
+    reservation (not to the new message's, which nobody would take over), and the
+    retry runs."""
+    sent, retried = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    class RetriesOnTheNewMessage(SingletonTask):
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            if self.request.retries == 1:
+                key = lock_keys(self.lock_name((1,), {})).lock
+                wait_for(
+                    lambda: str(field(redislock_client, key, OWNER_FIELD)).endswith(
+                        (queued_owner(task_id, 1), ":1")
+                    ),
+                    what="the lock to be passed on to the retry's reservation",
+                )
+            elif sent.is_set():
+                raise self.retry(countdown=0)
+
+    @app.task(
+        base=RetriesOnTheNewMessage, bind=True, shared=False, lock_strategy="until_executed",
+        lock_ttl=30, lock_enqueue_ttl=3600, max_retries=1,
+    )  # fmt: skip
+    def job(self: SingletonTask, n: int) -> int:
+        runs.append(int(self.request.retries))
+        if self.request.retries:
+            return 1
+        sent.set()
+        try:
+            if how == "replace":
+                self.replace(job.s(n))
+            self.apply_async((n,), task_id=self.request.id)
+        finally:
+            wait_for(retried.is_set, what="the new message's start to send a retry")
+        return 0
+
+    def on_retry(**_: Any) -> None:
+        retried.set()
+
+    task_retry.connect(on_retry, sender=job, weak=False)
+    try:
+        with in_process_worker(app, concurrency=3):
+            job.delay(1)
+            wait_for(lambda: 1 in runs, what="the retry to run")
+            name = job.lock_name((1,), {})
+            wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
+    finally:
+        task_retry.disconnect(on_retry, sender=job)
+    assert runs == [0, 1]
+    assert _words(redislock_client) == []
 
 
 def _words(client: redis.Redis) -> list[bytes]:

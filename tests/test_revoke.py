@@ -341,8 +341,9 @@ def test_search_frees_only_locks_still_owned_by_the_message(
     assert wanted == {"id-unknown"}
     assert lock_keys(locks) == ["redislock:{t.job:running}"]
     running.release()
-    # (Word that its next retry is revoked: see the test below.)
-    locks.delete(dropped_key("t.job:running", "id-running", 1, "redislock"))
+    # (Word that its next retry is revoked: see the tests below.)
+    for retries in (0, 1):
+        locks.delete(dropped_key("t.job:running", "id-running", retries, "redislock"))
 
 
 def test_search_leaves_an_execution_it_finds_word_that_its_retry_is_revoked(
@@ -368,7 +369,65 @@ def test_search_leaves_an_execution_it_finds_word_that_its_retry_is_revoked(
             assert word.text == f"{sender.token} 0 0 {REVOKED}"
     finally:
         sender.release()
-        locks.delete(dropped_key(name, task_id, 2, "redislock"))
+        for retries in (0, 2):
+            locks.delete(dropped_key(name, task_id, retries, "redislock"))
+
+
+def test_search_leaves_an_execution_it_finds_word_that_a_send_of_its_own_id_is_revoked(
+    locks: redis.Redis,
+) -> None:
+    """An execution of a revoked id that holds its lock may have sent its own task id
+    again without a retry count (``self.replace()``, ``apply_async(task_id=...)``),
+    the message sitting in the broker: the search leaves word about that message
+    too (under retry count 0), tied to the execution's hold, so that it frees the
+    lock as it ends. Should the hold have moved to that message's reservation by the
+    time the word is left, the search frees the reservation (the message is
+    revoked)."""
+    name, task_id = "t.job:replaced", "id-replaced"
+    sender = RedisLock(locks, name, ttl=60, owner="sendertoken:3", lease=task_id)
+    assert sender.acquire(blocking=False)
+    try:
+        wanted = {task_id}
+        find_and_free_queued(locks, "redislock", wanted)
+        assert wanted == set()
+        assert sender.owned()
+        word = read_word(locks, name, task_id, 0, "redislock")
+        assert word is not None
+        assert (word.fence, word.then, word.drops) == (sender.token, 0, ALL_COPIES)
+    finally:
+        sender.release()
+        for retries in (0, 4):
+            locks.delete(dropped_key(name, task_id, retries, "redislock"))
+
+
+def test_word_about_a_send_of_its_own_id_is_left_only_for_the_hold_that_sent_it(
+    locks: redis.Redis,
+) -> None:
+    """A message without a retry count that ended without running leaves word only
+    for the execution its header ``redislock_sender`` names, tied to that hold's
+    fencing token: not for another execution of the same task id that holds the lock
+    (a later use of the id), nor when it names no sender (a first delivery, whose
+    reservation nobody hands a hold to). Once the sender has handed its hold to the
+    message's reservation, the delivery frees the reservation itself."""
+    name, task_id, prefix = "t.job:own-id", "id-own", "redislock"
+    sender = RedisLock(locks, name, ttl=60, owner="sender-token", lease=task_id)
+    assert sender.acquire(blocking=False)
+    try:
+        for other in (None, "", "another-token"):
+            assert not free_dropped(locks, name, task_id, prefix, 0, 60.0, None, other)
+            assert read_word(locks, name, task_id, 0, prefix) is None
+        assert not free_dropped(locks, name, task_id, prefix, 0, 60.0, "drop-1", sender.owner)
+        assert sender.owned()
+        word = read_word(locks, name, task_id, 0, prefix)
+        assert word is not None
+        assert (word.fence, word.then, word.drops) == (sender.token, 0, 1)
+    finally:
+        sender.release()
+        locks.delete(dropped_key(name, task_id, 0, prefix))
+    reservation = _queued(locks, name, task_id)
+    assert free_dropped(locks, name, task_id, prefix, 0, 60.0, "drop-2", sender.owner)
+    assert not reservation.owned()
+    assert read_word(locks, name, task_id, 0, prefix) is None
 
 
 def test_a_delivery_dropped_again_is_counted_once(locks: redis.Redis) -> None:

@@ -1,5 +1,6 @@
 """The word a delivery of a retry that ended without running leaves for the
-execution that sent it.
+execution that sent it (and so does a delivery of a message that execution sent
+under its own task id: ``self.replace()``, ``apply_async(task_id=...)``).
 
 An ``until_executed`` execution whose body sends its own retry (raised, the
 body's ``finally`` blocks still to run, or with ``self.retry(throw=False)``,
@@ -13,11 +14,19 @@ over (:func:`read_word`): it then frees the lock instead, or passes it on to the
 reservation of the retry a failed start sent. Once acted on, the word is deleted
 (:func:`forget_word`).
 
+A message sent from the body under the execution's own task id other than by
+``self.retry()`` has no retry count (``0``), however many times the task had
+retried: the execution hands its hold to that message's reservation as it ends
+all the same, and a delivery of it that ended without running leaves the word
+alike. No count tells that the execution sent it, but the message names the
+execution's hold (its header ``redislock_sender``): the word is left only while
+that very hold holds the lock (see :func:`free_dropped`'s ``sender``).
+
 The word's key is :func:`dropped_key`: ``<lock key>:dropped:<task id>:<retry
-count>``, in the lock key's cluster slot. Its value is ``<fence> <count> <ms>
-<id>...``: the fencing token of the hold it is meant for (only that hold, or one
-it passes on to, acts on it; a later hold of the same task id never does), what
-to do instead (``0 0``: free the lock; else pass it on to retry ``<count>``'s
+count>`` (``0`` for a message without one), in the lock key's cluster slot. Its
+value is ``<fence> <count> <ms> <id>...``: the fencing token of the hold it is
+meant for (only that hold, or one it passes on to, acts on it; a later hold of
+the same task id never does), what to do instead (``0 0``: free the lock; else pass it on to retry ``<count>``'s
 reservation for ``<ms>`` ms), and one id per delivery that ended so (how many of
 the retry's copies did). Left unread, it expires after :data:`DROPPED_WORD_TTL`
 seconds, or after the TTL of the reservation it is about if that is longer.
@@ -27,7 +36,10 @@ carries that id): a worker that gets the revoke while the sending execution
 still holds the lock leaves the id :data:`REVOKED` (:func:`free_revoked`), which
 counts for all of them, rather than wait for a worker to drop each copy as its
 ETA comes. A delivery dropped later leaves the id the revoke sweep gave it
-(:func:`drop_id`), so that it is not counted twice.
+(:func:`drop_id`), so that it is not counted twice. Such a worker cannot tell
+whether the execution sent a message without a retry count too: it leaves word
+about that one as well (:func:`leave_revoked`), for whichever execution's hold of
+the task id holds the lock; unread, it expires.
 """
 
 from __future__ import annotations
@@ -63,6 +75,11 @@ REVOKED = "revoked"
 
 #: The count of deliveries that ended unrun a word with :data:`REVOKED` stands for.
 ALL_COPIES = sys.maxsize
+
+#: What :func:`leave_word` is given as the hold a word about a message without a
+#: retry count is for when the revoke of its task id leaves it: any execution's
+#: hold of the task id (every message that carries the id is dropped).
+ANY_EXECUTION = ""
 
 #: The attribute of a worker request that keeps its id in a word (see :func:`drop_id`).
 _DROP_ID = "redislock_drop_id"
@@ -111,6 +128,7 @@ def leave_word(
     word: str,
     ttl: float,
     drop: str | None = None,
+    sender: str = ANY_EXECUTION,
 ) -> int:
     """Leave ``word`` (what to do with the hold instead of keeping it for retry
     ``retries``: ``"0 0"`` free it, ``"<count> <ms>"`` pass it on to that retry's
@@ -121,6 +139,11 @@ def leave_word(
     :data:`REVOKED`); a new one if ``None``. Left again with the same id, the word
     counts it once.
 
+    ``retries`` 0: a message without a retry count, sent by an execution of
+    ``task_id`` from its body; ``sender`` is that execution's owner token (the
+    message's header ``redislock_sender``), the only hold the word is left for
+    (:data:`ANY_EXECUTION`: any execution's, for a revoke of the task id).
+
     Raises:
         LockBackendError: the lock store could not be reached.
     """
@@ -128,7 +151,7 @@ def leave_word(
     ms = max(1, int(max(ttl, DROPPED_WORD_TTL) * 1000))
     call = Call(
         DROPPED_SCRIPT, [key, dropped_key(name, task_id, retries, prefix)],
-        [task_id, retries, ms, word, drop or request_id()],
+        [task_id, retries, ms, word, drop or request_id(), sender],
     )  # fmt: skip
     with backend_errors(f"leave word beside lock {name!r}"):
         return int(send(router_for(client), key, call, Deadline.after(DEFAULT_CALL_TIMEOUT)))
@@ -142,10 +165,11 @@ def free_dropped(
     retries: int,
     ttl: float,
     drop: str | None = None,
+    sender: str | None = None,
 ) -> bool:
     """Free lock ``name`` for a delivery of ``task_id``'s message (``retries``: its
-    retry count) that ended without running, as :func:`free_queued` does; return
-    whether it did.
+    retry count; ``sender``: its header ``redislock_sender``, if any) that ended
+    without running, as :func:`free_queued` does; return whether it did.
 
     A retry's reservation may not be there yet: the execution that sent the retry
     (``self.retry(throw=False)``) may still run on, and hand its hold to the
@@ -158,12 +182,21 @@ def free_dropped(
     delivered again) never acts on that word. ``drop``: the delivery's id in the
     word (see :func:`leave_word`).
 
+    So too for a message without a retry count that an execution of ``task_id``
+    sent from its body (``self.replace()``, ``apply_async(task_id=...)``), which
+    names that execution's hold (``sender``): the word is left for that hold
+    only. A message with neither (a first delivery) leaves no word: nobody hands
+    a hold to its reservation.
+
     Raises:
         LockBackendError: the lock store could not be reached.
     """
     if free_queued(client, name, task_id, prefix, retries):
         return True
-    if retries < 1 or leave_word(client, name, task_id, prefix, retries, "0 0", ttl, drop) != 2:
+    if retries < 1 and not sender:
+        return False
+    left = leave_word(client, name, task_id, prefix, retries, "0 0", ttl, drop, sender or "")
+    if left != 2:
         return False
     # Handed to the reservation meanwhile.
     return free_queued(client, name, task_id, prefix, retries)
@@ -185,6 +218,26 @@ def free_revoked(
         LockBackendError: the lock store could not be reached.
     """
     return free_dropped(client, name, task_id, prefix, retries, ttl, REVOKED)
+
+
+def leave_revoked(
+    client: Client, name: str, task_id: str, prefix: str, ttl: float, sender: str = ANY_EXECUTION
+) -> int:
+    """Leave the execution of ``task_id`` that holds lock ``name`` (the hold
+    ``sender`` names; :data:`ANY_EXECUTION`: whichever execution's of the task id
+    it is) word that every message without a retry count it sent from its body
+    (``self.replace()``, ``apply_async(task_id=...)``) is revoked: it frees the
+    lock as it ends, rather than hand it to that message's reservation. For a
+    revoke of the task id that finds the execution running, or holding the lock,
+    while the message may sit in the broker. Unread (it sent no such message),
+    the word expires. Returns as :func:`leave_word` does (2: the reservation of
+    such a message holds the lock; left to the caller, which may know it for the
+    reservation of a delivery about to run).
+
+    Raises:
+        LockBackendError: the lock store could not be reached.
+    """
+    return leave_word(client, name, task_id, prefix, 0, "0 0", ttl, REVOKED, sender)
 
 
 def read_word(client: Client, name: str, task_id: str, retries: int, prefix: str) -> Word | None:

@@ -71,6 +71,7 @@ from celery_redislock.task import (
     _shown,
     _written_ahead,
     request_retries,
+    request_sender,
     take_written_ahead,
 )
 
@@ -313,7 +314,8 @@ class Request(_CeleryRequest):  # type: ignore[misc]
         is left alone), as for a message dropped as revoked: an ``until_executed``
         retry's reservation that is not there yet (the execution that sent the
         retry runs on) is left word to free it as that execution ends
-        (:func:`~celery_redislock.dropped.free_dropped`).
+        (:func:`~celery_redislock.dropped.free_dropped`), as is the execution
+        that sent this message under its own task id from its body.
 
         Raises:
             LockBackendError: the lock store could not be reached.
@@ -324,9 +326,9 @@ class Request(_CeleryRequest):  # type: ignore[misc]
             return
         client, retries = task.lock_client, request_retries(self)
         if options.strategy == UNTIL_EXECUTED:
-            drop = drop_id(self)
+            drop, ttl = drop_id(self), options.enqueue_ttl
             freed = free_dropped(
-                client, name, self.id, options.prefix, retries, options.enqueue_ttl, drop
+                client, name, self.id, options.prefix, retries, ttl, drop, request_sender(self)
             )
         else:
             freed = free_queued(client, name, self.id, options.prefix, retries)

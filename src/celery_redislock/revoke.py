@@ -66,7 +66,11 @@ for its ETA, or sits in the broker while this worker runs the execution, or
 this worker finds the execution's hold by the search: the lock is free as the
 execution ends, not once a worker drops the retry at its ETA. A worker that
 cannot tell whether an execution it finds sent a retry leaves the word all the
-same; unread, it expires.
+same; unread, it expires. So too for a message that such an execution sent
+under its own task id without a retry count (``self.replace()``,
+``apply_async(task_id=self.request.id)``): the word (see
+:mod:`celery_redislock.dropped`) is left for the execution's hold, whether or not
+it sent one.
 
 With no worker running, Celery drops the broadcast: the key then frees when
 ``lock_enqueue_ttl`` runs out, or with ``celery redislock release``.
@@ -86,7 +90,7 @@ from celery.utils.functional import maybe_list
 from celery.worker import state as worker_state
 from redis.cluster import RedisCluster
 
-from celery_redislock.dropped import REVOKED, drop_id, free_dropped, free_revoked
+from celery_redislock.dropped import REVOKED, drop_id, free_dropped, free_revoked, leave_revoked
 from celery_redislock.early import HANDED_TO_POOL
 from celery_redislock.lock import name_from_key
 from celery_redislock.reservations import free_queued, hold_retries, queued_retries
@@ -96,6 +100,7 @@ from celery_redislock.task import (
     WHILE_EXECUTING,
     SingletonTask,
     request_retries,
+    request_sender,
 )
 from celery_redislock.transport import Client, router_for
 
@@ -126,6 +131,13 @@ class _Pending(NamedTuple):
     #: retry and runs on (see :mod:`celery_redislock.dropped`): ``REVOKED`` when
     #: revoked by its id, which drops every copy.
     drop: str
+    #: The message's header ``redislock_sender``: the owner token of the hold of
+    #: the execution that sent it under its own task id, if one did.
+    sender: str | None = None
+    #: Only word for the execution of the task id that holds the lock, that every
+    #: message without a retry count it sent from its body is revoked (the
+    #: request runs here: its own reservation, if still there, is left to it).
+    word_only: bool = False
 
 
 class RevokeSweeper:
@@ -173,8 +185,10 @@ class RevokeSweeper:
                 # Running, or will run: its execution takes the lock over. A retry
                 # it sent as it runs on (``self.retry(throw=False)``), revoked too,
                 # may still sit in the broker: word that it is dropped.
+                # So may a message it sent under its own id (self.replace(), say).
                 if item is not None and item.task.lock_options.strategy == UNTIL_EXECUTED:
                     pending.append(item._replace(retries=item.retries + 1))
+                    pending.append(item._replace(word_only=True))
                 continue
             if item is not None:
                 pending.append(item)
@@ -263,11 +277,15 @@ class RevokeSweeper:
                 # finish. A retry's delivery, revoked while the execution that sent it
                 # runs on (``self.retry(throw=False)``) and holds the lock for it,
                 # leaves that execution word to free the lock as it ends.
-                if item.task.lock_options.strategy == UNTIL_EXECUTED:
+                if item.word_only:
+                    ttl = item.task.lock_options.enqueue_ttl
+                    leave_revoked(client, item.name, item.task_id, prefix, ttl)
+                elif item.task.lock_options.strategy == UNTIL_EXECUTED:
                     ttl = item.task.lock_options.enqueue_ttl
                     free_dropped(
-                        client, item.name, item.task_id, prefix, item.retries, ttl, item.drop
-                    )
+                        client, item.name, item.task_id, prefix, item.retries, ttl, item.drop,
+                        item.sender,
+                    )  # fmt: skip
                 else:
                     free_queued(client, item.name, item.task_id, prefix, item.retries)
             except Exception as exc:
@@ -325,7 +343,7 @@ def _pending(request: Any, drop: str) -> _Pending | None:
     except Exception as exc:
         logger.warning("could not name the lock of revoked task %s: %s", request.id, exc)
         return None
-    return _Pending(task, name, request.id, request_retries(request), drop)
+    return _Pending(task, name, request.id, request_retries(request), drop, request_sender(request))
 
 
 def revoked_by_stamps(request: Any, revoked_stamps: Mapping[str, Any]) -> bool:
@@ -457,10 +475,11 @@ def _free_found(
     A lock an execution of one of them holds is left to it: Celery lets it
     finish. It may have sent its retry (the id revoked too) with
     ``self.retry(throw=False)`` and run on, holding the lock for the retry, which
-    sits in the broker: it is left word that the retry is revoked, and frees the
-    lock as it ends rather than keep it for a message no worker runs (see
-    :func:`~celery_redislock.dropped.free_revoked`). Word that no execution acts
-    on expires."""
+    sits in the broker (or a message under its own id without a retry count,
+    ``self.replace()`` say): it is left word that the retry (and such a
+    message) is revoked, and frees the lock as it ends rather than keep it for a
+    message no worker runs (see :func:`~celery_redislock.dropped.free_revoked`).
+    Word that no execution acts on expires."""
     with server.pipeline(transaction=False) as pipe:
         for key in keys:
             pipe.get(key)
@@ -479,6 +498,10 @@ def _free_found(
             free_queued(client, name, lease, prefix, retries)
         elif owner is not None:
             free_revoked(client, name, lease, prefix, hold_retries(owner, lease) + 1, 0.0)
+            # Or a message it sent under its own id without a retry count: revoked
+            # too, and so is its reservation, should the hold have moved to it.
+            if leave_revoked(client, name, lease, prefix, 0.0, owner) == 2:
+                free_queued(client, name, lease, prefix)
 
 
 def _glob_escape(text: str) -> str:

@@ -1079,6 +1079,13 @@ return math.min(1, redis.call('ZREM', KEYS[2], ARGV[5], other_entry(ARGV[5])))
 #: word is left only while such a hold holds the lock: once it has been handed to
 #: the retry's reservation, the caller frees the reservation itself.
 #:
+#: A message without a retry count (ARGV[2] ``0``) that its task id's execution
+#: sent from its body (``self.replace()``, ``apply_async(task_id=...)``) names no
+#: earlier delivery by its count: the word is left only for the hold ARGV[6]
+#: names (the sender's owner token, which the message carries), or, ARGV[6]
+#: empty, for any execution's hold of the lease (a revoke of the task id, which
+#: drops every message that carries it).
+#:
 #: The word is ``<fence> <count> <ms> <id>...``: the fencing token of the hold it
 #: is meant for (so that only that hold, or one it passes on to, acts on it; a
 #: later hold of the same lease, the task id reused or the message delivered
@@ -1088,9 +1095,10 @@ return math.min(1, redis.call('ZREM', KEYS[2], ARGV[5], other_entry(ARGV[5])))
 #: again, a request sent again, counts once). A pass-on wins over a free.
 #:
 #: KEYS[1] the lock key; KEYS[2] the word's key
-#: ARGV[1] lease (task id); ARGV[2] the retry count (above 0); ARGV[3] the word's
-#: TTL in ms; ARGV[4] what the hold does instead (``<count> <ms>``, ``0 0`` to free
-#: it); ARGV[5] the id of this delivery's word (no spaces)
+#: ARGV[1] lease (task id); ARGV[2] the retry count; ARGV[3] the word's TTL in ms;
+#: ARGV[4] what the hold does instead (``<count> <ms>``, ``0 0`` to free it);
+#: ARGV[5] the id of this delivery's word (no spaces); ARGV[6] for a count of 0,
+#: the owner token of the hold the word is for ('' any execution's)
 #: Returns 1 when the word was left, 2 when the retry's reservation holds the lock
 #: (nothing changed), 0 otherwise (nothing changed).
 DROPPED = (
@@ -1116,9 +1124,12 @@ else
     count = tonumber(string.match(owner, ':(%d+)$$') or '0')
 end
 if reserved and count == tonumber(ARGV[2]) then return 2 end
+if ARGV[2] == '0' then
+    -- Sent by an execution of the lease from its body: for that execution's hold.
+    if reserved or (ARGV[6] ~= '' and owner ~= ARGV[6]) then return 0 end
 -- A hold of an earlier delivery of the message: it hands its hold on, and reads
 -- the word as it does.
-if not count or count >= tonumber(ARGV[2]) then return 0 end
+elseif not count or count >= tonumber(ARGV[2]) then return 0 end
 local fence, word, ids = lock[$FENCE], ARGV[4], ARGV[5]
 local old = redis.call('GET', KEYS[2])
 if old then

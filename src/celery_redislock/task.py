@@ -246,7 +246,9 @@ _RUNS_ON = "redislock_runs_on"
 #: token of that execution's hold, which it hands to the message's reservation
 #: (``until_executed``) or releases (``while_executing``) only as it ends. A
 #: delivery that finds that hold waits for it as long as it runs, rather than be
-#: dropped as a copy of a running delivery.
+#: dropped as a copy of a running delivery; one that ends without running while
+#: that hold holds the lock leaves it word to free the lock instead (see
+#: :func:`free_dropped`): a message without a retry count names its sender so.
 _SENDER_HEADER = "redislock_sender"
 
 #: Request attribute: the retry count and delay (s) of a send of its own task id
@@ -510,7 +512,7 @@ def _text_header(request: Any, name: str) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def _sender(request: Any) -> str | None:
+def request_sender(request: Any) -> str | None:
     """The owner token of the hold of the execution whose body sent ``request``'s
     message under its own task id (see :data:`_SENDER_HEADER`), if any."""
     return _text_header(request, _SENDER_HEADER)
@@ -2119,7 +2121,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         copies: int,
     ) -> None:
         """Once a hold (its fencing token among ``fences``) went to ``reservation``,
-        retry ``retries``'s: if a delivery of that retry ended without running
+        retry ``retries``'s (0: a message without a retry count the body sent under
+        its own task id): if a delivery of that retry ended without running
         while the hold was still kept for it (it failed to start, or was dropped
         as revoked; see :func:`free_dropped`), free the reservation, which nobody
         would take over, or pass it on to the retry that failed start sent (and
@@ -2178,8 +2181,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             return None
         if word.drops < copies:
             logger.info(
-                "%s[%s]: %d of the %d copies of its retry %d ended without running; "
-                "lock %s is kept for the others",
+                "%s[%s]: %d of the %d copies of the message it sent (retry count %d) "
+                "ended without running; lock %s is kept for the others",
                 self.name,
                 task_id,
                 word.drops,
@@ -2190,7 +2193,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             return None
         if word.then <= retries:
             logger.info(
-                "%s[%s]: its retry %d ended without running; lock %s freed",
+                "%s[%s]: the message it sent (retry count %d) ended without running; lock %s freed",
                 self.name,
                 task_id,
                 retries,
@@ -2214,7 +2217,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         body). A retry's delivery whose reservation is not there yet (the
         execution that sent it runs on after ``self.retry(throw=False)``) leaves
         that execution word to free it, or pass it on, as it ends (see
-        :func:`free_dropped`). An exception that is no ``Exception`` (the process
+        :func:`free_dropped`), as does a delivery of a message that execution sent
+        under its own task id from its body (``self.replace()``,
+        ``apply_async(task_id=...)``). An exception that is no ``Exception`` (the process
         ends) gives back only the hold written ahead. Never raises: a store that fails leaves the
         lock to its TTL, logged.
         """
@@ -2242,16 +2247,16 @@ class SingletonTask(Task):  # type: ignore[misc]
                 moved = self._give_back_ahead(written.sent, opts, kept)
             if opts.strategy == WHILE_EXECUTING or not isinstance(exc, Exception):
                 return
-            retries = request_retries(request)
+            retries, sender = request_retries(request), request_sender(request)
             if kept is None:
                 # Only the message's reservation: never an execution's hold.
                 if opts.strategy == UNTIL_EXECUTED and not request.is_eager:
-                    client = self.lock_client
-                    free_dropped(client, name, task_id, opts.prefix, retries, opts.enqueue_ttl)
+                    client, ttl = self.lock_client, opts.enqueue_ttl
+                    free_dropped(client, name, task_id, opts.prefix, retries, ttl, None, sender)
                 else:
                     free_queued(self.lock_client, name, task_id, opts.prefix, retries)
             elif kept[0] != retries and not moved:
-                self._pass_on(name, task_id, retries, kept, opts)
+                self._pass_on(name, task_id, retries, kept, opts, sender)
         except Exception as error:
             logger.warning(
                 "could not give back the lock of %s[%s], whose start failed (it expires "
@@ -2281,7 +2286,13 @@ class SingletonTask(Task):  # type: ignore[misc]
         return None
 
     def _pass_on(
-        self, name: str, task_id: str, retries: int, kept: tuple[int, float], opts: LockOptions
+        self,
+        name: str,
+        task_id: str,
+        retries: int,
+        kept: tuple[int, float],
+        opts: LockOptions,
+        sender: str | None = None,
     ) -> None:
         """Hand the reservation of the message of ``task_id`` with retry count
         ``retries``, whose start failed, to the reservation ``kept`` (retry count,
@@ -2290,7 +2301,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         A retry's reservation (``until_executed``) may not be there yet: the
         execution that sent that retry may still run on (``self.retry(throw=False)``)
         and hand its hold over only as it ends. It is then left word to pass the
-        hold on to ``kept`` as it does (see :func:`free_dropped`).
+        hold on to ``kept`` as it does (see :func:`free_dropped`). So is the
+        execution that sent a message without a retry count under its own task id
+        (``self.replace()``, ``apply_async(task_id=...)``), whose hold ``sender``
+        (the message's header) names.
 
         Raises:
             LockBackendError: the lock store could not be reached.
@@ -2303,10 +2317,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         fence = self._reserved_fence(reservation)
         if self._reserve(reservation, opts, kept[1], kept[0], heed=True, fence=fence):
             return
-        if not retries or opts.strategy != UNTIL_EXECUTED:
+        if not (retries or sender) or opts.strategy != UNTIL_EXECUTED:
             return
         word = f"{kept[0]} {max(1, int(kept[1] * 1000))}"
-        if leave_word(self.lock_client, name, task_id, opts.prefix, retries, word, kept[1]) == 2:
+        client, prefix, ttl = self.lock_client, opts.prefix, kept[1]
+        if leave_word(client, name, task_id, prefix, retries, word, ttl, None, sender or "") == 2:
             # Handed to this retry's reservation meanwhile.
             fence = self._reserved_fence(reservation)
             self._reserve(reservation, opts, kept[1], kept[0], heed=True, fence=fence)
@@ -2513,7 +2528,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 queued_retries(owner, lease or "") is None
                 and hold_retries(owner, lease or "") < request_retries(request)
             )
-            or (owner is not None and owner == _sender(request))
+            or (owner is not None and owner == request_sender(request))
         )
         limit = None if behind_sender else max(0, lock._pttl) / 1000 + REDELIVERY_GRACE
         _send(
@@ -2625,7 +2640,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         of the message (its reservation, or its execution) than ``request``'s: not
         the hold of the execution that sent ``request``'s message (a task with
         retries that replaced itself sent its replacement with none)."""
-        if lock._blocked_owner is None or lock._blocked_owner == _sender(request):
+        if lock._blocked_owner is None or lock._blocked_owner == request_sender(request):
             return False
         return hold_retries(lock._blocked_owner, lock.lease or "") > request_retries(request)
 
@@ -2703,10 +2718,14 @@ def _release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         name = sender._message_name(request, request.args, request.kwargs)
         retries = request_retries(request)
         if options.strategy == UNTIL_EXECUTED:
-            # The execution that sent this retry may still hold the lock for it. (A
-            # revoke sweep of the request left the same id: counted once.)
-            client, ttl = sender.lock_client, options.enqueue_ttl
-            free_dropped(client, name, request.id, options.prefix, retries, ttl, drop_id(request))
+            # The execution that sent this retry (or this message under its own
+            # task id) may still hold the lock for it. (A revoke sweep of the
+            # request left the same id: counted once.)
+            client, ttl, drop = sender.lock_client, options.enqueue_ttl, drop_id(request)
+            free_dropped(
+                client, name, request.id, options.prefix, retries, ttl, drop,
+                request_sender(request),
+            )  # fmt: skip
         else:
             free_queued(sender.lock_client, name, request.id, options.prefix, retries)
     except Exception as exc:  # a signal handler must not break the worker
