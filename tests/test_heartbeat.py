@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -740,6 +741,27 @@ def test_flushed_script_is_sent_by_text_once_per_round(client: redis.Redis) -> N
         lock.release()
 
 
+def forked_while_held(
+    guard: AbstractContextManager[Any], target: Callable[..., None], *args: Any
+) -> Any:
+    """:func:`in_forked_child`, forked while another thread holds ``guard``."""
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with guard:
+            holding.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        return in_forked_child(target, *args)
+    finally:
+        done.set()
+        holder.join(10)
+
+
 def _detach_inherited(lock: RedisLock, conn: Connection) -> None:
     lock.detach()
     conn.send("detached")
@@ -757,21 +779,7 @@ def test_lock_inherited_by_a_forked_child_leaves_the_parents_lane_alone(
     lock = RedisLock(client, "inherited", ttl=30)
     assert lock.acquire()
     lane = get_heartbeat()._lanes[lock.transport]
-    holding, done = threading.Event(), threading.Event()
-
-    def hold_lane() -> None:
-        with lane.lock:
-            holding.set()
-            done.wait(30)
-
-    holder = threading.Thread(target=hold_lane)
-    holder.start()
-    try:
-        assert holding.wait(10)
-        assert in_forked_child(_detach_inherited, lock) == "detached"
-    finally:
-        done.set()
-        holder.join(10)
+    assert forked_while_held(lane.lock, _detach_inherited, lock) == "detached"
     assert lock in get_heartbeat().held()
     lock.release()
 
@@ -795,21 +803,7 @@ def test_a_child_forked_as_a_thread_keeps_the_background_frees_takes_its_locks(
     failed = RedisLock(unreachable, "sent-in-an-outage", ttl=5, call_timeout=0.2)
     failed._free_later(time.monotonic() + 1, "freeing after a failed send", fence=1)
     assert lock_module._frees_pending
-    holding, done = threading.Event(), threading.Event()
-
-    def hold_frees() -> None:
-        with lock_module._frees_guard:
-            holding.set()
-            done.wait(30)
-
-    holder = threading.Thread(target=hold_frees)
-    holder.start()
-    try:
-        assert holding.wait(10)
-        assert in_forked_child(_acquire_in_child, redislock_url) is True
-    finally:
-        done.set()
-        holder.join(10)
+    assert forked_while_held(lock_module._frees_guard, _acquire_in_child, redislock_url) is True
 
 
 def _release_inherited(lock: RedisLock, conn: Connection) -> None:
