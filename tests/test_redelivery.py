@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import (
     before_task_publish,
@@ -29,7 +30,7 @@ from celery_redislock.admin import force_release
 from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import OWNER_FIELD
-from celery_redislock.server import RedisServer
+from celery_redislock.server import RedisServer, free_port
 from celery_redislock.task import REDELIVERY_GRACE, free_queued, queued_owner, skipped_result
 from tests.proxy import FaultProxy
 from tests.support import close_app, field, in_process_worker, make_app, wait_for
@@ -1273,6 +1274,30 @@ def test_a_send_of_its_own_id_that_ends_unrun_as_its_sender_runs_leaves_the_lock
         task_revoked.disconnect(on_revoked, sender=job)
     assert runs == [first.id, again.id]
     assert _words(redislock_client) == []
+
+
+def test_a_delivery_behind_its_sender_that_cannot_leave_word_logs_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A retry's delivery whose wait behind the execution that sent it ends in an
+    exception (a soft time limit, the lock store out of reach) leaves that
+    execution word to free the lock as it ends (see
+    ``test_a_send_of_its_own_id_that_fails_behind_its_running_sender_leaves_the_lock_free``);
+    with the lock store out of reach that fails, and is logged, never raised: the
+    delivery ends with its own exception."""
+    app = make_app(f"redis://127.0.0.1:{free_port()}/0", "behind-unreachable")
+    try:
+
+        @app.task(base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed")
+        def job(self: SingletonTask, n: int) -> int:
+            return n
+
+        request = Context(id="id-behind", retries=1, is_eager=False)
+        with caplog.at_level("WARNING", logger="celery_redislock.task"):
+            job._ended_behind_sender("t:behind", request, job.lock_options, RuntimeError())
+        assert "could not leave it word to free lock t:behind" in caplog.text
+    finally:
+        close_app(app)
 
 
 #: A queue no worker consumes: a message sent there stays in the broker.

@@ -286,6 +286,34 @@ def test_a_task_killed_for_its_time_limit_before_it_starts_leaves_no_reservation
     wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
 
 
+@pytest.mark.parametrize("how", ["retry", "own-id", "own-id-dies"])
+def test_a_send_of_its_own_id_that_fails_behind_its_running_sender_leaves_the_lock_free(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]], how: str
+) -> None:
+    """An until_executed execution that sends its message again under its own task
+    id (its retry with ``self.retry(throw=False)``, or ``apply_async(task_id=...)``)
+    and runs on, whose new message's delivery ends without running while the
+    sender still runs (its soft time limit fires as it waits behind the sender;
+    or its prefork process dies as it starts), leaves the lock free once both have
+    ended: the delivery leaves the sender word, and the sender frees the lock as
+    it ends rather than hand it to a reservation nobody would take over. The
+    same call sent again then runs."""
+    mod, client, launch = env
+    launch("behind", concurrency=2)
+    first = mod.sends_itself_and_runs_on.delay("b", how)
+    wait_for(lambda: records(client, "sender"), timeout=30, what="the sender to end")
+    [seen] = records(client, "sender")
+    error = "WorkerLostError" if how.endswith("-dies") else "SoftTimeLimitExceeded"
+    assert (seen["state"], seen["error"]) == ("FAILURE", error)
+    wait_for(lambda: lock_keys(client) == [], timeout=10, what="the lock to be freed")
+    assert list(client.scan_iter("redislock:*:dropped:*")) == []
+    again = mod.sends_itself_and_runs_on.delay("b", "plain")
+    assert again.id != first.id
+    assert again.get(timeout=30) == "again"
+    assert [r["id"] for r in records(client, "sends_itself_and_runs_on")] == [first.id, again.id]
+    wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
+
+
 def test_a_message_requeued_as_it_is_killed_for_its_time_limit_keeps_its_reservation(
     env: tuple[Any, redis.Redis, Callable[..., Worker]],
 ) -> None:

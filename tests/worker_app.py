@@ -395,3 +395,40 @@ requeued_stalls_as_it_starts = troubled_start(
     "requeued_stalls_as_it_starts", "stalls", lock_strategy="until_executed",
     time_limit=1, acks_late=True, acks_on_timeout=False,
 )  # fmt: skip
+
+
+class DiesBehindItsSender(SingletonTask):
+    """A task class whose second start for a name kills its pool process in
+    ``before_start`` (as the out-of-memory killer would, before the execution took
+    anything over) when its second argument ends in ``"-dies"``."""
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        if str(args[1]).endswith("-dies") and store.incr(f"behind-starts:{args[0]}") > 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@app.task(
+    base=DiesBehindItsSender, bind=True, shared=False, lock_strategy="until_executed",
+    lock_ttl=30, lock_on=("name",), max_retries=1,
+)  # fmt: skip
+def sends_itself_and_runs_on(self: Any, name: str, how: str) -> str:
+    """An until_executed task whose first run sends its message again under its
+    own task id, with a soft time limit of 1 s (``how`` ``"retry"``:
+    ``self.retry(throw=False)``; else ``apply_async(task_id=self.request.id)``),
+    and runs on until that delivery has failed (20 s at most): one that starts
+    meanwhile waits behind it. Logs each run, and what the sender saw of that
+    delivery as it ends (``sender``)."""
+    log("sends_itself_and_runs_on", id=self.request.id, retries=self.request.retries)
+    if store.incr(f"behind-runs:{name}") > 1:
+        return "again"
+    if how == "retry":
+        self.retry(countdown=0, throw=False, soft_time_limit=1)
+    else:
+        self.apply_async((name, how), task_id=self.request.id, soft_time_limit=1)
+    deadline = time.monotonic() + 20
+    result = self.AsyncResult(self.request.id)
+    while result.state != "FAILURE" and time.monotonic() < deadline:
+        time.sleep(0.02)
+        result = self.AsyncResult(self.request.id)
+    log("sender", state=result.state, error=type(result.result).__name__)
+    return "sender"

@@ -5,14 +5,16 @@ under its own task id: ``self.replace()``, ``apply_async(task_id=...)``).
 An ``until_executed`` execution whose body sends its own retry (raised, the
 body's ``finally`` blocks still to run, or with ``self.retry(throw=False)``,
 running on) hands its hold to the retry's reservation
-(:func:`~celery_redislock.reservations.queued_owner`) only as it ends. A delivery of that retry that ends without running meanwhile (it failed to
-start, or was dropped as revoked) finds no reservation to free: nothing would
-ever take the reservation over once it is there, and the lock would stay taken
-until ``lock_enqueue_ttl`` ran out. So it leaves word beside the lock
-(:func:`free_dropped`), which the sending execution reads as it hands its hold
-over (:func:`read_word`): it then frees the lock instead, or passes it on to the
-reservation of the retry a failed start sent. Once acted on, the word is deleted
-(:func:`forget_word`).
+(:func:`~celery_redislock.reservations.queued_owner`) only as it ends. A
+delivery of that retry that ends without running meanwhile (it failed to start,
+its pool process died before the start, its wait for that execution ended in an
+exception such as a soft time limit, or it was dropped as revoked) finds no
+reservation to free: nothing would ever take the reservation over once it is
+there, and the lock would stay taken until ``lock_enqueue_ttl`` ran out. So it
+leaves word beside the lock (:func:`free_dropped`), which the sending execution
+reads as it hands its hold over (:func:`read_word`): it then frees the lock
+instead, or passes it on to the reservation of the retry a failed start sent.
+Once acted on, the word is deleted (:func:`forget_word`).
 
 A message sent from the body under the execution's own task id other than by
 ``self.retry()`` has no retry count (``0``), however many times the task had

@@ -2503,7 +2503,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         likewise, whatever its retry count. Should that hold pass meanwhile to
         another delivery of the message (a copy of it delivered beside it,
         which took the hand-over first), this one is a copy of that delivery
-        from then on, and meets it as above.
+        from then on, and meets it as above. Should that wait end in an
+        exception with nothing held (a soft time limit fires), the delivery
+        ends without running and leaves the execution word to free the lock as
+        it ends (see :meth:`_ended_behind_sender`).
 
         A copy whose message was sent again since, as a retry, finding that retry
         holding the lock (its reservation, or its execution), is superseded: it
@@ -2575,7 +2578,14 @@ class SingletonTask(Task):  # type: ignore[misc]
                     return True
                 return False
 
-            if lock._acquire(True, limit, stop=stop):
+            try:
+                acquired = lock._acquire(True, limit, stop=stop)
+            except Exception as exc:
+                if behind_sender and not lock.holding:
+                    # (A soft time limit, the store out of reach.)
+                    self._ended_behind_sender(key, request, opts, exc)
+                raise
+            if acquired:
                 if (
                     not behind_sender
                     and hold_retries(owner, lease or "") == request_retries(request)
@@ -2613,6 +2623,39 @@ class SingletonTask(Task):  # type: ignore[misc]
             key,
         )
         raise Ignore()
+
+    def _ended_behind_sender(
+        self, name: str, request: Any, opts: LockOptions, exc: Exception
+    ) -> None:
+        """Leave word for the execution this delivery waited behind (the one that
+        sent its message from its body: its retry, or a send of its own task id),
+        whose wait ended in ``exc`` (a soft time limit fired, the lock store out of
+        reach) with nothing held: the delivery ends without running, as one whose
+        ``before_start`` raised, and that execution frees lock ``name`` as it ends
+        rather than hand it to a reservation nobody takes over (see
+        :func:`free_dropped`); a reservation it was handed meanwhile is freed
+        here. ``until_executed`` only: no other strategy hands a hold to its
+        message. Never raises: word that cannot be left (the store still out of
+        reach) leaves the lock to that reservation's TTL, logged."""
+        if opts.strategy != UNTIL_EXECUTED or request.is_eager:
+            return
+        task_id, retries = request.id, request_retries(request)
+        try:
+            free_dropped(
+                self.lock_client, name, task_id, opts.prefix, retries, opts.enqueue_ttl,
+                None, request_sender(request),
+            )  # fmt: skip
+        except Exception as error:
+            logger.warning(
+                "%s[%s] ended without running (%s) while the execution that sent it ran; "
+                "could not leave it word to free lock %s as it ends (the lock may stay "
+                "reserved for this message until lock_enqueue_ttl): %s",
+                self.name,
+                task_id,
+                type(exc).__name__,
+                name,
+                error,
+            )
 
     def _succeeded(self, request: Any) -> bool:
         """Whether Celery's ``worker_deduplicate_successful_tasks`` applies to this
