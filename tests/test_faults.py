@@ -2313,6 +2313,89 @@ def test_an_owed_answer_the_heartbeat_reads_is_waited_for_once(
     assert not held(direct, lock.key)
 
 
+def test_an_acquire_that_reaches_the_server_after_its_undo_takes_nothing(
+    proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """An acquire held up on its way to the server (a slow path) past its deadline
+    raises; its undo, sent on another connection, arrives first and finds nothing
+    to undo. It leaves word in the lock's free value, so that the acquire, arriving
+    at last, takes nothing, rather than hold the lock for a TTL for an owner that
+    neither renews nor releases it. Another owner takes the lock at once."""
+    lock = RedisLock(proxy.url, "late-to-its-undo", ttl=30, call_timeout=0.5)
+    assert lock.acquire(blocking=False)  # the connection is open, the scripts known
+    lock.release()
+    proxy.hold_next(1)
+    with pytest.raises(LockBackendError):
+        lock.acquire(blocking=False)
+    wait_for(lambda: sent_in_background(lock) == [], what="the undo")
+    assert proxy.held == 1
+    ran = script_runs(direct)
+
+    proxy.let_held_through()
+    wait_for(lambda: script_runs(direct) > ran, what="the acquire to reach the server")
+
+    assert not held(direct, lock.key)
+    rival = RedisLock(direct, "late-to-its-undo", ttl=30)
+    assert rival.acquire(blocking=False)
+    assert rival.token is not None
+    assert rival.token > 0
+    rival.release()
+
+
+@pytest.mark.parametrize("task_id", ["the same id", "a new id"])
+def test_a_send_whose_reservation_reaches_the_server_after_its_undo_is_made_again(
+    server: RedisServer, proxy: FaultProxy, direct: redis.Redis, task_id: str
+) -> None:
+    """A send's reservation acquire is held up on its way to the store past its
+    deadline: the send raises and publishes nothing, and the acquire's undo,
+    sent on another connection, arrives first and finds nothing. When the acquire
+    arrives at last it reserves nothing, so the same call sent again is published
+    (under the same task id or another) rather than deduplicated to the message
+    that was never sent, for the reservation's TTL (``lock_enqueue_ttl``)."""
+    name = f"late-reservation-{task_id.replace(' ', '-')}"
+    app = Celery(name, broker=f"redis://{server.host}:{server.port}/1", set_as_current=False)
+    app.conf.update(
+        redislock_url=proxy.url_for(0),
+        task_default_queue=f"{name}-queue",
+        broker_connection_retry_on_startup=True,
+    )
+
+    @app.task(base=SingletonTask, shared=False, name=name, lock_strategy="until_executed")
+    def job(n: int) -> None: ...
+
+    new_lock = job._new_lock
+
+    def quick(*args: Any, **kwargs: Any) -> RedisLock:
+        lock: RedisLock = new_lock(*args, **kwargs)
+        lock.call_timeout = 0.5  # the held acquire gives up sooner
+        return lock
+
+    job._new_lock = quick
+    queue = server.client(db=1, socket_timeout=5)
+    try:
+        job.delay(0)  # both connections open, the scripts known
+        key = lock_keys(job.lock_name((1,), {}))[0]
+        proxy.hold_next(1)
+        with pytest.raises(LockBackendError):
+            job.apply_async((1,), task_id="sent-1")
+        wait_for(lambda: background_sends_about(key) == [], what="the undo")
+        ran = script_runs(direct)
+        proxy.let_held_through()
+        wait_for(lambda: script_runs(direct) > ran, what="the acquire to reach the store")
+        assert not held(direct, key)
+
+        again = job.apply_async((1,), task_id="sent-1" if task_id == "the same id" else None)
+
+        queued = [json.loads(m)["headers"]["id"] for m in queue.lrange(f"{name}-queue", 0, -1)]
+        assert len(queued) == 2
+        assert again.id in queued
+        assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
+    finally:
+        proxy.heal()
+        queue.close()
+        close_app(app)
+
+
 def background_sends_about(key: str) -> list[str]:
     """What the process's heartbeat is still sending about lock key ``key``."""
     return [

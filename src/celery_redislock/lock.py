@@ -85,6 +85,7 @@ from celery_redislock.scripts import (
     RELEASE_LEASE_SCRIPT,
     RELEASE_SCRIPT,
     SEPARATOR,
+    UNDO_MARK,
     Acquired,
     AcquireReply,
     Call,
@@ -1600,11 +1601,15 @@ class RedisLock:
 
     def _undo_call(self, request: str) -> Call:
         """The release that undoes acquire ``request``, if it is still the lock's
-        last change."""
+        last change. A lock it frees, or finds free, remembers ``request`` as
+        undone for the acquire's TTL (an hour at least), so that the acquire,
+        should it arrive after its undo (held up on the network), takes nothing
+        (see :data:`~celery_redislock.scripts.RELEASE`, ARGV[10])."""
+        keep = max(FENCE_TTL_MS, int(self.ttl * 1000))
         return Call(
             RELEASE_SCRIPT,
             [self.key, self.queue_key],
-            [self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, request],
+            [self.owner, self.wake_prefix, request_id(), keep, request, "", "", "", "", UNDO_MARK],
         )
 
     def _undo(self, request: str, sent: float) -> None:
