@@ -868,6 +868,49 @@ def test_an_acquire_made_again_before_the_undo_of_an_unanswered_one_landed_leave
     lock.client.close()
 
 
+@pytest.mark.parametrize("owner", ["another owner", "the same owner"])
+def test_an_acquire_by_another_object_before_the_undo_of_an_unanswered_one_landed_sends_it_first(
+    server: RedisServer, proxy: FaultProxy, direct: redis.Redis, owner: str
+) -> None:
+    """An acquire that ran but whose answer was lost, the server then out of reach,
+    raises and is undone in the background, backing off. A new lock object of the
+    same name in this process, acquiring once the server answers, before that
+    undo's next try, does not find the hold nobody knows of (refused, or, of the
+    same owner, re-entering it: a count of two, of which its release drops one):
+    its acquire sends the undo first. The undo, tried again later, then leaves
+    the new hold's release as it was."""
+    client = redis.Redis.from_url(proxy.url)
+    name = f"undo-other-object-{owner.replace(' ', '-')}"
+    lock = RedisLock(client, name, ttl=60, call_timeout=1)
+    assert lock.acquire(blocking=False)  # the connection is open, the scripts known
+    lock.release()
+    proxy.drop_replies(1, then_close_port=True)
+    with pytest.raises(LockBackendError):
+        lock.acquire(blocking=False)
+    assert field(direct, lock.key, OWNER_FIELD) == lock.owner  # it ran
+    lane, undo = background_send_about(lock.key)
+    with lane.cond:
+        # Backed off past the outage.
+        undo.next_try, undo.pause = lane.clock() + 3600, 3600.0
+    proxy.heal()
+    same = owner == "the same owner"
+    other = RedisLock(client, name, ttl=60, call_timeout=1, owner=lock.owner if same else None)
+    assert other.acquire(blocking=False)
+    assert field(direct, lock.key, OWNER_FIELD) == other.owner
+    assert field(direct, lock.key, COUNT_FIELD) is None  # one hold, not two
+    assert frees_sent_ahead_of(lock.key) == 0
+
+    other.release()
+
+    assert not held(direct, lock.key)
+    with lane.cond:
+        undo.next_try, undo.pause = lane.clock(), 0.1
+        lane._wake(undo.next_try)
+    wait_for(lambda: background_sends_about(lock.key) == [], what="the undo")
+    assert not held(direct, lock.key)
+    client.close()
+
+
 def sent_in_background(lock: RedisLock, beat: Heartbeat | None = None) -> list[str]:
     """What the heartbeat (the process's, unless given) is still sending about
     ``lock`` in the background."""
@@ -2338,6 +2381,89 @@ def test_an_owed_answer_the_heartbeat_reads_is_waited_for_once(
     assert not held(direct, lock.key)
 
 
+def test_an_acquire_that_reaches_the_server_after_its_undo_takes_nothing(
+    proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """An acquire held up on its way to the server (a slow path) past its deadline
+    raises; its undo, sent on another connection, arrives first and finds nothing
+    to undo. It leaves word in the lock's free value, so that the acquire, arriving
+    at last, takes nothing, rather than hold the lock for a TTL for an owner that
+    neither renews nor releases it. Another owner takes the lock at once."""
+    lock = RedisLock(proxy.url, "late-to-its-undo", ttl=30, call_timeout=0.5)
+    assert lock.acquire(blocking=False)  # the connection is open, the scripts known
+    lock.release()
+    proxy.hold_next(1)
+    with pytest.raises(LockBackendError):
+        lock.acquire(blocking=False)
+    wait_for(lambda: sent_in_background(lock) == [], what="the undo")
+    assert proxy.held == 1
+    ran = script_runs(direct)
+
+    proxy.let_held_through()
+    wait_for(lambda: script_runs(direct) > ran, what="the acquire to reach the server")
+
+    assert not held(direct, lock.key)
+    rival = RedisLock(direct, "late-to-its-undo", ttl=30)
+    assert rival.acquire(blocking=False)
+    assert rival.token is not None
+    assert rival.token > 0
+    rival.release()
+
+
+@pytest.mark.parametrize("task_id", ["the same id", "a new id"])
+def test_a_send_whose_reservation_reaches_the_server_after_its_undo_is_made_again(
+    server: RedisServer, proxy: FaultProxy, direct: redis.Redis, task_id: str
+) -> None:
+    """A send's reservation acquire is held up on its way to the store past its
+    deadline: the send raises and publishes nothing, and the acquire's undo,
+    sent on another connection, arrives first and finds nothing. When the acquire
+    arrives at last it reserves nothing, so the same call sent again is published
+    (under the same task id or another) rather than deduplicated to the message
+    that was never sent, for the reservation's TTL (``lock_enqueue_ttl``)."""
+    name = f"late-reservation-{task_id.replace(' ', '-')}"
+    app = Celery(name, broker=f"redis://{server.host}:{server.port}/1", set_as_current=False)
+    app.conf.update(
+        redislock_url=proxy.url_for(0),
+        task_default_queue=f"{name}-queue",
+        broker_connection_retry_on_startup=True,
+    )
+
+    @app.task(base=SingletonTask, shared=False, name=name, lock_strategy="until_executed")
+    def job(n: int) -> None: ...
+
+    new_lock = job._new_lock
+
+    def quick(*args: Any, **kwargs: Any) -> RedisLock:
+        lock: RedisLock = new_lock(*args, **kwargs)
+        lock.call_timeout = 0.5  # the held acquire gives up sooner
+        return lock
+
+    job._new_lock = quick
+    queue = server.client(db=1, socket_timeout=5)
+    try:
+        job.delay(0)  # both connections open, the scripts known
+        key = lock_keys(job.lock_name((1,), {}))[0]
+        proxy.hold_next(1)
+        with pytest.raises(LockBackendError):
+            job.apply_async((1,), task_id="sent-1")
+        wait_for(lambda: background_sends_about(key) == [], what="the undo")
+        ran = script_runs(direct)
+        proxy.let_held_through()
+        wait_for(lambda: script_runs(direct) > ran, what="the acquire to reach the store")
+        assert not held(direct, key)
+
+        again = job.apply_async((1,), task_id="sent-1" if task_id == "the same id" else None)
+
+        queued = [json.loads(m)["headers"]["id"] for m in queue.lrange(f"{name}-queue", 0, -1)]
+        assert len(queued) == 2
+        assert again.id in queued
+        assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
+    finally:
+        proxy.heal()
+        queue.close()
+        close_app(app)
+
+
 def background_sends_about(key: str) -> list[str]:
     """What the process's heartbeat is still sending about lock key ``key``."""
     return [
@@ -2437,6 +2563,58 @@ def test_a_send_that_fails_with_its_store_unreachable_frees_its_reservation_once
             assert fields(direct, key)[OWNER_FIELD] == other.owner
             other.release()
     queue.close()
+
+
+@pytest.mark.parametrize("task_id", ["the same id", "a new id"])
+def test_a_send_made_again_before_the_undo_of_a_sends_unanswered_reservation_is_published(
+    server: RedisServer, proxy: FaultProxy, direct: redis.Redis, task_id: str
+) -> None:
+    """A send's reservation acquire runs but its answer is lost, the lock store
+    then out of reach: the send raises, publishes nothing, and the acquire is
+    undone in the background, backing off. The same call, sent again from this
+    process once the store answers, before that undo has gone, is published
+    (under the same task id or another), not deduplicated to the message never
+    sent: its acquire sends the undo first. The undo, tried again later, acts
+    only on the acquire it undoes, and leaves the new reservation alone."""
+    name = f"unanswered-send-again-{task_id.replace(' ', '-')}"
+    app = Celery(name, broker=f"redis://{server.host}:{server.port}/1", set_as_current=False)
+    app.conf.update(
+        redislock_url=proxy.url_for(0),
+        task_default_queue=f"{name}-queue",
+        broker_connection_retry_on_startup=True,
+    )
+
+    @app.task(base=SingletonTask, shared=False, name=name, lock_strategy="until_executed")
+    def job(n: int) -> None: ...
+
+    queue = server.client(db=1, socket_timeout=5)
+    try:
+        job.delay(0)  # both connections open, the scripts known
+        key = lock_keys(job.lock_name((1,), {}))[0]
+        proxy.drop_replies(1, then_close_port=True)
+        with pytest.raises(LockBackendError):
+            job.apply_async((1,), task_id="sent-1")
+        assert fields(direct, key)[OWNER_FIELD] == queued_owner("sent-1")  # it ran
+        assert queue.llen(f"{name}-queue") == 1
+        lane, undo = background_send_about(key)
+        with lane.cond:
+            # Backed off past the outage.
+            undo.next_try, undo.pause = lane.clock() + 3600, 3600.0
+        proxy.heal()
+        again = job.apply_async((1,), task_id="sent-1" if task_id == "the same id" else None)
+        queued = [json.loads(m)["headers"]["id"] for m in queue.lrange(f"{name}-queue", 0, -1)]
+        assert len(queued) == 2
+        assert again.id in queued
+        assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
+        with lane.cond:
+            undo.next_try, undo.pause = lane.clock(), 0.1
+            lane._wake(undo.next_try)
+        wait_for(lambda: background_sends_about(key) == [], timeout=10, what="the undo")
+        assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
+    finally:
+        proxy.heal()
+        queue.close()
+        close_app(app)
 
 
 def frees_sent_ahead_of(key: str) -> int:

@@ -2257,6 +2257,45 @@ def test_a_release_sent_again_after_the_grant_it_made_ran_out_reads_as_not_held(
     holder.detach()
 
 
+@pytest.mark.parametrize("ttl", [30.0, 2 * FENCE_TTL_MS / 1000])
+@pytest.mark.parametrize("before", ["no key", "a free key", "the hold it undoes"])
+def test_an_acquire_arriving_after_its_undo_takes_nothing(
+    client: redis.Redis, before: str, ttl: float
+) -> None:
+    """The undo of an acquire its caller gave up on leaves that acquire's request
+    id in the lock's free value, whether it freed the hold the acquire made or
+    found the lock free (no key yet, or the free key of an earlier hold): a try of
+    the acquire arriving after it (held up on its way) takes nothing. The free
+    value lives for the acquire's TTL, and at least the hour a free value keeps
+    its fence; any other request takes the lock as usual, with a higher fencing
+    token."""
+    lock = RedisLock(client, f"undone-{before.replace(' ', '-')}-{ttl:.0f}", ttl=ttl)
+    if before == "a free key":
+        with lock:
+            pass
+    request = request_id()
+    undo = lock._undo_call(request)
+    if before == "the hold it undoes":
+        run_call(lock, lock._acquire_call(request))
+        assert held(client, lock)
+        assert run_call(lock, undo) == Released.FREED
+    else:
+        assert run_call(lock, undo) == Released.NOT_OWNED
+    assert not held(client, lock)
+    # (A minute off for the test's own time.)
+    assert client.pttl(lock.key) > max(FENCE_TTL_MS, ttl * 1000) - 60_000
+
+    run_call(lock, lock._acquire_call(request))
+
+    assert not held(client, lock)
+    fence = int(stored(client, lock)[FENCE_FIELD])
+    assert lock.acquire(blocking=False)
+    assert lock.token is not None
+    assert lock.token > fence
+    lock.release()
+    assert not held(client, lock)
+
+
 def writes_and_reads(client: redis.Redis) -> tuple[int, int]:
     """(``SET``, ``GET``) calls since the server's statistics were last reset."""
     stats = client.info("commandstats")

@@ -85,6 +85,7 @@ from celery_redislock.scripts import (
     RELEASE_LEASE_SCRIPT,
     RELEASE_SCRIPT,
     SEPARATOR,
+    UNDO_MARK,
     Acquired,
     AcquireReply,
     Call,
@@ -347,15 +348,17 @@ def name_from_key(key: str, prefix: str = DEFAULT_PREFIX) -> str:
 
 
 #: The frees of a hold that :meth:`RedisLock._free_later` sends in the background,
-#: tied to the hold's fencing token, by the router of their store and lock key,
-#: each with when it gives up; each goes once the heartbeat's tries of it end
-#: (landed or given up), or, past its time, as another is added. Until one
-#: lands, the next acquire of that key in this process sends it ahead, in its
-#: own round trip: a hold due to be freed (the reservation of a send that
-#: failed while the store was unreachable) no longer meets that acquire,
-#: back-off or not. Tied to its hold, a free that
-#: arrives after the lock changed hands (even to the same owner token, a
-#: message's reservation made again) changes nothing.
+#: tied to the hold's fencing token, and the undos of unconfirmed acquires
+#: (:meth:`RedisLock._undo`), tied to the acquire's request id, by the router of
+#: their store and lock key, each with when it gives up; each goes once the
+#: heartbeat's tries of it end (landed or given up), or, past its time, as
+#: another is added. Until one lands, the next acquire of that key in this
+#: process sends it ahead, in its own round trip: a hold due to be freed (the
+#: reservation of a send that failed while the store was unreachable, or that
+#: a send's acquire made though its answer was lost) no longer meets that
+#: acquire, back-off or not. Tied to its hold, a free that arrives after the
+#: lock changed hands (even to the same owner token, a message's reservation
+#: made again) changes nothing.
 _frees_pending: weakref.WeakKeyDictionary[Router, dict[str, tuple[tuple[Call, float], ...]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -373,6 +376,23 @@ def _pending_frees(router: Router, key: str) -> tuple[tuple[Call, float], ...]:
         due = tuple(item for item in by_key[key] if item[1] > now)
         _keep(router, by_key, key, due)
         return due
+
+
+def _pend_free(router: Router, key: str, item: tuple[Call, float]) -> Callable[[], None]:
+    """Keep ``item``, a free of lock ``key`` sent in the background, to go ahead of
+    the next acquire of that key in this process (see :data:`_frees_pending`);
+    return what forgets it once the heartbeat's tries of it end."""
+    with _frees_guard:
+        now = time.monotonic()
+        # Those past their time go too (whose end was never reported).
+        kept = {
+            other: due
+            for other, frees in _frees_pending.get(router, {}).items()
+            if (due := tuple(free for free in frees if free[1] > now))
+        }
+        kept[key] = (*kept.get(key, ()), item)
+        _frees_pending[router] = kept
+    return functools.partial(_free_ended, weakref.ref(router), key, item)
 
 
 def _frees_landed(router: Router, key: str, landed: tuple[tuple[Call, float], ...]) -> None:
@@ -1002,20 +1022,7 @@ class RedisLock:
             "" if token is None else token, "",
         )  # fmt: skip
         call = self._release_call(args)
-        then = None
-        if token is not None:
-            item = (call, until)
-            with _frees_guard:
-                now = time.monotonic()
-                # Those past their time go too (whose end was never reported).
-                kept = {
-                    key: due
-                    for key, frees in _frees_pending.get(self._router, {}).items()
-                    if (due := tuple(free for free in frees if free[1] > now))
-                }
-                kept[self.key] = (*kept.get(self.key, ()), item)
-                _frees_pending[self._router] = kept
-            then = functools.partial(_free_ended, weakref.ref(self._router), self.key, item)
+        then = None if token is None else _pend_free(self._router, self.key, (call, until))
         self._beat().retry_in_background(self, call, until, what, quiet=True, then=then)
 
     def _free_ttl_ms(self, now: float) -> int:
@@ -1396,7 +1403,12 @@ class RedisLock:
         ahead = self._ahead() if self._behind else ()
         frees = _pending_frees(self._router, self.key) if _frees_pending else ()
         try:
-            before = [c for c, _ in (*ahead, *frees)] if ahead or frees else ()
+            # (An undo of this object's is among both: it goes once.)
+            before = (
+                [c for c, _ in (*ahead, *(free for free in frees if free not in ahead))]
+                if ahead or frees
+                else ()
+            )
             raw = send(self._router, self.key, call, deadline, wait, before)
             reply = AcquireReply.parse(raw[0] if wait else raw)
         except RedisError as exc:
@@ -1607,11 +1619,15 @@ class RedisLock:
 
     def _undo_call(self, request: str) -> Call:
         """The release that undoes acquire ``request``, if it is still the lock's
-        last change."""
+        last change. A lock it frees, or finds free, remembers ``request`` as
+        undone for the acquire's TTL (an hour at least), so that the acquire,
+        should it arrive after its undo (held up on the network), takes nothing
+        (see :data:`~celery_redislock.scripts.RELEASE`, ARGV[10])."""
+        keep = max(FENCE_TTL_MS, int(self.ttl * 1000))
         return Call(
             RELEASE_SCRIPT,
             [self.key, self.queue_key],
-            [self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, request],
+            [self.owner, self.wake_prefix, request_id(), keep, request, "", "", "", "", UNDO_MARK],
         )
 
     def _undo(self, request: str, sent: float) -> None:
@@ -1623,26 +1639,29 @@ class RedisLock:
         object that changes the lock sends it first (see :meth:`_ahead`): an
         acquire made again meanwhile would otherwise re-enter the unknown hold
         (a count of two, of which its release drops one), and the undo, no longer
-        behind the last change, would then leave the other for the TTL.
+        behind the last change, would then leave the other for the TTL. So does
+        the next acquire of the key by any other object of this process (see
+        :data:`_frees_pending`; a task's send makes a new one each time), which
+        would otherwise find the unknown hold: refused (a message deduplicated
+        to one never sent), or, of the same owner, re-entering it.
         """
         self._unconfirmed = None
         # If it lands, it makes a change this object does not know the id of.
         self._last_change = None
+        item = (self._undo_call(request), sent + self.ttl)
         with self._state:
             if self._holds:
                 # A re-entry that landed set the lock's own TTL (the undo keeps
                 # it), back from a longer extend's.
                 self._expiry = min(self._expiry, sent + self.ttl)
-        call, until = self._undo_call(request), sent + self.ttl
-        with self._state:
-            self._behind = (*self._behind, (call, until))
+            self._behind = (*self._behind, item)
         self._beat().retry_in_background(
             self,
-            call,
-            until,
+            *item,
             f"undoing the unconfirmed acquire of lock {self.name!r}",
             # Finding nothing to undo is as expected as undoing a hold.
             quiet=True,
+            then=_pend_free(self._router, self.key, item),
         )
 
     def _wait(
@@ -2069,6 +2088,9 @@ class RedisLock:
         landed, or found nothing left to change."""
         with self._state:
             self._behind = tuple(item for item in self._behind if item not in ahead)
+        if _frees_pending:
+            # An undo among them no longer goes ahead of other objects' acquires.
+            _frees_landed(self._router, self.key, ahead)
 
     def _beat(self) -> Heartbeat:
         return self._heartbeat or get_heartbeat()

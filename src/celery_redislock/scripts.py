@@ -19,9 +19,11 @@ readable name       field  holds
 ``owner``           ``o``  the owner token of the holder; empty while the lock is free
 ``fence``           ``f``  the last fencing token handed out for the name
 ``req``             ``r``  the id of the last request that changed the hold
-                           (acquire or release); empty while free;
-                           ``GRANTED_TO`` + waiter id while a hold a release
-                           handed to a waiter is not yet confirmed
+                           (acquire or release); ``GRANTED_TO`` + waiter id
+                           while a hold a release handed to a waiter is not
+                           yet confirmed; while free, empty, or the acquire
+                           an undo freed the lock of or found it free before
+                           (which then takes nothing: see ``RELEASE``)
 ``lease``           ``l``  the lease the holder belongs to (a Celery task id);
                            empty for none
 ``count``           ``n``  the holder's hold count (re-entrant acquires); empty
@@ -281,6 +283,10 @@ COPIES_REMEMBERED = 32
 #: :data:`COPIES_REMEMBERED`).
 COPY_MARK = "again"
 
+#: What RELEASE's ARGV[10] holds for the undo of an acquire its caller gave up
+#: on (see ``RedisLock._undo``).
+UNDO_MARK = "undo"
+
 #: What separates, in ``drops``, the last releases that dropped a re-entered hold
 #: from the releases sent again that did (:data:`COPIES_REMEMBERED`).
 COPIES_MARK = " | "
@@ -526,7 +532,8 @@ local function dead(member, known)
     return known[process]
 end
 
-local function free(lock)
+-- ``undone``: the acquire an undo frees the hold of (see RELEASE, ARGV[10]), or nil.
+local function free(lock, undone)
     -- The first two queued waiters still alive, and the dead ones queued ahead of
     -- them (PASSED_OVER_LIMIT at most), read before the first write (refused, a
     -- read writes nothing).
@@ -580,6 +587,8 @@ local function free(lock)
         new[$RESERVED_UNTIL] = digits(now_ms() + $RESERVE_MS)
         messages[1] = woken[1]
     end
+    -- Not handed over: the free value remembers the undone acquire (see ACQUIRE).
+    if undone and not grant then new[$REQ] = undone end
     -- The second is the spare: it lets the first go ahead (behind a handed lock,
     -- it asks only if the grant runs out first).
     if #woken > 1 then messages[2] = woken[2] .. (grant and $BEHIND or '') .. $SPARE end
@@ -671,7 +680,9 @@ end
 #: another owner holds it (held 1) or it was just freed for the waiters a release
 #: woke, and the caller is not one (held 0), where fence is the last token handed
 #: out for the name (a hold a release hands to the caller later gets a higher one)
-#: and the holder's owner token is given only when it holds the caller's lease. A retry of a
+#: and the holder's owner token is given only when it holds the caller's lease;
+#: {0, 0, "", "", fence, "", 0} for a request undone before it arrived (see
+#: RELEASE, ARGV[10]), which takes nothing. A retry of a
 #: request that already landed returns what the first arrival did.
 ACQUIRE = (
     _CHECK_TTL
@@ -733,6 +744,11 @@ local function reservation(owner, lease)
         and string.match(string.sub(owner, #lease + 2), '^%d+' .. $RESERVATION .. '$$') ~= nil
 end
 local lock = parse(current)
+-- This request's caller gave up on it and undid it (see RELEASE, ARGV[10]): it
+-- arrives after its undo (held up on the network), and takes nothing.
+if not lock[$OWNER] and lock[$REQ] == ARGV[4] then
+    return {0, 0, '', '', tonumber(lock[$FENCE]) or 0, '', 0}
+end
 -- A move of ARGV[8]'s hold (ARGV[10]) takes nothing else: once that hold has
 -- gone (taken over, run and released by the delivery it was kept for), taking
 -- the lock would make a reservation nobody takes over again. (Unless this very
@@ -884,9 +900,14 @@ def _freeing(body: str, first: str = "") -> str:
 #: a release sent again (the same request id as its first send): one that drops a
 #: re-entered hold is remembered among the copies (:data:`COPIES_REMEMBERED`), so
 #: that its first send, arriving after it, changes nothing however many releases
-#: dropped a hold in between
+#: dropped a hold in between; ARGV[10] optionally, non-empty for the undo of
+#: acquire ARGV[5] (its caller gave up on it, unanswered): a lock it frees, or
+#: finds free (the acquire may still be on its way, held up on the network),
+#: keeps that acquire's id in its free value (its request field) for ARGV[4] ms
+#: (which is then not "0") at least, and ACQUIRE refuses that request, should
+#: it arrive after its undo
 #: Returns 1 when freed (by this request, now or on an earlier arrival), 2 when a
-#: hold remains, 0 when not owned (nothing changed).
+#: hold remains, 0 when not owned (nothing changed but what ARGV[10] writes).
 RELEASE = _freeing(
     first="""
 local lock
@@ -936,6 +957,20 @@ if not lock then
     if bad then return bad end
     lock = read()
 end
+local undone = (ARGV[10] or '') ~= '' and ARGV[4] ~= '0' and ARGV[5] or nil
+if undone and not lock[$OWNER] then
+    -- Nothing to undo: the acquire has not arrived yet, or arrives never, or
+    -- it took the lock and was undone already. The free value (made here if
+    -- there is no key) remembers it as undone, so that it takes nothing should
+    -- it arrive now; for ARGV[4] ms, or longer as the key lives.
+    lock[$REQ] = undone
+    if not lock[$FENCE] then lock[$FENCE] = '0' end
+    local ms = ARGV[4]
+    if redis.call('PTTL', KEYS[1]) > tonumber(ms) then ms = nil end
+    write(lock, ms, true)
+    if released_here(lock) then return 1 end
+    return 0
+end
 -- Another owner's hold, or this owner's later one (with a new token): not the
 -- hold this release was for. It may be sent again after it freed the lock.
 if lock[$OWNER] ~= ARGV[1] or ((ARGV[6] or '') ~= '' and lock[$FENCE] ~= ARGV[6]) then
@@ -968,7 +1003,7 @@ if count > 0 then
     write(lock)
     return 2
 end
-return free(lock)
+return free(lock, undone)
 """,
 )
 
