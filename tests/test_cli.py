@@ -92,6 +92,12 @@ def celery(
     )
 
 
+#: For a command whose holders run on no live worker (stale locks, or held by this
+#: process): nobody answers the question, however long it waits, so waiting the
+#: default second for answers proves nothing more.
+NO_WORKER_WAIT = ("--timeout", "0.1")
+
+
 def one_line_failure(result: subprocess.CompletedProcess[str]) -> str:
     """The single stderr line of a failed command (asserting there is exactly one)."""
     assert result.returncode != 0, result.stdout
@@ -769,11 +775,11 @@ def test_release_asks_first(app: Celery, locks: redis.Redis) -> None:
     nothing, 'y' frees it and says whose lock it evicted."""
     url = str(app.conf.redislock_url)
     name = leave_stale_lock(cli_app.report, 5, ttl=30)
-    declined = celery(url, "release", name, stdin="n\n")
+    declined = celery(url, "release", name, *NO_WORKER_WAIT, stdin="n\n")
     assert declined.returncode == 1
     assert "Aborted!" in declined.stderr
     assert read_lock(locks, name) is not None
-    confirmed = celery(url, "release", name, stdin="y\n")
+    confirmed = celery(url, "release", name, *NO_WORKER_WAIT, stdin="y\n")
     assert confirmed.returncode == 0, confirmed.stderr
     assert f"released {name}: evicted task cliapp.report, holder crashed-" in confirmed.stdout
     assert "running on crashed@leave_stale_lock" in confirmed.stdout
@@ -803,14 +809,14 @@ def test_release_by_pattern_holder_and_task(app: Celery, locks: redis.Redis) -> 
     assert "use --pattern 'cliapp.report:*'" in one_line_failure(hint)
     holder = list_locks(locks)[0].holder
     assert holder is not None
-    by_holder = celery(url, "release", "--holder", holder, "--yes")
+    by_holder = celery(url, "release", "--holder", holder, "--yes", *NO_WORKER_WAIT)
     assert by_holder.returncode == 0, by_holder.stderr
     assert len(list_locks(locks)) == 2
-    by_pattern = celery(url, "release", "--pattern", "cliapp.report:*", "--yes")
+    by_pattern = celery(url, "release", "--pattern", "cliapp.report:*", "--yes", *NO_WORKER_WAIT)
     assert by_pattern.stdout.count("released ") == 2
     assert list_locks(locks) == []
     leave_stale_lock(cli_app.report, 9, ttl=30)
-    by_task = celery(url, "release", "--task", "cliapp.report", "--yes")
+    by_task = celery(url, "release", "--task", "cliapp.report", "--yes", *NO_WORKER_WAIT)
     assert by_task.returncode == 0, by_task.stderr
     assert list_locks(locks) == []
     both = celery(url, "release", "x:1", "--task", "cliapp.report")
@@ -931,16 +937,16 @@ def test_purge(app: Celery, locks: redis.Redis) -> None:
     assert "--task NAME, --node NODENAME or --all" in one_line_failure(nothing)
     leave_stale_lock(cli_app.report, 11, ttl=30)
     leave_stale_lock(cli_app.queued, "x", ttl=30)
-    by_node = celery(url, "purge", "--node", "crashed@leave_stale_lock", "--yes")
+    by_node = celery(url, "purge", "--node", "crashed@leave_stale_lock", "--yes", *NO_WORKER_WAIT)
     assert by_node.stdout.count("released ") == 2, by_node.stderr
     leave_stale_lock(cli_app.report, 12, ttl=30)
     with hold_lock(cli_app.queued, "y"):
-        by_task = celery(url, "purge", "--task", "cliapp.report", "--yes")
+        by_task = celery(url, "purge", "--task", "cliapp.report", "--yes", *NO_WORKER_WAIT)
         assert by_task.stdout.count("released ") == 1, by_task.stderr
-        everything = celery(url, "purge", "--all", "--yes")
+        everything = celery(url, "purge", "--all", "--yes", *NO_WORKER_WAIT)
         assert everything.stdout.count("released ") == 1, everything.stderr
     assert list_locks(locks) == []
-    empty = celery(url, "purge", "--all", "--yes")
+    empty = celery(url, "purge", "--all", "--yes", *NO_WORKER_WAIT)
     assert empty.returncode == 0
     assert "no lock of the app is held" in empty.stdout
 

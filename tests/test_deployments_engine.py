@@ -28,7 +28,14 @@ from redis.cluster import RedisCluster
 from redis.exceptions import ClusterDownError, NoPermissionError, TryAgainError
 from redis.sentinel import Sentinel
 
-from celery_redislock import LockBackendError, LockLostError, RedisLock, SingletonTask, signals
+from celery_redislock import (
+    LockBackendError,
+    LockLostError,
+    RedisLock,
+    SingletonTask,
+    signals,
+    wakeups,
+)
 from celery_redislock import lock as lock_module
 from celery_redislock import transport as transport_module
 from celery_redislock.admin import force_release, list_locks, read_lock
@@ -47,7 +54,7 @@ from celery_redislock.revoke import find_and_free_queued
 from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD, queue_entry
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import Client, Deadline, Transport, transport_for
-from celery_redislock.wakeups import PROBE_AFTER, PROBE_WAIT, hub_for
+from celery_redislock.wakeups import PROBE_AFTER, hub_for
 from tests.proxy import FaultProxy
 from tests.support import (
     fields,
@@ -1945,16 +1952,19 @@ def test_minimal_acl_is_enough(redislock_acl_server_factory: Callable[..., AclUs
 
 
 def test_the_wake_up_probe_needs_no_more_than_the_minimal_acl(
-    redislock_acl_server_factory: Callable[..., AclUser],
+    redislock_acl_server_factory: Callable[..., AclUser], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A waiter that hears nothing for PROBE_AFTER seconds probes its subscription
     (subscribes again, which MINIMAL_ACL allows): the server answers, nothing is
     refused, and the subscription is kept."""
+    # A local server answers the probe in milliseconds: 2 s to answer, not a whole
+    # call timeout, still has an unanswered probe replace the subscription.
+    monkeypatch.setattr(wakeups, "PROBE_WAIT", 2.0)
     user = redislock_acl_server_factory(MINIMAL_ACL)
     holder = RedisLock(user.url, "probed", ttl=10)
     assert holder.acquire()
     waiter = RedisLock(user.url, "probed", ttl=10)
-    assert not waiter.acquire(timeout=PROBE_AFTER + PROBE_WAIT)
+    assert not waiter.acquire(timeout=PROBE_AFTER + wakeups.PROBE_WAIT)
     admin = user.server.client()
     subscribes = admin.info("commandstats")["cmdstat_subscribe"]["calls"]
     admin.close()

@@ -28,6 +28,7 @@ from celery_redislock import (
     LockLostError,
     RedisLock,
     SingletonTask,
+    wakeups,
 )
 from celery_redislock import lock as lock_module
 from celery_redislock.admin import ForceReleased, force_release
@@ -538,7 +539,7 @@ def test_inner_release_sent_again_after_the_holder_reentered_drops_one_hold(
     assert hold_count(direct, lock) == 1
     proxy.heal()
     assert lock.acquire()  # two holds again, on both sides
-    time.sleep(1.5)  # the background retry has landed by now
+    wait_for(lambda: not sent_in_background(lock), what="the background retry to land")
     assert hold_count(direct, lock) == 2
     lock.release()
     assert held(direct, lock.key)
@@ -1315,11 +1316,14 @@ def test_waiter_whose_subscription_is_reset_still_wakes_on_release(
 
 
 def test_a_subscription_that_went_silent_is_replaced(
-    proxy: FaultProxy, server: RedisServer, direct: redis.Redis
+    proxy: FaultProxy, server: RedisServer, direct: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A middlebox forgets the waiter's connections (nothing passes, nothing is
     closed; new connections work): the waiter's probe goes unanswered, its process
     subscribes again, and the next release reaches the next waiter by a wake-up."""
+    # A probe on a healthy connection is answered in milliseconds: waiting 2 s for
+    # it, not a whole call timeout, still tells a silent subscription apart.
+    monkeypatch.setattr(wakeups, "PROBE_WAIT", 2.0)
     holder = RedisLock(server.url, "silent", ttl=60)
     assert holder.acquire()
     waiter = RedisLock(redis.Redis.from_url(proxy.url), "silent", ttl=10)

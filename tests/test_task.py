@@ -620,7 +620,8 @@ class TestEnqueueStrategies:
         task = tasks.until_executing_retry
         first = task.delay(name)
         wait_for(lambda: (name, 0) in runs("until_executing_retry"), what="the first run")
-        pending = task.apply_async((name,), countdown=3)
+        # Its countdown outlasts the first run's retry, sent as soon as the gate opens.
+        pending = task.apply_async((name,), countdown=1.5)
         assert pending.id != first.id
         gate(f"{name}:0").set()
         gate(f"{name}:1").set()
@@ -646,10 +647,10 @@ class TestEnqueueStrategies:
         with a countdown longer than the enqueue_ttl, it is still held while the
         retry waits."""
         name = unique("uecd")
-        first = tasks.until_executed.apply_async((name, 3.0), lock_options={"enqueue_ttl": 1})
+        first = tasks.until_executed.apply_async((name, 2.0), lock_options={"enqueue_ttl": 1})
         gate(f"{name}:0").set()
         wait_for(lambda: first.state == "RETRY", what="the retry")
-        key = f"redislock:{{{tasks.until_executed.lock_name((name, 3.0), {})}}}"
+        key = f"redislock:{{{tasks.until_executed.lock_name((name, 2.0), {})}}}"
         assert locks.pttl(key) > 1_000
         gate(f"{name}:1").set()
         assert first.get(timeout=TIMEOUT) == 1
@@ -661,10 +662,11 @@ class TestEnqueueStrategies:
         then, is sent all the same, with lock_on_duplicate="raise" too: it meets
         on_conflict as it starts rather than be lost."""
         name = unique("ueown")
+        # The retry's countdown outlasts the intruder's hold, let go once it is sent.
         first = tasks.until_executed.apply_async(
-            (name, 3.0), lock_options={"on_duplicate": "raise"}
+            (name, 1.5), lock_options={"on_duplicate": "raise"}
         )
-        lock_name = tasks.until_executed.lock_name((name, 3.0), {})
+        lock_name = tasks.until_executed.lock_name((name, 1.5), {})
         wait_for(lambda: running("until_executed", name))
         force_release(locks, lock_name)
         intruder = RedisLock(locks, lock_name, ttl=30, lease="intruder")
