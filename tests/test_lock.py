@@ -2296,6 +2296,19 @@ def test_an_acquire_arriving_after_its_undo_takes_nothing(
     assert not held(client, lock)
 
 
+def test_an_undone_request_id_refuses_no_other_owner(client: redis.Redis) -> None:
+    """The undo's mark names the undone acquire's owner too: another owner's
+    acquire carrying the same request id (ids are counted per process) takes the
+    free lock."""
+    lock = RedisLock(client, "undone-other-owner", ttl=30)
+    other = RedisLock(client, lock.name, ttl=30)
+    request = request_id()
+    assert run_call(lock, lock._undo_call(request)) == Released.NOT_OWNED
+    run_call(other, other._acquire_call(request))
+    assert stored(client, lock)[OWNER_FIELD] == other.owner
+    client.delete(lock.key)
+
+
 def writes_and_reads(client: redis.Redis) -> tuple[int, int]:
     """(``SET``, ``GET``) calls since the server's statistics were last reset."""
     stats = client.info("commandstats")

@@ -23,7 +23,8 @@ readable name       field  holds
                            while a hold a release handed to a waiter is not
                            yet confirmed; while free, empty, or the acquire
                            an undo freed the lock of or found it free before
-                           (which then takes nothing: see ``RELEASE``)
+                           and its owner token, after a space (which then
+                           takes nothing: see ``RELEASE``)
 ``lease``           ``l``  the lease the holder belongs to (a Celery task id);
                            empty for none
 ``count``           ``n``  the holder's hold count (re-entrant acquires); empty
@@ -746,7 +747,7 @@ end
 local lock = parse(current)
 -- This request's caller gave up on it and undid it (see RELEASE, ARGV[10]): it
 -- arrives after its undo (held up on the network), and takes nothing.
-if not lock[$OWNER] and lock[$REQ] == ARGV[4] then
+if not lock[$OWNER] and lock[$REQ] == ARGV[4] .. ' ' .. ARGV[1] then
     return {0, 0, '', '', tonumber(lock[$FENCE]) or 0, '', 0}
 end
 -- A move of ARGV[8]'s hold (ARGV[10]) takes nothing else: once that hold has
@@ -957,7 +958,9 @@ if not lock then
     if bad then return bad end
     lock = read()
 end
-local undone = (ARGV[10] or '') ~= '' and ARGV[4] ~= '0' and ARGV[5] or nil
+-- (The owner's too: request ids are counted per process, and another owner's
+-- acquire may carry the same id.)
+local undone = (ARGV[10] or '') ~= '' and ARGV[4] ~= '0' and ARGV[5] .. ' ' .. ARGV[1] or nil
 if undone and not lock[$OWNER] then
     -- Nothing to undo: the acquire has not arrived yet, or arrives never, or
     -- it took the lock and was undone already. The free value (made here if
