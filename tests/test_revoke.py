@@ -27,10 +27,12 @@ from celery_redislock.dropped import (
     read_word,
 )
 from celery_redislock.revoke import RevokedLockRelease, find_and_free_queued
-from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
+from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD, RELEASE_SCRIPT
 from celery_redislock.server import RedisServer
 from celery_redislock.task import queued_owner
+from celery_redislock.transport import ATTEMPTS as RELEASE_TRIES
 from celery_redislock.transport import Client
+from tests.proxy import FaultProxy
 from tests.support import (
     client_left_clean,
     close_app,
@@ -452,6 +454,32 @@ def test_a_delivery_dropped_again_is_counted_once(locks: redis.Redis) -> None:
     finally:
         sender.release()
         locks.delete(dropped_key(name, task_id, 1, "redislock"))
+
+
+def test_search_frees_every_lock_it_finds_when_one_cannot_be_freed(
+    redislock_server: RedisServer, locks: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lock the search finds that it cannot free (every answer to its release lost,
+    though the release ran) is logged, and the search goes on: the other revoked
+    ids' reservations are freed all the same, not left until lock_enqueue_ttl."""
+    names = [unique("t.job:lost") for _ in range(3)]
+    ids = [unique("id-lost") for _ in names]
+    for name, task_id in zip(names, ids, strict=True):
+        _queued(locks, name, task_id)
+    caplog.set_level(logging.WARNING, logger="celery_redislock")
+    with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
+        client = redis.Redis.from_url(proxy.url, socket_timeout=5, socket_connect_timeout=5)
+        try:
+            # Every try of the first release the search makes: its answer is lost.
+            proxy.drop_reply_to(RELEASE_SCRIPT.sha.encode(), count=RELEASE_TRIES)
+            wanted = set(ids)
+            find_and_free_queued(client, "redislock", wanted)
+        finally:
+            client.close()
+        assert proxy.marked_drops == RELEASE_TRIES
+    assert wanted == set()
+    assert lock_keys(locks) == []
+    assert "could not free lock" in caplog.text
 
 
 def test_search_frees_a_retrys_reservation(locks: redis.Redis) -> None:

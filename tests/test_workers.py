@@ -19,8 +19,10 @@ import redis
 from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
 
 from celery_redislock import is_skipped
-from celery_redislock.scripts import FENCE_FIELD, LEASE_FIELD
+from celery_redislock.lock import lock_keys as lock_keys_for
+from celery_redislock.scripts import FENCE_FIELD, LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer
+from tests.proxy import FaultProxy
 from tests.support import close_app, field, held, lock_keys, wait_for, waiter_queues
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -264,6 +266,38 @@ def test_a_pool_process_that_dies_before_its_task_starts_leaves_no_reservation(
     [start] = records(client, "starts")
     assert (start["id"], start["owner"]) == (again.id, f"{again.id}:queued")
     wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
+
+
+def test_a_hold_a_dead_pool_process_took_late_is_freed(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """A prefork child whose acquire (taking the reservation over) is delayed on its
+    way to the store, and that is killed meanwhile: the worker's look as it sees the
+    child gone finds no hold of the child's, and frees the reservation; the acquire
+    then lands, a hold of a dead process. The worker looks once more, once no
+    request of the child's can be answered, and frees it by its fencing token,
+    rather than leave it until lock_ttl."""
+    mod, client, launch = env
+    server = client.connection_pool.connection_kwargs
+    with FaultProxy(server["host"], server["port"]) as proxy:
+        launch(
+            "late", concurrency=1, REDISLOCK_TEST_LOCK_URL=proxy.url_for(0),
+            REDISLOCK_TEST_LATE_REQUEST_WAIT="2",
+        )  # fmt: skip
+        result = mod.gated.delay("g")
+        key = lock_keys_for(mod.gated.lock_name(("g",), {})).lock
+        wait_for(lambda: records(client, "gated"), timeout=30, what="the child's start")
+        [gated] = records(client, "gated")
+        proxy.hold_next(1)
+        client.set(f"gate:{result.id}", "1")
+        wait_for(lambda: proxy.held == 1, timeout=10, what="the child's acquire to be held")
+        os.kill(gated["pid"], signal.SIGKILL)
+        with pytest.raises(WorkerLostError):
+            result.get(timeout=30)
+        proxy.let_held_through()
+        wait_for(lambda: field(client, key, OWNER_FIELD) is not None, what="the late acquire")
+        wait_for(lambda: lock_keys(client) == [], timeout=15, what="the late hold to be freed")
+    assert records(client, "gated_runs") == []
 
 
 def test_a_task_killed_for_its_time_limit_before_it_starts_leaves_no_reservation(

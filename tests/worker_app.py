@@ -16,7 +16,8 @@ from typing import Any
 import redis
 from celery.exceptions import Reject
 
-from celery_redislock import SingletonTask, signals
+from celery_redislock import SingletonTask, early, signals
+from celery_redislock.admin import read_lock
 from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.task import RequestClassWarning
@@ -42,6 +43,8 @@ if os.environ.get("REDISLOCK_TEST_LOCK_URL"):
 if os.environ.get("REDISLOCK_TEST_MAX_TASKS_PER_CHILD"):
     app.conf.worker_max_tasks_per_child = int(os.environ["REDISLOCK_TEST_MAX_TASKS_PER_CHILD"])
 store = redis.Redis.from_url(URL)
+if os.environ.get("REDISLOCK_TEST_LATE_REQUEST_WAIT"):
+    early.LATE_REQUEST_WAIT = float(os.environ["REDISLOCK_TEST_LATE_REQUEST_WAIT"])
 
 
 def log(kind: str, **fields: Any) -> None:
@@ -395,6 +398,27 @@ requeued_stalls_as_it_starts = troubled_start(
     "requeued_stalls_as_it_starts", "stalls", lock_strategy="until_executed",
     time_limit=1, acks_late=True, acks_on_timeout=False,
 )  # fmt: skip
+
+
+class GatedStart(SingletonTask):
+    """A task class whose ``before_start`` reads a lock (the pool process's
+    connection to the lock store open), logs its process under ``gated``, and
+    waits until the key ``gate:<task id>`` is set."""
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        read_lock(self.lock_client, "warm-up", self.lock_options.prefix)
+        log("gated", id=task_id, pid=os.getpid())
+        deadline = time.monotonic() + 30
+        while not store.get(f"gate:{task_id}") and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+@app.task(base=GatedStart, bind=True, shared=False, lock_strategy="until_executed", lock_ttl=30)
+def gated(self: Any, name: str) -> str:
+    """An until_executed task that starts only once its gate opens, then sleeps."""
+    log("gated_runs", id=self.request.id)
+    time.sleep(30)
+    return name
 
 
 class DiesBehindItsSender(SingletonTask):

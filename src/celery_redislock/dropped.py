@@ -12,8 +12,9 @@ exception such as a soft time limit, or it was dropped as revoked) finds no
 reservation to free: nothing would ever take the reservation over once it is
 there, and the lock would stay taken until ``lock_enqueue_ttl`` ran out. So it
 leaves word beside the lock (:func:`free_dropped`), which the sending execution
-reads as it hands its hold over (:func:`read_word`): it then frees the lock
-instead, or passes it on to the reservation of the retry a failed start sent.
+reads as it hands its hold over (:func:`read_word`; again in the background
+until the store answers, should it fail then): it then frees the lock instead,
+or passes it on to the reservation of the retry a failed start sent.
 Once acted on, the word is deleted (:func:`forget_word`).
 
 A message sent from the body under the execution's own task id other than by

@@ -35,7 +35,12 @@ instead, by its owner token, unless Celery requeues the message
 (``acks_late`` with ``task_reject_on_worker_lost``), whose delivery takes it
 over. (Two round trips on the worker's event loop, of 5 s at most each:
 ``DEFAULT_CALL_TIMEOUT``; three for an ``until_executed`` retry whose
-reservation is not there yet.) That includes a child the
+reservation is not there yet.) An acquire the child wrote just before it died
+may reach the store after that look, delayed on its way: unless the look found
+the child's hold, the worker looks once more, from a thread of its own, once
+no request of the child's can be answered any more
+(:data:`LATE_REQUEST_WAIT`), and frees a hold of that child's it finds then,
+by its fencing token. That includes a child the
 worker itself signalled: ``revoke(terminate=True)``, or the cancel of a running
 task as the worker loses its broker connection
 (``worker_cancel_long_running_tasks_on_connection_loss``). Celery reports those
@@ -74,6 +79,7 @@ from celery_redislock.task import (
     request_sender,
     take_written_ahead,
 )
+from celery_redislock.transport import DEFAULT_CALL_TIMEOUT
 
 __all__ = ["Request"]
 
@@ -97,6 +103,13 @@ GONE_POLL = 0.02
 #: task's hard time limit to be gone, before it frees the reservation that
 #: process had not taken over yet (the pool kills it at once).
 KILL_WAIT = 10.0
+
+#: How long, in seconds, after a pool process is seen gone, the worker looks
+#: again for a hold of that process (see :meth:`Request._look_again_later`): a
+#: request it wrote just before it died, delayed on its way to the store, can
+#: land after the first look, and no request of its is answered past its call's
+#: deadline (``DEFAULT_CALL_TIMEOUT``), plus a margin.
+LATE_REQUEST_WAIT = DEFAULT_CALL_TIMEOUT + 1.0
 
 #: Whether this system shows its processes under ``/proc`` (a zombie is told apart
 #: from a live process there).
@@ -285,10 +298,14 @@ class Request(_CeleryRequest):  # type: ignore[misc]
             options = task.lock_options
             name, held = self._message_lock()
             if held is None or (fence is not None and held.fence != fence):
+                if fence is None:
+                    self._look_again_later()
                 return
             if not self._is_childs(held):
                 if fence is None and not requeued and held.holder == self.id:
                     self._free_reservation(name)
+                if fence is None:
+                    self._look_again_later()
                 return
             force_release(task.lock_client, name, options.prefix, fence=held.fence)
             logger.info(
@@ -303,6 +320,53 @@ class Request(_CeleryRequest):  # type: ignore[misc]
             logger.warning(
                 "celery_redislock: could not free the lock of %s[%s], whose pool process "
                 "died (it expires by its TTL): %s",
+                task.name,
+                self.id,
+                exc,
+            )
+
+    def _look_again_later(self) -> None:
+        """Look once more, :data:`LATE_REQUEST_WAIT` seconds from now and from a
+        thread of its own, for a hold of the pool child that died running this
+        task, and free it (by its fencing token) if there is one: the acquire the
+        child wrote just before it died may have been delayed on its way to the
+        store, and land after the first look found no hold of the child's, to
+        stay until the lock's TTL. Never raises: a hold that cannot be freed
+        expires by its TTL."""
+        try:
+            threading.Thread(
+                target=self._free_late_hold, name="redislock-late-hold", daemon=True
+            ).start()
+        except Exception as exc:
+            logger.warning(
+                "celery_redislock: cannot look again for a hold of the pool process of "
+                "%s[%s] (a late one expires by its TTL): %s",
+                self.task.name,
+                self.id,
+                exc,
+            )
+
+    def _free_late_hold(self) -> None:
+        """See :meth:`_look_again_later`."""
+        time.sleep(LATE_REQUEST_WAIT)
+        task = self.task
+        try:
+            name, held = self._message_lock()
+            if held is None or not self._is_childs(held):
+                return
+            force_release(task.lock_client, name, task.lock_options.prefix, fence=held.fence)
+            logger.info(
+                "celery_redislock: freed lock %s of %s[%s], taken by a request its pool "
+                "process %s sent before it died",
+                name,
+                task.name,
+                self.id,
+                self.worker_pid,
+            )
+        except Exception as exc:
+            logger.warning(
+                "celery_redislock: could not look again for a hold of %s[%s], whose pool "
+                "process died (one taken late expires by its TTL): %s",
                 task.name,
                 self.id,
                 exc,

@@ -55,7 +55,8 @@ out (the threads and solo pools cannot signal a running task) makes Celery's
 handler fail once it has recorded the revoke: the waiting tasks that revoke
 reaches are freed all the same. The Redis work runs on one background
 thread per worker, which merges the revokes sent in a burst into one sweep;
-failures are logged and never reach the worker.
+failures are logged, each lock's on its own (one that cannot be freed does
+not keep the others from being freed), and never reach the worker.
 
 A retry sent with ``self.retry(throw=False)`` by an ``until_executed``
 execution that runs on has no reservation yet: the execution holds the lock for
@@ -479,7 +480,11 @@ def _free_found(
     ``self.replace()`` say): it is left word that the retry (and such a
     message) is revoked, and frees the lock as it ends rather than keep it for a
     message no worker runs (see :func:`~celery_redislock.dropped.free_revoked`).
-    Word that no execution acts on expires."""
+    Word that no execution acts on expires.
+
+    Each lock found is handled on its own: one that cannot be freed (its store
+    did not answer, say, though the release may have run) is logged, and the
+    others are freed all the same."""
     with server.pipeline(transaction=False) as pipe:
         for key in keys:
             pipe.get(key)
@@ -493,15 +498,31 @@ def _free_found(
             continue
         task_ids.discard(lease)
         name = name_from_key(_text(key) or "", prefix)
-        retries = queued_retries(owner, lease)
-        if retries is not None:
-            free_queued(client, name, lease, prefix, retries)
-        elif owner is not None:
-            free_revoked(client, name, lease, prefix, hold_retries(owner, lease) + 1, 0.0)
-            # Or a message it sent under its own id without a retry count: revoked
-            # too, and so is its reservation, should the hold have moved to it.
-            if leave_revoked(client, name, lease, prefix, 0.0, owner) == 2:
-                free_queued(client, name, lease, prefix)
+        try:
+            _free_one(client, name, lease, owner, prefix)
+        except Exception as exc:  # the other ids found are freed all the same
+            logger.warning(
+                "could not free lock %s of revoked task %s (it frees when lock_enqueue_ttl "
+                "runs out, or with `celery redislock release`): %s",
+                name,
+                lease,
+                exc,
+            )
+
+
+def _free_one(client: Client, name: str, lease: str, owner: str | None, prefix: str) -> None:
+    """Free lock ``name``, found with the lease of revoked task ``lease`` and
+    ``owner``, if the message still owns it; else leave its execution word (see
+    :func:`_free_found`)."""
+    retries = queued_retries(owner, lease)
+    if retries is not None:
+        free_queued(client, name, lease, prefix, retries)
+    elif owner is not None:
+        free_revoked(client, name, lease, prefix, hold_retries(owner, lease) + 1, 0.0)
+        # Or a message it sent under its own id without a retry count: revoked
+        # too, and so is its reservation, should the hold have moved to it.
+        if leave_revoked(client, name, lease, prefix, 0.0, owner) == 2:
+            free_queued(client, name, lease, prefix)
 
 
 def _glob_escape(text: str) -> str:
