@@ -1935,7 +1935,7 @@ def test_a_lost_answer_about_the_word_a_failed_retry_left_still_frees_the_lock(
     seen: dict[str, str | None] = {}
     drops = ATTEMPTS if lost.startswith("every read") else 1
     if lost == "every read, then a flush":
-        monkeypatch.setattr("celery_redislock.task.RETRY_PAUSE", 600.0)
+        monkeypatch.setattr("celery_redislock.retried.RETRY_PAUSE", 600.0)
     with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
         app = make_app(redislock_server.url, "lostword")
         app.conf.redislock_url = proxy.url_for(0)

@@ -103,7 +103,6 @@ from celery.utils.imports import symbol_by_name
 from kombu import serialization
 
 from celery_redislock import signals
-from celery_redislock import transport as _transport
 from celery_redislock.client import check_url
 from celery_redislock.dropped import DROPPED_WORD_TTL as DROPPED_WORD_TTL
 from celery_redislock.dropped import Word, drop_id, forget_word, leave_word, read_word
@@ -137,6 +136,7 @@ from celery_redislock.reservations import ascii_number, hold_retries
 from celery_redislock.reservations import free_queued as free_queued
 from celery_redislock.reservations import queued_owner as queued_owner
 from celery_redislock.reservations import queued_retries as queued_retries
+from celery_redislock.retried import retry_later
 from celery_redislock.scripts import (
     FENCE_FIELD,
     HOLDER_FIELDS,
@@ -652,13 +652,6 @@ def _free_in_background(lock: RedisLock, what: str, fence: int | None = None) ->
         logger.warning("%s: not possible (it expires by its TTL): %s", what, error)
 
 
-#: The first pause between tries of work done again in the background (see
-#: :class:`_Retried`), in seconds; it doubles after each failed try, up to
-#: :data:`RETRY_PAUSE_MAX`.
-RETRY_PAUSE = 0.05
-RETRY_PAUSE_MAX = 1.0
-
-
 class _Heeding:
     """Where heeding the word left beside a lock stands (see
     :meth:`SingletonTask._heed_dropped`): the reservation the hold went to,
@@ -703,106 +696,6 @@ class _Heeding:
             LockBackendError: the lock store could not be reached.
         """
         self.task._heed_words(self)
-
-
-class _Retried:
-    """Work about a lock done again on a thread of its own while the lock store
-    does not answer (each job's ``attempt()`` raises ``LockBackendError``), until
-    it lands or the job's ``until`` (a monotonic time) passes, rather than leave
-    a lock held until its TTL. One per process (a forked child starts with none
-    of its parent's); a :func:`~celery_redislock.transport.flush`, as the
-    process exits, does what is left from its own thread (see :meth:`run_now`)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        # Held while a job runs: a flush runs none beside the thread's.
-        self._running = threading.Lock()
-        self._jobs: list[tuple[float, float, _Heeding]] = []  # (due, pause, job)
-        self._thread: threading.Thread | None = None
-
-    def add(self, job: _Heeding, pause: float | None = None) -> None:
-        """Try ``job`` again in ``pause`` seconds (:data:`RETRY_PAUSE` if ``None``)."""
-        if pause is None:
-            pause = RETRY_PAUSE
-        with self._cond:
-            self._jobs.append((time.monotonic() + pause, pause, job))
-            self._cond.notify_all()
-            if _transport.exiting:
-                return  # no thread is started now; the flush under way does it
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="redislock-retried", daemon=True
-                )
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._running:
-                with self._cond:
-                    if not self._jobs:
-                        self._thread = None
-                        return
-                    entry = min(self._jobs, key=lambda item: item[0])
-                    wait = entry[0] - time.monotonic()
-                    if wait <= 0:
-                        self._jobs.remove(entry)
-                if wait <= 0:
-                    self._try(entry[2], entry[1], final=False)
-                    continue
-            with self._cond:
-                # (A job added meanwhile may be due sooner.)
-                self._cond.wait(min(wait, RETRY_PAUSE_MAX))
-
-    def _try(self, job: _Heeding, pause: float, final: bool) -> None:
-        try:
-            job.attempt()
-        except LockBackendError as error:
-            if final or time.monotonic() + pause >= job.until:
-                logger.warning("%s: given up (the lock expires by its TTL): %s", job.what, error)
-            else:
-                self.add(job, min(pause * 2, RETRY_PAUSE_MAX))
-        except Exception as error:
-            logger.warning("%s: not possible (the lock expires by its TTL): %s", job.what, error)
-
-    def run_now(self, deadline: Deadline, final: bool = False) -> None:
-        """Try every job now, from the calling thread, while ``deadline`` has not
-        passed (each try's round trips have deadlines of their own): for a
-        :func:`~celery_redislock.transport.flush`. ``final``: the process exits,
-        so a job that fails, or is not tried by then, is given up, logged."""
-        if not self._running.acquire(timeout=max(0.0, deadline.remaining())):
-            return
-        try:
-            with self._cond:
-                jobs, self._jobs = self._jobs, []
-            for _due, pause, job in jobs:
-                if not deadline.expired():
-                    self._try(job, pause, final)
-                elif final:
-                    logger.warning("%s: given up as the process exits", job.what)
-                else:
-                    self.add(job, pause)
-        finally:
-            self._running.release()
-
-
-_retried = _Retried()
-
-
-def _retried_now(deadline: Deadline, final: bool) -> None:
-    """:meth:`_Retried.run_now` for this process's jobs, as a flush sends what
-    the heartbeat retries (see :func:`~celery_redislock.transport.flush`)."""
-    _retried.run_now(deadline, final)
-
-
-def _retried_after_fork() -> None:
-    global _retried
-    _retried = _Retried()
-
-
-os.register_at_fork(after_in_child=_retried_after_fork)
-# Before the heartbeat's: what a job hands the heartbeat (a hold freed in the
-# background) goes with its sends.
-_transport._after_drain.insert(0, _retried_now)
 
 
 def skipped_result(name: str, holder: str | None) -> dict[str, Any]:
@@ -2277,7 +2170,7 @@ class SingletonTask(Task):  # type: ignore[misc]
 
         Should the lock store fail meanwhile (the word not read, say, every
         answer lost), it is done again in the background until the store
-        answers (see :class:`_Retried`), from where it stands (the reservation
+        answers (see :class:`~celery_redislock.retried.Retried`), from where it stands (the reservation
         it was passed on to, if it was), for as long as that reservation's TTL:
         a reservation nobody takes over would otherwise keep the lock, and
         every send of the same call would be deduplicated to a message that
@@ -2298,7 +2191,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 reservation.name,
                 exc,
             )
-            _retried.add(heeding)
+            retry_later(heeding)
 
     def _heed_words(self, heeding: _Heeding) -> None:
         """Read the word left beside the lock for ``heeding``'s reservation, act

@@ -1,0 +1,158 @@
+"""Work about a lock done again in the background while the lock store does not
+answer.
+
+The heartbeat sends single requests again (a release, a free) until they land;
+some work takes several, each depending on the answer to the one before (read
+the word a dropped delivery left beside a lock, act on it, forget it). Such a
+job is handed here when the store fails it, and tried again on a thread of its
+own, with pauses that grow, until it lands or it is no longer worth doing (the
+lock it is about would have expired by then): a lock is not left held until its
+TTL for want of a second try. Each try's round trips have deadlines of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Protocol
+
+from celery_redislock import transport as _transport
+from celery_redislock.errors import LockBackendError
+from celery_redislock.transport import Deadline
+
+__all__ = ["Job", "Retried", "retry_later"]
+
+logger = logging.getLogger(__name__)
+
+#: The first pause between tries of work done again in the background (see
+#: :class:`Retried`), in seconds; it doubles after each failed try, up to
+#: :data:`RETRY_PAUSE_MAX`.
+RETRY_PAUSE = 0.05
+RETRY_PAUSE_MAX = 1.0
+
+
+class Job(Protocol):
+    """Work :class:`Retried` tries again."""
+
+    #: Until when (a monotonic time) it is worth trying.
+    until: float
+
+    @property
+    def what(self) -> str:
+        """What it is, for the log."""
+        ...
+
+    def attempt(self) -> None:
+        """Do it once more.
+
+        Raises:
+            LockBackendError: the lock store could not be reached.
+        """
+        ...
+
+
+class Retried:
+    """Work about a lock done again on a thread of its own while the lock store
+    does not answer (each job's ``attempt()`` raises ``LockBackendError``), until
+    it lands or the job's ``until`` (a monotonic time) passes, rather than leave
+    a lock held until its TTL. One per process (a forked child starts with none
+    of its parent's); a :func:`~celery_redislock.transport.flush`, as the
+    process exits, does what is left from its own thread (see :meth:`run_now`)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        # Held while a job runs: a flush runs none beside the thread's.
+        self._running = threading.Lock()
+        self._jobs: list[tuple[float, float, Job]] = []  # (due, pause, job)
+        self._thread: threading.Thread | None = None
+
+    def add(self, job: Job, pause: float | None = None) -> None:
+        """Try ``job`` again in ``pause`` seconds (:data:`RETRY_PAUSE` if ``None``)."""
+        if pause is None:
+            pause = RETRY_PAUSE
+        with self._cond:
+            self._jobs.append((time.monotonic() + pause, pause, job))
+            self._cond.notify_all()
+            if _transport.exiting:
+                return  # no thread is started now; the flush under way does it
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="redislock-retried", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._running:
+                with self._cond:
+                    if not self._jobs:
+                        self._thread = None
+                        return
+                    entry = min(self._jobs, key=lambda item: item[0])
+                    wait = entry[0] - time.monotonic()
+                    if wait <= 0:
+                        self._jobs.remove(entry)
+                if wait <= 0:
+                    self._try(entry[2], entry[1], final=False)
+                    continue
+            with self._cond:
+                # (A job added meanwhile may be due sooner.)
+                self._cond.wait(min(wait, RETRY_PAUSE_MAX))
+
+    def _try(self, job: Job, pause: float, final: bool) -> None:
+        try:
+            job.attempt()
+        except LockBackendError as error:
+            if final or time.monotonic() + pause >= job.until:
+                logger.warning("%s: given up (the lock expires by its TTL): %s", job.what, error)
+            else:
+                self.add(job, min(pause * 2, RETRY_PAUSE_MAX))
+        except Exception as error:
+            logger.warning("%s: not possible (the lock expires by its TTL): %s", job.what, error)
+
+    def run_now(self, deadline: Deadline, final: bool = False) -> None:
+        """Try every job now, from the calling thread, while ``deadline`` has not
+        passed (each try's round trips have deadlines of their own): for a
+        :func:`~celery_redislock.transport.flush`. ``final``: the process exits,
+        so a job that fails, or is not tried by then, is given up, logged."""
+        if not self._running.acquire(timeout=max(0.0, deadline.remaining())):
+            return
+        try:
+            with self._cond:
+                jobs, self._jobs = self._jobs, []
+            for _due, pause, job in jobs:
+                if not deadline.expired():
+                    self._try(job, pause, final)
+                elif final:
+                    logger.warning("%s: given up as the process exits", job.what)
+                else:
+                    self.add(job, pause)
+        finally:
+            self._running.release()
+
+
+_retried = Retried()
+
+
+def _retried_now(deadline: Deadline, final: bool) -> None:
+    """:meth:`Retried.run_now` for this process's jobs, as a flush sends what
+    the heartbeat retries (see :func:`~celery_redislock.transport.flush`)."""
+    _retried.run_now(deadline, final)
+
+
+def _retried_after_fork() -> None:
+    global _retried
+    _retried = Retried()
+
+
+os.register_at_fork(after_in_child=_retried_after_fork)
+# Before the heartbeat's: what a job hands the heartbeat (a hold freed in the
+# background) goes with its sends.
+_transport._after_drain.insert(0, _retried_now)
+
+
+def retry_later(job: Job) -> None:
+    """Try ``job`` again in the background (see :class:`Retried`)."""
+    _retried.add(job)
