@@ -1915,7 +1915,10 @@ def test_a_retry_sent_twice_as_its_sender_runs_on_keeps_the_lock_while_a_copy_ma
     assert _words(redislock_client) == []
 
 
-@pytest.mark.parametrize("lost", ["read", "delete", "every read", "every read, then a flush"])
+@pytest.mark.parametrize(
+    "lost",
+    ["read", "delete", "every read", "every read, then a flush", "every read, then the exit's"],
+)
 def test_a_lost_answer_about_the_word_a_failed_retry_left_still_frees_the_lock(
     redislock_server: RedisServer,
     redislock_client: redis.Redis,
@@ -1930,12 +1933,16 @@ def test_a_lost_answer_about_the_word_a_failed_retry_left_still_frees_the_lock(
     read lost (the hold already went to the retry's reservation): the word is read
     again in the background once the store answers, and the reservation freed, not
     kept until lock_enqueue_ttl for a retry that never runs. A flush (as the process
-    exits) does that at once, whenever the next try in the background was due."""
+    exits) does that at once, whenever the next try in the background was due; the
+    flush as the process exits does it even while the try in the background is
+    stuck on a connection gone dark."""
     failed = threading.Event()
     seen: dict[str, str | None] = {}
     drops = ATTEMPTS if lost.startswith("every read") else 1
     if lost == "every read, then a flush":
         monkeypatch.setattr("celery_redislock.retried.RETRY_PAUSE", 600.0)
+    elif lost == "every read, then the exit's":
+        monkeypatch.setattr("celery_redislock.retried.RETRY_PAUSE", 1.0)
     with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
         app = make_app(redislock_server.url, "lostword")
         app.conf.redislock_url = proxy.url_for(0)
@@ -1973,6 +1980,13 @@ def test_a_lost_answer_about_the_word_a_failed_retry_left_still_frees_the_lock(
                 wait_for(lambda: "owner" in seen, what="the sender to end")
                 if lost == "every read, then a flush":
                     flush()
+                elif lost == "every read, then the exit's":
+                    # The try in the background goes on a connection gone dark.
+                    proxy.hold_next(1)
+                    wait_for(lambda: proxy.held == 1, what="the try in the background held")
+                    flush(final=True)
+                    assert field(redislock_client, key, OWNER_FIELD) is None
+                    proxy.let_held_through()
                 if lost.startswith("every read"):
                     wait_for(
                         lambda: field(redislock_client, key, OWNER_FIELD) is None,

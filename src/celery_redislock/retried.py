@@ -34,7 +34,8 @@ RETRY_PAUSE_MAX = 1.0
 
 
 class Job(Protocol):
-    """Work :class:`Retried` tries again."""
+    """Work :class:`Retried` tries again: done twice, or late, it is done once
+    (each of its writes checks what it acts on)."""
 
     #: Until when (a monotonic time) it is worth trying.
     until: float
@@ -63,9 +64,10 @@ class Retried:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        # Held while a job runs: a flush runs none beside the thread's.
-        self._running = threading.Lock()
         self._jobs: list[tuple[float, float, Job]] = []  # (due, pause, job)
+        # The job the thread is trying, with its pause: a try stuck on a
+        # connection gone dark does not keep a flush at exit from it.
+        self._current: tuple[float, Job] | None = None
         self._thread: threading.Thread | None = None
 
     def add(self, job: Job, pause: float | None = None) -> None:
@@ -75,31 +77,36 @@ class Retried:
         with self._cond:
             self._jobs.append((time.monotonic() + pause, pause, job))
             self._cond.notify_all()
-            if _transport.exiting:
-                return  # no thread is started now; the flush under way does it
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="redislock-retried", daemon=True
-                )
-                self._thread.start()
+            if _transport.exiting or (self._thread is not None and self._thread.is_alive()):
+                return  # (exiting: no thread is started now; the flush does it)
+            thread = threading.Thread(target=self._run, name="redislock-retried", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as error:
+                # (No thread can be started now: the flush at exit tries it.)
+                logger.warning("%s: not tried again before the process exits: %s", job.what, error)
+                return
+            self._thread = thread
 
     def _run(self) -> None:
         while True:
-            with self._running:
-                with self._cond:
-                    if not self._jobs:
-                        self._thread = None
-                        return
-                    entry = min(self._jobs, key=lambda item: item[0])
-                    wait = entry[0] - time.monotonic()
-                    if wait <= 0:
-                        self._jobs.remove(entry)
-                if wait <= 0:
-                    self._try(entry[2], entry[1], final=False)
-                    continue
             with self._cond:
-                # (A job added meanwhile may be due sooner.)
-                self._cond.wait(min(wait, RETRY_PAUSE_MAX))
+                if not self._jobs:
+                    self._thread = None
+                    return
+                entry = min(self._jobs, key=lambda item: item[0])
+                wait = entry[0] - time.monotonic()
+                if wait > 0:
+                    # (A job added meanwhile may be due sooner.)
+                    self._cond.wait(min(wait, RETRY_PAUSE_MAX))
+                    continue
+                self._jobs.remove(entry)
+                self._current = (entry[1], entry[2])
+            try:
+                self._try(entry[2], entry[1], final=False)
+            finally:
+                with self._cond:
+                    self._current = None
 
     def _try(self, job: Job, pause: float, final: bool) -> None:
         try:
@@ -116,21 +123,21 @@ class Retried:
         """Try every job now, from the calling thread, while ``deadline`` has not
         passed (each try's round trips have deadlines of their own): for a
         :func:`~celery_redislock.transport.flush`. ``final``: the process exits,
-        so a job that fails, or is not tried by then, is given up, logged."""
-        if not self._running.acquire(timeout=max(0.0, deadline.remaining())):
-            return
-        try:
-            with self._cond:
-                jobs, self._jobs = self._jobs, []
-            for _due, pause, job in jobs:
-                if not deadline.expired():
-                    self._try(job, pause, final)
-                elif final:
-                    logger.warning("%s: given up as the process exits", job.what)
-                else:
-                    self.add(job, pause)
-        finally:
-            self._running.release()
+        so a job that fails, or is not tried by then, is given up, logged; the
+        job the thread is trying is tried here too (its try may be stuck on a
+        connection gone dark; a job done twice is done once)."""
+        with self._cond:
+            jobs = [(pause, job) for _due, pause, job in self._jobs]
+            self._jobs = []
+            if final and self._current is not None:
+                jobs.append(self._current)
+        for pause, job in jobs:
+            if not deadline.expired():
+                self._try(job, pause, final)
+            elif final:
+                logger.warning("%s: given up as the process exits", job.what)
+            else:
+                self.add(job, pause)
 
 
 _retried = Retried()
