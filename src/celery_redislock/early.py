@@ -335,7 +335,10 @@ class Request(_CeleryRequest):  # type: ignore[misc]
         expires by its TTL."""
         try:
             threading.Thread(
-                target=self._free_late_hold, name="redislock-late-hold", daemon=True
+                target=self._free_late_hold,
+                args=(time.time(),),
+                name="redislock-late-hold",
+                daemon=True,
             ).start()
         except Exception as exc:
             logger.warning(
@@ -346,13 +349,25 @@ class Request(_CeleryRequest):  # type: ignore[misc]
                 exc,
             )
 
-    def _free_late_hold(self) -> None:
-        """See :meth:`_look_again_later`."""
+    def _free_late_hold(self, gone_at: float) -> None:
+        """See :meth:`_look_again_later`; ``gone_at``: when the child was seen gone
+        (``time.time()``).
+
+        Only a hold the child asked for before then is its: a pool process
+        started since may have been given the same process id (and run a
+        delivery of the same message again), but its hold began later, and a
+        live process with that id is not the dead child."""
         time.sleep(LATE_REQUEST_WAIT)
         task = self.task
         try:
             name, held = self._message_lock()
-            if held is None or not self._is_childs(held):
+            if (
+                held is None
+                or not self._is_childs(held)
+                or held.since is None
+                or held.since >= gone_at
+                or not _process_gone(self.worker_pid)
+            ):
                 return
             force_release(task.lock_client, name, task.lock_options.prefix, fence=held.fence)
             logger.info(
