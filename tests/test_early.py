@@ -28,7 +28,7 @@ from celery_redislock.heartbeat import Heartbeat
 from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer
-from celery_redislock.task import _written_ahead, queued_owner
+from celery_redislock.task import _shown, _written_ahead, queued_owner
 from celery_redislock.transport import transport_for
 from tests.proxy import FaultProxy
 from tests.support import (
@@ -740,3 +740,50 @@ def test_a_message_killed_for_its_time_limit_is_known_to_come_back_as_celery_dec
         assert _requeued_on_timeout(job) is requeued
     finally:
         close_app(app)
+
+
+@pytest.mark.parametrize(
+    "late", ["its own", "begun after it was seen gone", "its process id taken again"]
+)
+def test_the_second_look_frees_only_a_late_hold_of_the_dead_pool_process(
+    app: Celery, locks: redis.Redis, monkeypatch: pytest.MonkeyPatch, late: str
+) -> None:
+    """The worker's second look for a hold of a pool process that died frees one
+    the process asked for before it was seen gone (landed late), and leaves alone a
+    hold with the same task id, node and process id that began after that, or
+    while a live process has that id: a pool process started since, given the same
+    id, running a delivery of the same message again."""
+    monkeypatch.setattr("celery_redislock.early.LATE_REQUEST_WAIT", 0.0)
+    task = app.tasks["early.plain"]
+    name = uuid.uuid4().hex
+    request = Request(TaskMessage(task.name, args=(name,)), app=app, task=task)
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        if late != "its process id taken again":
+            process.kill()
+            process.wait()
+        request.on_accepted(process.pid, time.monotonic())
+        seen_gone = time.time() - (10.0 if late == "begun after it was seen gone" else 0.0)
+        time.sleep(0.01)  # (the hold begins after that, to the millisecond)
+        hold = RedisLock(
+            locks,
+            task.lock_name((name,), {}),
+            ttl=30,
+            lease=request.id,
+            heartbeat=False,
+            holder_info={
+                "task": task.name,
+                "state": "running",
+                "node": _shown(str(request.hostname)),
+                "pid": str(process.pid),
+                "since": f"{time.time() - (1.0 if late == 'its own' else 0.0):.3f}",
+            },
+        )
+        assert hold.acquire(blocking=False)
+        request._free_late_hold(seen_gone)
+        assert held(locks, hold.key) is (late != "its own")
+        hold.detach()
+        locks.delete(hold.key)
+    finally:
+        process.kill()
+        process.wait()
