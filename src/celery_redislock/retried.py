@@ -126,18 +126,24 @@ class Retried:
         so a job that fails, or is not tried by then, is given up, logged; the
         job the thread is trying is tried here too (its try may be stuck on a
         connection gone dark; a job done twice is done once)."""
-        with self._cond:
-            jobs = [(pause, job) for _due, pause, job in self._jobs]
-            self._jobs = []
-            if final and self._current is not None:
-                jobs.append(self._current)
-        for pause, job in jobs:
-            if not deadline.expired():
-                self._try(job, pause, final)
-            elif final:
-                logger.warning("%s: given up as the process exits", job.what)
-            else:
-                self.add(job, pause)
+        in_flight = final
+        while True:
+            with self._cond:
+                jobs = [(pause, job) for _due, pause, job in self._jobs]
+                self._jobs = []
+                if in_flight and self._current is not None:
+                    jobs.append(self._current)
+            in_flight = False
+            for pause, job in jobs:
+                if not deadline.expired():
+                    self._try(job, pause, final)
+                elif final:
+                    logger.warning("%s: given up as the process exits", job.what)
+                else:
+                    self.add(job, pause)
+            # At exit, a job handed over meanwhile (no thread takes it now) too.
+            if not (final and jobs):
+                return
 
 
 _retried = Retried()
