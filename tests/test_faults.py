@@ -1169,6 +1169,44 @@ def test_a_renewal_whose_answer_is_lost_after_an_extend_brings_the_deadline_back
     )
 
 
+def test_renewals_that_never_reached_the_server_leave_an_extends_deadline(
+    proxy: FaultProxy, server: RedisServer
+) -> None:
+    """A renewal that failed before it was written (every connection refused) did
+    not run: the TTL a longer extend() set still holds on the server, and the holder
+    keeps trusting it."""
+    holder = RedisLock(proxy.url, "extended-then-refused", ttl=2, call_timeout=0.5)
+    assert holder.acquire()
+    holder.extend(30)
+    proxy.close_port()
+    proxy.reset_all()
+    direct = server.client()
+    # Past the lock's own TTL from the last renewal, with renewals failing meanwhile.
+    time.sleep(3)
+    assert not holder.lost
+    assert direct.pttl(holder.key) > 20_000
+    proxy.heal()
+    holder.release()
+    direct.close()
+
+
+def test_a_shorter_extend_that_never_reached_the_server_leaves_the_deadline(
+    proxy: FaultProxy,
+) -> None:
+    """An extend() to a shorter TTL that failed before it was written did not run:
+    the holder's local deadline stays the lock's own."""
+    holder = RedisLock(proxy.url, "shortened-refused", ttl=30, call_timeout=0.5, heartbeat=False)
+    assert holder.acquire()
+    proxy.close_port()
+    proxy.reset_all()
+    with pytest.raises(LockBackendError):
+        holder.extend(0.1)
+    time.sleep(0.2)
+    assert not holder.lost
+    proxy.heal()
+    holder.release()
+
+
 def test_a_reentrant_acquire_whose_answer_is_lost_after_an_extend_brings_the_deadline_back(
     proxy: FaultProxy, server: RedisServer
 ) -> None:

@@ -55,6 +55,7 @@ from celery_redislock.transport import (
     MovableDeadline,
     Transport,
     describe_error,
+    may_have_run,
 )
 
 logger = logging.getLogger(__name__)
@@ -594,7 +595,7 @@ class _Lane:
         refused: list[Exception] = []
         lost = len(renewals) - len(live)
         for (lock, entry, confirmed), result in zip(live, results, strict=True):
-            if isinstance(result, Exception):
+            if isinstance(result, Exception) and may_have_run(result):
                 # It may have run all the same (its answer lost), setting the TTL
                 # back from a longer extend's.
                 lock._renewal_failed(now)

@@ -751,9 +751,9 @@ class RedisLock:
                 self._expiry = max(self._expiry, sent + self.ttl)
 
     def _renewal_failed(self, sent: float) -> None:
-        """A renewal sent at ``sent`` failed: it may have run all the same (its
-        answer lost), so the server's expiry may be no later than its own, however
-        much longer an extend made it."""
+        """A renewal sent at ``sent`` failed after it was written: it may have run
+        all the same (its answer lost), so the server's expiry may be no later than
+        its own, however much longer an extend made it."""
         with self._state:
             self._may_have_renewed(sent)
             self._expiry = min(self._expiry, sent + self.ttl)
@@ -1201,8 +1201,9 @@ class RedisLock:
         With the heartbeat on, it goes on renewing the lock to its own TTL, the
         next time before ``ttl`` runs out: a shorter ``ttl`` brings the next
         renewal forward, and a longer one lasts until the next renewal.
-        An extend that raises may still have run (its answer lost): the holder's
-        local deadline (see :attr:`lost`) is then no later than ``ttl`` from now.
+        An extend that raises after it was written may still have run (its
+        answer lost): the holder's local deadline (see :attr:`lost`) is then no
+        later than ``ttl`` from now.
 
         Raises:
             LockNotOwnedError: this owner does not hold the lock.
@@ -1223,12 +1224,13 @@ class RedisLock:
         try:
             with backend_errors(f"extend lock {self.name!r}"):
                 result = self._run(call, self._call_deadline(None))
-        except BaseException:
+        except BaseException as exc:
             with self._state:
                 self._extending = tuple(f for f in self._extending if f is not floor)
-                # It may have run all the same (its answer lost): a shorter TTL
-                # then holds on the server.
-                self._expiry = min(self._expiry, sent + new_ttl)
+                if not isinstance(exc, LockBackendError) or may_have_run(exc.__cause__ or exc):
+                    # It may have run all the same (its answer lost): a shorter
+                    # TTL then holds on the server.
+                    self._expiry = min(self._expiry, sent + new_ttl)
             raise
         if result != 1:
             with self._state:
