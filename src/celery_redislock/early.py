@@ -37,10 +37,9 @@ over. (Two round trips on the worker's event loop, of 5 s at most each:
 ``DEFAULT_CALL_TIMEOUT``; three for an ``until_executed`` retry whose
 reservation is not there yet.) An acquire the child wrote just before it died
 may reach the store after that look, delayed on its way: unless the look found
-the child's hold, the worker looks once more, from a thread of its own, once
-no request of the child's can be answered any more
-(:data:`LATE_REQUEST_WAIT`), and frees a hold of that child's it finds then,
-by its fencing token. That includes a child the
+the child's hold, the worker looks once more, from a thread of its own,
+:data:`LATE_REQUEST_WAIT` later, and frees a hold of that child's it finds then,
+by its fencing token (one delayed longer still expires by its TTL). That includes a child the
 worker itself signalled: ``revoke(terminate=True)``, or the cancel of a running
 task as the worker loses its broker connection
 (``worker_cancel_long_running_tasks_on_connection_loss``). Celery reports those
@@ -67,16 +66,12 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request as _CeleryRequest
 
 from celery_redislock.admin import LockInfo, force_release, read_lock
-from celery_redislock.dropped import drop_id, free_dropped
-from celery_redislock.reservations import free_queued
+from celery_redislock.dropped import drop_id
 from celery_redislock.task import (
-    UNTIL_EXECUTED,
     WHILE_EXECUTING,
     SingletonTask,
     _shown,
     _written_ahead,
-    request_retries,
-    request_sender,
     take_written_ahead,
 )
 from celery_redislock.transport import DEFAULT_CALL_TIMEOUT
@@ -107,8 +102,9 @@ KILL_WAIT = 10.0
 #: How long, in seconds, after a pool process is seen gone, the worker looks
 #: again for a hold of that process (see :meth:`Request._look_again_later`): a
 #: request it wrote just before it died, delayed on its way to the store, can
-#: land after the first look, and no request of its is answered past its call's
-#: deadline (``DEFAULT_CALL_TIMEOUT``), plus a margin.
+#: land after the first look. A best effort: the server runs a request whenever
+#: it arrives, and this covers delays up to the process's own call deadline
+#: (``DEFAULT_CALL_TIMEOUT``), plus a margin.
 LATE_REQUEST_WAIT = DEFAULT_CALL_TIMEOUT + 1.0
 
 #: Whether this system shows its processes under ``/proc`` (a zombie is told apart
@@ -295,7 +291,6 @@ class Request(_CeleryRequest):  # type: ignore[misc]
         if not isinstance(task, SingletonTask):
             return
         try:
-            options = task.lock_options
             name, held = self._message_lock()
             if held is None or (fence is not None and held.fence != fence):
                 if fence is None:
@@ -307,23 +302,34 @@ class Request(_CeleryRequest):  # type: ignore[misc]
                 if fence is None:
                     self._look_again_later()
                 return
-            force_release(task.lock_client, name, options.prefix, fence=held.fence)
-            logger.info(
-                "celery_redislock: freed lock %s of %s[%s], whose pool process %s died",
-                name,
-                task.name,
-                self.id,
-                self.worker_pid,
-            )
+            self._force_free(name, held, "whose pool process %s died")
         except Exception as exc:
             # Its TTL frees it all the same.
             logger.warning(
                 "celery_redislock: could not free the lock of %s[%s], whose pool process "
-                "died (it expires by its TTL): %s",
+                "died (it expires by its TTL, or free it with `celery redislock release`): %s",
                 task.name,
                 self.id,
                 exc,
             )
+
+    def _force_free(self, name: str, held: LockInfo, how: str) -> None:
+        """Free lock ``name`` by the fencing token of ``held``, the hold of this
+        task's dead pool process (``how`` it came to be there, for the log, with
+        ``%s`` for the process id).
+
+        Raises:
+            LockBackendError: the lock store could not be reached.
+        """
+        task = self.task
+        force_release(task.lock_client, name, task.lock_options.prefix, fence=held.fence)
+        logger.info(
+            "celery_redislock: freed lock %s of %s[%s], " + how,
+            name,
+            task.name,
+            self.id,
+            self.worker_pid,
+        )
 
     def _look_again_later(self) -> None:
         """Look once more, :data:`LATE_REQUEST_WAIT` seconds from now and from a
@@ -369,19 +375,14 @@ class Request(_CeleryRequest):  # type: ignore[misc]
                 or not _process_gone(self.worker_pid)
             ):
                 return
-            force_release(task.lock_client, name, task.lock_options.prefix, fence=held.fence)
-            logger.info(
-                "celery_redislock: freed lock %s of %s[%s], taken by a request its pool "
-                "process %s sent before it died",
-                name,
-                task.name,
-                self.id,
-                self.worker_pid,
+            self._force_free(
+                name, held, "taken by a request its pool process %s sent before it died"
             )
         except Exception as exc:
             logger.warning(
                 "celery_redislock: could not look again for a hold of %s[%s], whose pool "
-                "process died (one taken late expires by its TTL): %s",
+                "process died (one taken late expires by its TTL, or free it with "
+                "`celery redislock release`): %s",
                 task.name,
                 self.id,
                 exc,
@@ -403,15 +404,7 @@ class Request(_CeleryRequest):  # type: ignore[misc]
         options = task.lock_options
         if options.strategy == WHILE_EXECUTING:
             return
-        client, retries = task.lock_client, request_retries(self)
-        if options.strategy == UNTIL_EXECUTED:
-            drop, ttl = drop_id(self), options.enqueue_ttl
-            freed = free_dropped(
-                client, name, self.id, options.prefix, retries, ttl, drop, request_sender(self)
-            )
-        else:
-            freed = free_queued(client, name, self.id, options.prefix, retries)
-        if freed:
+        if task._free_message(self, name, options, drop_id(self)):
             logger.info(
                 "celery_redislock: freed the reservation %s of %s[%s], whose pool process "
                 "%s died before it started",

@@ -1621,10 +1621,12 @@ class RedisLock:
 
     def _undo_call(self, request: str) -> Call:
         """The release that undoes acquire ``request``, if it is still the lock's
-        last change. A lock it frees, or finds free, remembers ``request`` as
-        undone for the acquire's TTL (an hour at least), so that the acquire,
-        should it arrive after its undo (held up on the network), takes nothing
-        (see :data:`~celery_redislock.scripts.RELEASE`, ARGV[10])."""
+        last change. A lock it frees, or finds free, remembers ``request`` (and
+        this owner) as undone for the acquire's TTL (an hour at least), or until
+        the lock next changes, so that the acquire, should it arrive after its
+        undo (held up on the network), takes nothing (see
+        :data:`~celery_redislock.scripts.RELEASE`, ARGV[10]). Only the last undo
+        is remembered so; a lock found held remembers none."""
         keep = max(FENCE_TTL_MS, int(self.ttl * 1000))
         return Call(
             RELEASE_SCRIPT,

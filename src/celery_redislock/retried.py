@@ -26,6 +26,9 @@ __all__ = ["Job", "Retried", "retry_later"]
 
 logger = logging.getLogger(__name__)
 
+#: What a job given up leaves, and what an operator can do, for the log.
+_WHAT_NOW = "the lock expires by its TTL, or free it with `celery redislock release`"
+
 #: The first pause between tries of work done again in the background (see
 #: :class:`Retried`), in seconds; it doubles after each failed try, up to
 #: :data:`RETRY_PAUSE_MAX`.
@@ -113,11 +116,11 @@ class Retried:
             job.attempt()
         except LockBackendError as error:
             if final or time.monotonic() + pause >= job.until:
-                logger.warning("%s: given up (the lock expires by its TTL): %s", job.what, error)
+                logger.warning("%s: given up (%s): %s", job.what, _WHAT_NOW, error)
             else:
                 self.add(job, min(pause * 2, RETRY_PAUSE_MAX))
         except Exception as error:
-            logger.warning("%s: not possible (the lock expires by its TTL): %s", job.what, error)
+            logger.warning("%s: not possible (%s): %s", job.what, _WHAT_NOW, error)
 
     def run_now(self, deadline: Deadline, final: bool = False) -> None:
         """Try every job now, from the calling thread, while ``deadline`` has not
@@ -138,7 +141,7 @@ class Retried:
                 if not deadline.expired():
                     self._try(job, pause, final)
                 elif final:
-                    logger.warning("%s: given up as the process exits", job.what)
+                    logger.warning("%s: given up as the process exits (%s)", job.what, _WHAT_NOW)
                 else:
                     self.add(job, pause)
             # At exit, a job handed over meanwhile (no thread takes it now) too.

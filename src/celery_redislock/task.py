@@ -685,7 +685,7 @@ class _Heeding:
     def what(self) -> str:
         """What it is, for the log."""
         return (
-            f"heeding word about retry {self.retries} of {self.task.name}"
+            f"heeding word about the message (retry count {self.retries}) of {self.task.name}"
             f"[{self.reservation.lease}] beside lock {self.reservation.name!r}"
         )
 
@@ -2183,8 +2183,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             self._heed_words(heeding)
         except LockBackendError as exc:
             logger.warning(
-                "could not check whether retry %d of %s[%s] ended without running; "
-                "done again once the lock store answers (else lock %s expires by its TTL): %s",
+                "could not check whether the message it sent (retry count %d) of %s[%s] ended "
+                "without running; done again once the lock store answers (else lock %s "
+                "expires by its TTL, or free it with `celery redislock release`): %s",
                 heeding.retries,
                 self.name,
                 reservation.lease,
@@ -2237,7 +2238,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         client, name, task_id = self.lock_client, reservation.name, reservation.lease
         if word.fence not in fences:
             logger.info(
-                "%s[%s]: word left for another hold of lock %s about its retry %d "
+                "%s[%s]: word left for another hold of lock %s about the message it sent "
+                "(retry count %d) "
                 "ignored; the lock is kept for that retry",
                 self.name,
                 task_id,
@@ -2258,14 +2260,15 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
             return None
         if word.then <= retries:
-            logger.info(
-                "%s[%s]: the message it sent (retry count %d) ended without running; lock %s freed",
-                self.name,
-                task_id,
-                retries,
-                name,
-            )
-            free_queued(client, name, task_id, opts.prefix, retries)
+            if free_queued(client, name, task_id, opts.prefix, retries):
+                logger.info(
+                    "%s[%s]: the message it sent (retry count %d) ended without running; "
+                    "lock %s freed",
+                    self.name,
+                    task_id,
+                    retries,
+                    name,
+                )
             return None
         return self._take_reservation(reservation, opts, word.ms / 1000, word.then)
 
@@ -2316,11 +2319,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             retries, sender = request_retries(request), request_sender(request)
             if kept is None:
                 # Only the message's reservation: never an execution's hold.
-                if opts.strategy == UNTIL_EXECUTED and not request.is_eager:
-                    client, ttl = self.lock_client, opts.enqueue_ttl
-                    free_dropped(client, name, task_id, opts.prefix, retries, ttl, None, sender)
-                else:
+                if request.is_eager:
                     free_queued(self.lock_client, name, task_id, opts.prefix, retries)
+                else:
+                    self._free_message(request, name, opts)
             elif kept[0] != retries and not moved:
                 self._pass_on(name, task_id, retries, kept, opts, sender)
         except Exception as error:
@@ -2541,7 +2543,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
 
     def _redelivered(
-        self, lock: RedisLock, key: str, request: Any, opts: LockOptions, waiting: list[float]
+        self, lock: RedisLock, name: str, request: Any, opts: LockOptions, waiting: list[float]
     ) -> Any:
         """Wait out the hold of an earlier delivery of this execution's own message
         (same task id): a message the broker delivered again while it still ran (a
@@ -2601,7 +2603,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
         limit = None if behind_sender else max(0, lock._pttl) / 1000 + REDELIVERY_GRACE
         _send(
-            signals.lock_conflict, self, key, task_id=lock.lease, holder=lock.lease,
+            signals.lock_conflict, self, name, task_id=lock.lease, holder=lock.lease,
             action="redelivered",
         )  # fmt: skip
         # A delivery of the same message running in this process is alive: no need
@@ -2617,7 +2619,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 "it to end",
                 self.name,
                 request.id,
-                key,
+                name,
                 "as long as it runs" if limit is None else f"up to {limit:.1f} s",
             )
 
@@ -2649,7 +2651,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             except Exception as exc:
                 if behind_sender and not lock.holding:
                     # (A soft time limit, the store out of reach.)
-                    self._ended_behind_sender(key, request, opts, exc)
+                    self._ended_behind_sender(name, request, opts, exc)
                 raise
             if acquired:
                 if (
@@ -2668,27 +2670,50 @@ class SingletonTask(Task):  # type: ignore[misc]
                 return None
             if passed and lock.blocked_by == lease:
                 # Met as a copy of the delivery that now holds it.
-                return self._redelivered(lock, key, request, opts, waiting)
+                return self._redelivered(lock, name, request, opts, waiting)
         if self._superseded(lock, request):
             logger.info(
                 "%s[%s] dropped: this message was sent again as its retry %d, which holds lock %s",
                 self.name,
                 request.id,
                 hold_retries(lock._blocked_owner, lease),
-                key,
+                name,
             )
             raise Ignore()
         if lock.blocked_by != lease:
             # Freed by the earlier delivery and taken by another task meanwhile.
-            return self._conflict(lock, key, request, opts, waiting)
+            return self._conflict(lock, name, request, opts, waiting)
         logger.warning(
             "%s[%s] dropped: this message was delivered again while an earlier delivery, "
             "still renewing lock %s, runs it",
             self.name,
             request.id,
-            key,
+            name,
         )
         raise Ignore()
+
+    def _free_message(
+        self, request: Any, name: str, opts: LockOptions, drop: str | None = None
+    ) -> bool:
+        """Free lock ``name`` (under ``opts``, the options of the message's call) if
+        ``request``'s message, which ends without running,
+        still owns it by its reservation (:func:`free_queued`: never an
+        execution's hold); return whether it did. For an ``until_executed``
+        message whose reservation is not there yet (the execution that sent it
+        from its body still runs), leave that execution word to free it as it
+        ends instead (:func:`free_dropped`; ``drop``: the delivery's id, see
+        :func:`~celery_redislock.dropped.drop_id`).
+
+        Raises:
+            LockBackendError: the lock store could not be reached.
+        """
+        retries = request_retries(request)
+        if opts.strategy == UNTIL_EXECUTED:
+            return free_dropped(
+                self.lock_client, name, request.id, opts.prefix, retries, opts.enqueue_ttl,
+                drop, request_sender(request),
+            )  # fmt: skip
+        return free_queued(self.lock_client, name, request.id, opts.prefix, retries)
 
     def _ended_behind_sender(
         self, name: str, request: Any, opts: LockOptions, exc: Exception
@@ -2705,19 +2730,16 @@ class SingletonTask(Task):  # type: ignore[misc]
         reach) leaves the lock to that reservation's TTL, logged."""
         if opts.strategy != UNTIL_EXECUTED or request.is_eager:
             return
-        task_id, retries = request.id, request_retries(request)
         try:
-            free_dropped(
-                self.lock_client, name, task_id, opts.prefix, retries, opts.enqueue_ttl,
-                None, request_sender(request),
-            )  # fmt: skip
+            self._free_message(request, name, opts)
         except Exception as error:
             logger.warning(
                 "%s[%s] ended without running (%s) while the execution that sent it ran; "
                 "could not leave it word to free lock %s as it ends (the lock may stay "
-                "reserved for this message until lock_enqueue_ttl): %s",
+                "reserved for this message until lock_enqueue_ttl, or free it with "
+                "`celery redislock release`): %s",
                 self.name,
-                task_id,
+                request.id,
                 type(exc).__name__,
                 name,
                 error,
@@ -2823,20 +2845,9 @@ def _release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     if not isinstance(sender, SingletonTask) or request is None or not request.id:
         return
     try:
-        options = sender.lock_options
         name = sender._message_name(request, request.args, request.kwargs)
-        retries = request_retries(request)
-        if options.strategy == UNTIL_EXECUTED:
-            # The execution that sent this retry (or this message under its own
-            # task id) may still hold the lock for it. (A revoke sweep of the
-            # request left the same id: counted once.)
-            client, ttl, drop = sender.lock_client, options.enqueue_ttl, drop_id(request)
-            free_dropped(
-                client, name, request.id, options.prefix, retries, ttl, drop,
-                request_sender(request),
-            )  # fmt: skip
-        else:
-            free_queued(sender.lock_client, name, request.id, options.prefix, retries)
+        # (A revoke sweep of the request left the same drop id: counted once.)
+        sender._free_message(request, name, sender.lock_options, drop_id(request))
     except Exception as exc:  # a signal handler must not break the worker
         logger.warning("could not free the lock of revoked task %s: %s", request.id, exc)
 
