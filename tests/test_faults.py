@@ -2607,6 +2607,34 @@ def test_a_send_that_fails_with_its_store_unreachable_frees_its_reservation_once
     queue.close()
 
 
+def sent_again_before_its_background_send(
+    job: Any, key: str, task_id: str, proxy: FaultProxy, direct: redis.Redis, queue: redis.Redis
+) -> None:
+    """Send ``job``'s call ``(1,)`` again (under the id ``sent-1`` of the send that
+    failed, or a new one for ``task_id`` "a new id") while the background send
+    about lock key ``key`` that failed send left is backed off past the outage:
+    it is published beside the first, its reservation made; then the background
+    send goes, and leaves that reservation alone."""
+    lane, pending = background_send_about(key)
+    with lane.cond:
+        # Backed off past the outage (a try under way when this is set goes
+        # after the same pause once it fails).
+        pending.next_try, pending.pause = lane.clock() + 3600, 3600.0
+    proxy.heal()
+    again = job.apply_async((1,), task_id="sent-1" if task_id == "the same id" else None)
+    queued = [
+        json.loads(m)["headers"]["id"] for m in queue.lrange(job.app.conf.task_default_queue, 0, -1)
+    ]
+    assert len(queued) == 2
+    assert again.id in queued
+    assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
+    with lane.cond:
+        pending.next_try, pending.pause = lane.clock(), 0.1
+        lane._wake(pending.next_try)
+    wait_for(lambda: background_sends_about(key) == [], timeout=10, what="the background send")
+    assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
+
+
 @pytest.mark.parametrize("task_id", ["the same id", "a new id"])
 def test_a_send_made_again_before_the_undo_of_a_sends_unanswered_reservation_is_published(
     server: RedisServer, proxy: FaultProxy, direct: redis.Redis, task_id: str
@@ -2638,21 +2666,7 @@ def test_a_send_made_again_before_the_undo_of_a_sends_unanswered_reservation_is_
             job.apply_async((1,), task_id="sent-1")
         assert fields(direct, key)[OWNER_FIELD] == queued_owner("sent-1")  # it ran
         assert queue.llen(f"{name}-queue") == 1
-        lane, undo = background_send_about(key)
-        with lane.cond:
-            # Backed off past the outage.
-            undo.next_try, undo.pause = lane.clock() + 3600, 3600.0
-        proxy.heal()
-        again = job.apply_async((1,), task_id="sent-1" if task_id == "the same id" else None)
-        queued = [json.loads(m)["headers"]["id"] for m in queue.lrange(f"{name}-queue", 0, -1)]
-        assert len(queued) == 2
-        assert again.id in queued
-        assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
-        with lane.cond:
-            undo.next_try, undo.pause = lane.clock(), 0.1
-            lane._wake(undo.next_try)
-        wait_for(lambda: background_sends_about(key) == [], timeout=10, what="the undo")
-        assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
+        sent_again_before_its_background_send(job, key, task_id, proxy, direct, queue)
     finally:
         proxy.heal()
         queue.close()
@@ -2718,20 +2732,5 @@ def test_a_send_made_again_before_a_failed_sends_reservation_is_freed_is_publish
         key = lock_keys(job.lock_name((1,), {}))[0]
         send_failing((1,), task_id="sent-1")
         assert held(direct, key)
-        lane, free = background_send_about(key)
-        with lane.cond:
-            # Backed off past the outage (a try under way when this is set goes
-            # after the same pause once it fails).
-            free.next_try, free.pause = lane.clock() + 3600, 3600.0
-        proxy.heal()
-        again = job.apply_async((1,), task_id="sent-1" if task_id == "the same id" else None)
-        queued = [json.loads(m)["headers"]["id"] for m in queue.lrange(f"{name}-queue", 0, -1)]
-        assert len(queued) == 2
-        assert again.id in queued
-        assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
-        with lane.cond:
-            free.next_try, free.pause = lane.clock(), 0.1
-            lane._wake(free.next_try)
-        wait_for(lambda: background_sends_about(key) == [], timeout=10, what="the free")
-        assert fields(direct, key)[OWNER_FIELD] == queued_owner(again.id)
+        sent_again_before_its_background_send(job, key, task_id, proxy, direct, queue)
     queue.close()
