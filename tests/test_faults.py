@@ -2452,6 +2452,22 @@ def test_an_acquire_that_reaches_the_server_after_its_undo_takes_nothing(
     rival.release()
 
 
+def locks_behind(proxy: FaultProxy, server: RedisServer, name: str) -> tuple[Celery, Any]:
+    """An app whose lock store is ``server`` behind ``proxy`` (its broker reached
+    directly, db 1), and its ``until_executed`` task ``name``."""
+    app = Celery(name, broker=f"redis://{server.host}:{server.port}/1", set_as_current=False)
+    app.conf.update(
+        redislock_url=proxy.url_for(0),
+        task_default_queue=f"{name}-queue",
+        broker_connection_retry_on_startup=True,
+    )
+
+    @app.task(base=SingletonTask, shared=False, name=name, lock_strategy="until_executed")
+    def job(n: int) -> None: ...
+
+    return app, job
+
+
 @pytest.mark.parametrize("task_id", ["the same id", "a new id"])
 def test_a_send_whose_reservation_reaches_the_server_after_its_undo_is_made_again(
     server: RedisServer, proxy: FaultProxy, direct: redis.Redis, task_id: str
@@ -2463,15 +2479,7 @@ def test_a_send_whose_reservation_reaches_the_server_after_its_undo_is_made_agai
     (under the same task id or another) rather than deduplicated to the message
     that was never sent, for the reservation's TTL (``lock_enqueue_ttl``)."""
     name = f"late-reservation-{task_id.replace(' ', '-')}"
-    app = Celery(name, broker=f"redis://{server.host}:{server.port}/1", set_as_current=False)
-    app.conf.update(
-        redislock_url=proxy.url_for(0),
-        task_default_queue=f"{name}-queue",
-        broker_connection_retry_on_startup=True,
-    )
-
-    @app.task(base=SingletonTask, shared=False, name=name, lock_strategy="until_executed")
-    def job(n: int) -> None: ...
+    app, job = locks_behind(proxy, server, name)
 
     new_lock = job._new_lock
 
@@ -2647,15 +2655,7 @@ def test_a_send_made_again_before_the_undo_of_a_sends_unanswered_reservation_is_
     sent: its acquire sends the undo first. The undo, tried again later, acts
     only on the acquire it undoes, and leaves the new reservation alone."""
     name = f"unanswered-send-again-{task_id.replace(' ', '-')}"
-    app = Celery(name, broker=f"redis://{server.host}:{server.port}/1", set_as_current=False)
-    app.conf.update(
-        redislock_url=proxy.url_for(0),
-        task_default_queue=f"{name}-queue",
-        broker_connection_retry_on_startup=True,
-    )
-
-    @app.task(base=SingletonTask, shared=False, name=name, lock_strategy="until_executed")
-    def job(n: int) -> None: ...
+    app, job = locks_behind(proxy, server, name)
 
     queue = server.client(db=1, socket_timeout=5)
     try:
