@@ -230,6 +230,11 @@ class _Lane:
         self.cond = threading.Condition(self.lock)
         self.entries: dict[int, _Entry] = {}
         self.pending: list[_Pending] = []
+        # Whether the lane's thread is in a round that reads owed answers (whose
+        # handlers may hand requests over to be sent again) or sends pending
+        # requests (and reports what it settles: logs it, calls its ``then``): a
+        # flush at exit waits for it before the process ends (send_pending_now).
+        self.busy = False
         # When to look for replies owed on idle connections (None: nothing owed),
         # which requests' replies to read then (those up to this value of the
         # transport's ``sends``), and whether a reply was deferred since the last look.
@@ -421,32 +426,13 @@ class _Lane:
                     if batch is None:
                         return
                     renewals, pending, drain, check = batch
-                if check:
-                    # Whatever the Sentinels say, quickly: sends again the
-                    # requests that wait for a switch, if one is learnt.
-                    try:
-                        self.transport.check_primary()
-                    except BaseException:
-                        # As for a round: the thread renews every lock on this server.
-                        logger.exception("celery_redislock: asking the Sentinels failed")
+                    self.busy = bool(pending) or drain is not None
                 try:
-                    if renewals:
-                        self.renew(renewals, lane_thread=True)
-                        self.heartbeat.rounds += 1
-                    if pending:
-                        self._send_pending(pending)
-                    if drain is not None:
-                        try:
-                            self.drained += self.transport.drain(
-                                self._movable(self._budget()), written_by=drain
-                            )
-                        finally:
-                            self._end_round()
-                except BaseException:
-                    # The round runs its users' code (the handlers of deferred
-                    # replies): not even a SystemExit there may end the thread,
-                    # which renews every other lock on this server.
-                    logger.exception("celery_redislock heartbeat round failed")
+                    self._round(renewals, pending, drain, check)
+                finally:
+                    with self.cond:
+                        self.busy = False
+                        self.cond.notify_all()
                 # No strong reference may outlive the round: a lock dropped by its
                 # user must be collectable while the thread sleeps.
                 del batch, renewals, pending, drain, check
@@ -455,6 +441,41 @@ class _Lane:
             with self.cond:
                 if self.thread is threading.current_thread():
                     self.thread = None
+
+    def _round(
+        self,
+        renewals: list[_Renewal],
+        pending: list[_Pending],
+        drain: int | None,
+        check: bool,
+    ) -> None:
+        """One round of the lane's thread: what :meth:`_next_batch` found due."""
+        if check:
+            # Whatever the Sentinels say, quickly: sends again the
+            # requests that wait for a switch, if one is learnt.
+            try:
+                self.transport.check_primary()
+            except BaseException:
+                # As for a round: the thread renews every lock on this server.
+                logger.exception("celery_redislock: asking the Sentinels failed")
+        try:
+            if renewals:
+                self.renew(renewals, lane_thread=True)
+                self.heartbeat.rounds += 1
+            if pending:
+                self._send_pending(pending)
+            if drain is not None:
+                try:
+                    self.drained += self.transport.drain(
+                        self._movable(self._budget()), written_by=drain
+                    )
+                finally:
+                    self._end_round()
+        except BaseException:
+            # The round runs its users' code (the handlers of deferred
+            # replies): not even a SystemExit there may end the thread,
+            # which renews every other lock on this server.
+            logger.exception("celery_redislock heartbeat round failed")
 
     def _next_batch(self) -> tuple[list[_Renewal], list[_Pending], int | None, bool] | None:
         """With ``cond`` held: sleep until work is due; ``None`` when the thread
@@ -1008,6 +1029,29 @@ def send_pending_now(deadline: Deadline, final: bool = False) -> None:
     beat = _heartbeat
     if beat is None:
         return
+    _send_pending_now(beat, deadline, final)
+    if final:
+        # A lane's thread in a round meanwhile may hand more requests over (an
+        # answer it counts lost), sent here next, or settle some, reported before
+        # the process ends.
+        _wait_for_lanes(beat, deadline)
+        _send_pending_now(beat, deadline, final)
+        _wait_for_lanes(beat, deadline)
+
+
+def _wait_for_lanes(beat: Heartbeat, deadline: Deadline) -> None:
+    """Wait, by ``deadline``, for this process's lanes' threads to end the rounds
+    that read owed answers or send pending requests (see ``_Lane.busy``)."""
+    with beat._guard:
+        lanes = [lane for lane in beat._lanes.values() if lane.pid == _pid]
+    for lane in lanes:
+        with lane.cond:
+            while lane.busy and (left := deadline.remaining()) > 0:
+                lane.cond.wait(left)
+
+
+def _send_pending_now(beat: Heartbeat, deadline: Deadline, final: bool) -> None:
+    """:func:`send_pending_now`'s sends."""
     sent: set[_Pending] = set()
     while True:
         with beat._guard:
