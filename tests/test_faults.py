@@ -844,6 +844,17 @@ def test_unconfirmed_acquire_is_undone(
     client.close()
 
 
+def acquired_unanswered(lock: RedisLock, proxy: FaultProxy) -> None:
+    """Acquire ``lock`` through ``proxy`` so that the acquire runs but its answer
+    is lost, the server out of reach after it: the acquire raises. (Taken and
+    released once first: the connection is open, the scripts known.)"""
+    assert lock.acquire(blocking=False)
+    lock.release()
+    proxy.drop_replies(1, then_close_port=True)
+    with pytest.raises(LockBackendError, match="could not acquire"):
+        lock.acquire(blocking=False)
+
+
 def test_an_acquire_made_again_before_the_undo_of_an_unanswered_one_landed_leaves_nothing(
     server: RedisServer, proxy: FaultProxy, direct: redis.Redis
 ) -> None:
@@ -853,11 +864,7 @@ def test_an_acquire_made_again_before_the_undo_of_an_unanswered_one_landed_leave
     unknowingly (a count of two, of which its release drops one): the undo goes
     first, and the release frees the lock."""
     lock = RedisLock(redis.Redis.from_url(proxy.url), "undo-then-again", ttl=60, call_timeout=1)
-    assert lock.acquire(blocking=False)  # the connection is open, the scripts known
-    lock.release()
-    proxy.drop_replies(1, then_close_port=True)
-    with pytest.raises(LockBackendError):
-        lock.acquire(blocking=False)
+    acquired_unanswered(lock, proxy)
     assert field(direct, lock.key, OWNER_FIELD) == lock.owner  # it ran
     proxy.heal()
     assert lock.acquire(blocking=False)
@@ -883,11 +890,7 @@ def test_an_acquire_by_another_object_before_the_undo_of_an_unanswered_one_lande
     client = redis.Redis.from_url(proxy.url)
     name = f"undo-other-object-{owner.replace(' ', '-')}"
     lock = RedisLock(client, name, ttl=60, call_timeout=1)
-    assert lock.acquire(blocking=False)  # the connection is open, the scripts known
-    lock.release()
-    proxy.drop_replies(1, then_close_port=True)
-    with pytest.raises(LockBackendError):
-        lock.acquire(blocking=False)
+    acquired_unanswered(lock, proxy)
     assert field(direct, lock.key, OWNER_FIELD) == lock.owner  # it ran
     lane, undo = background_send_about(lock.key)
     with lane.cond:
@@ -964,11 +967,7 @@ def test_an_acquire_whose_first_try_may_have_run_is_undone_though_its_retries_co
     first ran and lost its reply, the next could not connect, and the hold the first
     made is undone."""
     lock = RedisLock(proxy.url, "sent-once", ttl=60, call_timeout=1)
-    assert lock.acquire()
-    lock.release()
-    proxy.drop_replies(1, then_close_port=True)
-    with pytest.raises(LockBackendError, match="could not acquire"):
-        lock.acquire(blocking=False)
+    acquired_unanswered(lock, proxy)
     assert held(direct, lock.key)
     assert sent_in_background(lock) != []
     proxy.heal()
