@@ -4,7 +4,8 @@ Imported twice: by the test process, which runs its tasks on an in-process
 worker (configured with ``configure_app``), and by the command under test
 (``celery -A tests.cli_app redislock …``), which reads the server URL from
 ``REDISLOCK_TEST_URL``. A task holds its lock until the test sets ``go:<name>``
-in Redis, so the two processes share the same picture. With
+in Redis (``cliapp.waiting`` waits for its lock first, if another holds it),
+so the two processes share the same picture. With
 ``REDISLOCK_TEST_CLUSTER`` (ports of Redis Cluster nodes on the loopback, separated
 by commas), the locks live in that cluster, through a ``redislock_client``
 callable as the documentation shows it.
@@ -42,6 +43,26 @@ def report(self: SingletonTask, account_id: int, full: bool = False) -> int:
     deadline = time.monotonic() + 30
     client = store()
     while not client.exists(f"go:{account_id}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client.close()
+    return self.lock.fence
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    shared=False,
+    name="cliapp.waiting",
+    on_conflict="wait",
+    lock_wait=30,
+    lock_on=("account_id",),
+)
+def waiting(self: SingletonTask, account_id: int, go: str) -> int:
+    """Wait for the lock of ``account_id`` while another holds it, then hold it until
+    ``go:<go>`` is set (at most 30 s); return the fence."""
+    deadline = time.monotonic() + 30
+    client = store()
+    while not client.exists(f"go:{go}") and time.monotonic() < deadline:
         time.sleep(0.01)
     client.close()
     return self.lock.fence

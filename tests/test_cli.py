@@ -7,6 +7,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ from celery_redislock.admin import (
     SHOW_SCHEMA,
     STATS_SCHEMA,
     ForceReleased,
+    LockInfo,
     check_pattern,
     clear_locks,
     find_locks,
@@ -52,6 +54,7 @@ from tests import cli_app
 from tests.support import (
     acquire_in_thread,
     close_app,
+    fields,
     make_app,
     migrate_keys,
     migrating,
@@ -691,6 +694,90 @@ def test_show_by_name_and_by_task_id(app: Celery, locks: redis.Redis, worker: An
     assert "no lock named 'no-such-lock' is held" in one_line_failure(missing)
 
 
+def queued_waiting_task(locks: redis.Redis, account: int, go: str) -> tuple[Any, float]:
+    """Send cliapp.waiting(account, go) while another holds its lock, wait until it
+    is queued for it, and return its result and a ``since`` taken after that: a
+    hold that begins later says no earlier time."""
+    result = cli_app.waiting.delay(account, go)
+    _, queue = lock_keys(cli_app.waiting.lock_name((account, go), {}))
+    wait_for(lambda: locks.zcard(queue) == 1, what="the waiting task to queue")
+    # (Its description was made before it queued: a millisecond earlier at least.)
+    time.sleep(0.01)
+    ms = time.time_ns() // 1_000_000
+    # As a description's since has it: the milliseconds cut.
+    return result, float(f"{ms // 1000}.{ms % 1000:03d}")
+
+
+def held_by(locks: redis.Redis, account: int, task_id: str) -> LockInfo:
+    """The hold of cliapp.waiting(account)'s lock, once task ``task_id`` has it."""
+    name = cli_app.waiting.lock_name((account, ""), {})
+    wait_for(
+        lambda: (info := read_lock(locks, name)) is not None and info.holder == task_id,
+        what=f"task {task_id} to hold its lock",
+    )
+    info = read_lock(locks, name)
+    assert info is not None
+    return info
+
+
+def test_since_of_a_waiter_handed_the_lock_is_when_it_got_it(
+    app: Celery, locks: redis.Redis, worker: Any
+) -> None:
+    """A task that waited for its lock, handed over by its holder's release, holds it
+    since then, not since it began to wait: `show` and `stats` (the oldest hold, as
+    lock_stats finds it) say so, in the lock store's clock as the release ran."""
+    url = str(app.conf.redislock_url)
+    first = cli_app.waiting.delay(20, "first")
+    held_by(locks, 20, first.id)
+    second, before = queued_waiting_task(locks, 20, "second")
+    locks.set("go:first", 1)
+    first.get(timeout=30)
+    held = held_by(locks, 20, second.id)
+    assert held.since is not None
+    assert held.since >= before
+    assert re.fullmatch(r"\d+\.\d{3}", fields(locks, lock_keys(held.name)[0])["b"])
+    shown = json.loads(celery(url, "show", second.id, "--json").stdout)
+    (entry,) = shown["locks"]
+    assert entry["lock"]["since"] == held.since
+    assert lock_stats(list_locks(locks))["oldest"]["since"] == held.since
+    locks.set("go:second", 1)
+    second.get(timeout=30)
+
+
+def test_since_of_a_waiter_an_operator_release_hands_the_lock_to_is_when_it_got_it(
+    app: Celery, locks: redis.Redis, worker: Any
+) -> None:
+    """`release --force` of a running holder hands the lock to the task waiting for
+    it, whose hold begins then."""
+    url = str(app.conf.redislock_url)
+    first = cli_app.waiting.delay(21, "first")
+    held_by(locks, 21, first.id)
+    second, before = queued_waiting_task(locks, 21, "second")
+    forced = celery(url, "release", "--holder", first.id, "--yes", "--force")
+    assert forced.returncode == 0, forced.stderr
+    held = held_by(locks, 21, second.id)
+    assert held.since is not None
+    assert held.since >= before
+    locks.set("go:first", 1)
+    locks.set("go:second", 1)
+    first.get(timeout=30)
+    second.get(timeout=30)
+
+
+def test_since_of_a_waiter_that_takes_an_expired_lock_is_when_it_took_it(
+    app: Celery, locks: redis.Redis, worker: Any
+) -> None:
+    """A waiting task that takes the lock itself once a crashed holder's hold expired
+    (nobody hands it over) holds it since the try that took it."""
+    leave_stale_lock(cli_app.waiting, 22, "crashed", ttl=2)
+    waiting, before = queued_waiting_task(locks, 22, "waiting")
+    held = held_by(locks, 22, waiting.id)
+    assert held.since is not None
+    assert held.since >= before
+    locks.set("go:waiting", 1)
+    waiting.get(timeout=30)
+
+
 def test_name_of_a_call(app: Celery) -> None:
     """`name` prints the lock name a call would use; ARGS are JSON values or strings."""
     url = str(app.conf.redislock_url)
@@ -764,7 +851,7 @@ def test_release_of_a_task_id_or_a_mistyped_name_says_what_to_give(
     typo = one_line_failure(celery(url, "release", "--task", "cliapp.reprot", "--yes"))
     assert typo == (
         "Error: no lock of task cliapp.reprot is held (app 'cliapp' has no task "
-        "'cliapp.reprot'; its SingletonTasks: cliapp.queued, cliapp.report)"
+        "'cliapp.reprot'; its SingletonTasks: cliapp.queued, cliapp.report, cliapp.waiting)"
     )
     assert read_lock(locks, name) is not None
     finish_report(locks, 15, running)

@@ -46,6 +46,7 @@ from celery_redislock.scripts import (
     GRANT_MARK,
     GRANT_MS,
     GRANTED_TO,
+    HOLDER_FIELDS,
     LEASE_FIELD,
     OWNER_FIELD,
     QUEUED_FIELD,
@@ -2450,6 +2451,36 @@ def test_holder_info_is_kept_through_changes_to_the_hold(client: redis.Redis) ->
     assert got == [True]
     assert FIELDS["task"] not in stored(client, waiter)
     waiter.release()
+
+
+@pytest.mark.parametrize(
+    "info",
+    [
+        {"task": "proj.rebuild", "state": "running", "node": "w1", "pid": "7", "since": "1.5"},
+        {"task": "proj.rebuild", "since": "yesterday"},
+        {"task": "proj.rebuild"},
+    ],
+    ids=["all", "some", "no-since"],
+)
+def test_a_holder_info_given_is_handed_to_a_waiter_as_given(
+    client: redis.Redis, cleanup: list[RedisLock], info: dict[str, str]
+) -> None:
+    """The description a lock is given is stored as given with a hold a release hands
+    to it after it waited, its ``since`` too (only a SingletonTask's is made when its
+    hold began): no field is added, dropped or rewritten."""
+    holder = RedisLock(client, "handed-info", ttl=60)
+    assert holder.acquire()
+    waiter_lock = RedisLock(client, "handed-info", ttl=60, holder_info=info)
+    cleanup.append(waiter_lock)
+    handed_over(client, holder, waiter_lock)
+    values = stored(client, waiter_lock)
+    assert values[REQUEST_FIELD].startswith("g:")  # handed over, not taken by a try
+    assert {
+        name: values[stored_as]
+        for name, stored_as in FIELDS.items()
+        if stored_as in values and name in HOLDER_FIELDS
+    } == info
+    waiter_lock.release()
 
 
 @pytest.mark.parametrize(

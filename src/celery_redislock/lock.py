@@ -225,6 +225,28 @@ def check_timeout(value: object, argument: str = "timeout") -> float | None:
     return float(value)
 
 
+#: ``".000"`` to ``".999"``: the fraction :func:`since_now` ends with, ready-made
+#: (formatting a number costs more than the rest of the description).
+_MILLISECONDS = tuple(f".{n:03d}" for n in range(1000))
+
+# The whole second since_now() last wrote, and its digits: one pair, replaced
+# whole, so that a thread reads either the old pair or the new one.
+_last_second: tuple[int, str] = (-1, "")
+
+
+def since_now() -> str:
+    """Now, as a holder description's ``since`` has it: seconds since the epoch
+    to the millisecond, cut rather than rounded, so never later than now."""
+    global _last_second
+    ms = time.time_ns() // 1_000_000
+    second = ms // 1000
+    known, digits = _last_second
+    if second != known:
+        digits = str(second)
+        _last_second = (second, digits)
+    return digits + _MILLISECONDS[ms % 1000]
+
+
 #: Longest value of a holder description field, in characters.
 MAX_INFO_LENGTH = 200
 
@@ -467,7 +489,10 @@ class RedisLock:
         replica_timeout: see ``min_replicas``.
         holder_info: a description of the holder stored with each new hold (same
             round trip), for operators: any of ``task``, ``state``, ``node``,
-            ``pid``, ``since`` (strings of at most 200 characters).
+            ``pid``, ``since`` (strings of at most 200 characters), stored as
+            given, also with a hold a release hands to this lock after it waited
+            (a :class:`~celery_redislock.task.SingletonTask`'s ``since`` alone is
+            made when its hold began).
         prefix: key prefix.
 
     One object is one holder: threads sharing it share its holds (it is
@@ -562,6 +587,12 @@ class RedisLock:
     # release hands to one is nobody's, which the next acquire takes anew rather
     # than re-enter (see scripts.ACQUIRE, ARGV[9]).
     _gone_waiters = ""
+    # Whether the holder description's ``since`` (its last value) says when the
+    # hold began, as a SingletonTask execution's does (see _shared()): an acquire
+    # that may wait, and every try of its wait, write the time it is sent there,
+    # and a waiter's queue entry leaves it to the release that hands it the lock
+    # (see scripts.SINCE_AT_GRANT). Otherwise the description is stored as given.
+    _since_kept = False
 
     # The state set by _fill() (every lock has all of it).
     #: The lock's name, and the Redis keys of its value and of its waiter queue.
@@ -667,12 +698,20 @@ class RedisLock:
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
         beat: Heartbeat | None = None,
+        since_kept: bool = False,
     ) -> dict[str, Any]:
         """The state of a lock that does not depend on its name or holder, from
         checked values. Locks of one kind (the executions of one task) share it:
-        it is built once, and copied into each by :meth:`_fill`."""
+        it is built once, and copied into each by :meth:`_fill`.
+
+        ``since_kept``: the holder descriptions these locks are given have all of
+        :data:`~celery_redislock.scripts.HOLDER_FIELDS`, the last (``since``)
+        :func:`since_now` as the lock is made; the lock keeps it saying when the
+        hold began, should it wait for it (see :meth:`_stamp_since`)."""
         ttl = float(ttl)
+        kept = {"_since_kept": True} if since_kept else {}
         return {
+            **kept,
             "ttl": ttl,
             "heartbeat_interval": ttl / 3 if heartbeat_interval is None else heartbeat_interval,
             "blocking_timeout": blocking_timeout,
@@ -884,6 +923,9 @@ class RedisLock:
                 # can queue, and a lock found held needs no second.
                 acquired = self._wait(ends, request, held, stop=stop)
             else:
+                if blocking and self._since_kept:
+                    # (Usually after a try that found the lock held.)
+                    self._stamp_since()
                 acquired = self._try_acquire(deadline, request)
                 if not acquired and held is not None:
                     held()
@@ -1712,7 +1754,15 @@ class RedisLock:
         # change (a cluster's slot, a Sentinel's primary): a release may then read
         # there whether this process still lives (see scripts.WATCHED).
         watched = single is not None and single.service is None and not hub.unseen
-        marked = queue_entry(waiter.id, self.owner, self.ttl_ms, self.lease, self._info, watched)
+        marked = queue_entry(
+            waiter.id,
+            self.owner,
+            self.ttl_ms,
+            self.lease,
+            self._info,
+            watched,
+            since_at_grant=self._since_kept,
+        )
         # Sent while the subscription is down (or after a release passed the waiter
         # over all the same), lest every release take the waiter for dead.
         plain = unwatched(marked)
@@ -1757,6 +1807,8 @@ class RedisLock:
                     elif unheard_since is None:
                         unheard_since = now
                     entry = marked if watched and subscribed else plain
+                    if self._since_kept:
+                        self._stamp_since()
                     now = time.monotonic()
                     trying = True
                     if self._try_acquire(self._call_deadline(ends), request, entry):
@@ -1869,6 +1921,13 @@ class RedisLock:
             if not acquired and (self._position is not None or unsure):
                 self._leave_queue(entry)
             self._position = None
+
+    def _stamp_since(self) -> None:
+        """Make the holder description's ``since`` now (see ``_since_kept``): the
+        try about to be sent takes the lock, if it does, no earlier than that.
+        Its queue entry leaves ``since`` to a release that hands the lock over."""
+        info = self._info
+        self._info = info[: info.rindex(SEPARATOR) + 1] + since_now()
 
     def _wait_on(self, hub: WakeHub, waiter: Waiter, timeout: float) -> bool:
         """:meth:`WakeHub.wait` on a Redis Cluster: whether ``waiter`` was woken

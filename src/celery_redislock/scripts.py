@@ -66,7 +66,9 @@ handoff, not a broadcast, and one spare in case the first waiter has gone.
 
 The first is handed the lock in the same script: its entry holds its owner token,
 TTL, lease and description, so the release writes them with the next fencing
-token and an expiry of :data:`GRANT_MS` (the waiter's own TTL if shorter), marks
+token (and the server clock as the description's ``since`` where the entry leaves
+that to it, :data:`SINCE_AT_GRANT`: the hold begins now, not when the waiter
+queued) and an expiry of :data:`GRANT_MS` (the waiter's own TTL if shorter), marks
 the request field ``GRANTED_TO + waiter id`` until the waiter confirms, and sends
 the token after :data:`GRANT_MARK`. The waiter holds the lock as it reads the
 message, with no round trip of its own; a waiter that has gone keeps the others
@@ -228,6 +230,14 @@ GRANT_MARK = " grant "
 #: queued keeps the others out only briefly.
 GRANT_MS = 2000
 
+#: What a waiter's queue entry holds in place of its description's ``since`` where
+#: that is to say when the hold began (a :class:`~celery_redislock.task.SingletonTask`
+#: execution's: see :func:`queue_entry`): the release that hands the lock to the
+#: waiter writes the server clock there, as ``since`` has it (seconds, the
+#: milliseconds cut). Not a string, so no description a caller gives is taken for
+#: it (a release of an older version, which hands over strings only, leaves it out).
+SINCE_AT_GRANT = True
+
 #: What the request field holds while a handed-over hold is not yet confirmed by
 #: its waiter: this, followed by the waiter id.
 GRANTED_TO = "g:"
@@ -335,6 +345,7 @@ def _lua(text: str) -> str:
         GRANTED_TO=f"'{GRANTED_TO}'",
         RESERVATION=f"'{RESERVATION_SUFFIX}'",
         GRANT_MS=GRANT_MS,
+        SINCE_AT_GRANT=json.dumps(SINCE_AT_GRANT),
         PASSED=f"'{PASSED_MARK}'",
         WATCHED=WATCHED,
         WATCHED_AT=4 + len(HOLDER_FIELDS) + 1,
@@ -424,12 +435,13 @@ end
 -- time it was handed out at, and a server whose counter is behind the tokens
 -- already handed out (first use, expired remnant, a server that lost its data or
 -- a replica promoted without the last writes) still hands out higher ones.
+-- Returns the server clock it read too (TIME's reply).
 local function next_fence(last)
     local now = redis.call('TIME')
     local seeded = tonumber(now[1]) * 1000000 + tonumber(now[2])
     local fence = tonumber(last)
-    if fence and fence + 1 > seeded then return fence + 1 end
-    return seeded
+    if fence and fence + 1 > seeded then return fence + 1, now end
+    return seeded, now
 end
 
 local function denied(command, ...)
@@ -575,10 +587,16 @@ local function free(lock, undone)
     if grant then
         -- Handed over: the first waiter holds the lock from now, for GRANT_MS
         -- at most, until it confirms the hold by renewing it.
-        local fence = next_fence(lock[$FENCE])
+        local fence, now = next_fence(lock[$FENCE])
         new[$OWNER], new[$FENCE], new[$REQ] = grant[2], digits(fence), $GRANTED_TO .. woken[1]
         for i, place in ipairs($HANDED) do
-            if type(grant[3 + i]) == 'string' then new[place] = grant[3 + i] end
+            local value = grant[3 + i]
+            if place == $SINCE and value == $SINCE_AT_GRANT then
+                -- The hold begins now: the server clock, as the waiter's own
+                -- description would say it (seconds, the milliseconds cut).
+                value = now[1] .. string.format('.%03d', math.floor(tonumber(now[2]) / 1000))
+            end
+            if type(value) == 'string' then new[place] = value end
         end
         ms = math.min(tonumber(grant[3]), $GRANT_MS)
         messages[1] = woken[1] .. $GRANT .. digits(fence)
@@ -1209,21 +1227,36 @@ def decode_lock(raw: bytes | str | None) -> dict[str, str]:
 
 
 def queue_entry(
-    waiter: str, owner: str, ttl_ms: int, lease: str, info: str, watched: bool = False
+    waiter: str,
+    owner: str,
+    ttl_ms: int,
+    lease: str,
+    info: str,
+    watched: bool = False,
+    since_at_grant: bool = False,
 ) -> str:
     """A waiter's entry in the lock's queue (ACQUIRE's ARGV[5]): what a release
     needs to hand the lock over to it, as one JSON array; ``info`` is the holder's
     description as ACQUIRE takes it (its values joined by :data:`SEPARATOR`), and
     its values come next, one element each.
 
+    ``since_at_grant``: the description's ``since`` says when the hold began, so
+    the entry holds :data:`SINCE_AT_GRANT` in its place (the description padded to
+    all of :data:`HOLDER_FIELDS`): a release that hands the lock over writes the
+    moment it does, not when the waiter queued. Otherwise the description is
+    handed over as given.
+
     ``watched``: the waiter's process is subscribed to its wake channel on the
     server that holds the queue (a single server, not a cluster nor one Sentinel
     may switch), so a release may read there whether the process still is; the
     description is then padded to all of :data:`HOLDER_FIELDS`, and
     :data:`WATCHED` follows it."""
-    described: list[str | int] = list(info.split(SEPARATOR)) if info else []
-    if watched:
+    described: list[str | int | bool] = list(info.split(SEPARATOR)) if info else []
+    if watched or since_at_grant:
         described += [""] * (len(HOLDER_FIELDS) - len(described))
+    if since_at_grant:
+        described[-1] = SINCE_AT_GRANT
+    if watched:
         described.append(WATCHED)
     return json.dumps([waiter, owner, ttl_ms, lease, *described], separators=(",", ":"))
 

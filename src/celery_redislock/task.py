@@ -131,6 +131,7 @@ from celery_redislock.lock import (
     check_timeout,
     check_ttl,
     release_lease,
+    since_now,
 )
 from celery_redislock.reservations import ascii_number, hold_retries
 from celery_redislock.reservations import free_queued as free_queued
@@ -439,28 +440,6 @@ def check_settings(app: Any) -> list[str]:
             stacklevel=2,
         )
     return unknown
-
-
-#: ``".000"`` to ``".999"``: the fraction :func:`since_now` ends with, ready-made
-#: (formatting a number costs more than the rest of the description).
-_MILLISECONDS = tuple(f".{n:03d}" for n in range(1000))
-
-# The whole second since_now() last wrote, and its digits: one pair, replaced
-# whole, so that a thread reads either the old pair or the new one.
-_last_second: tuple[int, str] = (-1, "")
-
-
-def since_now() -> str:
-    """Now, as a holder description's ``since`` has it: seconds since the epoch
-    to the millisecond, cut rather than rounded, so never later than now."""
-    global _last_second
-    ms = time.time_ns() // 1_000_000
-    second = ms // 1000
-    known, digits = _last_second
-    if second != known:
-        digits = str(second)
-        _last_second = (second, digits)
-    return digits + _MILLISECONDS[ms % 1000]
 
 
 def retry_countdown(base: float, retries: int) -> float:
@@ -1262,7 +1241,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _holder_text(self, running: bool, request: Any = None) -> str:
         """:meth:`_holder_info` as a lock sends it: its values in
         :data:`HOLDER_FIELDS` order, joined by the field separator (``request``:
-        the current one, if the caller has it at hand)."""
+        the current one, if the caller has it at hand). Its ``since`` is now: an
+        execution's lock makes it anew should it wait for the lock (see
+        ``RedisLock._since_kept``)."""
         since = since_now()
         if not running:
             return SEPARATOR.join((_shown(self.name), "queued", "", "", since))
@@ -1791,12 +1772,15 @@ class SingletonTask(Task):  # type: ignore[misc]
                 # What every execution with these options shares (one per task and
                 # process, unless a call overrides options): a forked child has
                 # connections of its own, even to a client object it inherited.
+                # Its description's since is when the hold began, whether it
+                # waited for the lock or not.
                 shared = RedisLock._shared(
                     client,
                     opts.ttl,
                     on_lost=self._on_lost,
                     min_replicas=opts.min_replicas,
                     prefix=opts.prefix,
+                    since_kept=True,
                 )
             kept = self._lock_kind = (client, opts, _process.pid, shared, now + STORE_RECHECK)
         if retries is None:

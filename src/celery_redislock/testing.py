@@ -87,10 +87,10 @@ from celery_redislock.deployments import (
     tls_available,
 )
 from celery_redislock.heartbeat import get_heartbeat
-from celery_redislock.lock import DEFAULT_PREFIX, RedisLock
+from celery_redislock.lock import DEFAULT_PREFIX, RedisLock, since_now
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer
-from celery_redislock.task import SingletonTask, since_now
+from celery_redislock.task import SingletonTask
 from celery_redislock.transport import Client
 
 __all__ = [
