@@ -2434,6 +2434,23 @@ def test_an_undone_acquire_does_not_re_enter_a_later_hold_of_its_owner(
     assert not held(client, lock)
 
 
+def test_undone_acquires_go_with_a_hold_that_expires(client: redis.Redis) -> None:
+    """The limit of the list of undone acquires: it lives in the lock's key, and
+    a hold that ends by its TTL rather than a release takes it along. An undone
+    acquire arriving after that takes the lock."""
+    lock = RedisLock(client, "undone-then-expired", ttl=30)
+    request = undone_unanswered(lock)
+    rival = RedisLock(client, lock.name, ttl=0.2, heartbeat=False)
+    assert rival.acquire(blocking=False)
+    assert wait_until(lambda: not client.exists(lock.key), timeout=5)
+
+    arrives(lock, request)
+
+    assert stored(client, lock)[OWNER_FIELD] == lock.owner
+    client.delete(lock.key)
+    rival.detach()
+
+
 def test_undone_acquires_are_kept_only_for_their_time(client: redis.Redis) -> None:
     """A lock that never saw an undo stores no list of undone acquires; one that
     did keeps it for the time the undos asked (the acquire's TTL, an hour at
