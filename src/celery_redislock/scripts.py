@@ -841,7 +841,7 @@ local lock = parse(current)
 local released, undone = split_released(lock[$RELEASED])
 if (not lock[$OWNER] and lock[$REQ] == ARGV[4] .. ' ' .. ARGV[1])
         or (undone and lists(undone, undone_entry(ARGV[4], ARGV[1]))
-            and tonumber(string.match(undone, '^%d+')) > now_ms()) then
+            and (tonumber(string.match(undone, '^%d+')) or 0) > now_ms()) then
     return {0, 0, '', '', tonumber(lock[$FENCE]) or 0, '', 0}
 end
 -- A move of ARGV[8]'s hold (ARGV[10]) takes nothing else: once that hold has
