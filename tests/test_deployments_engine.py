@@ -48,6 +48,7 @@ from celery_redislock.deployments import (
     create_acl_user,
 )
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat, send_pending_now
+from celery_redislock.ids import request_id
 from celery_redislock.lock import lock_keys, release_lease
 from celery_redislock.reservations import free_queued, queued_owner
 from celery_redislock.revoke import find_and_free_queued
@@ -346,6 +347,28 @@ def test_release_lease_frees_the_lock_of_that_lease_only(locks: Store) -> None:
     assert not release_lease(locks.target, name, "task-1")
     with pytest.raises(LockLostError):
         lock.release()
+
+
+def test_undone_acquires_arriving_after_later_holds_take_nothing(locks: Store) -> None:
+    """Two acquires of a name whose callers gave up on them are undone before they
+    arrive, the second undo finding another owner's hold, which is then released:
+    both acquires, arriving at last (held up on the network), take nothing, and
+    every key the undos wrote keeps an expiry."""
+    name = f"{locks.kind}:undone"
+    late = [RedisLock(locks.target, name, ttl=30) for _ in range(2)]
+    rival = RedisLock(locks.target, name, ttl=30)
+    requests = [request_id() for _ in late]
+    late[0]._run(late[0]._undo_call(requests[0]), late[0]._call_deadline(None))
+    assert rival.acquire(blocking=False)
+    late[1]._run(late[1]._undo_call(requests[1]), late[1]._call_deadline(None))
+    rival.release()
+
+    for lock, request in zip(late, requests, strict=True):
+        lock._run(lock._acquire_call(request), lock._call_deadline(None))
+
+    assert not rival.locked()
+    assert rival.acquire(blocking=False)
+    rival.release()
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from celery_redislock import (
 from celery_redislock import lock as lock_module
 from celery_redislock.admin import ForceReleased, force_release
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
+from celery_redislock.ids import request_id
 from celery_redislock.lock import lock_keys, release_lease, wake_channel_prefix
 from celery_redislock.reservations import queued_owner
 from celery_redislock.scripts import (
@@ -51,6 +52,7 @@ from celery_redislock.scripts import (
     RELEASE,
     WATCHED,
     Call,
+    Released,
     queue_entry,
     unwatched,
 )
@@ -1626,6 +1628,23 @@ def test_out_of_memory_a_held_lock_is_renewed_and_released(
     lock.release()
 
 
+def test_out_of_memory_an_undo_that_finds_another_hold_leaves_it_as_it_is(
+    server: RedisServer, direct: redis.Redis
+) -> None:
+    """The write by which the undo of an unanswered acquire lists it in another
+    owner's hold is refused by a server out of memory: the undo answers all the
+    same (nothing of its own to undo), and the hold is left as it was."""
+    holder = RedisLock(server.url, "oom-undo", ttl=30)
+    lock = RedisLock(server.url, "oom-undo", ttl=30)
+    assert holder.acquire()
+    before = direct.get(holder.key)
+    with out_of_memory(direct):
+        undo = lock._undo_call(request_id())
+        assert lock._run(undo, lock._call_deadline(None)) == Released.NOT_OWNED
+    assert direct.get(holder.key) == before
+    holder.release()
+
+
 @pytest.mark.parametrize("mode", ["fail", "run"])
 def test_out_of_memory_task_follows_lock_on_redis_error(
     server: RedisServer, direct: redis.Redis, mode: str, caplog: pytest.LogCaptureFixture
@@ -2433,10 +2452,7 @@ def test_an_acquire_that_reaches_the_server_after_its_undo_takes_nothing(
     lock = RedisLock(proxy.url, "late-to-its-undo", ttl=30, call_timeout=0.5)
     assert lock.acquire(blocking=False)  # the connection is open, the scripts known
     lock.release()
-    proxy.hold_next(1)
-    with pytest.raises(LockBackendError):
-        lock.acquire(blocking=False)
-    wait_for(lambda: sent_in_background(lock) == [], what="the undo")
+    held_up_past_its_undo(proxy, lock)
     assert proxy.held == 1
     ran = script_runs(direct)
 
@@ -2448,6 +2464,60 @@ def test_an_acquire_that_reaches_the_server_after_its_undo_takes_nothing(
     assert rival.acquire(blocking=False)
     assert rival.token is not None
     assert rival.token > 0
+    rival.release()
+
+
+def held_up_past_its_undo(proxy: FaultProxy, lock: RedisLock) -> None:
+    """Acquire ``lock`` through ``proxy`` (the connection open, the scripts known),
+    the request held up at the proxy past the acquire's deadline: the acquire
+    raises, and its undo, sent on another connection, lands first."""
+    proxy.hold_next(1)
+    with pytest.raises(LockBackendError):
+        lock.acquire(blocking=False)
+    wait_for(lambda: sent_in_background(lock) == [], what="the undo")
+
+
+@pytest.mark.parametrize(
+    "between",
+    [
+        "another acquire undone so",
+        "another owner's hold and release",
+        "another owner's hold the undo finds",
+    ],
+)
+def test_acquires_that_reach_the_server_after_their_undos_and_later_holds_take_nothing(
+    proxy: FaultProxy, direct: redis.Redis, between: str
+) -> None:
+    """Acquires held up on their way to the server (a slow path) past their
+    deadline, each undone on another connection, reach it only after later changes
+    of their name: a second acquire of the name undone so; another owner's hold,
+    taken and released after the undo; another owner's hold the undo finds, and
+    its release. Each takes nothing when it arrives, so nobody is left holding
+    the lock for a TTL for an owner that neither renews nor releases it."""
+    name = "late-past-" + between.replace(" ", "-").replace("'", "")
+    lock = RedisLock(proxy.url, name, ttl=30, call_timeout=0.5)
+    rival = RedisLock(direct, name, ttl=30)
+    assert lock.acquire(blocking=False)  # the connection is open, the scripts known
+    lock.release()
+    late = [lock]
+    if between == "another owner's hold the undo finds":
+        assert rival.acquire(blocking=False)
+    held_up_past_its_undo(proxy, lock)
+    if between == "another acquire undone so":
+        late.append(RedisLock(proxy.url, name, ttl=30, call_timeout=0.5))
+        held_up_past_its_undo(proxy, late[-1])
+    elif between == "another owner's hold and release":
+        assert rival.acquire(blocking=False)
+    if between != "another acquire undone so":
+        rival.release()
+    assert proxy.held == len(late)
+    ran = script_runs(direct)
+
+    proxy.let_held_through()
+    wait_for(lambda: script_runs(direct) >= ran + len(late), what="the acquires to arrive")
+
+    assert not held(direct, lock.key)
+    assert rival.acquire(blocking=False)
     rival.release()
 
 

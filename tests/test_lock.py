@@ -43,6 +43,7 @@ from celery_redislock.scripts import (
     COUNT_FIELD,
     FENCE_FIELD,
     FIELDS,
+    FORCE_RELEASE_SCRIPT,
     GRANT_MARK,
     GRANT_MS,
     GRANTED_TO,
@@ -53,9 +54,14 @@ from celery_redislock.scripts import (
     RELEASE_LEASE_SCRIPT,
     RELEASE_SCRIPT,
     RELEASED_FIELD,
+    RELEASES_REMEMBERED,
     REQUEST_FIELD,
     RESERVATION_SUFFIX,
+    SEPARATOR,
     SPARE_MARK,
+    UNDO_MARK,
+    UNDONE_MARK,
+    UNDONE_REMEMBERED,
     Acquired,
     Call,
     Released,
@@ -2308,6 +2314,188 @@ def test_an_undone_request_id_refuses_no_other_owner(client: redis.Redis) -> Non
     run_call(other, other._acquire_call(request))
     assert stored(client, lock)[OWNER_FIELD] == other.owner
     client.delete(lock.key)
+
+
+def undone_unanswered(lock: RedisLock) -> str:
+    """The request id of an acquire of ``lock`` its caller gave up on, undone
+    before it reaches the server (it is sent later, as a held-up try would be)."""
+    request = request_id()
+    run_call(lock, lock._undo_call(request))
+    return request
+
+
+def arrives(lock: RedisLock, request: str) -> None:
+    """Acquire ``request`` of ``lock``, reaching the server at last."""
+    run_call(lock, lock._acquire_call(request))
+
+
+@pytest.mark.parametrize("owners", ["one owner", "an owner each"])
+def test_each_of_the_last_few_undone_acquires_takes_nothing(
+    client: redis.Redis, owners: str
+) -> None:
+    """Each of the last ``UNDONE_REMEMBERED`` undos of a name leaves its acquire
+    listed, not only the last: every one of those acquires, arriving after the
+    undos in any order, takes nothing. One more undo pushes the oldest out, and
+    that acquire (the limit) then takes the lock."""
+    name = f"undone-several-{owners.replace(' ', '-')}"
+    first = RedisLock(client, name, ttl=30)
+    locks = [
+        first if owners == "one owner" else RedisLock(client, name, ttl=30)
+        for _ in range(UNDONE_REMEMBERED + 1)
+    ]
+    requests = [undone_unanswered(lock) for lock in locks]
+
+    for lock, request in reversed(list(zip(locks, requests, strict=True))[1:]):
+        arrives(lock, request)
+        assert not held(client, lock)
+    arrives(locks[0], requests[0])
+    assert stored(client, first)[OWNER_FIELD] == locks[0].owner
+    client.delete(first.key)
+
+
+@pytest.mark.parametrize(
+    "between",
+    [
+        "another owner's hold and release",
+        "more holds and releases than a lock remembers",
+        "another owner's hold the undo finds",
+        "a hold handed to a waiter",
+    ],
+)
+def test_an_undone_acquire_takes_nothing_after_later_holds_of_its_name(
+    client: redis.Redis, between: str
+) -> None:
+    """The acquires undone are carried through the holds and frees of their name
+    that follow (whichever way a hold is taken, freed or handed on), and an undo
+    that finds the lock held by another owner leaves its acquire listed in that
+    hold: the acquire, arriving after them, takes nothing. The free value lives
+    as long as it lists undone acquires (the hour an undo keeps them at least),
+    whatever the expiry the releasing hold had left; another request takes the
+    lock as usual."""
+    name = f"undone-then-{between.replace(' ', '-').replace(chr(39), '')}"
+    lock = RedisLock(client, name, ttl=30)
+    rival = RedisLock(client, name, ttl=30)
+    if between == "another owner's hold the undo finds":
+        assert rival.acquire(blocking=False)
+        request = undone_unanswered(lock)
+        assert held(client, rival)
+        rival.release()
+    elif between == "a hold handed to a waiter":
+        request = undone_unanswered(lock)
+        holder = held_ahead_of_a_gone_waiter(client, name, gone_ttl_ms=60_000)
+        holder.release()  # handed to the waiter, which never confirms it
+        assert stored(client, lock)[OWNER_FIELD] == "gone-owner"
+        assert run_call(
+            lock,
+            Call(
+                FORCE_RELEASE_SCRIPT,
+                (lock.key, lock.queue_key),
+                ("", lock.wake_prefix, request_id(), FENCE_TTL_MS),
+            ),
+        )
+    else:
+        request = undone_unanswered(lock)
+        cycles = RELEASES_REMEMBERED + 1 if between.startswith("more") else 1
+        for _ in range(cycles):
+            assert rival.acquire(blocking=False)
+            rival.release()
+    assert not held(client, lock)
+
+    arrives(lock, request)
+
+    assert not held(client, lock)
+    assert client.pttl(lock.key) > FENCE_TTL_MS - 60_000
+    assert lock.acquire(blocking=False)
+    lock.release()
+
+
+@pytest.mark.parametrize("found", ["a hold it did not make", "its re-entry"])
+def test_an_undone_acquire_does_not_re_enter_a_later_hold_of_its_owner(
+    client: redis.Redis, found: str
+) -> None:
+    """An undo that finds a hold of its own owner leaves the acquire listed in it,
+    whether the acquire did not make that hold (the owner's next acquire took the
+    lock) or re-entered it (the undo drops that hold): the acquire, arriving
+    (again) during that hold, does not re-enter it (a count the holder's release
+    would leave at one), nor takes the lock once it is freed."""
+    lock = RedisLock(client, f"undone-own-{found.replace(' ', '-')}", ttl=30)
+    request = request_id()
+    assert lock.acquire(blocking=False)
+    if found == "its re-entry":
+        arrives(lock, request)
+        assert hold_count(client, lock.key) == 2
+    run_call(lock, lock._undo_call(request))
+    assert hold_count(client, lock.key) == 1
+
+    arrives(lock, request)
+    assert hold_count(client, lock.key) == 1
+    lock.release()
+    arrives(lock, request)
+
+    assert not held(client, lock)
+
+
+def test_undone_acquires_go_with_a_hold_that_expires(client: redis.Redis) -> None:
+    """The limit of the list of undone acquires: it lives in the lock's key, and
+    a hold that ends by its TTL rather than a release takes it along. An undone
+    acquire arriving after that takes the lock."""
+    lock = RedisLock(client, "undone-then-expired", ttl=30)
+    request = undone_unanswered(lock)
+    rival = RedisLock(client, lock.name, ttl=0.2, heartbeat=False)
+    assert rival.acquire(blocking=False)
+    assert wait_until(lambda: not client.exists(lock.key), timeout=5)
+
+    arrives(lock, request)
+
+    assert stored(client, lock)[OWNER_FIELD] == lock.owner
+    client.delete(lock.key)
+    rival.detach()
+
+
+def test_undone_acquires_are_kept_only_for_their_time(client: redis.Redis) -> None:
+    """A lock that never saw an undo stores no list of undone acquires; one that
+    did keeps it for the time the undos asked (the acquire's TTL, an hour at
+    least), and the first write after that leaves it out."""
+    lock = RedisLock(client, "undone-for-a-time", ttl=30)
+    with lock:
+        pass
+    assert UNDONE_MARK not in stored(client, lock)[RELEASED_FIELD]
+    request = request_id()
+    brief = Call(
+        RELEASE_SCRIPT,
+        (lock.key, lock.queue_key),
+        (lock.owner, lock.wake_prefix, request_id(), 50, request, "", "", "", "", UNDO_MARK),
+    )
+    run_call(lock, brief)
+    assert UNDONE_MARK in stored(client, lock)[RELEASED_FIELD]
+    time.sleep(0.1)
+
+    with lock:
+        pass
+
+    assert UNDONE_MARK not in stored(client, lock)[RELEASED_FIELD]
+    arrives(lock, request)
+    assert held(client, lock)  # no longer refused: its time has passed
+    client.delete(lock.key)
+
+
+def test_a_free_value_of_an_earlier_version_still_refuses_its_undone_acquire(
+    client: redis.Redis,
+) -> None:
+    """A free value an earlier version's undo wrote names the undone acquire in
+    its request field (``<request id> <owner>``) alone: that acquire still takes
+    nothing, and any other takes the lock."""
+    lock = RedisLock(client, "undone-earlier-version", ttl=30)
+    request = request_id()
+    old = SEPARATOR.join(["", "7", f"{request} {lock.owner}"])
+    client.set(lock.key, old, px=FENCE_TTL_MS)
+
+    arrives(lock, request)
+    assert not held(client, lock)
+    assert lock.acquire(blocking=False)
+    assert lock.token is not None
+    assert lock.token > 7
+    lock.release()
 
 
 def writes_and_reads(client: redis.Redis) -> tuple[int, int]:

@@ -1663,12 +1663,14 @@ class RedisLock:
 
     def _undo_call(self, request: str) -> Call:
         """The release that undoes acquire ``request``, if it is still the lock's
-        last change. A lock it frees, or finds free, remembers ``request`` (and
-        this owner) as undone for the acquire's TTL (an hour at least), or until
-        the lock next changes, so that the acquire, should it arrive after its
-        undo (held up on the network), takes nothing (see
-        :data:`~celery_redislock.scripts.RELEASE`, ARGV[10]). Only the last undo
-        is remembered so; a lock found held remembers none."""
+        last change. Whatever it finds, the lock lists ``request`` (and this
+        owner) as undone for the acquire's TTL (an hour at least), through the
+        holds and frees that follow, so that the acquire, should it arrive after
+        its undo (held up on the network), takes nothing, whoever holds the lock
+        then (see :data:`~celery_redislock.scripts.RELEASE`, ARGV[10]). The last
+        :data:`~celery_redislock.scripts.UNDONE_REMEMBERED` undos of the name are
+        listed so; the list goes with the key (a hold that expires rather than
+        being released)."""
         keep = max(FENCE_TTL_MS, int(self.ttl * 1000))
         return Call(
             RELEASE_SCRIPT,

@@ -21,16 +21,19 @@ readable name       field  holds
 ``req``             ``r``  the id of the last request that changed the hold
                            (acquire or release); ``GRANTED_TO`` + waiter id
                            while a hold a release handed to a waiter is not
-                           yet confirmed; while free, empty, or the acquire
-                           an undo freed the lock of or found it free before
-                           and its owner token, after a space (which then
-                           takes nothing: see ``RELEASE``)
+                           yet confirmed; while free, empty (an earlier
+                           version's undo wrote the acquire it undid here,
+                           and its owner token after a space: that acquire
+                           still takes nothing)
 ``lease``           ``l``  the lease the holder belongs to (a Celery task id);
                            empty for none
 ``count``           ``n``  the holder's hold count (re-entrant acquires); empty
                            for 1
 ``queued``          ``q``  ``"1"`` while waiters may be queued
-``released``        ``x``  the ids of the last few releases that freed the lock
+``released``        ``x``  the ids of the last few releases that freed the
+                           lock; then, after ``UNDONE_MARK``, the last few
+                           acquires undone, until when they are kept (only
+                           once an acquire was undone: see ``RELEASE``)
 ``drops``           ``d``  the ids of the last few releases that dropped one
                            of the current hold's re-entered holds (and left
                            it held); empty until one did; then, after
@@ -106,7 +109,16 @@ keeps apart, for up to ``COPIES_REMEMBERED`` such copies, however many other
 releases dropped a hold since), and
 a retried release of a lock it already
 freed still answers "freed" (from ``released``, even if the lock was taken and
-freed again by others in between, up to ``RELEASES_REMEMBERED`` times). **Expiry.** Every TTL is checked
+freed again by others in between, up to ``RELEASES_REMEMBERED`` times).
+
+**Undone acquires.** An acquire whose caller gave up on it, unanswered, is undone
+(RELEASE, ARGV[10]); the acquire may still be on its way, held up on the network,
+and reach the server after its undo. The undo lists it in ``released``
+(:data:`UNDONE_MARK`), whatever it finds, and ACQUIRE refuses a listed request,
+whoever holds the lock then. The last :data:`UNDONE_REMEMBERED` are listed, for
+the acquire's TTL, carried through the holds and frees that follow as the
+releases are. The usual acquire and release see no list, and pay nothing for it.
+**Expiry.** Every TTL is checked
 inside the script before the first write, so no error can leave a key behind
 without an expiry.
 """
@@ -302,6 +314,27 @@ UNDO_MARK = "undo"
 #: from the releases sent again that did (:data:`COPIES_REMEMBERED`).
 COPIES_MARK = " | "
 
+#: How many undone acquires (RELEASE's ARGV[10]) a lock name remembers, so that
+#: each of them, should it arrive after its undo (held up on the network), takes
+#: nothing: the last few undos of the name each leave theirs, and later holds and
+#: frees of the name carry them on (see :data:`UNDONE_MARK`).
+UNDONE_REMEMBERED = 4
+
+#: How many hex digits of the SHA-1 of an undone acquire's owner token its entry
+#: keeps after its request id (ids are counted per process: another owner's
+#: acquire may carry the same id), so that every entry has the same size.
+UNDONE_OWNER_DIGITS = 8
+
+#: What separates, in ``released``, the ids of the releases that freed the lock
+#: from the acquires undone since (left out while there are none, as on the usual
+#: path): ``<until> <entry>...``, newest first, where ``until`` is the server time
+#: (in ms) they are kept until (the latest undo's, ARGV[4] past it), and each
+#: entry an undone acquire's request id followed by :data:`UNDONE_OWNER_DIGITS` of
+#: its owner's SHA-1. The field is carried through holds and frees as the releases
+#: are, and an acquire it lists takes nothing; a free value keeps its key until
+#: ``until`` at least, and once ``until`` has passed the next write leaves them out.
+UNDONE_MARK = " / "
+
 
 def _lua(text: str) -> str:
     """``text`` with its ``$NAME`` placeholders filled: the lock's fields as their
@@ -355,6 +388,9 @@ def _lua(text: str) -> str:
         DROP_HISTORY=DROPS_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
         COPY_HISTORY=COPIES_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
         COPIES=f"'{COPIES_MARK}'",
+        UNDONE=f"'{UNDONE_MARK}'",
+        UNDONE_DIGITS=UNDONE_OWNER_DIGITS,
+        UNDONE_HISTORY=UNDONE_REMEMBERED * (REQUEST_ID_DIGITS + UNDONE_OWNER_DIGITS + 1) - 1,
     )
 
 
@@ -458,12 +494,56 @@ local function digits(n)
     return string.format('%.0f', n)
 end
 
+-- A lock's ``released`` field as its two parts, each nil when empty: the ids of
+-- the releases that freed the lock, and the acquires undone (after UNDONE_MARK:
+-- ``<until> <entry>...``, newest first).
+local function split_released(field)
+    local at = field and string.find(field, $UNDONE, 1, true)
+    if not at then return field, nil end
+    local ids = string.sub(field, 1, at - 1)
+    return ids ~= '' and ids or nil, string.sub(field, at + #$UNDONE)
+end
+
+-- The ``released`` field of ``ids`` and ``undone`` (either nil), the undone
+-- acquires left out once their time has passed (server time ``now``, in ms).
+local function join_released(ids, undone, now)
+    if undone and (tonumber(string.match(undone, '^%d+')) or 0) > now then
+        return (ids or '') .. $UNDONE .. undone
+    end
+    return ids
+end
+
+-- Acquire ``request`` of ``owner`` as an entry among the undone acquires: every
+-- entry has the same size, the owner shortened to the start of its SHA-1.
+local function undone_entry(request, owner)
+    return request .. string.sub(redis.sha1hex(owner), 1, $UNDONE_DIGITS)
+end
+
+-- Whether the undone acquires ``undone`` (or nil) list ``entry``.
+local function lists(undone, entry)
+    return undone ~= nil and string.find(undone .. ' ', ' ' .. entry .. ' ', 1, true) ~= nil
+end
+
+-- The undone acquires ``undone`` (or nil) with ``entry`` first, the last
+-- UNDONE_REMEMBERED of them, kept ``ms`` past ``now`` at least (those whose time
+-- had passed go).
+local function add_undone(undone, entry, ms, now)
+    local until_ms, entries = now + tonumber(ms), entry
+    local old_until, old = string.match(undone or '', '^(%d+) ?(.*)$$')
+    if old_until and tonumber(old_until) > now then
+        until_ms = math.max(until_ms, tonumber(old_until))
+        if lists(undone, entry) then entries = old
+        elseif old ~= '' then entries = string.sub(entry .. ' ' .. old, 1, $UNDONE_HISTORY) end
+    end
+    return digits(until_ms) .. ' ' .. entries
+end
+
 -- Write the lock's fields (strings) as its key's value, with an expiry of ``ms``,
 -- or the key's own expiry for nil (only for a key that exists: else it would have
 -- none). The empty fields at the end are left out; the others are filled in.
 -- With ``or_delete``, a write the server refuses for want of memory (``OOM``)
 -- deletes the key instead (an expiry of 0, which needs no memory), and returns
--- false.
+-- false; with ``or_delete`` 'keep', it leaves the key as it was, and returns false.
 local function write(lock, ms, or_delete)
     local last = lock.tail and $TASK - 1 or $FIELD_COUNT
     while not lock.tail and last > 0 and (lock[last] or '') == '' do last = last - 1 end
@@ -483,7 +563,7 @@ local function write(lock, ms, or_delete)
             if ms then return redis.call('SET', KEYS[1], raw, 'PX', ms) end
             return redis.call('SET', KEYS[1], raw, 'KEEPTTL')
         end
-        redis.call('PEXPIRE', KEYS[1], 0)
+        if or_delete ~= 'keep' then redis.call('PEXPIRE', KEYS[1], 0) end
         return false
     end
     return reply
@@ -545,8 +625,7 @@ local function dead(member, known)
     return known[process]
 end
 
--- ``undone``: the acquire an undo frees the hold of (see RELEASE, ARGV[10]), or nil.
-local function free(lock, undone)
+local function free(lock)
     -- The first two queued waiters still alive, and the dead ones queued ahead of
     -- them (PASSED_OVER_LIMIT at most), read before the first write (refused, a
     -- read writes nothing).
@@ -572,10 +651,14 @@ local function free(lock, undone)
         local bad = denied('zrem', KEYS[2], 'w') or denied('publish', ARGV[2] .. '0', '')
         if bad then return bad end
     end
-    -- A free lock keeps its fence and the ids of the last few releases that freed
-    -- it, newest first; what else it holds is written below for the woken.
-    local released = lock[$RELEASED] and (ARGV[3] .. ' ' .. lock[$RELEASED]) or ARGV[3]
-    local new = {[$FENCE] = lock[$FENCE], [$RELEASED] = string.sub(released, 1, $RELEASE_HISTORY)}
+    -- A free lock keeps its fence, the ids of the last few releases that freed
+    -- it, newest first, and the acquires undone while they are kept; what else it
+    -- holds is written below for the woken.
+    local released, undone = split_released(lock[$RELEASED])
+    released = string.sub(released and (ARGV[3] .. ' ' .. released) or ARGV[3], 1, $RELEASE_HISTORY)
+    local now = undone and now_ms()
+    local new = {[$FENCE] = lock[$FENCE], [$RELEASED] = join_released(released, undone, now)}
+    if new[$RELEASED] == released then undone = nil end
     local ms = ARGV[4] ~= '0' and ARGV[4] or nil
     local woken, grant = {}, nil
     for i = 1, #next do
@@ -606,8 +689,11 @@ local function free(lock, undone)
         new[$RESERVED_UNTIL] = digits(now_ms() + $RESERVE_MS)
         messages[1] = woken[1]
     end
-    -- Not handed over: the free value remembers the undone acquire (see ACQUIRE).
-    if undone and not grant then new[$REQ] = undone end
+    if undone and not grant then
+        -- Not handed over: the free value lives while it keeps undone acquires.
+        local left = tonumber(string.match(undone, '^%d+')) - now
+        if (ms and tonumber(ms) or redis.call('PTTL', KEYS[1])) < left then ms = left end
+    end
     -- The second is the spare: it lets the first go ahead (behind a handed lock,
     -- it asks only if the grant runs out first).
     if #woken > 1 then messages[2] = woken[2] .. (grant and $BEHIND or '') .. $SPARE end
@@ -651,7 +737,7 @@ end
 
 -- Whether request ARGV[3] is one of the releases that freed the lock lately.
 local function released_here(lock)
-    local released = lock[$RELEASED]
+    local released = split_released(lock[$RELEASED])
     return released and string.find(' ' .. released .. ' ', ' ' .. ARGV[3] .. ' ', 1, true)
 end
 """)
@@ -700,8 +786,9 @@ end
 #: woke, and the caller is not one (held 0), where fence is the last token handed
 #: out for the name (a hold a release hands to the caller later gets a higher one)
 #: and the holder's owner token is given only when it holds the caller's lease;
-#: {0, 0, "", "", fence, "", 0} for a request undone before it arrived (see
-#: RELEASE, ARGV[10]), which takes nothing. A retry of a
+#: {0, 0, "", "", fence, "", 0} for a request undone before it arrived (listed
+#: as undone in ``released``: see RELEASE, ARGV[10]), which takes nothing,
+#: whoever holds the lock. A retry of a
 #: request that already landed returns what the first arrival did.
 ACQUIRE = (
     _CHECK_TTL
@@ -717,6 +804,8 @@ if ARGV[5] == '' and (ARGV[10] or '') == '' and type(current) ~= 'table'
     local last, queued, released
     if current then
         last, queued, released = string.match(current, $FREE_VALUE)
+        -- (Undone acquires, rarely kept, are checked below.)
+        if released and string.find(released, $UNDONE, 1, true) then last = nil end
     end
     if not current or last then
         -- As next_fence() makes it: one more than the last, or the server clock
@@ -764,8 +853,13 @@ local function reservation(owner, lease)
 end
 local lock = parse(current)
 -- This request's caller gave up on it and undid it (see RELEASE, ARGV[10]): it
--- arrives after its undo (held up on the network), and takes nothing.
-if not lock[$OWNER] and lock[$REQ] == ARGV[4] .. ' ' .. ARGV[1] then
+-- arrives after its undo (held up on the network), and takes nothing, whoever
+-- holds the lock now. (A free value an earlier version wrote names the last
+-- undone acquire alone, in its request field, as ``<request id> <owner>``.)
+local released, undone = split_released(lock[$RELEASED])
+if (not lock[$OWNER] and lock[$REQ] == ARGV[4] .. ' ' .. ARGV[1])
+        or (undone and lists(undone, undone_entry(ARGV[4], ARGV[1]))
+            and (tonumber(string.match(undone, '^%d+')) or 0) > now_ms()) then
     return {0, 0, '', '', tonumber(lock[$FENCE]) or 0, '', 0}
 end
 -- A move of ARGV[8]'s hold (ARGV[10]) takes nothing else: once that hold has
@@ -855,10 +949,12 @@ if wait_ms then
     return {0, wait_ms, holder, position, fence, owner, taken}
 end
 -- Only what this hold needs: what an earlier holder left (a lease, a count, a
--- reservation for the woken, a description) goes.
+-- reservation for the woken, a description) goes. The undone acquires stay, while
+-- they are kept.
 local fence = next_fence(lock[$FENCE])
 local new = {[$OWNER] = ARGV[1], [$FENCE] = digits(fence), [$REQ] = ARGV[4],
              [$LEASE] = ARGV[3], [$QUEUED] = lock[$QUEUED], [$RELEASED] = lock[$RELEASED]}
+if undone then new[$RELEASED] = join_released(released, undone, now_ms()) end
 new.tail = ARGV[7] ~= '' and ARGV[7] or nil
 if ARGV[5] ~= '' then
     bad = denied('zrem', KEYS[2], 'w')
@@ -920,17 +1016,21 @@ def _freeing(body: str, first: str = "") -> str:
 #: re-entered hold is remembered among the copies (:data:`COPIES_REMEMBERED`), so
 #: that its first send, arriving after it, changes nothing however many releases
 #: dropped a hold in between; ARGV[10] optionally, non-empty for the undo of
-#: acquire ARGV[5] (its caller gave up on it, unanswered): a lock it frees, or
-#: finds free (the acquire may still be on its way, held up on the network),
-#: keeps that acquire's id in its free value (its request field) for ARGV[4] ms
-#: (which is then not "0") at least, and ACQUIRE refuses that request, should
-#: it arrive after its undo
+#: acquire ARGV[5] (its caller gave up on it, unanswered): whatever it finds
+#: (the hold the acquire made, which it frees or drops one of as above; a free
+#: lock, or no key, which it writes; another hold, which it leaves held), it lists
+#: that acquire (with this owner) among the undone acquires of ``released``
+#: (:data:`UNDONE_MARK`, the last :data:`UNDONE_REMEMBERED`) for ARGV[4] ms
+#: (which is then not "0") at least, carried through the holds and frees that
+#: follow, and ACQUIRE refuses that request, should it arrive after its undo
+#: (held up on the network)
 #: Returns 1 when freed (by this request, now or on an earlier arrival), 2 when a
 #: hold remains, 0 when not owned (nothing changed but what ARGV[10] writes).
 RELEASE = _freeing(
     first="""
 local lock
-if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' and ARGV[8] ~= 'read' then
+if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' and ARGV[8] ~= 'read'
+        and not string.find(ARGV[7] or '', $UNDONE, 1, true) then
     -- The usual last hold, keeping its key's expiry, is freed by one write: the
     -- free value, set at once where there is a key, returns the lock as it was.
     -- A hold of this owner and token, single, with nobody queued, is freed by it
@@ -948,14 +1048,16 @@ if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' and ARGV[8] ~= 're
     if type(old) ~= 'table' then
         -- Checked with one match rather than decoded: this owner and token come
         -- first, then a request id other than this release's, no count, not
-        -- queued, the releases remembered, drops other than this release (one
-        -- sent again after it dropped an inner hold), and no reservation after them.
+        -- queued, the releases remembered (and no undone acquires), drops other
+        -- than this release (one sent again after it dropped an inner hold), and no
+        -- reservation after them.
         local mine = ARGV[1] .. $SEPARATOR .. ARGV[6] .. $SEPARATOR
         if old and string.sub(old, 1, #mine) == mine then
             local request, count, queued, released, drops, rest =
                 string.match(old, $AFTER_FENCE, #mine + 1)
             -- (What follows the drops, if anything, starts with a separator.)
             if request ~= ARGV[3] and count == '' and queued == ''
+                    and not string.find(released, $UNDONE, 1, true)
                     and (drops == '' or not string.find(' ' .. drops .. ' ', ' ' .. ARGV[3] .. ' ', 1, true))
                     and (rest == '' or string.sub(rest, 2, 2) == $SEPARATOR) then
                 if released ~= (ARGV[7] or '') then
@@ -976,15 +1078,20 @@ if not lock then
     if bad then return bad end
     lock = read()
 end
--- (The owner's too: request ids are counted per process, and another owner's
--- acquire may carry the same id.)
-local undone = (ARGV[10] or '') ~= '' and ARGV[4] ~= '0' and ARGV[5] .. ' ' .. ARGV[1] or nil
+-- The undo of acquire ARGV[5] lists it among the undone acquires whatever it
+-- finds (with its owner: request ids are counted per process, and another
+-- owner's acquire may carry the same id), for ARGV[4] ms at least, so that it
+-- takes nothing should it arrive after its undo; every write below keeps them.
+local undone = (ARGV[10] or '') ~= '' and ARGV[4] ~= '0'
+if undone then
+    local now, released, listed = now_ms(), split_released(lock[$RELEASED])
+    listed = add_undone(listed, undone_entry(ARGV[5], ARGV[1]), ARGV[4], now)
+    lock[$RELEASED] = join_released(released, listed, now)
+end
 if undone and not lock[$OWNER] then
     -- Nothing to undo: the acquire has not arrived yet, or arrives never, or
     -- it took the lock and was undone already. The free value (made here if
-    -- there is no key) remembers it as undone, so that it takes nothing should
-    -- it arrive now; for ARGV[4] ms, or longer as the key lives.
-    lock[$REQ] = undone
+    -- there is no key) keeps it listed, for ARGV[4] ms, or longer as the key lives.
     if not lock[$FENCE] then lock[$FENCE] = '0' end
     local ms = ARGV[4]
     if redis.call('PTTL', KEYS[1]) > tonumber(ms) then ms = nil end
@@ -996,6 +1103,9 @@ end
 -- hold this release was for. It may be sent again after it freed the lock.
 if lock[$OWNER] ~= ARGV[1] or ((ARGV[6] or '') ~= '' and lock[$FENCE] ~= ARGV[6]) then
     if released_here(lock) then return 1 end
+    -- (An undo lists its acquire in the hold, which keeps it as it is freed; not
+    -- while the server is short of memory, the hold left as it is.)
+    if undone then write(lock, nil, 'keep') end
     return 0
 end
 if lock[$REQ] == ARGV[3] then return 2 end
@@ -1003,7 +1113,10 @@ if lock[$REQ] == ARGV[3] then return 2 end
 -- (its holder took the lock again and released it): it did its part then.
 local drops = lock[$DROPS]
 if drops and string.find(' ' .. drops .. ' ', ' ' .. ARGV[3] .. ' ', 1, true) then return 2 end
-if ARGV[5] ~= '' and lock[$REQ] ~= ARGV[5] then return 0 end
+if ARGV[5] ~= '' and lock[$REQ] ~= ARGV[5] then
+    if undone then write(lock, nil, 'keep') end
+    return 0
+end
 local count = (tonumber(lock[$COUNT]) or 1) - 1
 if count > 0 then
     lock[$COUNT], lock[$REQ] = count > 1 and tostring(count) or nil, ARGV[3]
@@ -1024,7 +1137,7 @@ if count > 0 then
     write(lock)
     return 2
 end
-return free(lock, undone)
+return free(lock)
 """,
 )
 
@@ -1556,9 +1669,10 @@ class AcquireReply(NamedTuple):
     position: str | None
     #: The last fencing token handed out for the name (only when held by another owner).
     last_fence: int | None = None
-    #: The ids of the releases the lock remembers (only when newly taken, and
-    #: only if it remembers any): the hold's release sends them back, so that it
-    #: can free the lock in one write.
+    #: The ids of the releases the lock remembers, and the acquires it lists as
+    #: undone if any (only when newly taken, and only if it remembers any): the
+    #: hold's release sends them back, so that it can free the lock in one write
+    #: (where it lists none).
     released: str | None = None
     #: The holder's owner token (only when held by another owner of the caller's
     #: lease): whether that is a reservation, and whose.
