@@ -670,14 +670,14 @@ local function free(lock)
     if grant then
         -- Handed over: the first waiter holds the lock from now, for GRANT_MS
         -- at most, until it confirms the hold by renewing it.
-        local fence, now = next_fence(lock[$FENCE])
+        local fence, clock = next_fence(lock[$FENCE])
         new[$OWNER], new[$FENCE], new[$REQ] = grant[2], digits(fence), $GRANTED_TO .. woken[1]
         for i, place in ipairs($HANDED) do
             local value = grant[3 + i]
             if place == $SINCE and value == $SINCE_AT_GRANT then
                 -- The hold begins now: the server clock, as the waiter's own
                 -- description would say it (seconds, the milliseconds cut).
-                value = now[1] .. string.format('.%03d', math.floor(tonumber(now[2]) / 1000))
+                value = clock[1] .. string.format('.%03d', math.floor(tonumber(clock[2]) / 1000))
             end
             if type(value) == 'string' then new[place] = value end
         end
