@@ -576,12 +576,66 @@ def test_unreachable_store_is_one_line_without_password(redislock_server: RedisS
     """With the lock store down, a command prints one line naming the store (password
     hidden) and why, and exits non-zero: no traceback."""
     down = f"redis://:s3cret@127.0.0.1:{free_port()}/0"
-    for command in (["ping"], ["list"], ["release", "x:1", "--yes"], ["stats"]):
+    for command in (["ping"], ["list"], ["release", "x:1", "--yes"]):
         result = celery(redislock_server.url, *command, REDISLOCK_TEST_LOCK_URL=down)
         line = one_line_failure(result)
         assert line == (
             f"Error: lock store {down.replace('s3cret', '***')}: unreachable (connection refused)"
         )
+
+
+def test_an_unreachable_store_of_one_task_is_named_alone_and_the_others_are_worked_on(
+    app: Celery, locks: redis.Redis
+) -> None:
+    """With one task's own lock store down, each command names that store alone (on
+    stderr, one line), still works on the store that answers, and exits non-zero."""
+    url = str(app.conf.redislock_url)
+    down = f"redis://127.0.0.1:{free_port()}/3"
+    name = leave_stale_lock(cli_app.report, 21, ttl=30)
+    holder = list_locks(locks)[0].holder
+    assert holder is not None
+    failed = f"Error: lock store {down}: unreachable (connection refused)"
+
+    def command(*args: str) -> subprocess.CompletedProcess[str]:
+        return celery(url, *args, REDISLOCK_TEST_ELSEWHERE_URL=down)
+
+    ping = command("ping")
+    assert one_line_failure(ping) == failed
+    assert f"lock store {url}: ok (server " in ping.stdout
+    listed = command("list", "--json")
+    assert one_line_failure(listed) == failed
+    document = json.loads(listed.stdout)
+    jsonschema.validate(document, LIST_SCHEMA)
+    assert [lock["name"] for lock in document["locks"]] == [name]
+    assert document["errors"] == [failed.removeprefix("Error: ")]
+    stats = command("stats")
+    assert one_line_failure(stats) == failed
+    assert stats.stdout.startswith("1 lock(s) held, 0 waiter(s) queued (in what could be read")
+    shown = command("show", name, *NO_WORKER_WAIT)
+    assert one_line_failure(shown) == failed
+    assert f"holder   {holder}" in shown.stdout
+    released = command("release", "--holder", holder, "--yes", "--force")
+    assert released.returncode == 1
+    assert released.stderr.strip().splitlines()[-1] == failed
+    assert f"released {name}: evicted" in released.stdout
+    assert read_lock(locks, name) is None
+
+
+def test_a_task_with_invalid_options_is_a_task_configuration_error(
+    app: Celery, locks: redis.Redis
+) -> None:
+    """A task whose option value is invalid is reported as a task configuration error
+    naming the task, not as a lock store's; the command works on the other tasks'
+    locks and exits non-zero."""
+    name = leave_stale_lock(cli_app.report, 22, ttl=30)
+    listed = celery(str(app.conf.redislock_url), "list", REDISLOCK_TEST_MISCONFIGURED="1")
+    line = one_line_failure(listed)
+    assert line.startswith("Error: task configuration: "), line
+    assert "'cliapp.misconfigured'" in line
+    assert "on_conflict must be one of" in line
+    assert "lock store" not in line
+    assert listed.stdout.splitlines()[1].split()[0] == name
+    assert read_lock(locks, name) is not None
 
 
 def test_a_cluster_client_that_cannot_be_made_is_one_line(redislock_server: RedisServer) -> None:
@@ -644,6 +698,7 @@ def test_list_text_and_json(app: Celery, locks: redis.Redis, worker: Any) -> Non
     document = json.loads(listed.stdout)
     jsonschema.validate(document, LIST_SCHEMA)
     assert document["count"] == 2
+    assert document["errors"] == []
     assert {lock["name"] for lock in document["locks"]} == {
         "plain:1",
         cli_app.report.lock_name((2,), {}),
@@ -683,7 +738,9 @@ def test_show_by_name_and_by_task_id(app: Celery, locks: redis.Redis, worker: An
     document = json.loads(shown.stdout)
     jsonschema.validate(document, SHOW_SCHEMA)
     (entry,) = document["locks"]
+    assert document["errors"] == []
     assert entry["lock"]["holder"] == running.id
+    assert entry["holder_status"]["result_error"] is None
     assert entry["holder_status"]["worker"] == "cli-worker@test"
     assert entry["holder_status"]["worker_state"] == "active"
     finish_report(locks, 3, running)
@@ -755,7 +812,7 @@ def test_release_of_a_task_id_or_a_mistyped_name_says_what_to_give(
     nobody = str(uuid.uuid4())
     gone = one_line_failure(celery(url, "release", nobody, "--yes"))
     assert f"no lock is held by task id {nobody} either (--holder TASK_ID" in gone
-    assert "`celery -A proj redislock list` shows the held locks" in gone
+    assert "`celery -A tests.cli_app redislock list` shows the held locks" in gone
     by_name = one_line_failure(celery(url, "release", "--holder", name, "--yes"))
     assert by_name == (
         f"Error: no lock is held by task id {name!r}; {name!r} is a lock's name: "
@@ -840,8 +897,75 @@ def test_release_refuses_a_running_holder_unless_forced(
     forced = celery(url, "release", name, "--yes", "--force")
     assert forced.returncode == 0, forced.stderr
     assert f"released {name}: evicted task cliapp.report, holder {running.id}" in forced.stdout
+    assert (
+        f"its holder {running.id} was not stopped: if it still runs, it keeps running "
+        "without its lock"
+    ) in forced.stderr
     assert read_lock(locks, name) is None
     finish_report(locks, 10, running)
+
+
+def test_release_and_purge_of_a_selection_leave_only_the_running_holders(
+    app: Celery, locks: redis.Redis, worker: Any
+) -> None:
+    """`release --task`, `release --pattern` and `purge` free the selected locks whose
+    holder no live worker runs, list those whose holder runs as left, and exit with
+    status 4 saying that --force frees those too; with only running holders selected,
+    nothing is released."""
+    running = running_report(app, locks, 23)
+    url = str(app.conf.redislock_url)
+    live = cli_app.report.lock_name((23,), {})
+    left = f"left: {live} (task cliapp.report, holder {running.id}, running on cli-worker@test"
+    for command in (["release", "--task", "cliapp.report"], ["purge", "--all"]):
+        stale = leave_stale_lock(cli_app.report, 24, ttl=30)
+        result = celery(url, *command, "--yes", "--timeout", "0.5")
+        assert result.returncode == 4, result.stderr
+        assert f"released {stale}: evicted" in result.stdout
+        assert left in result.stdout
+        assert "--force frees it too" in result.stdout
+        assert (
+            result.stderr.strip()
+            .splitlines()[-1]
+            .endswith(
+                "left to their holders, which a live worker is running (listed above); "
+                "pass --force to free those too (the tasks keep running, without their locks)"
+            )
+        )
+        assert read_lock(locks, stale) is None
+        assert read_lock(locks, live) is not None
+    only_live = celery(url, "release", "--pattern", live, "--yes", "--timeout", "0.5")
+    assert only_live.returncode == 4, only_live.stderr
+    assert left in only_live.stdout
+    assert "released nothing: the 1 lock(s) matching" in one_line_failure(only_live)
+    assert read_lock(locks, live) is not None
+    finish_report(locks, 23, running)
+
+
+def test_a_selection_that_matches_nothing(app: Celery, locks: redis.Redis) -> None:
+    """A selection that is valid but matches no held lock exits 0 and says so; one
+    that names what cannot be (a task the app does not have and no lock is held
+    for, a node name not of the form NAME@HOST) fails."""
+    url = str(app.conf.redislock_url)
+    for command in (["purge", "--task", "nosuch", "--yes"], ["list", "--task", "nosuch"]):
+        unknown = celery(url, *command)
+        assert unknown.returncode == 1, unknown.stdout
+        assert one_line_failure(unknown) == (
+            "Error: no lock of task nosuch is held (app 'cliapp' has no task 'nosuch'; "
+            "its SingletonTasks: cliapp.queued, cliapp.report)"
+        )
+    node = celery(url, "purge", "--node", "nosuch", "--yes")
+    assert node.returncode == 2
+    assert "--node takes a worker node name, NAME@HOST" in one_line_failure(node)
+    pattern = celery(url, "release", "--pattern", "nothing:*", "--yes")
+    assert (pattern.returncode, pattern.stdout) == (0, "no lock matching nothing:* is held\n")
+    gone = celery(url, "purge", "--node", "gone@host", "--yes")
+    assert (gone.returncode, gone.stdout) == (0, "no lock on node gone@host is held\n")
+    removed = RedisLock(locks, "removed.task:1", ttl=30, holder_info={"task": "removed.task"})
+    assert removed.acquire()
+    left = celery(url, "list", "--task", "removed.task", "--json")
+    assert left.returncode == 0, left.stderr
+    assert [lock["name"] for lock in json.loads(left.stdout)["locks"]] == ["removed.task:1"]
+    removed.release()
 
 
 def test_release_leaves_a_lock_that_changed_hands_since_it_was_listed(
@@ -929,6 +1053,25 @@ def test_a_frozen_broker_does_not_hang_show_release_or_purge(
     assert read_lock(locks, name) is None
 
 
+def test_show_with_a_frozen_result_backend_says_it_timed_out(
+    app: Celery, locks: redis.Redis, redislock_server_factory: Callable[..., RedisServer]
+) -> None:
+    """With the result backend frozen, `show` reads it while it asks the workers, until
+    the one --timeout deadline, and says that it timed out."""
+    backend = redislock_server_factory()
+    url = str(app.conf.redislock_url)
+    name = leave_stale_lock(cli_app.report, 26, ttl=30)
+    with backend.paused():
+        shown = celery(
+            url, "show", name, "--timeout", "0.3", REDISLOCK_TEST_BACKEND_URL=backend.url
+        )
+    assert shown.returncode == 0, shown.stderr
+    fields = dict(line.split(None, 1) for line in shown.stdout.splitlines() if line.strip())
+    assert fields["result"] == (
+        "unknown (timed out: the result backend did not answer within 0.3 s)"
+    )
+
+
 def test_purge(app: Celery, locks: redis.Redis) -> None:
     """`purge` frees every lock of a task, of a node, or of the app, after the same checks."""
     url = str(app.conf.redislock_url)
@@ -962,6 +1105,7 @@ def test_stats(app: Celery, locks: redis.Redis) -> None:
         document = json.loads(celery(url, "stats", "--json").stdout)
     jsonschema.validate(document, STATS_SCHEMA)
     assert document["held"] == 2
+    assert document["errors"] == []
     assert set(document["by_task"]) == {"cliapp.report", "cliapp.queued"}
 
 

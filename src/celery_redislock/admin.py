@@ -29,9 +29,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple
 
 import redis
+from celery.local import maybe_evaluate
 from redis.cluster import RedisCluster
 from redis.exceptions import AskError, RedisError, TryAgainError
 
@@ -72,6 +73,7 @@ __all__ = [
     "ForceReleased",
     "HolderStatus",
     "LockInfo",
+    "ResultReads",
     "Store",
     "WorkerActivity",
     "app_stores",
@@ -191,6 +193,16 @@ LOCK_SCHEMA: dict[str, Any] = {
     },
 }
 
+#: JSON schema of the ``errors`` of the command's ``--json`` outputs.
+ERRORS_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "items": {"type": "string"},
+    "description": (
+        "what could not be read (a lock store unreachable, a task's invalid options), "
+        "as the command's error lines say it; the rest of the output is about the others"
+    ),
+}
+
 #: JSON schema of ``celery redislock list --json``.
 LIST_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -200,6 +212,7 @@ LIST_SCHEMA: dict[str, Any] = {
     "properties": {
         "locks": {"type": "array", "items": LOCK_SCHEMA},
         "count": {"type": "integer", "minimum": 0},
+        "errors": ERRORS_SCHEMA,
     },
 }
 
@@ -207,7 +220,14 @@ LIST_SCHEMA: dict[str, Any] = {
 HOLDER_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["task_id", "result_state", "worker", "worker_state", "workers_answered"],
+    "required": [
+        "task_id",
+        "result_state",
+        "worker",
+        "worker_state",
+        "workers_answered",
+        "result_error",
+    ],
     "properties": {
         "task_id": {"type": "string"},
         "result_state": _nullable("string", description="AsyncResult(id).state, if known"),
@@ -221,6 +241,9 @@ HOLDER_SCHEMA: dict[str, Any] = {
             "minimum": 0,
             "description": "how many workers answered within the timeout",
         },
+        "result_error": _nullable(
+            "string", description="why result_state is null (timed out, the backend failed)"
+        ),
     },
 }
 
@@ -243,6 +266,7 @@ SHOW_SCHEMA: dict[str, Any] = {
                 },
             },
         },
+        "errors": ERRORS_SCHEMA,
     },
 }
 
@@ -271,6 +295,7 @@ STATS_SCHEMA: dict[str, Any] = {
             },
         },
         "oldest": {"anyOf": [LOCK_SCHEMA, {"type": "null"}]},
+        "errors": ERRORS_SCHEMA,
     },
 }
 
@@ -688,12 +713,19 @@ class Store(NamedTuple):
     description: str
 
 
-def app_stores(app: Any) -> list[Store]:
+def app_stores(app: Any, *, bad_tasks: list[tuple[str, Exception]] | None = None) -> list[Store]:
     """Where the locks of ``app`` live: its lock store under ``redislock_prefix``,
     plus the own ``lock_url``/``lock_prefix`` of each registered SingletonTask.
 
+    Arguments:
+        bad_tasks: when given, a SingletonTask whose options are invalid is left
+            out and added to it as ``(task name, error)``, so that the stores of
+            the others can still be worked on; without it, the first such error
+            is raised.
+
     Raises:
-        ValueError, TypeError: the app names no usable lock store.
+        ValueError, TypeError: the app names no usable lock store (or, without
+            ``bad_tasks``, a task's options are invalid).
         LockBackendError: its ``redislock_client`` callable could not reach the store.
     """
     from celery_redislock.task import SingletonTask
@@ -706,19 +738,67 @@ def app_stores(app: Any) -> list[Store]:
         stores[(description, prefix)] = Store(lock_store(app), prefix, description)
     except (ValueError, TypeError) as exc:
         problem = exc
-    for task in list(app.tasks.values()):
+    for task in _registered_tasks(app, bad_tasks is not None):
         if not isinstance(task, SingletonTask):
             continue
-        options = task.lock_options
+        try:
+            options = task.lock_options
+        except (ValueError, TypeError) as exc:
+            if bad_tasks is None:
+                raise
+            bad_tasks.append((task.name, exc))
+            continue
         where = (describe_store(app, options.url), options.prefix)
         if options.url is None and problem is not None:
             raise problem
         if where not in stores:
             stores[where] = Store(task.lock_client, options.prefix, where[0])
     if not stores:
-        assert problem is not None
+        if problem is None:
+            # Every task of the app names a store of its own, and each was left out.
+            raise ValueError("no usable lock store: every task's configuration is invalid")
         raise problem
     return list(stores.values())
+
+
+def _registered_tasks(app: Any, past_bad_tasks: bool) -> list[Any]:
+    """The tasks of ``app``, registered (the app finalized) as the first look at
+    ``app.tasks`` does.
+
+    A task whose options are invalid raises as it is registered, which stops the
+    registration of those declared after it. With ``past_bad_tasks``, those are
+    registered all the same (the raising task is left registered, and raises
+    again when its options are read, where its name is known).
+    """
+    try:
+        return list(app.tasks.values())
+    except (ValueError, TypeError) as exc:
+        if not past_bad_tasks:
+            raise
+        first: Exception = exc
+    pending = getattr(app, "_pending", None)
+    while pending:
+        try:
+            maybe_evaluate(pending.popleft())
+        except (ValueError, TypeError):
+            continue  # raises again when its options are read
+    tasks = list(app.tasks.values())
+    if not any(_invalid_options(task) for task in tasks):
+        raise first  # not a task's options: the app's settings
+    return tasks
+
+
+def _invalid_options(task: Any) -> bool:
+    """Whether ``task`` is a SingletonTask whose options cannot be read."""
+    from celery_redislock.task import SingletonTask
+
+    if not isinstance(task, SingletonTask):
+        return False
+    try:
+        _ = task.lock_options
+    except (ValueError, TypeError):
+        return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -745,8 +825,6 @@ _INSPECT_KINDS = ("active", "reserved", "scheduled")
 #: longer (frozen, its replies lost) is reported as not answering, rather than
 #: hanging the command: its client has no socket timeout of its own.
 BROKER_ALLOWANCE = 3.0
-
-_T = TypeVar("_T")
 
 
 class _Call:
@@ -813,21 +891,52 @@ def worker_activity(
     return WorkerActivity(tasks, frozenset(answered))
 
 
-def _bounded(function: Callable[[], _T], timeout: float) -> _T | None:
-    """``function()``, or ``None`` if it raises or takes longer than ``timeout`` seconds
-    (a result backend whose client retries on its own cannot hold a command up)."""
-    box: list[_T] = []
+class ResultReads:
+    """The result backend's state (``AsyncResult(id).state``) of some task ids, all
+    asked at once, each on a daemon thread of its own, and waited for until one
+    deadline shared by them all (and by whatever the caller does meanwhile): a
+    frozen result backend, whose client retries on its own, holds a command up
+    for that deadline once, not once per read."""
 
-    def call() -> None:
+    def __init__(self, app: Any, task_ids: Iterable[str]) -> None:
+        self._reads: dict[str, _ResultRead] = {}
+        for task_id in task_ids:
+            if task_id not in self._reads:
+                self._reads[task_id] = _ResultRead(app, task_id)
+
+    def result(self, task_id: str, deadline: float, waited: float) -> tuple[str | None, str | None]:
+        """``(state, None)``, or ``(None, why not)`` if the state of ``task_id`` could
+        not be read by ``deadline`` (a ``time.monotonic()`` value, ``waited`` seconds
+        after the command began, as the message says)."""
+        read = self._reads.get(task_id)
+        if read is None:
+            return None, "the result backend was not asked"
+        return read.wait(deadline, waited)
+
+
+class _ResultRead:
+    """One ``AsyncResult(id).state`` read, on a daemon thread of its own."""
+
+    def __init__(self, app: Any, task_id: str) -> None:
+        self._state: str | None = None
+        self._error: str | None = None
+        self._thread = threading.Thread(
+            target=self._read, args=(app, task_id), name="redislock-result", daemon=True
+        )
+        self._thread.start()
+
+    def _read(self, app: Any, task_id: str) -> None:
         try:
-            box.append(function())
-        except Exception:
-            return
+            self._state = str(app.AsyncResult(task_id).state)
+        except Exception as exc:  # the result backend is the app's business: report
+            self._error = f"the result backend failed: {exc}"
 
-    thread = threading.Thread(target=call, name="redislock-admin", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return box[0] if box else None
+    def wait(self, deadline: float, waited: float) -> tuple[str | None, str | None]:
+        """What was read, or why nothing was (see :meth:`ResultReads.result`)."""
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            return None, f"timed out: the result backend did not answer within {waited:g} s"
+        return self._state, self._error
 
 
 @dataclass(frozen=True)
@@ -842,6 +951,8 @@ class HolderStatus:
     worker_state: str | None
     #: How many workers answered (0: none alive, or the broker unreachable).
     workers_answered: int
+    #: Why ``result_state`` is unknown (timed out, the backend failed), else ``None``.
+    result_error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The status as a JSON object of the documented schema (``HOLDER_SCHEMA``)."""
@@ -851,19 +962,35 @@ class HolderStatus:
             "worker": self.worker,
             "worker_state": self.worker_state,
             "workers_answered": self.workers_answered,
+            "result_error": self.result_error,
         }
 
 
 def holder_status(
-    app: Any, task_id: str, timeout: float = 1.0, activity: WorkerActivity | None = None
+    app: Any,
+    task_id: str,
+    timeout: float = 1.0,
+    activity: WorkerActivity | None = None,
+    *,
+    results: ResultReads | None = None,
+    deadline: float | None = None,
 ) -> HolderStatus:
     """Ask the result backend and the live workers about ``task_id``, each within
-    about ``timeout`` seconds (pass ``activity`` to reuse one round of questions)."""
+    about ``timeout`` seconds (pass ``activity`` to reuse one round of questions).
+
+    Pass ``results`` (reads started beforehand) and ``deadline`` (a
+    ``time.monotonic()`` value) to wait for the result backend only until
+    ``deadline``, shared with whatever was asked meanwhile.
+    """
+    if results is None:
+        results = ResultReads(app, [task_id])
+    if deadline is None:
+        deadline = time.monotonic() + timeout
     if activity is None:
         activity = worker_activity(app, timeout)
-    state = _bounded(lambda: str(app.AsyncResult(task_id).state), timeout)
+    state, error = results.result(task_id, deadline, timeout)
     node, kind = activity.tasks.get(task_id, (None, None))
-    return HolderStatus(task_id, state, node, kind, len(activity.answered))
+    return HolderStatus(task_id, state, node, kind, len(activity.answered), error)
 
 
 def purge_locks(
