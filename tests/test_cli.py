@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from celery_redislock.admin import (
     LOCK_SCHEMA,
     SHOW_SCHEMA,
     STATS_SCHEMA,
+    WAITER_SCHEMA,
     ForceReleased,
     check_pattern,
     clear_locks,
@@ -748,6 +750,46 @@ def test_show_by_name_and_by_task_id(app: Celery, locks: redis.Redis, worker: An
     assert "no lock named 'no-such-lock' is held" in one_line_failure(missing)
 
 
+def test_show_lists_a_locks_waiters_and_finds_a_waiting_task_by_its_id(
+    app: Celery, locks: redis.Redis
+) -> None:
+    """`show NAME` lists the tasks queued for the lock (task id, task, node, pid, since
+    when they wait), under "waiting" and in --json; `show TASK_ID` of a waiting task
+    says which lock it waits for, and where in the queue, and shows that lock."""
+    url = str(app.conf.redislock_url)
+    holder = RedisLock(locks, "queue:1", ttl=60, lease="holder-id")
+    assert holder.acquire()
+    since = time.time() - 5
+    described = {"task": "t.wait", "state": "running", "node": "w@host", "pid": "42"}
+    waiter = RedisLock(
+        locks, "queue:1", ttl=60, lease="waiter-id", holder_info={**described, "since": str(since)}
+    )
+    got, thread = acquire_in_thread(waiter, 30)
+    wait_for(lambda: locks.zcard(holder.queue_key) == 1, what="the waiter to queue")
+    by_name = celery(url, "show", "queue:1", "--json", *NO_WORKER_WAIT)
+    assert by_name.returncode == 0, by_name.stderr
+    document = json.loads(by_name.stdout)
+    jsonschema.validate(document, SHOW_SCHEMA)
+    (entry,) = document["locks"]
+    assert entry["waiting"] == [
+        {**described, "task_id": "waiter-id", "pid": 42, "since": pytest.approx(since)}
+    ]
+    by_id = celery(url, "show", "waiter-id", *NO_WORKER_WAIT)
+    assert by_id.returncode == 0, by_id.stderr
+    lines = by_id.stdout.splitlines()
+    assert lines[0] == "waiter-id is waiting for queue:1, number 1 in its queue"
+    fields = dict(line.split(None, 1) for line in lines[1:] if line.strip())
+    assert (fields["name"], fields["holder"]) == ("queue:1", "holder-id")
+    waiting = datetime.fromtimestamp(since, timezone.utc).isoformat(timespec="seconds")
+    assert fields["waiting"].startswith(
+        f"waiter-id (t.wait) on w@host pid 42, waiting since {waiting} ("
+    )
+    holder.release()
+    thread.join(30)
+    assert got == [True]
+    waiter.release()
+
+
 def test_name_of_a_call(app: Celery) -> None:
     """`name` prints the lock name a call would use; ARGS are JSON values or strings."""
     url = str(app.conf.redislock_url)
@@ -1209,10 +1251,11 @@ def operations_table(column: str) -> list[str]:
 
 
 def test_operations_page_documents_the_json_schema() -> None:
-    """The Operations page's field tables for LOCK and HOLDER list the schemas' fields,
+    """The Operations page's field tables for LOCK, HOLDER and WAITER list the schemas' fields,
     in the schemas' order."""
     assert operations_table("`LOCK` field") == list(LOCK_SCHEMA["properties"])
     assert operations_table("`HOLDER` field") == list(HOLDER_SCHEMA["properties"])
+    assert operations_table("`WAITER` field") == list(WAITER_SCHEMA["properties"])
     assert set(LOCK_SCHEMA["required"]) == set(LOCK_SCHEMA["properties"])
 
 

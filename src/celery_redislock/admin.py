@@ -24,6 +24,7 @@ celery-singleton's ``clear_locks(app)``.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -48,6 +49,7 @@ from celery_redislock.lock import (
 from celery_redislock.scripts import (
     FIELDS,
     FORCE_RELEASE_SCRIPT,
+    HOLDER_FIELDS,
     OWNER_FIELD,
     Call,
     decode_lock,
@@ -75,17 +77,21 @@ __all__ = [
     "LockInfo",
     "ResultReads",
     "Store",
+    "WaiterInfo",
+    "Waiting",
     "WorkerActivity",
     "app_stores",
     "check_pattern",
     "clear_locks",
     "find_locks",
+    "find_waiting",
     "force_release",
     "holder_status",
     "list_locks",
     "lock_stats",
     "purge_locks",
     "read_lock",
+    "read_waiters",
     "worker_activity",
 ]
 
@@ -247,6 +253,21 @@ HOLDER_SCHEMA: dict[str, Any] = {
     },
 }
 
+#: JSON schema of a waiter queued for a lock (``show --json``).
+WAITER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["task_id", "task", "state", "node", "pid", "since"],
+    "properties": {
+        "task_id": _nullable("string", description="the waiter's task id (lease)"),
+        "task": _nullable("string", description="the waiter's task name"),
+        "state": _nullable("string", description="what the waiter said it was doing"),
+        "node": _nullable("string", description="worker node running the waiter"),
+        "pid": _nullable("integer", description="worker process running the waiter"),
+        "since": _nullable("number", description="when it began to ask (Unix seconds)"),
+    },
+}
+
 #: JSON schema of ``celery redislock show --json``.
 SHOW_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -263,6 +284,11 @@ SHOW_SCHEMA: dict[str, Any] = {
                 "properties": {
                     "lock": LOCK_SCHEMA,
                     "holder_status": {"anyOf": [HOLDER_SCHEMA, {"type": "null"}]},
+                    "waiting": {
+                        "type": "array",
+                        "items": WAITER_SCHEMA,
+                        "description": "its queued waiters, first in line first",
+                    },
                 },
             },
         },
@@ -630,6 +656,136 @@ def find_locks(
     if info is not None:
         return [info]
     return list_locks(client, "*", prefix, holder=name_or_id, timeout=timeout)
+
+
+#: The most waiters read per lock (the first ones in its queue): what ``show``
+#: lists, and how far into each queue a waiting task id is looked for.
+WAITERS_READ = 100
+
+
+@dataclass(frozen=True)
+class WaiterInfo:
+    """One waiter queued for a lock, as its queue entry describes it."""
+
+    #: The waiter's lease: for a task, its Celery task id (``None``: none given).
+    task_id: str | None
+    #: Its task name, state, worker node and process, when it described itself.
+    task: str | None = None
+    state: str | None = None
+    node: str | None = None
+    pid: int | None = None
+    #: When it began to ask for the lock, in Unix seconds.
+    since: float | None = None
+
+    def age(self, now: float | None = None) -> float | None:
+        """Seconds since it began to ask (``None`` when it did not say)."""
+        if self.since is None:
+            return None
+        return max(0.0, (time.time() if now is None else now) - self.since)
+
+    def to_json(self) -> dict[str, Any]:
+        """The waiter as a JSON object of the documented schema (:data:`WAITER_SCHEMA`)."""
+        return {
+            "task_id": self.task_id,
+            "task": self.task,
+            "state": self.state,
+            "node": self.node,
+            "pid": self.pid,
+            "since": self.since,
+        }
+
+
+def _waiter(entry: bytes | str) -> WaiterInfo:
+    """A :class:`WaiterInfo` from a queue entry: the JSON array ``[waiter id, owner
+    token, TTL in ms, lease, description...]`` (see
+    :func:`~celery_redislock.scripts.queue_entry`); an entry that is only an id
+    (an older form) describes nothing."""
+    try:
+        values = json.loads(_text(entry) or "")
+    except ValueError:
+        return WaiterInfo(None)
+    if not isinstance(values, list) or len(values) < 4:
+        return WaiterInfo(None)
+    described = dict(zip(HOLDER_FIELDS, [str(value) for value in values[4:]], strict=False))
+    return WaiterInfo(
+        task_id=str(values[3]) or None,
+        task=described.get("task") or None,
+        state=described.get("state") or None,
+        node=described.get("node") or None,
+        pid=_int(described.get("pid"), None),
+        since=_float(described.get("since")),
+    )
+
+
+def read_waiters(
+    client: Client, name: str, prefix: str = DEFAULT_PREFIX, timeout: float = DEFAULT_CALL_TIMEOUT
+) -> list[WaiterInfo]:
+    """The waiters queued for lock ``name``, first in line first (the first
+    :data:`WAITERS_READ` of them): one round trip.
+
+    Raises:
+        LockBackendError: the store could not be reached.
+    """
+    queue = lock_keys(name, prefix).queue
+    with backend_errors(f"read the waiters of lock {name!r}"):
+        entries = send(
+            Router(client), queue, ("ZRANGE", queue, 0, WAITERS_READ - 1), Deadline.after(timeout)
+        )
+    return [_waiter(entry) for entry in entries or ()]
+
+
+class Waiting(NamedTuple):
+    """Where a task id waits: the lock, and its place in the lock's queue."""
+
+    #: The lock name it waits for.
+    name: str
+    #: Its place in the queue, from 1 (next in line).
+    position: int
+    #: Its queue entry.
+    waiter: WaiterInfo
+
+
+def find_waiting(
+    client: Client,
+    task_id: str,
+    prefix: str = DEFAULT_PREFIX,
+    timeout: float = DEFAULT_CALL_TIMEOUT,
+) -> list[Waiting]:
+    """The locks task id ``task_id`` waits for (queued as a waiter), sorted by name.
+
+    Walks the waiter queues with ``SCAN`` (every primary of a Cluster) and reads
+    the first :data:`WAITERS_READ` entries of each, in one pipelined round trip
+    per batch. A queue of a cluster slot being moved is left out until the move ends.
+
+    Raises:
+        LockBackendError: the store could not be reached.
+    """
+    check_prefix(prefix)
+    match = f"{glob_escape(prefix)}:{{*}}:waiters"
+    found: list[Waiting] = []
+    seen: set[str] = set()
+    with backend_errors("find waiting tasks"):
+        for transport in Router(client).transports():
+            for batch in _scan(transport, match, timeout):
+                queues = [queue for queue in batch if queue not in seen]
+                if not queues:
+                    continue
+                seen.update(queues)
+                commands = [("ZRANGE", queue, 0, WAITERS_READ - 1) for queue in queues]
+                replies = run(transport, commands, Deadline.after(timeout))
+                for queue, reply in zip(queues, replies, strict=True):
+                    if isinstance(reply, AskError | TryAgainError):
+                        continue
+                    if isinstance(reply, Exception):
+                        if "WRONGTYPE" in str(reply):
+                            continue  # a lock named '...}:waiters', not a queue
+                        raise reply
+                    for position, entry in enumerate(reply or (), 1):
+                        waiter = _waiter(entry)
+                        if waiter.task_id == task_id:
+                            name = name_from_key(queue.removesuffix(":waiters"), prefix)
+                            found.append(Waiting(name, position, waiter))
+    return sorted(found, key=lambda waiting: waiting.name)
 
 
 class ForceReleased(Enum):

@@ -38,16 +38,19 @@ from celery_redislock.admin import (
     LockInfo,
     ResultReads,
     Store,
+    WaiterInfo,
     WorkerActivity,
     app_stores,
     check_pattern,
     find_locks,
+    find_waiting,
     force_release,
     holder_status,
     is_glob,
     list_locks,
     lock_stats,
     read_lock,
+    read_waiters,
     server_facts,
     short_reason,
     worker_activity,
@@ -241,18 +244,29 @@ def _each_store(
     found: list[tuple[Store, _T]] = []
     failed = 0
     for store in stores:
-        ctx.meta[_CURRENT_STORE] = store
-        try:
-            found.extend((store, item) for item in read(store))
-        except LockBackendError as exc:
+        items = _in_store(ctx, store, lambda store: list(read(store)))
+        if items is None:
             failed += 1
-            _problem(ctx, f"lock store {store.description}: {short_reason(exc)}")
-    ctx.meta.pop(_CURRENT_STORE, None)
+        else:
+            found.extend((store, item) for item in items)
     if failed == len(stores):
         failure = _problems_failure(ctx)
         if failure is not None:
             raise failure
     return found
+
+
+def _in_store(ctx: click.Context, store: Store, read: Callable[[Store], _T]) -> _T | None:
+    """``read(store)``, or ``None`` if the store cannot be reached: noted as a
+    problem, named alone, with why (see :func:`_each_store`)."""
+    ctx.meta[_CURRENT_STORE] = store
+    try:
+        return read(store)
+    except LockBackendError as exc:
+        _problem(ctx, f"lock store {store.description}: {short_reason(exc)}")
+        return None
+    finally:
+        ctx.meta.pop(_CURRENT_STORE, None)
 
 
 def _app_given(ctx: click.Context) -> str:
@@ -447,9 +461,11 @@ def show(ctx: click.Context, name_or_id: str, timeout: float, as_json: bool) -> 
     deadline = time.monotonic() + timeout
     found = _each_store(ctx, lambda store: find_locks(store.client, name_or_id, store.prefix))
     if not found:
+        found = _waited_for(ctx, name_or_id, as_json)
+    if not found:
         raise Failure(
-            f"no lock named {name_or_id!r} is held, and no lock is held by that task id; "
-            + _list_hint(ctx)
+            f"no lock named {name_or_id!r} is held, and no lock is held by that task id, "
+            "nor waited for; " + _list_hint(ctx)
         )
     app = ctx.obj.app
     holders = [info.holder for _, info in found if info.holder]
@@ -458,32 +474,33 @@ def show(ctx: click.Context, name_or_id: str, timeout: float, as_json: bool) -> 
     activity = worker_activity(app, left) if holders else WorkerActivity()
     now = time.time()
     entries = []
-    for _, info in found:
+    for store, info in found:
         status = (
             holder_status(app, info.holder, timeout, activity, results=results, deadline=deadline)
             if info.holder
             else None
         )
-        entries.append((info, status))
+        queued = _waiters_of(ctx, store, info) if info.waiters else []
+        entries.append((info, status, queued))
     if as_json:
         _emit_json(
             {
                 "locks": [
-                    {"lock": info.to_json(now), "holder_status": s.to_json() if s else None}
-                    for info, s in entries
+                    {
+                        "lock": info.to_json(now),
+                        "holder_status": s.to_json() if s else None,
+                        "waiting": [waiter.to_json() for waiter in queued],
+                    }
+                    for info, s, queued in entries
                 ],
                 "errors": _problem_list(ctx),
             }
         )
         return
-    for number, (info, status) in enumerate(entries):
+    for number, (info, status, queued) in enumerate(entries):
         if number:
             click.echo("")
-        since = (
-            datetime.fromtimestamp(info.since, timezone.utc).isoformat(timespec="seconds")
-            if info.since is not None
-            else "-"
-        )
+        since = _when(info.since)
         lines = [
             ("name", info.name),
             ("prefix", info.prefix),
@@ -497,6 +514,7 @@ def show(ctx: click.Context, name_or_id: str, timeout: float, as_json: bool) -> 
             ("fence", str(info.fence)),
             ("holds", str(info.count)),
             ("waiters", str(info.waiters)),
+            *(("waiting", _waiter_line(waiter, now)) for waiter in queued),
         ]
         if status is not None:
             lines.append(
@@ -514,6 +532,57 @@ def show(ctx: click.Context, name_or_id: str, timeout: float, as_json: bool) -> 
             lines.append(("worker", worker))
         for line in _table(lines):
             click.echo(line)
+
+
+def _when(since: float | None) -> str:
+    """A time in Unix seconds as an ISO 8601 UTC time, to the second (``-``: unknown)."""
+    if since is None:
+        return "-"
+    return datetime.fromtimestamp(since, timezone.utc).isoformat(timespec="seconds")
+
+
+def _waiter_line(waiter: WaiterInfo, now: float) -> str:
+    """A queued waiter in a line: its task id, task, where it runs and since when."""
+    where = f"on {waiter.node or '?'}" + (f" pid {waiter.pid}" if waiter.pid is not None else "")
+    task = f" ({waiter.task})" if waiter.task else ""
+    return (
+        f"{waiter.task_id or '-'}{task} {where}, waiting since {_when(waiter.since)} "
+        f"({_duration(waiter.age(now))} ago)"
+    )
+
+
+def _waited_for(ctx: click.Context, task_id: str, quiet: bool) -> list[tuple[Store, LockInfo]]:
+    """The held locks task id ``task_id`` is queued for, saying so (unless ``quiet``:
+    ``--json`` shows it among each lock's waiters)."""
+    found = []
+    for store, waiting in _each_store(
+        ctx, lambda store: find_waiting(store.client, task_id, store.prefix)
+    ):
+        held = _held(ctx, store, waiting.name)
+        if not quiet:
+            state = "" if held else " (not held at this moment: being handed over)"
+            click.echo(
+                f"{task_id} is waiting for {waiting.name}{state}, number {waiting.position} "
+                "in its queue"
+            )
+        if held is not None:
+            found.append((store, held))
+    if found and not quiet:
+        click.echo("")
+    return found
+
+
+def _waiters_of(ctx: click.Context, store: Store, info: LockInfo) -> list[WaiterInfo]:
+    """The waiters queued for ``info`` in ``store`` (none if it cannot be reached)."""
+    waiters = _in_store(
+        ctx, store, lambda store: read_waiters(store.client, info.name, store.prefix)
+    )
+    return waiters or []
+
+
+def _held(ctx: click.Context, store: Store, name: str) -> LockInfo | None:
+    """Lock ``name`` in ``store`` if it is held (``None`` too if it cannot be reached)."""
+    return _in_store(ctx, store, lambda store: read_lock(store.client, name, store.prefix))
 
 
 def _parse_value(text: str) -> Any:
