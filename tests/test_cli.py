@@ -641,6 +641,12 @@ def test_an_unreachable_store_of_one_task_is_named_alone_and_the_others_are_work
     assert released.stderr.strip().splitlines()[-1] == failed
     assert f"released {name}: evicted" in released.stdout
     assert read_lock(locks, name) is None
+    again = leave_stale_lock(cli_app.report, 21, ttl=30)
+    purged = command("purge", "--all", "--yes", "--force")
+    assert purged.returncode == 1
+    assert purged.stderr.strip().splitlines()[-1] == failed
+    assert f"released {again}: evicted" in purged.stdout
+    assert read_lock(locks, again) is None
 
 
 def test_a_task_with_invalid_options_is_a_task_configuration_error(

@@ -14,7 +14,9 @@ point), so it runs against the app's configuration::
 The commands work on every place the app's locks live (its lock store under
 ``redislock_prefix``, plus any task's own ``lock_url``/``lock_prefix``). The
 logic is in :mod:`celery_redislock.admin`; this module parses, asks and prints.
-Every failure is one line on stderr and a non-zero exit status.
+Every failure is one line on stderr and a non-zero exit status. A lock store that
+cannot be reached, or a task whose options are invalid, is such a failure too,
+reported once the command has done what it could with the other stores.
 """
 
 from __future__ import annotations
@@ -953,7 +955,9 @@ def _singleton_tasks(app: Any) -> str:
 
 @redislock.command()
 @click.option("--task", "task", metavar="NAME", help="Every lock held for this task name.")
-@click.option("--node", metavar="NODENAME", help="Every lock held by tasks running on this node.")
+@click.option(
+    "--node", metavar="NODENAME", help="Every lock held by tasks running on this node (NAME@HOST)."
+)
 @click.option("--all", "everything", is_flag=True, help="Every lock of the app.")
 @_YES_OPTION
 @_FORCE_OPTION
