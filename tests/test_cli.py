@@ -818,15 +818,14 @@ def test_show_lists_a_locks_waiters_and_finds_a_waiting_task_by_its_id(
 
 def test_name_of_a_call(app: Celery) -> None:
     """`name` prints the lock name a call would use; ARGS are JSON values or strings."""
-    url = str(app.conf.redislock_url)
-    result = celery(url, "name", "cliapp.report", "42", "--kwargs", '{"full": true}')
+    result = celery_here(app, "name", "cliapp.report", "42", "--kwargs", '{"full": true}')
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == cli_app.report.lock_name((42,), {"full": True})
-    as_text = celery(url, "name", "cliapp.queued", "hello")
+    as_text = celery_here(app, "name", "cliapp.queued", "hello")
     assert as_text.stdout.strip() == cli_app.queued.lock_name(("hello",), {})
-    unknown = celery(url, "name", "cliapp.nope")
+    unknown = celery_here(app, "name", "cliapp.nope")
     assert "no task 'cliapp.nope'" in one_line_failure(unknown)
-    bad = celery(url, "name", "cliapp.report", "1", "--kwargs", "[1]")
+    bad = celery_here(app, "name", "cliapp.report", "1", "--kwargs", "[1]")
     assert "--kwargs must be a JSON object" in one_line_failure(bad)
 
 
@@ -835,19 +834,18 @@ def test_name_refuses_an_unknown_option(app: Celery) -> None:
     names it, the option meant and the options there are, rather than a string
     argument of the call whose lock name is printed; a negative number is an
     argument, and so is anything after '--'."""
-    url = str(app.conf.redislock_url)
-    typo = celery(url, "name", "cliapp.report", "--kwarg", '{"account_id": 1}')
+    typo = celery_here(app, "name", "cliapp.report", "--kwarg", '{"account_id": 1}')
     assert typo.returncode == 2, typo.stdout
     assert typo.stdout == ""
     assert (
         "Error: No such option '--kwarg'. Did you mean '--kwargs'? The options of 'name' "
         "are --help, --kwargs; an argument of the call that starts with '-' goes after '--'"
     ) in typo.stderr
-    unknown = celery(url, "name", "cliapp.report", "7", "-x")
+    unknown = celery_here(app, "name", "cliapp.report", "7", "-x")
     assert unknown.returncode == 2, unknown.stdout
     assert "No such option '-x'. The options of 'name' are --help, --kwargs" in unknown.stderr
     assert "as in: name TASK -- -x" in unknown.stderr
-    dashes = celery(url, "name", "cliapp.report", "-1", "--kwargs={}", "--", "--kwarg")
+    dashes = celery_here(app, "name", "cliapp.report", "-1", "--kwargs={}", "--", "--kwarg")
     assert dashes.returncode == 0, dashes.stderr
     assert dashes.stdout.strip() == cli_app.report.lock_name((-1, "--kwarg"), {})
 
@@ -855,7 +853,7 @@ def test_name_refuses_an_unknown_option(app: Celery) -> None:
 def test_name_of_a_call_that_does_not_fit_shows_the_parameters(app: Celery) -> None:
     """Arguments the task's body could not take are refused in one line that shows
     the parameters it takes."""
-    result = celery(str(app.conf.redislock_url), "name", "cliapp.report", "1", "true", "3")
+    result = celery_here(app, "name", "cliapp.report", "1", "true", "3")
     assert one_line_failure(result) == (
         "Error: the arguments do not fit task 'cliapp.report', whose body takes "
         "(account_id, full=False): too many positional arguments"
@@ -981,12 +979,11 @@ def test_release_and_purge_of_a_selection_leave_only_the_running_holders(
     status 4 saying that --force frees those too; with only running holders selected,
     nothing is released."""
     running = running_report(app, locks, 23)
-    url = str(app.conf.redislock_url)
     live = cli_app.report.lock_name((23,), {})
     left = f"left: {live} (task cliapp.report, holder {running.id}, running on cli-worker@test"
     for command in (["release", "--task", "cliapp.report"], ["purge", "--all"]):
         stale = leave_stale_lock(cli_app.report, 24, ttl=30)
-        result = celery(url, *command, "--yes", "--timeout", "0.5")
+        result = celery_here(app, *command, "--yes", "--timeout", "0.5")
         assert result.returncode == 4, result.stderr
         assert f"released {stale}: evicted" in result.stdout
         assert left in result.stdout
@@ -1001,7 +998,7 @@ def test_release_and_purge_of_a_selection_leave_only_the_running_holders(
         )
         assert read_lock(locks, stale) is None
         assert read_lock(locks, live) is not None
-    only_live = celery(url, "release", "--pattern", live, "--yes", "--timeout", "0.5")
+    only_live = celery_here(app, "release", "--pattern", live, "--yes", "--timeout", "0.5")
     assert only_live.returncode == 4, only_live.stderr
     assert left in only_live.stdout
     assert "released nothing: the 1 lock(s) matching" in one_line_failure(only_live)
