@@ -654,9 +654,10 @@ def test_a_task_with_invalid_options_is_a_task_configuration_error(
 ) -> None:
     """A task whose option value is invalid is reported as a task configuration error
     naming the task, not as a lock store's; the command works on the other tasks'
-    locks and exits non-zero."""
+    locks and exits non-zero. `name` of another task is not concerned."""
+    url = str(app.conf.redislock_url)
     name = leave_stale_lock(cli_app.report, 22, ttl=30)
-    listed = celery(str(app.conf.redislock_url), "list", REDISLOCK_TEST_MISCONFIGURED="1")
+    listed = celery(url, "list", REDISLOCK_TEST_MISCONFIGURED="1")
     line = one_line_failure(listed)
     assert line.startswith("Error: task configuration: "), line
     assert "'cliapp.misconfigured'" in line
@@ -664,6 +665,8 @@ def test_a_task_with_invalid_options_is_a_task_configuration_error(
     assert "lock store" not in line
     assert listed.stdout.splitlines()[1].split()[0] == name
     assert read_lock(locks, name) is not None
+    named = celery(url, "name", "cliapp.report", "22", REDISLOCK_TEST_MISCONFIGURED="1")
+    assert (named.returncode, named.stdout.strip()) == (0, name)
 
 
 def test_a_cluster_client_that_cannot_be_made_is_one_line(redislock_server: RedisServer) -> None:

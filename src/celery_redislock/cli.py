@@ -83,6 +83,8 @@ LEFT_RUNNING_EXIT = 4
 _PROBLEMS = "celery_redislock.problems"
 #: Where ``ctx.meta`` keeps the lock store a command is talking to, for its messages.
 _CURRENT_STORE = "celery_redislock.store"
+#: Where ``ctx.meta`` keeps the tasks whose options are invalid: name -> message.
+_BAD_TASKS = "celery_redislock.bad_tasks"
 #: Where ``ctx.meta`` keeps the app's lock stores, once looked up.
 _STORES = "celery_redislock.stores"
 
@@ -144,14 +146,15 @@ def _stores(ctx: click.Context) -> list[Store]:
 
 def _report_bad_tasks(ctx: click.Context, bad_tasks: list[tuple[str, Exception]]) -> None:
     """Note each task whose options are invalid (its locks are not looked at)."""
+    reported: dict[str, str] = ctx.meta.setdefault(_BAD_TASKS, {})
     for task_name, exc in bad_tasks:
         said = str(exc)
         whose = "" if task_name in said else f"task {task_name!r}: "
-        _problem(
-            ctx,
+        message = reported[task_name] = (
             f"task configuration: {whose}{said} (fix the task's options; its locks "
-            "were not looked at)",
+            "were not looked at)"
         )
+        _problem(ctx, message)
 
 
 def _problem(ctx: click.Context, message: str) -> None:
@@ -664,6 +667,11 @@ def name(
     from celery_redislock.task import SingletonTask
 
     _stores_of(ctx)  # the same "no app" check as every command
+    # Another task's invalid options do not change this one's lock names.
+    mine = ctx.meta.get(_BAD_TASKS, {}).get(task_name)
+    _take_problems(ctx)
+    if mine is not None:
+        _problem(ctx, mine)
     app = ctx.obj.app
     task = app.tasks.get(task_name)
     if task is None or not isinstance(task, SingletonTask):
