@@ -8,7 +8,11 @@ in Redis (``cliapp.waiting`` waits for its lock first, if another holds it),
 so the two processes share the same picture. With
 ``REDISLOCK_TEST_CLUSTER`` (ports of Redis Cluster nodes on the loopback, separated
 by commas), the locks live in that cluster, through a ``redislock_client``
-callable as the documentation shows it.
+callable as the documentation shows it. ``REDISLOCK_TEST_BACKEND_URL`` moves the
+result backend elsewhere; ``REDISLOCK_TEST_ELSEWHERE_URL`` adds a task whose locks
+live in a store of its own at that URL, and ``REDISLOCK_TEST_MISCONFIGURED`` a task
+with an invalid option value (the command's side only: the test process imports
+this module without them).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from tests.support import make_app
 app = make_app(os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6379/0"), "cliapp")
 if os.environ.get("REDISLOCK_TEST_LOCK_URL"):
     app.conf.redislock_url = os.environ["REDISLOCK_TEST_LOCK_URL"]
+if os.environ.get("REDISLOCK_TEST_BACKEND_URL"):
+    app.conf.result_backend = os.environ["REDISLOCK_TEST_BACKEND_URL"]
 if os.environ.get("REDISLOCK_TEST_CLUSTER"):
     _ports = os.environ["REDISLOCK_TEST_CLUSTER"].split(",")
     _nodes = [ClusterNode("127.0.0.1", int(port)) for port in _ports]  # type: ignore[no-untyped-call]
@@ -72,6 +78,27 @@ def waiting(self: SingletonTask, account_id: int, go: str) -> int:
 def queued(name: str) -> str:
     """An until_executed task: its lock is held from the send."""
     return name
+
+
+if os.environ.get("REDISLOCK_TEST_ELSEWHERE_URL"):
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        name="cliapp.elsewhere",
+        lock_url=os.environ["REDISLOCK_TEST_ELSEWHERE_URL"],
+    )
+    def elsewhere(name: str) -> str:
+        """A task whose locks live in a lock store of its own."""
+        return name
+
+
+if os.environ.get("REDISLOCK_TEST_MISCONFIGURED"):
+
+    @app.task(base=SingletonTask, shared=False, name="cliapp.misconfigured", on_conflict="ignore")
+    def misconfigured(name: str) -> str:
+        """A task with an invalid option value: its options raise when read."""
+        return name
 
 
 def use(url: str) -> None:

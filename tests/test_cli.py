@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ import jsonschema
 import pytest
 import redis
 from celery import Celery
+from celery.bin.celery import celery as celery_command
+from click.testing import CliRunner
 from redis.cluster import RedisCluster
 from redis.exceptions import MovedError
 
@@ -30,6 +33,7 @@ from celery_redislock.admin import (
     LOCK_SCHEMA,
     SHOW_SCHEMA,
     STATS_SCHEMA,
+    WAITER_SCHEMA,
     ForceReleased,
     LockInfo,
     check_pattern,
@@ -92,6 +96,24 @@ def celery(
         text=True,
         timeout=60,
         check=False,
+    )
+
+
+def celery_here(app: Celery, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``celery -A tests.cli_app redislock ARGS`` in this process, through Celery's
+    own command line: the same command as :func:`celery`, for checks that need no
+    other configuration than this process's ``app`` (which ``-A`` finds), without
+    a new interpreter's start (a second or so each)."""
+    assert app is cli_app.app
+    try:
+        runner = CliRunner(mix_stderr=False)  # type: ignore[call-arg]
+    except TypeError:  # click 8.2 and later keep stderr apart anyway
+        runner = CliRunner()
+    result = runner.invoke(celery_command, ["-A", "tests.cli_app", "redislock", *args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(
+        ["celery", "redislock", *args], result.exit_code, result.stdout, result.stderr
     )
 
 
@@ -579,12 +601,75 @@ def test_unreachable_store_is_one_line_without_password(redislock_server: RedisS
     """With the lock store down, a command prints one line naming the store (password
     hidden) and why, and exits non-zero: no traceback."""
     down = f"redis://:s3cret@127.0.0.1:{free_port()}/0"
-    for command in (["ping"], ["list"], ["release", "x:1", "--yes"], ["stats"]):
+    for command in (["ping"], ["list"], ["release", "x:1", "--yes"]):
         result = celery(redislock_server.url, *command, REDISLOCK_TEST_LOCK_URL=down)
         line = one_line_failure(result)
         assert line == (
             f"Error: lock store {down.replace('s3cret', '***')}: unreachable (connection refused)"
         )
+
+
+def test_an_unreachable_store_of_one_task_is_named_alone_and_the_others_are_worked_on(
+    app: Celery, locks: redis.Redis
+) -> None:
+    """With one task's own lock store down, each command names that store alone (on
+    stderr, one line), still works on the store that answers, and exits non-zero."""
+    url = str(app.conf.redislock_url)
+    down = f"redis://127.0.0.1:{free_port()}/3"
+    name = leave_stale_lock(cli_app.report, 21, ttl=30)
+    holder = list_locks(locks)[0].holder
+    assert holder is not None
+    failed = f"Error: lock store {down}: unreachable (connection refused)"
+
+    def command(*args: str) -> subprocess.CompletedProcess[str]:
+        return celery(url, *args, REDISLOCK_TEST_ELSEWHERE_URL=down)
+
+    ping = command("ping")
+    assert one_line_failure(ping) == failed
+    assert f"lock store {url}: ok (server " in ping.stdout
+    listed = command("list", "--json")
+    assert one_line_failure(listed) == failed
+    document = json.loads(listed.stdout)
+    jsonschema.validate(document, LIST_SCHEMA)
+    assert [lock["name"] for lock in document["locks"]] == [name]
+    assert document["errors"] == [failed.removeprefix("Error: ")]
+    stats = command("stats")
+    assert one_line_failure(stats) == failed
+    assert stats.stdout.startswith("1 lock(s) held, 0 waiter(s) queued (in what could be read")
+    shown = command("show", name, *NO_WORKER_WAIT)
+    assert one_line_failure(shown) == failed
+    assert f"holder   {holder}" in shown.stdout
+    released = command("release", "--holder", holder, "--yes", "--force")
+    assert released.returncode == 1
+    assert released.stderr.strip().splitlines()[-1] == failed
+    assert f"released {name}: evicted" in released.stdout
+    assert read_lock(locks, name) is None
+    again = leave_stale_lock(cli_app.report, 21, ttl=30)
+    purged = command("purge", "--all", "--yes", "--force")
+    assert purged.returncode == 1
+    assert purged.stderr.strip().splitlines()[-1] == failed
+    assert f"released {again}: evicted" in purged.stdout
+    assert read_lock(locks, again) is None
+
+
+def test_a_task_with_invalid_options_is_a_task_configuration_error(
+    app: Celery, locks: redis.Redis
+) -> None:
+    """A task whose option value is invalid is reported as a task configuration error
+    naming the task, not as a lock store's; the command works on the other tasks'
+    locks and exits non-zero. `name` of another task is not concerned."""
+    url = str(app.conf.redislock_url)
+    name = leave_stale_lock(cli_app.report, 22, ttl=30)
+    listed = celery(url, "list", REDISLOCK_TEST_MISCONFIGURED="1")
+    line = one_line_failure(listed)
+    assert line.startswith("Error: task configuration: "), line
+    assert "'cliapp.misconfigured'" in line
+    assert "on_conflict must be one of" in line
+    assert "lock store" not in line
+    assert listed.stdout.splitlines()[1].split()[0] == name
+    assert read_lock(locks, name) is not None
+    named = celery(url, "name", "cliapp.report", "22", REDISLOCK_TEST_MISCONFIGURED="1")
+    assert (named.returncode, named.stdout.strip()) == (0, name)
 
 
 def test_a_cluster_client_that_cannot_be_made_is_one_line(redislock_server: RedisServer) -> None:
@@ -647,6 +732,7 @@ def test_list_text_and_json(app: Celery, locks: redis.Redis, worker: Any) -> Non
     document = json.loads(listed.stdout)
     jsonschema.validate(document, LIST_SCHEMA)
     assert document["count"] == 2
+    assert document["errors"] == []
     assert {lock["name"] for lock in document["locks"]} == {
         "plain:1",
         cli_app.report.lock_name((2,), {}),
@@ -686,7 +772,9 @@ def test_show_by_name_and_by_task_id(app: Celery, locks: redis.Redis, worker: An
     document = json.loads(shown.stdout)
     jsonschema.validate(document, SHOW_SCHEMA)
     (entry,) = document["locks"]
+    assert document["errors"] == []
     assert entry["lock"]["holder"] == running.id
+    assert entry["holder_status"]["result_error"] is None
     assert entry["holder_status"]["worker"] == "cli-worker@test"
     assert entry["holder_status"]["worker_state"] == "active"
     finish_report(locks, 3, running)
@@ -778,17 +866,56 @@ def test_since_of_a_waiter_that_takes_an_expired_lock_is_when_it_took_it(
     waiting.get(timeout=30)
 
 
+def test_show_lists_a_locks_waiters_and_finds_a_waiting_task_by_its_id(
+    app: Celery, locks: redis.Redis
+) -> None:
+    """`show NAME` lists the tasks queued for the lock (task id, task, node, pid, since
+    when they wait), under "waiting" and in --json; `show TASK_ID` of a waiting task
+    says which lock it waits for, and where in the queue, and shows that lock."""
+    url = str(app.conf.redislock_url)
+    holder = RedisLock(locks, "queue:1", ttl=60, lease="holder-id")
+    assert holder.acquire()
+    since = time.time() - 5
+    described = {"task": "t.wait", "state": "running", "node": "w@host", "pid": "42"}
+    waiter = RedisLock(
+        locks, "queue:1", ttl=60, lease="waiter-id", holder_info={**described, "since": str(since)}
+    )
+    got, thread = acquire_in_thread(waiter, 30)
+    wait_for(lambda: locks.zcard(holder.queue_key) == 1, what="the waiter to queue")
+    by_name = celery(url, "show", "queue:1", "--json", *NO_WORKER_WAIT)
+    assert by_name.returncode == 0, by_name.stderr
+    document = json.loads(by_name.stdout)
+    jsonschema.validate(document, SHOW_SCHEMA)
+    (entry,) = document["locks"]
+    assert entry["waiting"] == [
+        {**described, "task_id": "waiter-id", "pid": 42, "since": pytest.approx(since)}
+    ]
+    by_id = celery(url, "show", "waiter-id", *NO_WORKER_WAIT)
+    assert by_id.returncode == 0, by_id.stderr
+    lines = by_id.stdout.splitlines()
+    assert lines[0] == "waiter-id is waiting for queue:1, number 1 in its queue"
+    fields = dict(line.split(None, 1) for line in lines[1:] if line.strip())
+    assert (fields["name"], fields["holder"]) == ("queue:1", "holder-id")
+    waiting = datetime.fromtimestamp(since, timezone.utc).isoformat(timespec="seconds")
+    assert fields["waiting"].startswith(
+        f"waiter-id (t.wait) on w@host pid 42, waiting since {waiting} ("
+    )
+    holder.release()
+    thread.join(30)
+    assert got == [True]
+    waiter.release()
+
+
 def test_name_of_a_call(app: Celery) -> None:
     """`name` prints the lock name a call would use; ARGS are JSON values or strings."""
-    url = str(app.conf.redislock_url)
-    result = celery(url, "name", "cliapp.report", "42", "--kwargs", '{"full": true}')
+    result = celery_here(app, "name", "cliapp.report", "42", "--kwargs", '{"full": true}')
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == cli_app.report.lock_name((42,), {"full": True})
-    as_text = celery(url, "name", "cliapp.queued", "hello")
+    as_text = celery_here(app, "name", "cliapp.queued", "hello")
     assert as_text.stdout.strip() == cli_app.queued.lock_name(("hello",), {})
-    unknown = celery(url, "name", "cliapp.nope")
+    unknown = celery_here(app, "name", "cliapp.nope")
     assert "no task 'cliapp.nope'" in one_line_failure(unknown)
-    bad = celery(url, "name", "cliapp.report", "1", "--kwargs", "[1]")
+    bad = celery_here(app, "name", "cliapp.report", "1", "--kwargs", "[1]")
     assert "--kwargs must be a JSON object" in one_line_failure(bad)
 
 
@@ -797,19 +924,18 @@ def test_name_refuses_an_unknown_option(app: Celery) -> None:
     names it, the option meant and the options there are, rather than a string
     argument of the call whose lock name is printed; a negative number is an
     argument, and so is anything after '--'."""
-    url = str(app.conf.redislock_url)
-    typo = celery(url, "name", "cliapp.report", "--kwarg", '{"account_id": 1}')
+    typo = celery_here(app, "name", "cliapp.report", "--kwarg", '{"account_id": 1}')
     assert typo.returncode == 2, typo.stdout
     assert typo.stdout == ""
     assert (
         "Error: No such option '--kwarg'. Did you mean '--kwargs'? The options of 'name' "
         "are --help, --kwargs; an argument of the call that starts with '-' goes after '--'"
     ) in typo.stderr
-    unknown = celery(url, "name", "cliapp.report", "7", "-x")
+    unknown = celery_here(app, "name", "cliapp.report", "7", "-x")
     assert unknown.returncode == 2, unknown.stdout
     assert "No such option '-x'. The options of 'name' are --help, --kwargs" in unknown.stderr
     assert "as in: name TASK -- -x" in unknown.stderr
-    dashes = celery(url, "name", "cliapp.report", "-1", "--kwargs={}", "--", "--kwarg")
+    dashes = celery_here(app, "name", "cliapp.report", "-1", "--kwargs={}", "--", "--kwarg")
     assert dashes.returncode == 0, dashes.stderr
     assert dashes.stdout.strip() == cli_app.report.lock_name((-1, "--kwarg"), {})
 
@@ -817,7 +943,7 @@ def test_name_refuses_an_unknown_option(app: Celery) -> None:
 def test_name_of_a_call_that_does_not_fit_shows_the_parameters(app: Celery) -> None:
     """Arguments the task's body could not take are refused in one line that shows
     the parameters it takes."""
-    result = celery(str(app.conf.redislock_url), "name", "cliapp.report", "1", "true", "3")
+    result = celery_here(app, "name", "cliapp.report", "1", "true", "3")
     assert one_line_failure(result) == (
         "Error: the arguments do not fit task 'cliapp.report', whose body takes "
         "(account_id, full=False): too many positional arguments"
@@ -842,7 +968,7 @@ def test_release_of_a_task_id_or_a_mistyped_name_says_what_to_give(
     nobody = str(uuid.uuid4())
     gone = one_line_failure(celery(url, "release", nobody, "--yes"))
     assert f"no lock is held by task id {nobody} either (--holder TASK_ID" in gone
-    assert "`celery -A proj redislock list` shows the held locks" in gone
+    assert "`celery -A tests.cli_app redislock list` shows the held locks" in gone
     by_name = one_line_failure(celery(url, "release", "--holder", name, "--yes"))
     assert by_name == (
         f"Error: no lock is held by task id {name!r}; {name!r} is a lock's name: "
@@ -927,8 +1053,77 @@ def test_release_refuses_a_running_holder_unless_forced(
     forced = celery(url, "release", name, "--yes", "--force")
     assert forced.returncode == 0, forced.stderr
     assert f"released {name}: evicted task cliapp.report, holder {running.id}" in forced.stdout
+    assert (
+        f"its holder {running.id} was not stopped: if it still runs, it keeps running "
+        "without its lock"
+    ) in forced.stderr
     assert read_lock(locks, name) is None
     finish_report(locks, 10, running)
+
+
+def test_release_and_purge_of_a_selection_leave_only_the_running_holders(
+    app: Celery, locks: redis.Redis, worker: Any
+) -> None:
+    """`release --task`, `release --pattern` and `purge` free the selected locks whose
+    holder no live worker runs, list those whose holder runs as left, and exit with
+    status 4 saying that --force frees those too; with only running holders selected,
+    nothing is released."""
+    running = running_report(app, locks, 23)
+    live = cli_app.report.lock_name((23,), {})
+    left = f"left: {live} (task cliapp.report, holder {running.id}, running on cli-worker@test"
+    for command in (["release", "--task", "cliapp.report"], ["purge", "--all"]):
+        stale = leave_stale_lock(cli_app.report, 24, ttl=30)
+        result = celery_here(app, *command, "--yes", "--timeout", "0.5")
+        assert result.returncode == 4, result.stderr
+        assert f"released {stale}: evicted" in result.stdout
+        assert left in result.stdout
+        assert "--force frees it too" in result.stdout
+        assert (
+            result.stderr.strip()
+            .splitlines()[-1]
+            .endswith(
+                "left to their holders, which a live worker is running (listed above); "
+                "pass --force to free those too (the tasks keep running, without their locks)"
+            )
+        )
+        assert read_lock(locks, stale) is None
+        assert read_lock(locks, live) is not None
+    only_live = celery_here(app, "release", "--pattern", live, "--yes", "--timeout", "0.5")
+    assert only_live.returncode == 4, only_live.stderr
+    assert left in only_live.stdout
+    assert "released nothing: the 1 lock(s) matching" in one_line_failure(only_live)
+    assert read_lock(locks, live) is not None
+    finish_report(locks, 23, running)
+
+
+def test_a_selection_that_matches_nothing(app: Celery, locks: redis.Redis) -> None:
+    """A selection that is valid but matches no held lock exits 0 and says so; one
+    that names what cannot be (a task the app does not have and no lock is held
+    for, a node name not of the form NAME@HOST) fails."""
+    for command in (["purge", "--task", "nosuch", "--yes"], ["list", "--task", "nosuch"]):
+        unknown = celery_here(app, *command)
+        assert unknown.returncode == 1, unknown.stdout
+        assert one_line_failure(unknown) == (
+            "Error: no lock of task nosuch is held (app 'cliapp' has no task 'nosuch'; "
+            "its SingletonTasks: cliapp.queued, cliapp.report)"
+        )
+    node = celery_here(app, "purge", "--node", "nosuch", "--yes")
+    assert node.returncode == 2
+    assert "--node takes a worker node name, NAME@HOST" in one_line_failure(node)
+    pattern = celery_here(app, "release", "--pattern", "nothing:*", "--yes")
+    assert (pattern.returncode, pattern.stdout) == (0, "no lock matching nothing:* is held\n")
+    gone = celery_here(app, "purge", "--node", "gone@host", "--yes")
+    assert (gone.returncode, gone.stdout) == (0, "no lock on node gone@host is held\n")
+    listed = celery_here(app, "list", "nothing:*")
+    assert (listed.returncode, listed.stdout) == (0, "0 lock(s) held\n")
+    stats = celery_here(app, "stats")
+    assert (stats.returncode, stats.stdout) == (0, "0 lock(s) held, 0 waiter(s) queued\n")
+    removed = RedisLock(locks, "removed.task:1", ttl=30, holder_info={"task": "removed.task"})
+    assert removed.acquire()
+    left = celery_here(app, "list", "--task", "removed.task", "--json")
+    assert left.returncode == 0, left.stderr
+    assert [lock["name"] for lock in json.loads(left.stdout)["locks"]] == ["removed.task:1"]
+    removed.release()
 
 
 def test_release_leaves_a_lock_that_changed_hands_since_it_was_listed(
@@ -1016,6 +1211,25 @@ def test_a_frozen_broker_does_not_hang_show_release_or_purge(
     assert read_lock(locks, name) is None
 
 
+def test_show_with_a_frozen_result_backend_says_it_timed_out(
+    app: Celery, locks: redis.Redis, redislock_server_factory: Callable[..., RedisServer]
+) -> None:
+    """With the result backend frozen, `show` reads it while it asks the workers, until
+    the one --timeout deadline, and says that it timed out."""
+    backend = redislock_server_factory()
+    url = str(app.conf.redislock_url)
+    name = leave_stale_lock(cli_app.report, 26, ttl=30)
+    with backend.paused():
+        shown = celery(
+            url, "show", name, "--timeout", "0.3", REDISLOCK_TEST_BACKEND_URL=backend.url
+        )
+    assert shown.returncode == 0, shown.stderr
+    fields = dict(line.split(None, 1) for line in shown.stdout.splitlines() if line.strip())
+    assert fields["result"] == (
+        "unknown (timed out: the result backend did not answer within 0.3 s)"
+    )
+
+
 def test_purge(app: Celery, locks: redis.Redis) -> None:
     """`purge` frees every lock of a task, of a node, or of the app, after the same checks."""
     url = str(app.conf.redislock_url)
@@ -1049,6 +1263,7 @@ def test_stats(app: Celery, locks: redis.Redis) -> None:
         document = json.loads(celery(url, "stats", "--json").stdout)
     jsonschema.validate(document, STATS_SCHEMA)
     assert document["held"] == 2
+    assert document["errors"] == []
     assert set(document["by_task"]) == {"cliapp.report", "cliapp.queued"}
 
 
@@ -1152,10 +1367,11 @@ def operations_table(column: str) -> list[str]:
 
 
 def test_operations_page_documents_the_json_schema() -> None:
-    """The Operations page's field tables for LOCK and HOLDER list the schemas' fields,
+    """The Operations page's field tables for LOCK, HOLDER and WAITER list the schemas' fields,
     in the schemas' order."""
     assert operations_table("`LOCK` field") == list(LOCK_SCHEMA["properties"])
     assert operations_table("`HOLDER` field") == list(HOLDER_SCHEMA["properties"])
+    assert operations_table("`WAITER` field") == list(WAITER_SCHEMA["properties"])
     assert set(LOCK_SCHEMA["required"]) == set(LOCK_SCHEMA["properties"])
 
 

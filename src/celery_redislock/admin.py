@@ -24,14 +24,16 @@ celery-singleton's ``clear_locks(app)``.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple
 
 import redis
+from celery.local import maybe_evaluate
 from redis.cluster import RedisCluster
 from redis.exceptions import AskError, RedisError, TryAgainError
 
@@ -47,6 +49,7 @@ from celery_redislock.lock import (
 from celery_redislock.scripts import (
     FIELDS,
     FORCE_RELEASE_SCRIPT,
+    HOLDER_FIELDS,
     OWNER_FIELD,
     Call,
     decode_lock,
@@ -72,18 +75,23 @@ __all__ = [
     "ForceReleased",
     "HolderStatus",
     "LockInfo",
+    "ResultReads",
     "Store",
+    "WaiterInfo",
+    "Waiting",
     "WorkerActivity",
     "app_stores",
     "check_pattern",
     "clear_locks",
     "find_locks",
+    "find_waiting",
     "force_release",
     "holder_status",
     "list_locks",
     "lock_stats",
     "purge_locks",
     "read_lock",
+    "read_waiters",
     "worker_activity",
 ]
 
@@ -191,6 +199,16 @@ LOCK_SCHEMA: dict[str, Any] = {
     },
 }
 
+#: JSON schema of the ``errors`` of the command's ``--json`` outputs.
+ERRORS_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "items": {"type": "string"},
+    "description": (
+        "what could not be read (a lock store unreachable, a task's invalid options), "
+        "as the command's error lines say it; the rest of the output is about the others"
+    ),
+}
+
 #: JSON schema of ``celery redislock list --json``.
 LIST_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -200,6 +218,7 @@ LIST_SCHEMA: dict[str, Any] = {
     "properties": {
         "locks": {"type": "array", "items": LOCK_SCHEMA},
         "count": {"type": "integer", "minimum": 0},
+        "errors": ERRORS_SCHEMA,
     },
 }
 
@@ -207,7 +226,14 @@ LIST_SCHEMA: dict[str, Any] = {
 HOLDER_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["task_id", "result_state", "worker", "worker_state", "workers_answered"],
+    "required": [
+        "task_id",
+        "result_state",
+        "worker",
+        "worker_state",
+        "workers_answered",
+        "result_error",
+    ],
     "properties": {
         "task_id": {"type": "string"},
         "result_state": _nullable("string", description="AsyncResult(id).state, if known"),
@@ -221,6 +247,24 @@ HOLDER_SCHEMA: dict[str, Any] = {
             "minimum": 0,
             "description": "how many workers answered within the timeout",
         },
+        "result_error": _nullable(
+            "string", description="why result_state is null (timed out, the backend failed)"
+        ),
+    },
+}
+
+#: JSON schema of a waiter queued for a lock (``show --json``).
+WAITER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["task_id", "task", "state", "node", "pid", "since"],
+    "properties": {
+        "task_id": _nullable("string", description="the waiter's task id (lease)"),
+        "task": _nullable("string", description="the waiter's task name"),
+        "state": _nullable("string", description="what the waiter said it was doing"),
+        "node": _nullable("string", description="worker node running the waiter"),
+        "pid": _nullable("integer", description="worker process running the waiter"),
+        "since": _nullable("number", description="when it began to ask (Unix seconds)"),
     },
 }
 
@@ -240,9 +284,15 @@ SHOW_SCHEMA: dict[str, Any] = {
                 "properties": {
                     "lock": LOCK_SCHEMA,
                     "holder_status": {"anyOf": [HOLDER_SCHEMA, {"type": "null"}]},
+                    "waiting": {
+                        "type": "array",
+                        "items": WAITER_SCHEMA,
+                        "description": "its queued waiters, first in line first",
+                    },
                 },
             },
         },
+        "errors": ERRORS_SCHEMA,
     },
 }
 
@@ -271,6 +321,7 @@ STATS_SCHEMA: dict[str, Any] = {
             },
         },
         "oldest": {"anyOf": [LOCK_SCHEMA, {"type": "null"}]},
+        "errors": ERRORS_SCHEMA,
     },
 }
 
@@ -607,6 +658,136 @@ def find_locks(
     return list_locks(client, "*", prefix, holder=name_or_id, timeout=timeout)
 
 
+#: The most waiters read per lock (the first ones in its queue): what ``show``
+#: lists, and how far into each queue a waiting task id is looked for.
+WAITERS_READ = 100
+
+
+@dataclass(frozen=True)
+class WaiterInfo:
+    """One waiter queued for a lock, as its queue entry describes it."""
+
+    #: The waiter's lease: for a task, its Celery task id (``None``: none given).
+    task_id: str | None
+    #: Its task name, state, worker node and process, when it described itself.
+    task: str | None = None
+    state: str | None = None
+    node: str | None = None
+    pid: int | None = None
+    #: When it began to ask for the lock, in Unix seconds.
+    since: float | None = None
+
+    def age(self, now: float | None = None) -> float | None:
+        """Seconds since it began to ask (``None`` when it did not say)."""
+        if self.since is None:
+            return None
+        return max(0.0, (time.time() if now is None else now) - self.since)
+
+    def to_json(self) -> dict[str, Any]:
+        """The waiter as a JSON object of the documented schema (:data:`WAITER_SCHEMA`)."""
+        return {
+            "task_id": self.task_id,
+            "task": self.task,
+            "state": self.state,
+            "node": self.node,
+            "pid": self.pid,
+            "since": self.since,
+        }
+
+
+def _waiter(entry: bytes | str) -> WaiterInfo:
+    """A :class:`WaiterInfo` from a queue entry: the JSON array ``[waiter id, owner
+    token, TTL in ms, lease, description...]`` (see
+    :func:`~celery_redislock.scripts.queue_entry`); an entry that is only an id
+    (an older form) describes nothing."""
+    try:
+        values = json.loads(_text(entry) or "")
+    except ValueError:
+        return WaiterInfo(None)
+    if not isinstance(values, list) or len(values) < 4:
+        return WaiterInfo(None)
+    described = dict(zip(HOLDER_FIELDS, [str(value) for value in values[4:]], strict=False))
+    return WaiterInfo(
+        task_id=str(values[3]) or None,
+        task=described.get("task") or None,
+        state=described.get("state") or None,
+        node=described.get("node") or None,
+        pid=_int(described.get("pid"), None),
+        since=_float(described.get("since")),
+    )
+
+
+def read_waiters(
+    client: Client, name: str, prefix: str = DEFAULT_PREFIX, timeout: float = DEFAULT_CALL_TIMEOUT
+) -> list[WaiterInfo]:
+    """The waiters queued for lock ``name``, first in line first (the first
+    :data:`WAITERS_READ` of them): one round trip.
+
+    Raises:
+        LockBackendError: the store could not be reached.
+    """
+    queue = lock_keys(name, prefix).queue
+    with backend_errors(f"read the waiters of lock {name!r}"):
+        entries = send(
+            Router(client), queue, ("ZRANGE", queue, 0, WAITERS_READ - 1), Deadline.after(timeout)
+        )
+    return [_waiter(entry) for entry in entries or ()]
+
+
+class Waiting(NamedTuple):
+    """Where a task id waits: the lock, and its place in the lock's queue."""
+
+    #: The lock name it waits for.
+    name: str
+    #: Its place in the queue, from 1 (next in line).
+    position: int
+    #: Its queue entry.
+    waiter: WaiterInfo
+
+
+def find_waiting(
+    client: Client,
+    task_id: str,
+    prefix: str = DEFAULT_PREFIX,
+    timeout: float = DEFAULT_CALL_TIMEOUT,
+) -> list[Waiting]:
+    """The locks task id ``task_id`` waits for (queued as a waiter), sorted by name.
+
+    Walks the waiter queues with ``SCAN`` (every primary of a Cluster) and reads
+    the first :data:`WAITERS_READ` entries of each, in one pipelined round trip
+    per batch. A queue of a cluster slot being moved is left out until the move ends.
+
+    Raises:
+        LockBackendError: the store could not be reached.
+    """
+    check_prefix(prefix)
+    match = f"{glob_escape(prefix)}:{{*}}:waiters"
+    found: list[Waiting] = []
+    seen: set[str] = set()
+    with backend_errors("find waiting tasks"):
+        for transport in Router(client).transports():
+            for batch in _scan(transport, match, timeout):
+                queues = [queue for queue in batch if queue not in seen]
+                if not queues:
+                    continue
+                seen.update(queues)
+                commands = [("ZRANGE", queue, 0, WAITERS_READ - 1) for queue in queues]
+                replies = run(transport, commands, Deadline.after(timeout))
+                for queue, reply in zip(queues, replies, strict=True):
+                    if isinstance(reply, AskError | TryAgainError):
+                        continue
+                    if isinstance(reply, Exception):
+                        if "WRONGTYPE" in str(reply):
+                            continue  # a lock named '...}:waiters', not a queue
+                        raise reply
+                    for position, entry in enumerate(reply or (), 1):
+                        waiter = _waiter(entry)
+                        if waiter.task_id == task_id:
+                            name = name_from_key(queue.removesuffix(":waiters"), prefix)
+                            found.append(Waiting(name, position, waiter))
+    return sorted(found, key=lambda waiting: waiting.name)
+
+
 class ForceReleased(Enum):
     """What :func:`force_release` did. Only :attr:`FREED` is true, so callers that
     ask ``if force_release(...)`` read "was it freed"."""
@@ -688,12 +869,19 @@ class Store(NamedTuple):
     description: str
 
 
-def app_stores(app: Any) -> list[Store]:
+def app_stores(app: Any, *, bad_tasks: list[tuple[str, Exception]] | None = None) -> list[Store]:
     """Where the locks of ``app`` live: its lock store under ``redislock_prefix``,
     plus the own ``lock_url``/``lock_prefix`` of each registered SingletonTask.
 
+    Arguments:
+        bad_tasks: when given, a SingletonTask whose options are invalid is left
+            out and added to it as ``(task name, error)``, so that the stores of
+            the others can still be worked on; without it, the first such error
+            is raised.
+
     Raises:
-        ValueError, TypeError: the app names no usable lock store.
+        ValueError, TypeError: the app names no usable lock store (or, without
+            ``bad_tasks``, a task's options are invalid).
         LockBackendError: its ``redislock_client`` callable could not reach the store.
     """
     from celery_redislock.task import SingletonTask
@@ -706,19 +894,67 @@ def app_stores(app: Any) -> list[Store]:
         stores[(description, prefix)] = Store(lock_store(app), prefix, description)
     except (ValueError, TypeError) as exc:
         problem = exc
-    for task in list(app.tasks.values()):
+    for task in _registered_tasks(app, bad_tasks is not None):
         if not isinstance(task, SingletonTask):
             continue
-        options = task.lock_options
+        try:
+            options = task.lock_options
+        except (ValueError, TypeError) as exc:
+            if bad_tasks is None:
+                raise
+            bad_tasks.append((task.name, exc))
+            continue
         where = (describe_store(app, options.url), options.prefix)
         if options.url is None and problem is not None:
             raise problem
         if where not in stores:
             stores[where] = Store(task.lock_client, options.prefix, where[0])
     if not stores:
-        assert problem is not None
+        if problem is None:
+            # Every task of the app names a store of its own, and each was left out.
+            raise ValueError("no usable lock store: every task's configuration is invalid")
         raise problem
     return list(stores.values())
+
+
+def _registered_tasks(app: Any, past_bad_tasks: bool) -> list[Any]:
+    """The tasks of ``app``, registered (the app finalized) as the first look at
+    ``app.tasks`` does.
+
+    A task whose options are invalid raises as it is registered, which stops the
+    registration of those declared after it. With ``past_bad_tasks``, those are
+    registered all the same (the raising task is left registered, and raises
+    again when its options are read, where its name is known).
+    """
+    try:
+        return list(app.tasks.values())
+    except (ValueError, TypeError) as exc:
+        if not past_bad_tasks:
+            raise
+        first: Exception = exc
+    pending = getattr(app, "_pending", None)
+    while pending:
+        try:
+            maybe_evaluate(pending.popleft())
+        except (ValueError, TypeError):
+            continue  # raises again when its options are read
+    tasks = list(app.tasks.values())
+    if not any(_invalid_options(task) for task in tasks):
+        raise first  # not a task's options: the app's settings
+    return tasks
+
+
+def _invalid_options(task: Any) -> bool:
+    """Whether ``task`` is a SingletonTask whose options cannot be read."""
+    from celery_redislock.task import SingletonTask
+
+    if not isinstance(task, SingletonTask):
+        return False
+    try:
+        _ = task.lock_options
+    except (ValueError, TypeError):
+        return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -745,8 +981,6 @@ _INSPECT_KINDS = ("active", "reserved", "scheduled")
 #: longer (frozen, its replies lost) is reported as not answering, rather than
 #: hanging the command: its client has no socket timeout of its own.
 BROKER_ALLOWANCE = 3.0
-
-_T = TypeVar("_T")
 
 
 class _Call:
@@ -813,21 +1047,52 @@ def worker_activity(
     return WorkerActivity(tasks, frozenset(answered))
 
 
-def _bounded(function: Callable[[], _T], timeout: float) -> _T | None:
-    """``function()``, or ``None`` if it raises or takes longer than ``timeout`` seconds
-    (a result backend whose client retries on its own cannot hold a command up)."""
-    box: list[_T] = []
+class ResultReads:
+    """The result backend's state (``AsyncResult(id).state``) of some task ids, all
+    asked at once, each on a daemon thread of its own, and waited for until one
+    deadline shared by them all (and by whatever the caller does meanwhile): a
+    frozen result backend, whose client retries on its own, holds a command up
+    for that deadline once, not once per read."""
 
-    def call() -> None:
+    def __init__(self, app: Any, task_ids: Iterable[str]) -> None:
+        self._reads: dict[str, _ResultRead] = {}
+        for task_id in task_ids:
+            if task_id not in self._reads:
+                self._reads[task_id] = _ResultRead(app, task_id)
+
+    def result(self, task_id: str, deadline: float, waited: float) -> tuple[str | None, str | None]:
+        """``(state, None)``, or ``(None, why not)`` if the state of ``task_id`` could
+        not be read by ``deadline`` (a ``time.monotonic()`` value, ``waited`` seconds
+        after the command began, as the message says)."""
+        read = self._reads.get(task_id)
+        if read is None:
+            return None, "the result backend was not asked"
+        return read.wait(deadline, waited)
+
+
+class _ResultRead:
+    """One ``AsyncResult(id).state`` read, on a daemon thread of its own."""
+
+    def __init__(self, app: Any, task_id: str) -> None:
+        self._state: str | None = None
+        self._error: str | None = None
+        self._thread = threading.Thread(
+            target=self._read, args=(app, task_id), name="redislock-result", daemon=True
+        )
+        self._thread.start()
+
+    def _read(self, app: Any, task_id: str) -> None:
         try:
-            box.append(function())
-        except Exception:
-            return
+            self._state = str(app.AsyncResult(task_id).state)
+        except Exception as exc:  # the result backend is the app's business: report
+            self._error = f"the result backend failed: {exc}"
 
-    thread = threading.Thread(target=call, name="redislock-admin", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return box[0] if box else None
+    def wait(self, deadline: float, waited: float) -> tuple[str | None, str | None]:
+        """What was read, or why nothing was (see :meth:`ResultReads.result`)."""
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            return None, f"timed out: the result backend did not answer within {waited:g} s"
+        return self._state, self._error
 
 
 @dataclass(frozen=True)
@@ -842,6 +1107,8 @@ class HolderStatus:
     worker_state: str | None
     #: How many workers answered (0: none alive, or the broker unreachable).
     workers_answered: int
+    #: Why ``result_state`` is unknown (timed out, the backend failed), else ``None``.
+    result_error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The status as a JSON object of the documented schema (``HOLDER_SCHEMA``)."""
@@ -851,19 +1118,35 @@ class HolderStatus:
             "worker": self.worker,
             "worker_state": self.worker_state,
             "workers_answered": self.workers_answered,
+            "result_error": self.result_error,
         }
 
 
 def holder_status(
-    app: Any, task_id: str, timeout: float = 1.0, activity: WorkerActivity | None = None
+    app: Any,
+    task_id: str,
+    timeout: float = 1.0,
+    activity: WorkerActivity | None = None,
+    *,
+    results: ResultReads | None = None,
+    deadline: float | None = None,
 ) -> HolderStatus:
     """Ask the result backend and the live workers about ``task_id``, each within
-    about ``timeout`` seconds (pass ``activity`` to reuse one round of questions)."""
+    about ``timeout`` seconds (pass ``activity`` to reuse one round of questions).
+
+    Pass ``results`` (reads started beforehand) and ``deadline`` (a
+    ``time.monotonic()`` value) to wait for the result backend only until
+    ``deadline``, shared with whatever was asked meanwhile.
+    """
+    if results is None:
+        results = ResultReads(app, [task_id])
+    if deadline is None:
+        deadline = time.monotonic() + timeout
     if activity is None:
         activity = worker_activity(app, timeout)
-    state = _bounded(lambda: str(app.AsyncResult(task_id).state), timeout)
+    state, error = results.result(task_id, deadline, timeout)
     node, kind = activity.tasks.get(task_id, (None, None))
-    return HolderStatus(task_id, state, node, kind, len(activity.answered))
+    return HolderStatus(task_id, state, node, kind, len(activity.answered), error)
 
 
 def purge_locks(
