@@ -1105,7 +1105,7 @@ def test_a_selection_that_matches_nothing(app: Celery, locks: redis.Redis) -> No
         assert unknown.returncode == 1, unknown.stdout
         assert one_line_failure(unknown) == (
             "Error: no lock of task nosuch is held (app 'cliapp' has no task 'nosuch'; "
-            "its SingletonTasks: cliapp.queued, cliapp.report)"
+            "its SingletonTasks: cliapp.queued, cliapp.report, cliapp.waiting)"
         )
     node = celery_here(app, "purge", "--node", "nosuch", "--yes")
     assert node.returncode == 2
