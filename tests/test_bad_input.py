@@ -3,32 +3,40 @@ and leaves the server's keyspace as it was.
 
 Covered: ``RedisLock(...)`` arguments and method arguments, SingletonTask options
 given in ``@app.task(...)``, ``app.conf.redislock_*`` settings, and the arguments
-a task is called with.
+a task is called with; and the options of a task of an app not yet finalized,
+which raise as the app finalizes (a worker starting), naming the task.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from celery import Celery
 
-from celery_redislock import KeyDerivationError, RedisLock, SingletonTask
+from celery_redislock import KeyDerivationError, RedisLock, SingletonTask, TaskOptionError
 from celery_redislock.server import RedisServer
 from tests.support import close_app, make_app
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
 class Env:
-    """What a case runs against: a client to database 0 and a factory of apps on the server."""
+    """What a case runs against: a client to database 0, a factory of apps on the
+    server, and the apps it made."""
 
     client: redis.Redis
     new_app: Callable[[], Celery]
+    apps: list[Celery] = field(default_factory=list)
 
 
 #: A case: runs something that must fail.
@@ -58,7 +66,8 @@ def lock_method(method: str, *args: Any, **kwargs: Any) -> Run:
 
 
 def task_with(**options: Any) -> Run:
-    """Define a SingletonTask with ``options`` on a finalized app (checks run at definition)."""
+    """Define a SingletonTask with ``options`` on an app of ``env`` (a finalized one checks
+    them at definition)."""
 
     def run(env: Env) -> object:
         app = env.new_app()
@@ -72,7 +81,7 @@ def task_with(**options: Any) -> Run:
 
 
 def app_with(setting: str, value: object) -> Run:
-    """Define a SingletonTask on an app whose ``app.conf.<setting>`` is ``value``."""
+    """Define a SingletonTask on an app of ``env`` whose ``app.conf.<setting>`` is ``value``."""
 
     def run(env: Env) -> object:
         app = env.new_app()
@@ -365,20 +374,33 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def env(redislock_client: redis.Redis, redislock_server: RedisServer) -> Iterator[Env]:
-    """The flushed session server, and finalized apps on it (closed afterwards)."""
+def _env(client: redis.Redis, url: str, finalized: bool) -> Iterator[Env]:
+    """An :class:`Env` of apps on the server at ``url``, finalized or not (closed afterwards)."""
     apps: list[Celery] = []
 
     def new_app() -> Celery:
-        app = make_app(redislock_server.url, "bad")
-        app.finalize()
+        app = make_app(url, "bad")
+        if finalized:
+            app.finalize()
         apps.append(app)
         return app
 
-    yield Env(redislock_client, new_app)
+    yield Env(client, new_app, apps)
     for app in apps:
         close_app(app)
+
+
+@pytest.fixture
+def env(redislock_client: redis.Redis, redislock_server: RedisServer) -> Iterator[Env]:
+    """The flushed session server, and finalized apps on it (closed afterwards)."""
+    yield from _env(redislock_client, redislock_server.url, finalized=True)
+
+
+@pytest.fixture
+def lazy_env(redislock_client: redis.Redis, redislock_server: RedisServer) -> Iterator[Env]:
+    """As :func:`env`, but its apps are not finalized: ``@app.task`` returns a proxy,
+    and Celery makes the task (and SingletonTask checks it) as the app finalizes."""
+    yield from _env(redislock_client, redislock_server.url, finalized=False)
 
 
 def keyspace(client: redis.Redis) -> tuple[int, list[str]]:
@@ -395,6 +417,91 @@ def test_bad_input_is_rejected(env: Env, run: Run, error: type[Exception], culpr
         run(env)
     assert culprit in str(excinfo.value)
     assert keyspace(env.client) == before
+
+
+#: The cases of a task's options and of the settings they take.
+OPTION_CASES = [case for case in CASES if str(case.id).startswith(("opt-", "conf-"))]
+
+
+@pytest.mark.parametrize(("run", "error", "culprit"), OPTION_CASES)
+def test_a_bad_option_on_an_app_not_finalized_raises_as_it_finalizes_naming_the_task(
+    lazy_env: Env, run: Run, error: type[Exception], culprit: str
+) -> None:
+    """On an app not finalized, the decorator returns; the bad option raises as the app
+    finalizes, far from the task's definition (no frame of it in the traceback), so
+    the error names the task, its function and the line it is defined at, the option
+    or setting, and what to change. It is a TaskOptionError, and still the built-in
+    error the table gives."""
+    run(lazy_env)  # Nothing is made yet, so nothing raises.
+    (app,) = lazy_env.apps
+    with pytest.raises(TaskOptionError) as excinfo:
+        app.finalize()
+    exc = excinfo.value
+    assert isinstance(exc, error)
+    assert (exc.task_name, exc.option) == ("tests.test_bad_input.purchase", culprit)
+    message = str(exc)
+    assert message.startswith(
+        "task 'tests.test_bad_input.purchase' "
+        f"(tests.test_bad_input:{run.__qualname__}.<locals>.purchase, "
+        f"{__file__}:"
+    ), message
+    assert culprit in message
+    assert f"; fix {culprit}" in message
+
+
+def test_a_bad_option_raises_at_the_tasks_first_use_or_as_its_tasks_are_read(
+    lazy_env: Env,
+) -> None:
+    """Celery also makes a task of an app not finalized when the task is first used (an
+    attribute read: a send), or as the app's tasks are read (which finalizes it): the
+    bad option raises there."""
+    first, second = lazy_env.new_app(), lazy_env.new_app()
+
+    @first.task(base=SingletonTask, shared=False, on_conflict="ignore")
+    def refund(invoice_id: int) -> None: ...
+
+    @second.task(base=SingletonTask, shared=False, lock_ttl=-1)
+    def audit(invoice_id: int) -> None: ...
+
+    with pytest.raises(ValueError, match=r"^task 'tests\.test_bad_input\.refund' .*on_conflict"):
+        refund.delay(1)
+    with pytest.raises(TaskOptionError, match=r"^task 'tests\.test_bad_input\.audit' .*lock_ttl"):
+        _ = second.tasks
+
+
+def test_a_bad_option_stops_a_worker_at_start_naming_the_task(
+    tmp_path: Path, redislock_server: RedisServer
+) -> None:
+    """``celery -A app worker`` with a bad option on a task of the app exits as it starts
+    (as it finalizes the app), its last line naming the task, where it is defined, the
+    option and what to change."""
+    (tmp_path / "badapp.py").write_text(
+        "from celery import Celery\n"
+        "from celery_redislock import SingletonTask\n"
+        f"app = Celery('badapp', broker={redislock_server.url!r})\n"
+        "\n"
+        "@app.task(base=SingletonTask, on_conflict='ignore')\n"
+        "def purchase(event_id):\n"
+        "    return event_id\n"
+    )
+    # The caller's own PYTHONPATH first: the worker imports the package the tests do.
+    caller = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    path = os.pathsep.join([str(tmp_path), *caller, str(ROOT / "src"), str(ROOT)])
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "badapp", "worker", "-P", "solo"],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "celery_redislock.errors.TaskOptionError: task 'badapp.purchase' "
+        f"(badapp:purchase, {tmp_path / 'badapp.py'}:5): on_conflict must be one of "
+        "'skip', 'raise', 'retry', 'wait', got 'ignore'; fix on_conflict where the task "
+        "is defined (@app.task(...) or its class)"
+    ), done.stderr
 
 
 @pytest.mark.parametrize(
@@ -421,21 +528,27 @@ def test_a_duration_out_of_range_says_why_only_for_a_lifetime(
 
 
 @pytest.mark.parametrize(
-    ("option", "setting", "field"),
+    ("option", "setting", "field", "using"),
     [
-        ("lock_ttl", "redislock_ttl", "ttl"),
-        ("lock_enqueue_ttl", "redislock_enqueue_ttl", "enqueue_ttl"),
-        ("lock_wait", "redislock_wait", "wait"),
-        ("lock_retry_delay", "redislock_retry_delay", "retry_delay"),
+        ("lock_ttl", "redislock_ttl", "ttl", {}),
+        (
+            "lock_enqueue_ttl",
+            "redislock_enqueue_ttl",
+            "enqueue_ttl",
+            {"lock_strategy": "until_executed"},
+        ),
+        ("lock_wait", "redislock_wait", "wait", {"on_conflict": "wait"}),
+        ("lock_retry_delay", "redislock_retry_delay", "retry_delay", {"on_conflict": "retry"}),
     ],
 )
 def test_durations_range_from_1_ms_to_about_10_years(
-    env: Env, option: str, setting: str, field: str
+    env: Env, option: str, setting: str, field: str, using: dict[str, str]
 ) -> None:
     """Every duration, as a task option or an app setting, takes 1 ms and 315360000 s
-    (about 10 years) and refuses half a millisecond and one second more, naming it."""
+    (about 10 years) and refuses half a millisecond and one second more, naming it.
+    (``using``: the options that give it effect on the task.)"""
     for value in (0.001, 315_360_000):
-        for task in (task_with(**{option: value})(env), app_with(setting, value)(env)):
+        for task in (task_with(**{option: value}, **using)(env), app_with(setting, value)(env)):
             assert isinstance(task, SingletonTask)
             assert getattr(task.lock_options, field) == value
     for value in (0.0005, 315_360_001):

@@ -19,6 +19,7 @@ from celery_redislock.errors import (
     LockTimeoutError,
     NoLockError,
     ServerNotFoundError,
+    TaskOptionError,
     TaskSkippedError,
 )
 
@@ -38,6 +39,7 @@ SAMPLES: list[LockError] = [
     KeyDerivationError("cannot derive a key from <object>"),
     NoLockError("task 'shop.report' has no lock here"),
     ServerNotFoundError("no server"),
+    TaskOptionError("shop.report", "lock_ttl", "task 'shop.report': lock_ttl must be > 0"),
 ]
 
 
@@ -68,6 +70,9 @@ def test_hierarchy() -> None:
     assert issubclass(LockLostError, LockNotOwnedError)
     assert issubclass(TaskSkippedError, LockConflictError)
     assert issubclass(KeyDerivationError, TypeError)
+    # Raised as the built-in errors were before it, so code catching those still does.
+    assert issubclass(TaskOptionError, TypeError)
+    assert issubclass(TaskOptionError, ValueError)
     assert not issubclass(LockTimeoutError, LockNotOwnedError)
     assert not issubclass(LockBackendError, LockNotOwnedError)
 
@@ -108,6 +113,8 @@ def test_structured_attributes() -> None:
     conflict = TaskSkippedError("k", "holder")
     assert (conflict.key, conflict.holder) == ("k", "holder")
     assert LockLostError("n").name == "n"
+    option = TaskOptionError("shop.report", "on_conflict", "message")
+    assert (option.task_name, option.option) == ("shop.report", "on_conflict")
 
 
 def test_conflict_errors_call_the_lock_name_a_name() -> None:

@@ -1,8 +1,10 @@
 """What a task body and a task's app see: ``self.lock`` and its fence, warnings about
-misspelt settings, and the log lines of a waiting duplicate."""
+misspelt settings, errors about misspelt options, warnings about options without
+effect, and the log lines of a waiting duplicate."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import warnings
@@ -12,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, Task
+from celery.app import task as celery_task
 from celery.worker.request import Request as CeleryRequest
 
 from celery_redislock import (
@@ -21,6 +24,7 @@ from celery_redislock import (
     NoLockError,
     RedisLock,
     SingletonTask,
+    TaskOptionError,
     early,
 )
 from celery_redislock.server import RedisServer, free_port
@@ -29,6 +33,8 @@ from celery_redislock.task import (
     OPTIONS,
     RequestClassWarning,
     UnknownSettingWarning,
+    UnusedOptionWarning,
+    resembled_option,
 )
 from celery_redislock.testing import hold_lock
 from tests.proxy import FaultProxy
@@ -199,6 +205,305 @@ def test_a_misspelt_task_option_fails_at_definition_naming_it(
         assert three.lock_options.ttl == 5
     finally:
         close_app(app)
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("on_confict", "on_conflict"),
+        ("onconflict", "on_conflict"),
+        ("On_Conflict", "on_conflict"),
+        ("lockttl", "lock_ttl"),
+        ("lock_wiat", "lock_wait"),
+        ("on_duplicate", "lock_on_duplicate"),
+        ("on_redis_error", "lock_on_redis_error"),
+    ],
+)
+def test_a_near_miss_of_an_option_fails_at_definition_naming_it(
+    redislock_server: RedisServer, name: str, meant: str
+) -> None:
+    """A keyword close to an option's name (not only a ``lock_*`` one), or an ``on_*``
+    option's name without its ``lock_`` prefix, is taken for a misspelling: it fails
+    naming the task, the keyword and the option meant, given to the task or set on a
+    base class of it."""
+    app = make_app(redislock_server.url, "near")
+    app.finalize()
+    try:
+        with pytest.raises(TaskOptionError) as excinfo:
+
+            @app.task(base=SingletonTask, shared=False, name="near.job", **{name: "wait"})
+            def job() -> None: ...
+
+        assert (excinfo.value.task_name, excinfo.value.option) == ("near.job", name)
+        assert str(excinfo.value).startswith("task 'near.job' (tests.test_task_face:")
+        assert str(excinfo.value).endswith(
+            f": {name} is not a SingletonTask option, and would be ignored; did you mean "
+            f"{meant}? (a name of your own must not come this close to an option's)"
+        ) or str(excinfo.value).endswith(f"did you mean {meant}?")
+
+        base = type("Base", (SingletonTask,), {name: "wait"})
+        with pytest.raises(TaskOptionError, match=rf"{name}, set on class Base, is not a Singl"):
+
+            @app.task(base=base, shared=False, name="near.inherited")
+            def inherited() -> None: ...
+
+    finally:
+        close_app(app)
+
+
+#: Keywords ``@app.task(...)`` takes, besides the task attributes: Celery's own
+#: (``autoretry_for`` and its kin are read off the keywords, not the class).
+CELERY_TASK_KEYWORDS = {
+    "autoretry_for",
+    "dont_autoretry_for",
+    "retry_kwargs",
+    "retry_backoff",
+    "retry_backoff_max",
+    "retry_jitter",
+    "bind",
+    "base",
+    "name",
+    "shared",
+    "lazy",
+    "filter",
+    "pydantic",
+    "pydantic_strict",
+    "pydantic_context",
+    "pydantic_dump_kwargs",
+}
+
+
+def test_celery_task_attributes_and_names_of_your_own_pass(redislock_server: RedisServer) -> None:
+    """No attribute of Celery's Task (nor a keyword of ``@app.task``) is taken for a
+    misspelt option; nor are a task's own attributes that are a word of an option's
+    name, given to the task or set in its class."""
+    celery_names = set(dir(celery_task.Task)) | CELERY_TASK_KEYWORDS
+    assert {name: resembled_option(name) for name in celery_names if resembled_option(name)} == {}
+    own = {
+        "strategy": "fast",
+        "conflict": "none",
+        "ttl": 3,
+        "wait": 1,
+        "prefix": "mine",
+        "url": "https://example.org",
+        "key": "k",
+        "retry_delay": 5,
+        "enqueue_ttl": 10,
+        "min_replicas": 1,
+        "timeout": 2,
+        "lock_timeout_handler": staticmethod(lambda: None),
+    }
+    app = make_app(redislock_server.url, "own")
+    # Nothing read off SingletonTask while checking binds it to an app (Task.app does).
+    bound_to = vars(SingletonTask).get("_app")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+
+            @app.task(
+                base=SingletonTask,
+                shared=False,
+                name="own.job",
+                acks_late=True,
+                autoretry_for=(KeyError,),
+                retry_backoff=True,
+                retry_backoff_max=60,
+                retry_jitter=False,
+                retry_kwargs={"max_retries": 2},
+                default_retry_delay=3,
+                rate_limit="10/s",
+                soft_time_limit=5,
+                time_limit=10,
+                track_started=True,
+                typing=True,
+                expires=60,
+                serializer="json",
+                reject_on_worker_lost=True,
+                acks_on_failure_or_timeout=True,
+                **own,
+            )
+            def job() -> None: ...
+
+            class Own(SingletonTask):
+                name = "own.class"
+                strategy = "fast"
+                retry_delay = 5
+
+                def run(self) -> None: ...
+
+            app.register_task(Own())
+            app.finalize()
+        assert (job.strategy, job.retry_delay, job.default_retry_delay) == ("fast", 5, 3)
+        assert job.lock_options.retry_delay == 1.0
+        assert vars(SingletonTask).get("_app") is bound_to
+    finally:
+        close_app(app)
+
+
+def _first_line(task: Any) -> int:
+    """The line the definition of ``task``'s function starts at (its decorator's)."""
+    line = int(task.run.__code__.co_firstlineno)
+    assert "@app.task(" in inspect.getsourcelines(task.run)[0][0]
+    return line
+
+
+@pytest.mark.parametrize(
+    ("options", "option", "why"),
+    [
+        ({"lock_enqueue_ttl": 600}, "lock_enqueue_ttl", "lock_strategy is 'while_executing'"),
+        ({"lock_on_duplicate": "raise"}, "lock_on_duplicate", "lock_strategy is 'while_executing'"),
+        ({"lock_wait": 5}, "lock_wait", "on_conflict='skip'"),
+        ({"lock_wait": 5, "on_conflict": "retry"}, "lock_wait", "on_conflict='retry'"),
+        ({"lock_retry_delay": 2, "on_conflict": "wait"}, "lock_retry_delay", "on_conflict='wait'"),
+    ],
+)
+def test_an_option_without_effect_warns_at_the_tasks_definition(
+    app: Celery, options: dict[str, Any], option: str, why: str
+) -> None:
+    """An option a task sets that its other options leave without effect warns, once,
+    with an UnusedOptionWarning naming the task and saying why, at the line the task
+    is defined at, though raised as the app finalizes."""
+
+    @app.task(base=SingletonTask, shared=False, name="face.unused", **options)
+    def unused() -> None: ...
+
+    with pytest.warns(UnusedOptionWarning) as caught:
+        app.finalize()
+    (warning,) = caught
+    line = _first_line(unused)
+    assert str(warning.message).startswith(
+        "task 'face.unused' (tests.test_task_face:test_an_option_without_effect_warns_at_the_"
+        f"tasks_definition.<locals>.unused, {__file__}:{line}): {option} has no effect "
+    )
+    assert why in str(warning.message)
+    assert (warning.filename, warning.lineno) == (__file__, line)
+
+
+def test_a_call_that_sets_on_conflict_uses_the_tasks_lock_wait(app: Celery) -> None:
+    """The lock_wait that warns on a task whose on_conflict is not "wait" is still what a
+    call given lock_options={"on_conflict": "wait"} waits."""
+
+    @app.task(base=SingletonTask, bind=True, shared=False, name="face.per_call", lock_wait=7)
+    def job(self: SingletonTask) -> tuple[str, float]:
+        options = self.lock.options
+        assert options is not None
+        return options.on_conflict, options.wait
+
+    with pytest.warns(UnusedOptionWarning, match="lock_wait has no effect"):
+        app.finalize()
+    assert job.apply(lock_options={"on_conflict": "wait"}).get() == ("wait", 7.0)
+    assert job.apply().get() == ("skip", 7.0)
+
+
+def test_an_option_without_effect_in_a_task_class_warns(app: Celery) -> None:
+    """An option set to no effect in the body of a class registered as a task warns too,
+    at the line of its ``run``."""
+
+    class Purchase(SingletonTask):
+        name = "face.purchase"
+        lock_wait = 5
+
+        def run(self) -> None: ...
+
+    with pytest.warns(UnusedOptionWarning) as caught:
+        app.register_task(Purchase())
+    (warning,) = caught
+    line = Purchase.run.__code__.co_firstlineno
+    assert str(warning.message).startswith(
+        "task 'face.purchase' (tests.test_task_face:test_an_option_without_effect_in_a_task_"
+        f"class_warns.<locals>.Purchase, {__file__}:{line}): lock_wait has no effect "
+    )
+    assert (warning.filename, warning.lineno) == (__file__, line)
+
+
+def test_a_bad_option_of_a_task_class_names_the_class_and_its_run(app: Celery) -> None:
+    """A bad option in the body of a class registered as a task names the task, the
+    class and the line its ``run`` starts at."""
+
+    class Refund(SingletonTask):
+        name = "face.refund"
+        lock_ttl = "10"  # type: ignore[assignment]  # the bad value under test
+
+        def run(self) -> None: ...
+
+    with pytest.raises(TypeError) as excinfo:
+        app.register_task(Refund())
+    assert isinstance(excinfo.value, TaskOptionError)
+    assert str(excinfo.value) == (
+        "task 'face.refund' (tests.test_task_face:test_a_bad_option_of_a_task_class_names_the_"
+        f"class_and_its_run.<locals>.Refund, {__file__}:{Refund.run.__code__.co_firstlineno}): "
+        "lock_ttl must be a number of seconds, not str; fix lock_ttl where the task is "
+        "defined (@app.task(...) or its class)"
+    )
+
+
+def test_a_default_without_effect_on_some_tasks_does_not_warn(
+    redislock_server: RedisServer,
+) -> None:
+    """A value from ``app.conf``, or from a base class several tasks share, is a default
+    that some tasks use and others not: it never warns; nor does an option its task's
+    other options (its own, inherited, or from ``app.conf``) give effect to."""
+    app = make_app(redislock_server.url, "defaults")
+    app.conf.update(
+        redislock_wait=5,
+        redislock_retry_delay=2,
+        redislock_enqueue_ttl=600,
+        redislock_on_duplicate="raise",
+    )
+    waiting = make_app(redislock_server.url, "waiting")
+    waiting.conf.redislock_on_conflict = "wait"
+
+    class Family(SingletonTask):
+        lock_wait = 10
+        lock_retry_delay = 1
+        lock_enqueue_ttl = 60
+        lock_on_duplicate = "raise"
+
+    class Waits(SingletonTask):
+        on_conflict = "wait"
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+
+            @app.task(base=SingletonTask, shared=False, name="defaults.plain")
+            def plain() -> None: ...
+
+            @app.task(base=Family, shared=False, name="defaults.family")
+            def family() -> None: ...
+
+            @app.task(base=Waits, shared=False, name="defaults.waits", lock_wait=3)
+            def waits() -> None: ...
+
+            @app.task(
+                base=SingletonTask,
+                shared=False,
+                name="defaults.retries",
+                on_conflict="retry",
+                lock_retry_delay=3,
+            )
+            def retries() -> None: ...
+
+            @app.task(
+                base=SingletonTask,
+                shared=False,
+                name="defaults.queued",
+                lock_strategy="until_executed",
+                lock_enqueue_ttl=60,
+                lock_on_duplicate="return",
+            )
+            def queued() -> None: ...
+
+            @waiting.task(base=SingletonTask, shared=False, name="waiting.job", lock_wait=3)
+            def waiting_job() -> None: ...
+
+            app.finalize()
+            waiting.finalize()
+        assert (family.lock_options.wait, waits.lock_options.wait) == (10.0, 3.0)
+        assert waiting_job.lock_options.wait == 3.0
+    finally:
+        close_app(app)
+        close_app(waiting)
 
 
 def test_upper_case_setting_is_named_in_lower_case(redislock_server: RedisServer) -> None:

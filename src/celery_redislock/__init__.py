@@ -19,7 +19,8 @@ Public names (``__all__``; the tests hold this list and ``__all__`` to each othe
 - ``RedisLock``: the lock engine
 - ``LockError``, ``LockNotOwnedError``, ``LockLostError``, ``LockTimeoutError``,
   ``LockConflictError``, ``TaskSkippedError``, ``DuplicateTaskError``, ``LockBackendError``,
-  ``KeyDerivationError``, ``NoLockError``, ``ServerNotFoundError``: the errors
+  ``KeyDerivationError``, ``NoLockError``, ``ServerNotFoundError``, ``TaskOptionError``:
+  the errors
 - ``signals``: the Celery-style signals sent around a task's lock
 - ``__version__``
 
@@ -43,6 +44,7 @@ from celery_redislock.errors import (
     LockTimeoutError,
     NoLockError,
     ServerNotFoundError,
+    TaskOptionError,
     TaskSkippedError,
 )
 from celery_redislock.lock import RedisLock
@@ -64,6 +66,7 @@ __all__ = [
     "RedisLock",
     "ServerNotFoundError",
     "SingletonTask",
+    "TaskOptionError",
     "TaskSkippedError",
     "__version__",
     "is_skipped",

@@ -13,11 +13,14 @@ one ``except LockError`` catches them all::
     ├── LockBackendError         Redis could not be reached or answered with an error
     ├── KeyDerivationError       the task's arguments cannot be turned into a lock key
     ├── NoLockError              a task body asked for a lock (or its token) it does not have
-    └── ServerNotFoundError      no Redis-compatible server binary for the embedded helper
+    ├── ServerNotFoundError      no Redis-compatible server binary for the embedded helper
+    └── TaskOptionError          a SingletonTask's option (or the setting it takes) is bad or
+                                 misspelt; also a ``TypeError`` and a ``ValueError``
 
-Bad arguments (a negative TTL, an unknown option value) raise the built-in
-``ValueError``/``TypeError`` naming the argument instead: they are programming
-errors, not lock outcomes.
+Other bad arguments (a negative TTL given to ``RedisLock``, a bad per-call
+``lock_options`` value) raise the built-in ``ValueError``/``TypeError`` naming
+the argument: they are programming errors, not lock outcomes, and the caller's
+own line is in the traceback.
 """
 
 from __future__ import annotations
@@ -147,3 +150,26 @@ class NoLockError(LockError):
 
 class ServerNotFoundError(LockError):
     """No Redis-compatible server binary was found for the embedded server helper."""
+
+
+class TaskOptionError(_StructuredError, TypeError, ValueError):
+    """A :class:`~celery_redislock.SingletonTask` task's option, or the ``app.conf``
+    setting it takes, is invalid, or a keyword given to the task is a misspelt option.
+
+    Raised when Celery makes the task, which for an app not yet finalized is
+    when the app finalizes (a worker starting, say), far from the task's
+    definition: so the message names the task (its Celery name, and the
+    function's ``module:qualname`` and source line when known), the option or
+    setting, and what to change. ``task_name`` is the task's Celery name,
+    ``option`` the option (``"on_conflict"``) or setting
+    (``"app.conf.redislock_ttl"``) at fault.
+
+    It is both a ``TypeError`` and a ``ValueError``, the built-in errors these
+    problems raised before this class existed, so ``except ValueError`` (or
+    ``TypeError``) around a task's definition still catches it.
+    """
+
+    def __init__(self, task_name: str | None, option: str, message: str) -> None:
+        self.task_name = task_name
+        self.option = option
+        super().__init__(task_name, option, message)

@@ -17,9 +17,13 @@ Example::
 
 Every option is a task attribute (settable in ``@app.task(...)`` or in the body
 of a task class) whose default comes from ``app.conf.redislock_<option>``. When
-a task is bound to its app the options are resolved and checked once, into the
-task's own :class:`LockOptions` (``task.lock_options``); a bad value raises
-``ValueError``/``TypeError`` naming the option or the setting. Nothing resolved
+Celery makes the task and binds it to its app (at ``@app.task`` on an app already
+finalized, otherwise as the app finalizes or the task is first used) the options
+are resolved and checked once, into the task's own :class:`LockOptions`
+(``task.lock_options``); a bad value, or a misspelt option, raises
+:class:`~celery_redislock.errors.TaskOptionError` naming the task, the option or
+the setting, and what to change, and an option the others leave without effect
+warns (:class:`UnusedOptionWarning`). Nothing resolved
 is ever written back onto a class, so a base class (``SingletonTask`` itself,
 or an abstract one of yours) keeps only what was set on it, and a task defined
 later still takes the ``app.conf`` values of its own app.
@@ -86,7 +90,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from types import MappingProxyType
@@ -114,6 +118,7 @@ from celery_redislock.errors import (
     LockConflictError,
     LockLostError,
     NoLockError,
+    TaskOptionError,
     TaskSkippedError,
 )
 from celery_redislock.ids import owner_token
@@ -351,6 +356,11 @@ KNOWN_SETTINGS: frozenset[str] = frozenset(
 
 class UnknownSettingWarning(UserWarning):
     """An ``app.conf`` setting is named like a celery_redislock one, but is none (a typo)."""
+
+
+class UnusedOptionWarning(UserWarning):
+    """A task sets an option that its other options leave without effect
+    (``lock_wait`` on a task whose ``on_conflict`` is not ``"wait"``, say)."""
 
 
 class RequestClassWarning(UserWarning):
@@ -787,51 +797,174 @@ def _check_option(option: _Option, value: object, source: str) -> object:
     return check_ttl(value, source, expiry=option.field in ("ttl", "enqueue_ttl"))
 
 
-def _check_option_names(task_class: type[SingletonTask]) -> None:
+#: How close (``difflib`` ratio, names lower-cased) a keyword given to a task
+#: that is not a ``lock_*`` name must come to an option's name to be taken for a
+#: misspelling of it (``on_confict``, ``lockttl``). Celery's own task attributes
+#: come no closer than 0.77 (``Strategy``), and a word of an option's name
+#: (``strategy``, ``conflict``, ``retry_delay``) stays below it, free for a task's own use.
+NEAR_MISS = 0.85
+
+
+def resembled_option(name: str) -> str | None:
+    """The option ``name`` is taken for a misspelling of, or ``None``.
+
+    A name within :data:`NEAR_MISS` of an option's, or an ``on_*`` option's
+    name without its ``lock_`` prefix (``on_duplicate``, ``on_redis_error``:
+    ``on_conflict`` has none, so they are easily written so; a plain value of
+    that name has no use in Celery, whose ``on_*`` names are handlers).
+    """
+    lowered = name.lower()
+    if lowered.startswith("on_") and f"lock_{lowered}" in OPTION_ATTRIBUTES:
+        return f"lock_{lowered}"
+    close = difflib.get_close_matches(lowered, sorted(OPTION_ATTRIBUTES), n=1, cutoff=NEAR_MISS)
+    return close[0] if close else None
+
+
+def _body_function(task_class: type[Task]) -> Any:
+    """The function ``@app.task`` made ``task_class`` of (unwrapped from what
+    ``pydantic=True`` wraps it in), or the ``run`` a task class of its own
+    defines; ``None`` if it defines none."""
+    run = vars(task_class).get("run")
+    func = run.__func__ if isinstance(run, staticmethod | classmethod) else run
+    if not inspect.isfunction(func):
+        return None
+    with contextlib.suppress(ValueError):
+        func = inspect.unwrap(func)
+    return func
+
+
+def _body_of(task_class: type[Task]) -> str | None:
+    """Where ``task_class``'s task is defined, for messages: the ``module:qualname``
+    of the function ``@app.task`` made it of (or of the task class), and the file
+    and line that function starts at when known."""
+    func = _body_function(task_class)
+    if func is not None and vars(task_class).get("_decorated"):
+        module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", None)
+    else:
+        module, qualname = task_class.__module__, task_class.__qualname__
+    if not module or not qualname:
+        return None
+    code = getattr(func, "__code__", None)
+    where = f"{module}:{qualname}"
+    return f"{where}, {code.co_filename}:{code.co_firstlineno}" if code is not None else where
+
+
+def _named_task(task_class: type[Task], task_name: str | None) -> str:
+    """The task an option is about, as messages name it: ``task 'shop.purchase'
+    (shop:purchase, /app/shop.py:12)``."""
+    what = f"task {task_name!r}" if task_name else f"task class {task_class.__qualname__}"
+    body = _body_of(task_class)
+    return f"{what} ({body})" if body else what
+
+
+def _setting_advice(setting: str) -> str:
+    """What to change when the app setting ``setting`` is bad."""
+    attribute = {option.setting: option.attribute for option in OPTIONS}.get(setting)
+    if setting == "redislock_url":
+        attribute = "lock_url"
+    if attribute is None:
+        return f"fix app.conf.{setting}"
+    return (
+        f"fix app.conf.{setting} (it is what every SingletonTask of the app that "
+        f"sets no {attribute} of its own takes)"
+    )
+
+
+@contextlib.contextmanager
+def _option_checked(task_class: type[Task], task_name: str | None, source: str) -> Iterator[None]:
+    """Raise a ``TypeError``/``ValueError`` from the check of ``source`` (an
+    option, or ``app.conf.<setting>``) as a :class:`TaskOptionError` naming the
+    task and what to change: it is often raised far from the task's definition,
+    as the app finalizes, with no frame of the user's code in the traceback."""
+    try:
+        yield
+    except TaskOptionError:
+        raise
+    except (TypeError, ValueError) as exc:
+        if source.startswith("app.conf."):
+            advice = _setting_advice(source[len("app.conf.") :])
+        else:
+            advice = f"fix {source} where the task is defined (@app.task(...) or its class)"
+        raise TaskOptionError(
+            task_name, source, f"{_named_task(task_class, task_name)}: {exc}; {advice}"
+        ) from exc
+
+
+def _check_option_names(task_class: type[SingletonTask], task_name: str | None = None) -> None:
     """Refuse a value given to the task as an option SingletonTask does not have.
 
     ``@app.task(base=SingletonTask, lock_on_conflict="retry")`` makes a class
     attribute of any keyword, so a misspelt option would otherwise be ignored
-    without a word, its default left in force. Only plain values named ``lock_*``
-    count: methods and properties of that name are the task's own business.
+    without a word, its default left in force. Only plain values count (methods
+    and properties are the task's own business), and of those every ``lock_*``
+    name, and any other within :data:`NEAR_MISS` of an option's name
+    (``on_confict``): Celery's own task attributes, and others of the task's
+    own, pass.
 
     Raises:
-        TypeError: an unknown ``lock_*`` option; the message names it and the
-            closest known one.
+        TaskOptionError: an unknown option; the message names the task, the
+            keyword and the closest known option.
     """
+    # Names, not hasattr(): reading some (Task.app) binds the class to an app.
+    taken = set(dir(SingletonTask))
     for klass in task_class.__mro__:
         if klass is SingletonTask:
             return
         for name, value in vars(klass).items():
             if (
-                not name.startswith("lock_")
-                or hasattr(SingletonTask, name)
+                name.startswith("_")
+                or name in taken
                 or callable(value)
                 or isinstance(value, property | staticmethod | classmethod)
             ):
                 continue
-            known = sorted(OPTION_ATTRIBUTES)
-            if name[len("lock_") :] in OPTION_ATTRIBUTES:
-                close = [name[len("lock_") :]]
+            if name.startswith("lock_"):
+                known = sorted(OPTION_ATTRIBUTES)
+                if name[len("lock_") :] in OPTION_ATTRIBUTES:
+                    close: str | None = name[len("lock_") :]
+                else:
+                    matches = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+                    close = matches[0] if matches else None
+                hint = (
+                    f"did you mean {close}?"
+                    if close
+                    else f"the options are {', '.join(known)} (a plain value of your own "
+                    "must not be named lock_*)"
+                )
             else:
-                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}?" if close else f"the options are {', '.join(known)}"
-            raise TypeError(
-                f"{name} is not a SingletonTask option (task class {klass.__qualname__}); {hint}"
+                close = resembled_option(name)
+                if close is None:
+                    continue
+                hint = (
+                    f"did you mean {close}? (a name of your own must not come this close "
+                    "to an option's)"
+                )
+            where = "" if klass is task_class else f", set on class {klass.__qualname__},"
+            raise TaskOptionError(
+                task_name,
+                name,
+                f"{_named_task(task_class, task_name)}: {name}{where} is not a SingletonTask "
+                f"option, and would be ignored; {hint}",
             )
 
 
-def resolve_options(task_class: type[SingletonTask], app: Any) -> LockOptions:
+def resolve_options(
+    task_class: type[SingletonTask], app: Any, task_name: str | None = None
+) -> LockOptions:
     """The options of ``task_class`` on ``app``: its own attributes, else ``app.conf``.
 
     An attribute counts as set when it is not ``None`` on ``task_class`` (set
     there, on a parent class of yours, or by ``task_annotations``).
+    ``task_name`` (default: ``task_class.name``) is the task's name, for messages.
 
     Raises:
-        TypeError, ValueError: a value is invalid; the message names the option
-            (``lock_ttl``) or the setting (``app.conf.redislock_ttl``) it came from.
+        TaskOptionError: a value is invalid (a ``TypeError`` and a ``ValueError``);
+            the message names the task, the option (``lock_ttl``) or the setting
+            (``app.conf.redislock_ttl``) it came from, and what to change.
     """
-    _check_option_names(task_class)
+    if task_name is None:
+        task_name = getattr(task_class, "name", None)
+    _check_option_names(task_class, task_name)
     values: dict[str, object] = {}
     for option in OPTIONS:
         value, source = getattr(task_class, option.attribute), option.attribute
@@ -841,16 +974,20 @@ def resolve_options(task_class: type[SingletonTask], app: Any) -> LockOptions:
                 value = option.default
             else:
                 source = f"app.conf.{option.setting}"
-        values[option.field] = _check_option(option, value, source)
+        with _option_checked(task_class, task_name, source):
+            values[option.field] = _check_option(option, value, source)
     url = task_class.lock_url
     if url is not None:
-        check_redis_url(url, "lock_url")
+        with _option_checked(task_class, task_name, "lock_url"):
+            check_redis_url(url, "lock_url")
     elif app.conf.get("redislock_url"):
-        check_redis_url(app.conf.get("redislock_url"), "app.conf.redislock_url")
-    check_client_source(app.conf.get("redislock_client"))
-    check_transport_options(
-        app.conf.get("redislock_transport_options"), "app.conf.redislock_transport_options"
-    )
+        with _option_checked(task_class, task_name, "app.conf.redislock_url"):
+            check_redis_url(app.conf.get("redislock_url"), "app.conf.redislock_url")
+    with _option_checked(task_class, task_name, "app.conf.redislock_client"):
+        check_client_source(app.conf.get("redislock_client"))
+    setting = "app.conf.redislock_transport_options"
+    with _option_checked(task_class, task_name, setting):
+        check_transport_options(app.conf.get("redislock_transport_options"), setting)
     return LockOptions(
         ttl=cast(float, values["ttl"]),
         enqueue_ttl=cast(float, values["enqueue_ttl"]),
@@ -864,6 +1001,59 @@ def resolve_options(task_class: type[SingletonTask], app: Any) -> LockOptions:
         on_duplicate=cast(DuplicateMode, values["on_duplicate"]),
         url=url,
     )
+
+
+def unused_options(task_class: type[SingletonTask], options: LockOptions) -> list[str]:
+    """Why each option set on ``task_class`` itself has no effect with ``options``
+    (the task's resolved options), one text per option.
+
+    Only the task's own class counts (``@app.task(...)``'s keywords, or the body
+    of the class registered as the task): a value inherited from a base class,
+    or taken from ``app.conf``, is a default for many tasks, some of which use it.
+    """
+    own = vars(task_class)
+    found = []
+    if options.strategy == WHILE_EXECUTING:
+        for attribute, what in (
+            (
+                "lock_enqueue_ttl",
+                "the life of the lock an until_* strategy takes as the task is sent",
+            ),
+            ("lock_on_duplicate", "what sending an until_* task whose lock is held does"),
+        ):
+            if own.get(attribute) is not None:
+                found.append(
+                    f"{attribute} has no effect on a task whose lock_strategy is "
+                    f"'while_executing' (it is {what}): remove it, or set lock_strategy"
+                )
+    for attribute, mode, what in (
+        ("lock_wait", "wait", "how long on_conflict='wait' waits"),
+        ("lock_retry_delay", "retry", "the base countdown of on_conflict='retry'"),
+    ):
+        if own.get(attribute) is not None and options.on_conflict != mode:
+            found.append(
+                f"{attribute} has no effect with on_conflict={options.on_conflict!r} (it is "
+                f"{what}; only a call sent with lock_options={{'on_conflict': {mode!r}}} "
+                f"uses it): remove it, or set on_conflict={mode!r}"
+            )
+    return found
+
+
+def _warn_unused_options(task: SingletonTask, options: LockOptions) -> None:
+    """Warn (:class:`UnusedOptionWarning`) about each option ``task`` sets to no
+    effect, at the line its function (or its class's ``run``) starts at when known:
+    the warning is raised as the task is made, often as the app finalizes, far
+    from its definition."""
+    task_class = type(task)
+    code = getattr(_body_function(task_class), "__code__", None)
+    for why in unused_options(task_class, options):
+        message = f"{_named_task(task_class, task.name)}: {why}"
+        if code is None:
+            warnings.warn(message, UnusedOptionWarning, stacklevel=3)
+        else:
+            warnings.warn_explicit(
+                message, UnusedOptionWarning, code.co_filename, code.co_firstlineno
+            )
 
 
 def lock_store_url(app: Any) -> str:
@@ -1008,9 +1198,12 @@ class SingletonTask(Task):  # type: ignore[misc]
     Options are the class attributes below, set in ``@app.task(...)`` or in the
     body of a task class (a subclass of a task class inherits them). Each left
     as ``None`` takes its ``app.conf.redislock_*`` setting, or the built-in
-    default. They are resolved and checked once, when the task is bound to its
-    app, into ``task.lock_options`` (a frozen :class:`LockOptions`); assigning an
-    attribute afterwards has no effect.
+    default. They are resolved and checked once, when Celery makes the task and
+    binds it to its app (at ``@app.task`` on an app already finalized, otherwise
+    as the app finalizes or the task is first used), into ``task.lock_options`` (a
+    frozen :class:`LockOptions`); assigning an attribute afterwards has no effect.
+    A bad value, a misspelt option, or one of the settings they take being bad,
+    raises :class:`~celery_redislock.errors.TaskOptionError` then.
 
     Reading an option on a task (``task.lock_ttl``) gives the value in effect,
     as in ``task.lock_options``; reading it on a class gives what was set there
@@ -1086,13 +1279,23 @@ class SingletonTask(Task):  # type: ignore[misc]
     def on_bound(cls, app: Any) -> None:
         """Resolve and check the options of the tasks of this class (a bad value raises here).
 
-        Only a class registered as a task of ``app`` has options of its own: a base
-        class bound by being touched (``SingletonTask.app``, ``help()``) is left alone.
+        Celery calls it as it makes a task: at ``@app.task`` on an app already
+        finalized, otherwise as the app finalizes (a worker starting,
+        ``app.finalize()``, ``app.tasks`` read) or the task is first used. Only a
+        class registered as a task of ``app`` has options of its own: a base class
+        bound by being touched (``SingletonTask.app``, ``help()``) is left alone.
+
+        Raises:
+            TaskOptionError: an option, or a setting it takes, is bad or misspelt.
         """
         super().on_bound(app)
         tasks = [task for task in list(app._tasks.values()) if type(task) is cls]
         for task in tasks:
-            task._configure(app)
+            # Celery binds a task again as its app finalizes: warn the first time only.
+            first = task._lock_options is None
+            options = task._configure(app)
+            if first:
+                _warn_unused_options(task, options)
             check_request_class(task)
         if tasks:
             check_settings(app)
@@ -1102,9 +1305,17 @@ class SingletonTask(Task):  # type: ignore[misc]
             app.steps["consumer"].add(RevokedLockRelease)
 
     def _configure(self, app: Any) -> LockOptions:
-        """Resolve and check this task's options and key derivation; keep them on the task."""
-        options = resolve_options(type(self), app)
-        builder = self._make_key_builder(self.name) if self.name else None
+        """Resolve and check this task's options and key derivation; keep them on the task.
+
+        Raises:
+            TaskOptionError: an option, or a setting it takes, is bad.
+        """
+        options = resolve_options(type(self), app, self.name)
+        builder = None
+        if self.name:
+            source = "lock_key" if type(self).lock_key is not None else "lock_on"
+            with _option_checked(type(self), self.name, source):
+                builder = self._make_key_builder(self.name)
         self._lock_options, self._key_builder = options, builder
         return options
 
