@@ -31,7 +31,12 @@ def app(redislock_server: RedisServer) -> Iterator[Celery]:
 
 @pytest.fixture
 def sent() -> Iterator[list[tuple[str, dict[str, Any]]]]:
-    """Every celery_redislock signal sent during the test, in order."""
+    """Every celery_redislock signal sent during the test, in order.
+
+    At the end, the replies still owed (a task's release is read moments after the
+    task returns) are read while the receivers listen: a signal of this test's is
+    not sent into the next test's list.
+    """
     seen: list[tuple[str, dict[str, Any]]] = []
     receivers = {}
     for name in signals.__all__:
@@ -43,6 +48,7 @@ def sent() -> Iterator[list[tuple[str, dict[str, Any]]]]:
         receivers[name] = receiver
         getattr(signals, name).connect(receiver, weak=False)
     yield seen
+    flush()
     for name, receiver in receivers.items():
         getattr(signals, name).disconnect(receiver)
 
