@@ -40,6 +40,18 @@ def _reset(sock: socket.socket) -> None:
     sock.close()
 
 
+def _readable(sockets: list[socket.socket], timeout: float) -> list[socket.socket]:
+    """Those of ``sockets`` that can be read (or have closed or failed) within
+    ``timeout`` seconds. ``poll``, not ``select``: a long test session may number
+    its sockets past 1023, which ``select`` refuses."""
+    poller = select.poll()
+    by_number = {}
+    for sock in sockets:
+        poller.register(sock, select.POLLIN)
+        by_number[sock.fileno()] = sock
+    return [by_number[number] for number, _ in poller.poll(math.ceil(timeout * 1000))]
+
+
 class _Link:
     """One proxied client connection and the thread forwarding it."""
 
@@ -109,7 +121,7 @@ class _Link:
             readable = [
                 s for s, is_open in ((client, client_open), (upstream, upstream_open)) if is_open
             ]
-            ready, _, _ = select.select(readable, [], [], wait)
+            ready = _readable(readable, wait)
             try:
                 if client in ready:
                     data = client.recv(65536)
@@ -244,7 +256,7 @@ class FaultProxy:
     def _accept(self) -> None:
         assert self._listener is not None
         while not self._stopping.is_set():
-            ready, _, _ = select.select([self._listener], [], [], _POLL)
+            ready = _readable([self._listener], _POLL)
             if not ready:
                 continue
             try:
