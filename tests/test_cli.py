@@ -44,6 +44,7 @@ from celery_redislock.admin import (
     lock_stats,
     purge_locks,
     read_lock,
+    read_waiters,
     server_versions,
     short_reason,
 )
@@ -818,6 +819,11 @@ def test_since_of_a_waiter_handed_the_lock_is_when_it_got_it(
     first = cli_app.waiting.delay(20, "first")
     held_by(locks, 20, first.id)
     second, before = queued_waiting_task(locks, 20, "second")
+    # Queued, it says since when it waits (its hold will say since when it holds).
+    (waiting,) = read_waiters(locks, cli_app.waiting.lock_name((20, ""), {}))
+    assert waiting.task_id == second.id
+    assert waiting.since is not None
+    assert waiting.since <= before
     locks.set("go:first", 1)
     first.get(timeout=30)
     held = held_by(locks, 20, second.id)

@@ -706,7 +706,9 @@ def _waiter(entry: bytes | str) -> WaiterInfo:
         return WaiterInfo(None)
     if not isinstance(values, list) or len(values) < 4:
         return WaiterInfo(None)
-    described = dict(zip(HOLDER_FIELDS, [str(value) for value in values[4:]], strict=False))
+    # A SingletonTask's since comes in a one-element array (see queue_entry).
+    shown = [value[0] if isinstance(value, list) and value else value for value in values[4:]]
+    described = dict(zip(HOLDER_FIELDS, [str(value) for value in shown], strict=False))
     return WaiterInfo(
         task_id=str(values[3]) or None,
         task=described.get("task") or None,

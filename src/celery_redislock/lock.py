@@ -591,7 +591,7 @@ class RedisLock:
     # hold began, as a SingletonTask execution's does (see _shared()): an acquire
     # that may wait, and every try of its wait, write the time it is sent there,
     # and a waiter's queue entry leaves it to the release that hands it the lock
-    # (see scripts.SINCE_AT_GRANT). Otherwise the description is stored as given.
+    # (see scripts.queue_entry). Otherwise the description is stored as given.
     _since_kept = False
 
     # The state set by _fill() (every lock has all of it).

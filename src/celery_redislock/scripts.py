@@ -70,7 +70,7 @@ handoff, not a broadcast, and one spare in case the first waiter has gone.
 The first is handed the lock in the same script: its entry holds its owner token,
 TTL, lease and description, so the release writes them with the next fencing
 token (and the server clock as the description's ``since`` where the entry leaves
-that to it, :data:`SINCE_AT_GRANT`: the hold begins now, not when the waiter
+that to it, see :func:`queue_entry`: the hold begins now, not when the waiter
 queued) and an expiry of :data:`GRANT_MS` (the waiter's own TTL if shorter), marks
 the request field ``GRANTED_TO + waiter id`` until the waiter confirms, and sends
 the token after :data:`GRANT_MARK`. The waiter holds the lock as it reads the
@@ -242,14 +242,6 @@ GRANT_MARK = " grant "
 #: queued keeps the others out only briefly.
 GRANT_MS = 2000
 
-#: What a waiter's queue entry holds in place of its description's ``since`` where
-#: that is to say when the hold began (a :class:`~celery_redislock.task.SingletonTask`
-#: execution's: see :func:`queue_entry`): the release that hands the lock to the
-#: waiter writes the server clock there, as ``since`` has it (seconds, the
-#: milliseconds cut). Not a string, so no description a caller gives is taken for
-#: it (a release of an older version, which hands over strings only, leaves it out).
-SINCE_AT_GRANT = True
-
 #: What the request field holds while a handed-over hold is not yet confirmed by
 #: its waiter: this, followed by the waiter id.
 GRANTED_TO = "g:"
@@ -378,7 +370,6 @@ def _lua(text: str) -> str:
         GRANTED_TO=f"'{GRANTED_TO}'",
         RESERVATION=f"'{RESERVATION_SUFFIX}'",
         GRANT_MS=GRANT_MS,
-        SINCE_AT_GRANT=json.dumps(SINCE_AT_GRANT),
         PASSED=f"'{PASSED_MARK}'",
         WATCHED=WATCHED,
         WATCHED_AT=4 + len(HOLDER_FIELDS) + 1,
@@ -674,8 +665,9 @@ local function free(lock)
         new[$OWNER], new[$FENCE], new[$REQ] = grant[2], digits(fence), $GRANTED_TO .. woken[1]
         for i, place in ipairs($HANDED) do
             local value = grant[3 + i]
-            if place == $SINCE and value == $SINCE_AT_GRANT then
-                -- The hold begins now: the server clock, as the waiter's own
+            if place == $SINCE and type(value) == 'table' then
+                -- [since]: the waiter's since, to be when its hold begins (see
+                -- queue_entry): now, the server clock, as the waiter's own
                 -- description would say it (seconds, the milliseconds cut).
                 value = clock[1] .. string.format('.%03d', math.floor(tonumber(clock[2]) / 1000))
             end
@@ -1354,21 +1346,23 @@ def queue_entry(
     its values come next, one element each.
 
     ``since_at_grant``: the description's ``since`` says when the hold began, so
-    the entry holds :data:`SINCE_AT_GRANT` in its place (the description padded to
-    all of :data:`HOLDER_FIELDS`): a release that hands the lock over writes the
-    moment it does, not when the waiter queued. Otherwise the description is
-    handed over as given.
+    the entry holds it in a one-element array (the description padded to all of
+    :data:`HOLDER_FIELDS`): it says when the waiter queued (what ``celery
+    redislock show`` lists), and a release that hands the lock over writes the
+    moment it does in its place. Not a string, so no description a caller gives
+    is taken for it (a release of an older version, which hands over strings
+    only, leaves it out). Otherwise the description is handed over as given.
 
     ``watched``: the waiter's process is subscribed to its wake channel on the
     server that holds the queue (a single server, not a cluster nor one Sentinel
     may switch), so a release may read there whether the process still is; the
     description is then padded to all of :data:`HOLDER_FIELDS`, and
     :data:`WATCHED` follows it."""
-    described: list[str | int | bool] = list(info.split(SEPARATOR)) if info else []
+    described: list[str | int | list[str]] = list(info.split(SEPARATOR)) if info else []
     if watched or since_at_grant:
         described += [""] * (len(HOLDER_FIELDS) - len(described))
     if since_at_grant:
-        described[-1] = SINCE_AT_GRANT
+        described[-1] = [str(described[-1])]
     if watched:
         described.append(WATCHED)
     return json.dumps([waiter, owner, ttl_ms, lease, *described], separators=(",", ":"))
