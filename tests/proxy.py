@@ -60,6 +60,12 @@ class _Link:
         self.client = client
         self.stop_requested = False
         self.reset_requested = False
+        # Its client side is to be reset, what hold_next() held kept (cut_held).
+        self.cut_requested = False
+        # Whether a request held here waits to be let through; set once the client
+        # side has been cut.
+        self.holding = False
+        self.cut = threading.Event()
         # A black hole of this connection's own (see FaultProxy.silence_open).
         self.silenced = False
         # The reply to the request just forwarded is to be lost (drop_reply_to).
@@ -99,6 +105,14 @@ class _Link:
             if self.reset_requested:
                 _reset(client)
                 return
+            if self.cut_requested and not self.cut.is_set():
+                # The client sees its connection broken; what was held still goes
+                # to the server once let through, and the server's replies are lost.
+                if client_open:
+                    _reset(client)
+                    client_open = False
+                to_client.clear()
+                self.cut.set()
             if self.stop_requested:
                 client.close()
                 return
@@ -129,7 +143,9 @@ class _Link:
                     if data and proxy.take_marked(data):
                         self.drop_next_reply = True
                     if data and not self.dark:
-                        due = math.inf if proxy.take_held() else time.monotonic() + proxy.latency
+                        held_here = proxy.take_held()
+                        self.holding = self.holding or held_here
+                        due = math.inf if held_here else time.monotonic() + proxy.latency
                         to_server.append((due, data))
                 if upstream in ready:
                     data = upstream.recv(65536)
@@ -138,7 +154,7 @@ class _Link:
                         # The reply exists, so the server ran the command: lose it.
                         _reset(client)
                         return
-                    if data and not self.dark:
+                    if data and not self.dark and not self.cut.is_set():
                         to_client.append((time.monotonic() + proxy.latency, data))
                 self._flush(to_server, upstream, to_server=True)
                 self._flush(to_client, client, to_server=False)
@@ -169,6 +185,8 @@ class FaultProxy:
     * :meth:`drop_replies` lets requests through but loses replies and resets;
     * :meth:`drop_reply_to` does that to the reply to a request naming a marker;
     * :meth:`hold_next` keeps the next request at the proxy until let through;
+    * :meth:`cut_held` resets the connections of held requests, which still
+      reach the server once let through;
     * :meth:`refuse` resets new connections as soon as they are accepted;
     * :meth:`close_port` stops listening, so the system refuses new connections;
     * :meth:`blackhole` forwards nothing and closes nothing;
@@ -384,6 +402,19 @@ class FaultProxy:
         with self._guard:
             self._hold_left = 0
             self.let_through_count += 1
+
+    def cut_held(self, timeout: float = _IO_TIMEOUT) -> int:
+        """Reset (RST) the client side of every open connection that has a request
+        :meth:`hold_next` holds, but keep that request, to reach the server when
+        :meth:`let_held_through` (the server's replies are lost): a request held
+        up on the network while its sender sees the connection broken and sends
+        it again on another. Returns how many connections were cut."""
+        links = [link for link in self._open_links() if link.holding and not link.cut.is_set()]
+        for link in links:
+            link.cut_requested = True
+        for link in links:
+            link.cut.wait(timeout)
+        return len(links)
 
     def refuse(self) -> None:
         """Reset each new connection right after accepting it; open ones keep working."""

@@ -371,6 +371,30 @@ def test_undone_acquires_arriving_after_later_holds_take_nothing(locks: Store) -
     rival.release()
 
 
+def test_an_acquire_listed_as_undone_while_held_keeps_its_hold_and_its_copies_take_nothing(
+    locks: Store,
+) -> None:
+    """An acquire whose caller holds what it took (a later try of it did) is listed
+    as undone, its hold left as it is: a copy of it arriving after an inner hold
+    of its owner counts no second hold, the holder's release frees the lock, and a
+    copy arriving after that takes nothing."""
+    name = f"{locks.kind}:listed-while-held"
+    lock = RedisLock(locks.target, name, ttl=30)
+    request = request_id()
+    assert lock._try_acquire(lock._call_deadline(None), request)
+    lock._run(lock._undo_call(request, kept=True), lock._call_deadline(None))
+    assert lock.locked()
+    with lock:
+        pass
+    lock._run(lock._acquire_call(request), lock._call_deadline(None))
+    lock.release()
+    assert not lock.locked()
+
+    lock._run(lock._acquire_call(request), lock._call_deadline(None))
+
+    assert not lock.locked()
+
+
 @pytest.mark.slow
 def test_heartbeat_keeps_many_locks_alive_past_several_ttls(locks: Store) -> None:
     """Thirty 1-second locks (on a cluster, spread over every primary) stay held for

@@ -2521,6 +2521,147 @@ def test_acquires_that_reach_the_server_after_their_undos_and_later_holds_take_n
     rival.release()
 
 
+def acquire_through_a_cut(proxy: FaultProxy, lock: RedisLock, **kwargs: Any) -> bool:
+    """``lock.acquire(**kwargs)`` through ``proxy`` (the connection open, the
+    scripts known), its first try held up at the proxy as its connection breaks:
+    the acquire sends it again on a new connection, and returns what that copy
+    is answered. The first copy stays held up until let through."""
+    proxy.hold_next(1)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(lock.acquire(**kwargs)))
+    thread.start()
+    wait_for(lambda: proxy.held == 1, what="the first try to be held up")
+    assert proxy.cut_held() == 1
+    thread.join(15)
+    assert len(got) == 1
+    return got[0]
+
+
+def reaches_the_server(proxy: FaultProxy, direct: redis.Redis) -> None:
+    """Let what ``proxy`` held up through, and wait for it to run."""
+    ran = script_runs(direct)
+    proxy.let_held_through()
+    wait_for(lambda: script_runs(direct) > ran, what="the first try to reach the server")
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_an_acquire_that_gave_up_after_its_retry_found_the_lock_held_leaves_its_first_try_nothing(
+    proxy: FaultProxy, direct: redis.Redis, waits: bool
+) -> None:
+    """An acquire's first try is held up on its way to the server as its connection
+    breaks; sent again on a new connection, it finds the lock held by another owner,
+    and the acquire gives up (at once, or once its time to wait is up). That answer
+    does not say the first try has arrived: the acquire is undone as it gives up,
+    and the first try, reaching the server after the holder released the lock,
+    takes nothing, rather than hold it for a TTL for an owner that neither renews
+    nor releases it."""
+    name = f"late-first-try-{'waiting' if waits else 'at-once'}"
+    lock = RedisLock(proxy.url, name, ttl=30, call_timeout=2)
+    rival = RedisLock(direct, name, ttl=30)
+    assert rival.acquire(blocking=False)
+    assert not lock.acquire(timeout=0.1)  # the connection open, the scripts known, subscribed
+    assert not acquire_through_a_cut(proxy, lock, blocking=waits, timeout=0.3 if waits else None)
+    wait_for(lambda: sent_in_background(lock) == [], what="the undo")
+    rival.release()
+
+    reaches_the_server(proxy, direct)
+
+    assert not held(direct, lock.key)
+    assert direct.zcard(lock.queue_key) == 0
+    assert rival.acquire(blocking=False)
+    rival.release()
+
+
+@pytest.mark.parametrize(
+    "between", ["an inner hold taken and dropped", "its release", "a renewal (safe as it was)"]
+)
+def test_an_acquire_taken_by_its_retry_leaves_its_late_first_try_nothing(
+    proxy: FaultProxy, direct: redis.Redis, between: str
+) -> None:
+    """An acquire's first try is held up on its way to the server as its connection
+    breaks; sent again on a new connection, it takes the lock. The first try
+    arrives later: after the holder took an inner hold and dropped it (the last
+    change to the hold is no longer the acquire, so the copy, unrecognised, would
+    count a second hold, which the holder's release leaves held for a TTL), after
+    the holder's release (it would take the lock anew, for an owner that neither
+    renews nor releases it), or after a renewal (the acquire is still the last
+    change: recognised, it only renews the hold). It takes nothing in each case,
+    and the holder's release frees the lock."""
+    name = "late-first-try-after-" + between.split(" (")[0].replace(" ", "-")
+    lock = RedisLock(proxy.url, name, ttl=30, call_timeout=2)
+    assert lock.acquire(blocking=False)  # the connection open, the scripts known
+    lock.release()
+    assert acquire_through_a_cut(proxy, lock, blocking=False)
+    assert hold_count(direct, lock) == 1
+    if between == "an inner hold taken and dropped":
+        with lock:
+            pass
+    elif between == "its release":
+        lock.release()
+    else:
+        lock.extend()
+
+    reaches_the_server(proxy, direct)
+
+    if between != "its release":
+        assert hold_count(direct, lock) == 1
+        lock.release()
+    assert not held(direct, lock.key)
+
+
+def test_a_waiter_handed_the_lock_after_its_retry_queued_leaves_its_late_first_try_nothing(
+    proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """A waiter's first try is held up on its way to the server as its connection
+    breaks; sent again on a new connection, it queues the waiter, and the holder's
+    release hands it the lock. The first try arrives after the waiter took an
+    inner hold and dropped it: it counts no second hold (which the waiter's
+    release would leave held for a TTL), and the release frees the lock."""
+    lock = RedisLock(proxy.url, "late-first-try-handed", ttl=30, call_timeout=2)
+    rival = RedisLock(direct, lock.name, ttl=30)
+    assert rival.acquire(blocking=False)
+    assert not lock.acquire(timeout=0.1)  # the connection open, the scripts known, subscribed
+    proxy.hold_next(1)
+    got, thread = acquire_in_thread(lock, 15)
+    wait_for(lambda: proxy.held == 1, what="the first try to be held up")
+    assert proxy.cut_held() == 1
+    wait_for(lambda: direct.zcard(lock.queue_key) == 1, what="the retry to queue the waiter")
+    rival.release()
+    thread.join(15)
+    assert got == [True]
+    with lock:
+        pass
+
+    reaches_the_server(proxy, direct)
+
+    assert hold_count(direct, lock) == 1
+    lock.release()
+    assert not held(direct, lock.key)
+
+
+def test_an_acquire_written_ahead_and_taken_by_its_retry_leaves_its_late_first_send_nothing(
+    proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """An acquire a worker writes ahead of its task (read later) is held up on its
+    way to the server as its connection breaks; read, it is sent again on a new
+    connection, and takes the lock. The first send, arriving after the holder's
+    release, takes nothing."""
+    lock = RedisLock(proxy.url, "late-first-send-written-ahead", ttl=30, call_timeout=2)
+    assert lock.acquire(blocking=False)  # the connection open, the scripts known
+    lock.release()
+    proxy.hold_next(1)
+    ahead = lock._send_acquire()
+    assert ahead is not None
+    wait_for(lambda: proxy.held == 1, what="the first send to be held up")
+    assert proxy.cut_held() == 1
+    assert lock._acquire_sent(ahead)
+    lock.release()
+
+    reaches_the_server(proxy, direct)
+
+    assert not held(direct, lock.key)
+
+
 def locks_behind(proxy: FaultProxy, server: RedisServer, name: str) -> tuple[Celery, Any]:
     """An app whose lock store is ``server`` behind ``proxy`` (its broker reached
     directly, db 1), and its ``until_executed`` task ``name``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -130,6 +131,38 @@ def test_a_held_request_reaches_the_server_after_later_ones(
     proxy.let_held_through()
     wait_for(lambda: direct.get("k") == b"first", what="the held request to run")
     late.close()
+
+
+def test_a_held_request_whose_connection_is_cut_still_reaches_the_server(
+    server: RedisServer, proxy: FaultProxy
+) -> None:
+    """cut_held() resets the connection of a request hold_next() holds: its client
+    gets a connection error at once, and the request, let through later, runs all
+    the same. Other connections are left alone."""
+    client, other, direct = through(proxy, single=True), through(proxy), server.client()
+    assert client.ping()
+    assert other.ping()
+    proxy.hold_next()
+    errors: list[Exception] = []
+
+    def set_first() -> None:
+        try:
+            client.set("k", "first")
+        except redis.ConnectionError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=set_first)
+    thread.start()
+    wait_for(lambda: proxy.held == 1, what="the request to be held")
+    assert proxy.cut_held() == 1
+    thread.join(5)
+    assert len(errors) == 1
+    assert other.set("k", "second")
+    proxy.let_held_through()
+    wait_for(lambda: direct.get("k") == b"first", what="the held request to run")
+    assert other.ping()
+    client.close()
+    other.close()
 
 
 def test_refuse_fails_new_connections_but_keeps_open_ones(proxy: FaultProxy) -> None:

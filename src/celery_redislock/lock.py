@@ -148,6 +148,11 @@ SPARE_HEAD_START = 0.005
 #: ``RedisLock._leave_queue``): each one's queue entry may outlive it.
 GONE_WAITERS = 4
 
+#: The fencing token an undo names (RELEASE's ARGV[6]) to leave every hold as it
+#: is, and only list its acquire as undone (see ``RedisLock._undo_call``): no
+#: hold has it, as tokens start from the server clock in microseconds.
+NO_HOLD_FENCE = 0
+
 #: Default key prefix.
 DEFAULT_PREFIX = "redislock"
 
@@ -529,7 +534,8 @@ class RedisLock:
     # handed out for the name as that try found it held (None until it answers).
     _tried = 0.0
     _held_fence: int | None = None
-    # Send time of a try of the current acquire whose reply never came.
+    # Send time of the first try of the current acquire that may have run while
+    # its reply never came (a later try's answer does not settle it: see _undo()).
     _unconfirmed: float | None = None
     # The releases the lock remembered as the current hold was taken (see
     # scripts.AcquireReply.released).
@@ -933,8 +939,8 @@ class RedisLock:
                     acquired = self._wait(ends, request, found_held=True, stop=stop)
             return acquired
         finally:
-            if not acquired and self._unconfirmed is not None:
-                self._undo(request, self._unconfirmed)
+            if self._unconfirmed is not None:
+                self._undo(request, self._unconfirmed, kept=acquired)
 
     def release(
         self, wait: bool = True, then: Callable[[ReleaseOutcome], Any] | None = None
@@ -1453,7 +1459,7 @@ class RedisLock:
                 if ahead or frees
                 else ()
             )
-            raw = send(self._router, self.key, call, deadline, wait, before)
+            raw = send(self._router, self.key, call, deadline, wait, before, self._unsure)
             reply = AcquireReply.parse(raw[0] if wait else raw)
         except RedisError as exc:
             if self._unconfirmed is None and may_have_run(exc):
@@ -1467,9 +1473,11 @@ class RedisLock:
             if self._unconfirmed is None:
                 self._unconfirmed = sent
             raise
-        # Any reply settles an earlier try of the same request: it either
-        # shows the hold it made or proves it made none.
-        self._unconfirmed = None
+        # A reply settles nothing about an earlier try of the same request that
+        # may have been written: it may not have reached the server yet (held up
+        # on the network, on the connection that broke), and arrive after this
+        # one, or after the call ends. It stays unconfirmed, and is undone as
+        # the call ends (see _undo()).
         if ahead:
             self._landed(ahead)
         if frees:
@@ -1477,6 +1485,14 @@ class RedisLock:
         if wait and reply.outcome is _TAKEN:
             self._check_replicas(raw[1], request, deadline)
         return self._record(reply, sent, request, late_to_caller)
+
+    def _unsure(self) -> None:
+        """A try of the acquire round trip sent last may have run, its answer lost,
+        and been sent again (see :func:`~celery_redislock.scripts.send`): it stays
+        unconfirmed until the call ends, whatever the next try is answered (see
+        :meth:`_undo`)."""
+        if self._unconfirmed is None:
+            self._unconfirmed = self._tried
 
     def _record(
         self, reply: AcquireReply, sent: float, request: str, late_to_caller: bool = False
@@ -1582,7 +1598,9 @@ class RedisLock:
 
         Its reply is read now (by the deadline :meth:`_send_acquire` gives). A try
         that failed is sent again with the same request id, which the script
-        recognises if the first one ran. A hold whose reply came after its TTL is
+        recognises if the first one ran (and should the first still be on its
+        way, it is undone, or only listed as undone if the call holds the lock,
+        as the call ends: see :meth:`_undo`). A hold whose reply came after its TTL is
         :attr:`lost` as this returns and left to the caller (to give back): it is
         not put on the heartbeat, so not reported lost.
 
@@ -1621,8 +1639,8 @@ class RedisLock:
             acquired = self._try_acquire(deadline, ahead.request, late_to_caller=True)
             return acquired
         finally:
-            if not acquired and self._unconfirmed is not None:
-                self._undo(ahead.request, self._unconfirmed)
+            if self._unconfirmed is not None:
+                self._undo(ahead.request, self._unconfirmed, kept=acquired)
 
     def _replica_wait(self, deadline: Deadline) -> list[tuple[Any, ...]]:
         """The ``WAIT`` that follows an acquire when replicas must confirm it."""
@@ -1661,7 +1679,7 @@ class RedisLock:
             "replicas, or lower min_replicas"
         )
 
-    def _undo_call(self, request: str) -> Call:
+    def _undo_call(self, request: str, kept: bool = False) -> Call:
         """The release that undoes acquire ``request``, if it is still the lock's
         last change. Whatever it finds, the lock lists ``request`` (and this
         owner) as undone for the acquire's TTL (an hour at least), through the
@@ -1670,18 +1688,35 @@ class RedisLock:
         then (see :data:`~celery_redislock.scripts.RELEASE`, ARGV[10]). The last
         :data:`~celery_redislock.scripts.UNDONE_REMEMBERED` undos of the name are
         listed so; the list goes with the key (a hold that expires rather than
-        being released)."""
+        being released).
+
+        With ``kept`` (the acquire's caller holds what it took, confirmed by a
+        later try of it) it only lists ``request``, and leaves every hold as it
+        is: it names the hold by :data:`NO_HOLD_FENCE`, a fencing token no hold
+        has, and the release leaves a hold with another token alone."""
         keep = max(FENCE_TTL_MS, int(self.ttl * 1000))
-        return Call(
-            RELEASE_SCRIPT,
-            [self.key, self.queue_key],
-            [self.owner, self.wake_prefix, request_id(), keep, request, "", "", "", "", UNDO_MARK],
-        )
+        fence = NO_HOLD_FENCE if kept else ""
+        args = [self.owner, self.wake_prefix, request_id(), keep, request, fence]
+        return Call(RELEASE_SCRIPT, [self.key, self.queue_key], [*args, "", "", "", UNDO_MARK])
 
-    def _undo(self, request: str, sent: float) -> None:
-        """Release, in the background, the hold an unconfirmed acquire may have made.
+    def _undo(self, request: str, sent: float, kept: bool = False) -> None:
+        """Release, in the background, the hold an unconfirmed acquire may have made
+        (sent first at ``sent``); with ``kept``, only make sure that a copy of it
+        still on its way takes nothing (see :meth:`_undo_call`).
 
-        It acts only if that acquire landed and is still the last change to the
+        A try of an acquire that may have been written (its answer lost) is
+        unconfirmed, whatever the later tries of the same request are answered:
+        it may still be on its way, held up on the network on the connection that
+        broke, and reach the server after them, or after the call has ended. A
+        call that ends without the lock undoes it; one that ends holding the lock
+        (``kept``: a later try took it, or a release handed it to the waiter)
+        has it listed as undone, so that such a copy neither re-enters the hold
+        once its last change is another (a count of two, of which the holder's
+        release drops one) nor takes the lock after the holder's release, for an
+        owner that neither renews nor releases it. Only on this path: a call
+        whose tries were all answered sends nothing more.
+
+        The undo acts only if that acquire landed and is still the last change to the
         lock, rather than leave the lock held for a whole TTL by an owner that
         does not know it holds it. Until it has landed, the next request of this
         object that changes the lock sends it first (see :meth:`_ahead`): an
@@ -1691,12 +1726,16 @@ class RedisLock:
         the next acquire of the key by any other object of this process (see
         :data:`_frees_pending`; a task's send makes a new one each time), which
         would otherwise find the unknown hold: refused (a message deduplicated
-        to one never sent), or, of the same owner, re-entering it.
+        to one never sent), or, of the same owner, re-entering it. A ``kept``
+        one goes ahead of them alike, so that it is listed before this object's
+        next change to the hold (until then a copy that arrives is recognised
+        as the hold's last change, and only renews it).
         """
         self._unconfirmed = None
-        # If it lands, it makes a change this object does not know the id of.
-        self._last_change = None
-        item = (self._undo_call(request), sent + self.ttl)
+        if not kept:
+            # If it lands, it makes a change this object does not know the id of.
+            self._last_change = None
+        item = (self._undo_call(request, kept), sent + self.ttl)
         with self._state:
             if self._holds:
                 # A re-entry that landed set the lock's own TTL (the undo keeps
@@ -1706,7 +1745,9 @@ class RedisLock:
         self._beat().retry_in_background(
             self,
             *item,
-            f"undoing the unconfirmed acquire of lock {self.name!r}",
+            f"undoing the unconfirmed acquire of lock {self.name!r}"
+            if not kept
+            else f"listing as undone the unconfirmed first try of the acquire of lock {self.name!r}",
             # Finding nothing to undo is as expected as undoing a hold.
             quiet=True,
             then=_pend_free(self._router, self.key, item),

@@ -113,7 +113,11 @@ freed again by others in between, up to ``RELEASES_REMEMBERED`` times).
 
 **Undone acquires.** An acquire whose caller gave up on it, unanswered, is undone
 (RELEASE, ARGV[10]); the acquire may still be on its way, held up on the network,
-and reach the server after its undo. The undo lists it in ``released``
+and reach the server after its undo. So is one whose caller holds what a later
+try of it took (sent again on another connection, with the same request id),
+its hold left as it is (RELEASE, ARGV[6]: a fencing token no hold has): an
+earlier try may still be on its way too, and would re-enter that hold once its
+last change is another, or take the lock after its release. The undo lists it in ``released``
 (:data:`UNDONE_MARK`), whatever it finds, and ACQUIRE refuses a listed request,
 whoever holds the lock then. The last :data:`UNDONE_REMEMBERED` are listed, for
 the acquire's TTL, carried through the holds and frees that follow as the
@@ -128,7 +132,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import IntEnum
 from string import Template
 from types import MappingProxyType
@@ -1015,7 +1019,9 @@ def _freeing(body: str, first: str = "") -> str:
 #: (:data:`UNDONE_MARK`, the last :data:`UNDONE_REMEMBERED`) for ARGV[4] ms
 #: (which is then not "0") at least, carried through the holds and frees that
 #: follow, and ACQUIRE refuses that request, should it arrive after its undo
-#: (held up on the network)
+#: (held up on the network); an undo that names a fencing token no hold has
+#: (ARGV[6] ``0``) leaves every hold as it is, and only lists the acquire (one
+#: whose caller holds what a later try of it took)
 #: Returns 1 when freed (by this request, now or on an earlier arrival), 2 when a
 #: hold remains, 0 when not owned (nothing changed but what ARGV[10] writes).
 RELEASE = _freeing(
@@ -1492,6 +1498,7 @@ def send(
     deadline: Deadline,
     then: Sequence[Sequence[Any]] = (),
     before: Sequence[Call] = (),
+    unsure: Callable[[], object] | None = None,
 ) -> Any:
     """Send one script call (or plain command) about ``key``; raise an error reply.
 
@@ -1512,6 +1519,11 @@ def send(
     still name it, so the request reaches the replica promoted in its place (a
     retried acquire is recognised by its request id, and acts once).
 
+    ``unsure()`` is called after each try that may have run without its answer
+    coming (see :func:`~celery_redislock.transport.may_have_run`), whether or not
+    a later try is answered: that try may still be on its way to the server, held
+    up on the network, and arrive after the later ones.
+
     Raises:
         redis.RedisError: the request failed for good (connection, timeout, or
             an error reply).
@@ -1528,26 +1540,30 @@ def send(
         try:
             if before:
                 assert isinstance(call, Call)
-                replies = _run_behind(transport, asked is not None, before, call, then, bound)
+                replies = _run_behind(
+                    transport, asked is not None, before, call, then, bound, unsure
+                )
             elif isinstance(call, Call):
                 # run_calls() for one call, inline: this is every acquire's path.
                 if asked is None:
-                    replies = run(transport, [call.by_sha(), *then], bound)
+                    replies = run(transport, [call.by_sha(), *then], bound, unsure=unsure)
                 else:
-                    replies = _run_asking(transport, [call.by_sha(), *then], bound, True)
+                    replies = _run_asking(transport, [call.by_sha(), *then], bound, True, unsure)
                 if isinstance(replies[0], NoScriptError):
                     commands = [call.by_text(), *then]
-                    replies = _run_asking(transport, commands, bound, asked is not None)
+                    replies = _run_asking(transport, commands, bound, asked is not None, unsure)
                 if not isinstance(replies[0], NoScriptError):
                     transport.scripts.add(call.script.sha)
             else:
-                replies = _run_asking(transport, [call, *then], bound, asked is not None)
+                replies = _run_asking(transport, [call, *then], bound, asked is not None, unsure)
             if isinstance(replies[0], Exception):
                 raise replies[0]
             return replies if then else replies[0]
         except RedisError as exc:
             ran = ran or may_have_run(exc)
             ended(exc, ran)
+            if ran and unsure is not None:
+                unsure()
             if isinstance(exc, TryAgainError):
                 if deadline.remaining() <= TRYAGAIN_PAUSE:
                     raise
@@ -1603,14 +1619,19 @@ def _run_asking(
     commands: Sequence[Sequence[Any]],
     deadline: Deadline,
     asked: bool,
+    unsure: Callable[[], object] | None = None,
 ) -> list[Any]:
     """The replies of ``commands``, run in one round trip: if ``asked`` (sent to
     the primary an ``ASK`` named), each after an ``ASKING`` of its own, as that
-    lets only the next command at a key of the slot the primary imports."""
+    lets only the next command at a key of the slot the primary imports
+    (``unsure``: see :func:`send`)."""
     if not asked:
-        return run(transport, commands, deadline)
+        return run(transport, commands, deadline, unsure=unsure)
     replies = run(
-        transport, [part for command in commands for part in (_ASKING, command)], deadline
+        transport,
+        [part for command in commands for part in (_ASKING, command)],
+        deadline,
+        unsure=unsure,
     )
     return replies[1::2]
 
@@ -1622,16 +1643,17 @@ def _run_behind(
     call: Call,
     then: Sequence[Sequence[Any]],
     deadline: Deadline,
+    unsure: Callable[[], object] | None = None,
 ) -> list[Any]:
     """The replies of ``call`` and ``then``, sent in one round trip behind the
     ``before`` calls (by text: they are rare; each command after an ``ASKING`` if
     ``asked``), for :func:`send`. A ``call`` the server has no script for goes
     again by text, alone: the ``before`` calls ran."""
     commands = [each.by_text() for each in before]
-    replies = _run_asking(transport, [*commands, call.by_sha(), *then], deadline, asked)
+    replies = _run_asking(transport, [*commands, call.by_sha(), *then], deadline, asked, unsure)
     replies = replies[len(commands) :]
     if isinstance(replies[0], NoScriptError):
-        replies = _run_asking(transport, [call.by_text(), *then], deadline, asked)
+        replies = _run_asking(transport, [call.by_text(), *then], deadline, asked, unsure)
     if not isinstance(replies[0], NoScriptError):
         transport.scripts.add(call.script.sha)
     return replies

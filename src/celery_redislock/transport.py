@@ -1879,8 +1879,11 @@ def run(
     commands: Sequence[Sequence[Any]],
     deadline: Deadline,
     attempts: int = ATTEMPTS,
+    unsure: Callable[[], object] | None = None,
 ) -> list[Any]:
-    """:meth:`Transport.execute`, retried on transient errors within ``deadline``.
+    """:meth:`Transport.execute`, retried on transient errors within ``deadline``;
+    ``unsure()`` is called after each try that may have run without its answer
+    coming (see :func:`may_have_run`), whether or not a later try is answered.
 
     A request refused unrun because the server is loading its data (``LOADING``)
     or is stalled (:data:`STALLED`) is asked again every :data:`LOADING_PAUSE`
@@ -1899,6 +1902,8 @@ def run(
             replies = transport.finish(transport.write(commands, deadline), len(commands), deadline)
         except RedisError as exc:
             ran = ran or may_have_run(exc)
+            if ran and unsure is not None:
+                unsure()
             if not isinstance(exc, TRANSIENT):
                 ended(exc, ran)
                 raise
