@@ -685,8 +685,8 @@ def bench_cost_per_task(lock_url: str, count: int, findings: Findings, profile: 
                 print(f"   {kind.label:<24} left out: {kind.missing}")
         print(
             "   (SingletonTask: new arguments each time, the usual case, so each task's lock name"
-            " is new and its fence counter is seeded from the server clock: the TIME; 'one key':"
-            " the same arguments every time)"
+            " is new; 'one key': the same arguments every time. Either way each acquire reads"
+            " the server clock, the TIME: no fencing token is lower than it)"
         )
         for label, (_, _, calls, _) in engine_rows.items():
             print(
