@@ -227,8 +227,9 @@ SEPARATOR = "\x1f"
 #: How long, in ms, a lock freed with waiters queued that it cannot be handed to
 #: (queue entries that are only an id) is kept for the (at most two) waiters it woke: a newcomer, or the releaser coming back, queues behind them
 #: instead of taking it first. (A lock whose value lists undone acquires is handed
-#: to no waiter: it is kept so for the first waiter alone.) Long enough for a woken waiter to ask; short enough
-#: that a waiter that vanished in between delays the others only briefly.
+#: to no waiter: it is kept so for the first waiter alone.) Long enough for a
+#: woken waiter to ask; short enough that a waiter that vanished in between delays
+#: the others only briefly.
 RESERVE_MS = 250
 
 #: What the wake-up message of the second woken waiter (the spare) ends with.
