@@ -17,7 +17,14 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_redislock.deployments import ClusterDeployment
-from celery_redislock.scripts import COUNT_FIELD, LAYOUT, OWNER_FIELD, SEPARATOR, decode_lock
+from celery_redislock.scripts import (
+    COUNT_FIELD,
+    LAYOUT,
+    OWNER_FIELD,
+    RESERVED_UNTIL_FIELD,
+    SEPARATOR,
+    decode_lock,
+)
 from celery_redislock.server import RedisServer
 
 #: Events a test opens to let a held task finish, by name.
@@ -132,6 +139,18 @@ def held(client: redis.Redis, key: str) -> bool:
     """Whether the lock key ``key`` has an owner (a free lock's key stays a while,
     keeping its fencing counter)."""
     return OWNER_FIELD in fields(client, key)
+
+
+def up_for_anyone(client: redis.Redis, key: str) -> bool:
+    """Whether anyone may take the lock of key ``key`` now: nobody holds it (not
+    even a waiter a release handed it to), and it is not kept for the waiters a
+    release woke (their time has passed), or there is no key."""
+    stored = fields(client, key)
+    if OWNER_FIELD in stored:
+        return False
+    until = stored.get(RESERVED_UNTIL_FIELD)
+    seconds, microseconds = client.time()
+    return until is None or int(until) <= seconds * 1000 + microseconds // 1000
 
 
 def hold_count(client: redis.Redis, key: str) -> int:

@@ -351,17 +351,26 @@ def test_release_lease_frees_the_lock_of_that_lease_only(locks: Store) -> None:
 
 def test_undone_acquires_arriving_after_later_holds_take_nothing(locks: Store) -> None:
     """Two acquires of a name whose callers gave up on them are undone before they
-    arrive, the second undo finding another owner's hold, which is then released:
-    both acquires, arriving at last (held up on the network), take nothing, and
-    every key the undos wrote keeps an expiry."""
+    arrive, the second undo finding another owner's hold, which is then released
+    with a waiter queued: the release wakes it to ask rather than hand it the
+    lock, and it takes the lock. Both acquires, arriving at last (held up on the
+    network), take nothing, and every key the undos wrote keeps an expiry."""
     name = f"{locks.kind}:undone"
     late = [RedisLock(locks.target, name, ttl=30) for _ in range(2)]
     rival = RedisLock(locks.target, name, ttl=30)
+    waiter = RedisLock(locks.target, name, ttl=30)
     requests = [request_id() for _ in late]
     late[0]._run(late[0]._undo_call(requests[0]), late[0]._call_deadline(None))
     assert rival.acquire(blocking=False)
     late[1]._run(late[1]._undo_call(requests[1]), late[1]._call_deadline(None))
+    thread, outcome = in_thread(lambda: waiter.acquire(timeout=30))
+    admin = locks.admin_for(rival.key)
+    wait_for(lambda: admin.zcard(rival.queue_key) >= 1, what="the waiter in the queue")
     rival.release()
+    thread.join(30)
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["result"] is True
+    waiter.release()
 
     for lock, request in zip(late, requests, strict=True):
         lock._run(lock._acquire_call(request), lock._call_deadline(None))

@@ -69,8 +69,10 @@ from tests.support import (
     in_forked_child,
     make_app,
     queue_entries,
+    up_for_anyone,
     wait_for,
     wait_until,
+    write_fields,
 )
 from tests.support import hold_count as stored_hold_count
 
@@ -2483,6 +2485,7 @@ def held_up_past_its_undo(proxy: FaultProxy, lock: RedisLock) -> None:
         "another acquire undone so",
         "another owner's hold and release",
         "another owner's hold the undo finds",
+        "another owner's hold the undo finds, released to a waiter gone since it queued",
     ],
 )
 def test_acquires_that_reach_the_server_after_their_undos_and_later_holds_take_nothing(
@@ -2492,16 +2495,26 @@ def test_acquires_that_reach_the_server_after_their_undos_and_later_holds_take_n
     deadline, each undone on another connection, reach it only after later changes
     of their name: a second acquire of the name undone so; another owner's hold,
     taken and released after the undo; another owner's hold the undo finds, and
-    its release. Each takes nothing when it arrives, so nobody is left holding
-    the lock for a TTL for an owner that neither renews nor releases it."""
-    name = "late-past-" + between.replace(" ", "-").replace("'", "")
+    its release; the same, with a waiter queued first whose process is gone
+    (killed where a release cannot tell, or frozen): the release wakes it to ask
+    rather than hand it the lock, which would take the list of undone acquires
+    along as the grant nobody confirms runs out. Each takes nothing when it
+    arrives, so nobody is left holding the lock for a TTL for an owner that
+    neither renews nor releases it."""
+    name = "late-past-" + between.replace(" ", "-").replace("'", "").replace(",", "")
     lock = RedisLock(proxy.url, name, ttl=30, call_timeout=0.5)
     rival = RedisLock(direct, name, ttl=30)
     assert lock.acquire(blocking=False)  # the connection is open, the scripts known
     lock.release()
     late = [lock]
-    if between == "another owner's hold the undo finds":
+    gone_waiter = between.endswith("gone since it queued")
+    if between.startswith("another owner's hold the undo finds"):
         assert rival.acquire(blocking=False)
+    if gone_waiter:
+        # (Handed over, the lock would be the gone waiter's for its TTL of 0.1 s.)
+        gone = queue_entry("gone-process.1", "gone-owner", 100, "", "")
+        direct.zadd(rival.queue_key, {gone: 1})
+        write_fields(direct, rival.key, q="1")
     held_up_past_its_undo(proxy, lock)
     if between == "another acquire undone so":
         late.append(RedisLock(proxy.url, name, ttl=30, call_timeout=0.5))
@@ -2510,6 +2523,8 @@ def test_acquires_that_reach_the_server_after_their_undos_and_later_holds_take_n
         assert rival.acquire(blocking=False)
     if between != "another acquire undone so":
         rival.release()
+    if gone_waiter:
+        wait_for(lambda: up_for_anyone(direct, lock.key), what="the gone waiter's turn to pass")
     assert proxy.held == len(late)
     ran = script_runs(direct)
 

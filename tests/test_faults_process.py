@@ -32,6 +32,7 @@ import pytest
 import redis
 
 from celery_redislock import RedisLock
+from celery_redislock.ids import request_id
 from celery_redislock.scripts import OWNER_FIELD, QUEUED_FIELD
 from celery_redislock.server import RedisServer
 from tests.fault_children import SOAK_HOLDS, SOAK_STATS, SOAK_STOP, fence_log, fenced_write
@@ -593,6 +594,50 @@ def test_waiter_frozen_while_handed_the_lock_takes_its_turn_after_the_next(
         assert reports["wrote"]["accepted"] is True
         writes = fence_log(client, "res")
         assert [w["writer"] for w in writes] == ["parent", "parent", "child"]
+        assert all(w["accepted"] and w["current"] for w in writes), writes
+    finally:
+        end(child)
+    assert lock_keys(client) == []
+    client.close()
+
+
+def test_an_undone_acquire_takes_nothing_after_a_release_woke_a_frozen_waiter(
+    redislock_server_factory: Callable[..., RedisServer], tmp_path: Path
+) -> None:
+    """A waiting process is SIGSTOPped while queued first for a name that lists an
+    undone acquire (its caller gave up on it, unanswered; it may still be on its
+    way). Frozen, it keeps its wake-up subscription, and the release cannot tell it
+    from a live waiter; but it does not hand it the lock (a grant it never confirms
+    would run out and take the list along): it keeps the free lock for it a moment
+    and wakes it to ask. The live waiter behind it takes the lock once that moment
+    has passed, and the list stays: the undone acquire, arriving after that hold,
+    takes nothing. Resumed, the frozen one asks and takes the lock. Every write the
+    fence accepts is from the lock's current holder."""
+    server = redislock_server_factory()
+    client = server.client()
+    holder = RedisLock(client, "undone-frozen", ttl=60)
+    late = RedisLock(client, holder.name, ttl=30)
+    request = request_id()
+    late._run(late._undo_call(request), late._call_deadline(None))
+    assert holder.acquire()
+    child = queued_waiter(client, server, tmp_path, holder)
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        live, got, thread = live_waiter_behind(client, holder)
+        holder.release()
+        thread.join(40)
+        assert got == [True]
+        assert fenced_write(client, "res", live.token, "parent", live.key)
+        live.release()
+
+        late._run(late._acquire_call(request), late._call_deadline(None))
+
+        assert field(client, holder.key, OWNER_FIELD) is None
+        assert not [e for e in entries(client, "report") if e["event"] == "acquired"]
+        os.kill(child.pid, signal.SIGCONT)
+        assert exit_code(child, 30) == 0, tail(tmp_path / "waiter.log")
+        writes = fence_log(client, "res")
+        assert [w["writer"] for w in writes] == ["parent", "child"]
         assert all(w["accepted"] and w["current"] for w in writes), writes
     finally:
         end(child)

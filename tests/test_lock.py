@@ -43,7 +43,6 @@ from celery_redislock.scripts import (
     COUNT_FIELD,
     FENCE_FIELD,
     FIELDS,
-    FORCE_RELEASE_SCRIPT,
     GRANT_MARK,
     GRANT_MS,
     GRANTED_TO,
@@ -57,6 +56,7 @@ from celery_redislock.scripts import (
     RELEASES_REMEMBERED,
     REQUEST_FIELD,
     RESERVATION_SUFFIX,
+    RESERVED_FIELD,
     SEPARATOR,
     SPARE_MARK,
     UNDO_MARK,
@@ -75,6 +75,7 @@ from tests.support import (
     fields,
     hold_count,
     queue_entries,
+    up_for_anyone,
     wait_until,
     write_fields,
 )
@@ -2359,19 +2360,22 @@ def test_each_of_the_last_few_undone_acquires_takes_nothing(
         "another owner's hold and release",
         "more holds and releases than a lock remembers",
         "another owner's hold the undo finds",
-        "a hold handed to a waiter",
+        "a release that woke a waiter gone since it queued",
     ],
 )
 def test_an_undone_acquire_takes_nothing_after_later_holds_of_its_name(
     client: redis.Redis, between: str
 ) -> None:
     """The acquires undone are carried through the holds and frees of their name
-    that follow (whichever way a hold is taken, freed or handed on), and an undo
-    that finds the lock held by another owner leaves its acquire listed in that
-    hold: the acquire, arriving after them, takes nothing. The free value lives
-    as long as it lists undone acquires (the hour an undo keeps them at least),
-    whatever the expiry the releasing hold had left; another request takes the
-    lock as usual."""
+    that follow (whichever way a hold is taken or freed), and an undo that finds
+    the lock held by another owner leaves its acquire listed in that hold: the
+    acquire, arriving after them, takes nothing. The free value lives as long as
+    it lists undone acquires (the hour an undo keeps them at least), whatever the
+    expiry the releasing hold had left, and so does one whose release woke a
+    waiter that has gone: the release does not hand it the lock (a grant nobody
+    confirms would take the list along as it runs out) but wakes it to ask,
+    keeping the free lock for it a moment. Another request takes the lock as
+    usual."""
     name = f"undone-then-{between.replace(' ', '-').replace(chr(39), '')}"
     lock = RedisLock(client, name, ttl=30)
     rival = RedisLock(client, name, ttl=30)
@@ -2380,19 +2384,13 @@ def test_an_undone_acquire_takes_nothing_after_later_holds_of_its_name(
         request = undone_unanswered(lock)
         assert held(client, rival)
         rival.release()
-    elif between == "a hold handed to a waiter":
+    elif between.startswith("a release that woke"):
         request = undone_unanswered(lock)
-        holder = held_ahead_of_a_gone_waiter(client, name, gone_ttl_ms=60_000)
-        holder.release()  # handed to the waiter, which never confirms it
-        assert stored(client, lock)[OWNER_FIELD] == "gone-owner"
-        assert run_call(
-            lock,
-            Call(
-                FORCE_RELEASE_SCRIPT,
-                (lock.key, lock.queue_key),
-                ("", lock.wake_prefix, request_id(), FENCE_TTL_MS),
-            ),
-        )
+        # (Handed over, the lock would be the gone waiter's for its TTL of 0.1 s.)
+        holder = held_ahead_of_a_gone_waiter(client, name, gone_ttl_ms=100)
+        holder.release()  # the waiter it wakes never asks, nor confirms a hold
+        assert nobody_queued(client, lock)
+        assert wait_until(lambda: up_for_anyone(client, lock.key))
     else:
         request = undone_unanswered(lock)
         cycles = RELEASES_REMEMBERED + 1 if between.startswith("more") else 1
@@ -2407,6 +2405,83 @@ def test_an_undone_acquire_takes_nothing_after_later_holds_of_its_name(
     assert client.pttl(lock.key) > FENCE_TTL_MS - 60_000
     assert lock.acquire(blocking=False)
     lock.release()
+
+
+def test_waiters_take_a_lock_whose_name_lists_undone_acquires_in_turn(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """While the lock's value lists undone acquires, a release hands the lock to
+    no waiter: it wakes the first queued one to ask, keeping the free lock (and the
+    list) for it alone, ahead of the spare woken behind it. The waiters so take it
+    one after the other, in the order they queued, each with a higher fencing
+    token; a task's waiter (whose description says when its hold began) says
+    since when it holds it, not since when it waited. The undone acquire, arriving
+    then, takes nothing."""
+    holder = RedisLock(client, "undone-waiters", ttl=60)
+    request = undone_unanswered(holder)
+    assert holder.acquire()
+    described = {"task": "t.wait", "state": "running", "node": "w@host", "pid": "42"}
+    first_lock = RedisLock(
+        client, holder.name, ttl=60, holder_info={**described, "since": lock_module.since_now()}
+    )
+    first_lock._since_kept = True  # as a SingletonTask's lock
+    cleanup.append(first_lock)
+    first = Waiter(first_lock, timeout=30)
+    assert wait_until(lambda: queued(client, holder) == 1)
+    second_lock, second = wait_behind(holder, cleanup)
+    assert wait_until(lambda: queued(client, holder) == 2)
+    began = float(lock_module.since_now())
+    assert holder.token is not None
+
+    holder.release()
+
+    assert wait_until(first.done)
+    assert (first.error, first.result) == (None, True)
+    assert stored(client, holder)[OWNER_FIELD] == first_lock.owner
+    assert float(stored(client, holder)[FIELDS["since"]]) >= began
+    assert not second.done()
+    assert first_lock.token is not None
+    assert first_lock.token > holder.token
+    first_token = first_lock.token
+    first_lock.release()
+    assert wait_until(second.done)
+    assert (second.error, second.result) == (None, True)
+    assert second_lock.token is not None
+    assert second_lock.token > first_token
+    assert UNDONE_MARK in stored(client, holder)[RELEASED_FIELD]
+    second_lock.release()
+    arrives(holder, request)
+    assert not held(client, holder)
+
+
+def test_a_waiter_behind_one_gone_takes_a_lock_whose_name_lists_undone_acquires(
+    client: redis.Redis, cleanup: list[RedisLock]
+) -> None:
+    """While the lock's value lists undone acquires, a release wakes the first
+    waiter to ask rather than hand it the lock, and keeps the free lock for it
+    alone for ``RESERVE_MS``: a first waiter gone since it queued (where a release
+    cannot tell) holds the lock up only that long, and the live waiter behind it,
+    woken as the spare, takes it then. The undone acquire takes nothing."""
+    holder = held_ahead_of_a_gone_waiter(client, "undone-gone-waiter")
+    late = RedisLock(client, holder.name, ttl=30)
+    request = undone_unanswered(late)
+    waiter_lock, waiter = wait_behind(holder, cleanup)
+    assert wait_until(lambda: queued(client, holder) == 2)
+
+    holder.release()
+
+    assert OWNER_FIELD not in stored(client, holder)
+    assert stored(client, holder)[RESERVED_FIELD] == "gone-process.1"
+    assert wait_until(waiter.done, timeout=20)
+    assert (waiter.error, waiter.result) == (None, True)
+    assert holder.token is not None
+    assert waiter_lock.token is not None
+    assert waiter_lock.token > holder.token
+    arrives(late, request)
+    assert stored(client, holder)[OWNER_FIELD] == waiter_lock.owner
+    waiter_lock.release()
+    arrives(late, request)
+    assert not held(client, holder)
 
 
 @pytest.mark.parametrize("found", ["a hold it did not make", "its re-entry"])

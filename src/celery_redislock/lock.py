@@ -27,7 +27,9 @@ waiter queues itself (in the acquire that finds the lock held) and sleeps until
 a release wakes it or the holder's remaining TTL runs out — a lock that expires
 wakes nobody, so the TTL bounds every wait. A release hands the lock to the
 first queued waiter (and wakes it, and a second one in case it has gone): first
-come, first served, and the woken waiter holds the lock without asking again.
+come, first served, and the woken waiter holds the lock without asking again
+(but while the name lists undone acquires: then it is woken to ask, the free
+lock kept for it a moment; see :mod:`celery_redislock.scripts`).
 
 The holder keeps a local deadline: the send time of the last confirmed acquire
 or renewal plus the TTL (for a hold a release handed over: the send time of the

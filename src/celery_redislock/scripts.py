@@ -78,7 +78,8 @@ message, with no round trip of its own; a waiter that has gone keeps the others
 out for ``GRANT_MS`` at most. (An acquire of the same owner re-enters such a hold,
 unconfirmed as it is, unless it names the waiter as one of its own that gave up:
 the hold is nobody's then, and it takes it anew.) (An entry that is only an id is woken to ask, and
-the free lock is kept for the woken for ``RESERVE_MS``.)
+the free lock is kept for the woken for ``RESERVE_MS``. So is the first waiter, for
+``RESERVE_MS``, and it alone, while the value lists undone acquires: see below.)
 
 The spare's message ends in :data:`SPARE_MARK`; it gives the first a head start
 (``celery_redislock.lock.SPARE_HEAD_START``) rather than race it for the lock,
@@ -121,7 +122,12 @@ last change is another, or take the lock after its release. The undo lists it in
 (:data:`UNDONE_MARK`), whatever it finds, and ACQUIRE refuses a listed request,
 whoever holds the lock then. The last :data:`UNDONE_REMEMBERED` are listed, for
 the acquire's TTL, carried through the holds and frees that follow as the
-releases are. The usual acquire and release see no list, and pay nothing for it.
+releases are. A free value that lists them lives as long as they are kept; and
+while they are, a release hands the lock to no waiter (a hold handed to a waiter
+that has gone would expire after ``GRANT_MS`` and take the list along): it frees
+the lock, keeps it for the first waiter for ``RESERVE_MS``, and wakes it to ask
+(one round trip more for it), the spare behind it as usual. The usual acquire and
+release see no list, and pay nothing for it.
 **Expiry.** Every TTL is checked
 inside the script before the first write, so no error can leave a key behind
 without an expiry.
@@ -224,8 +230,10 @@ SEPARATOR = "\x1f"
 
 #: How long, in ms, a lock freed with waiters queued that it cannot be handed to
 #: (queue entries that are only an id) is kept for the (at most two) waiters it woke: a newcomer, or the releaser coming back, queues behind them
-#: instead of taking it first. Long enough for a woken waiter to ask; short enough
-#: that a waiter that vanished in between delays the others only briefly.
+#: instead of taking it first. (A lock whose value lists undone acquires is handed
+#: to no waiter: it is kept so for the first waiter alone.) Long enough for a
+#: woken waiter to ask; short enough that a waiter that vanished in between delays
+#: the others only briefly.
 RESERVE_MS = 250
 
 #: What the wake-up message of the second woken waiter (the spare) ends with.
@@ -655,11 +663,18 @@ local function free(lock)
     local new = {[$FENCE] = lock[$FENCE], [$RELEASED] = join_released(released, undone, now)}
     if new[$RELEASED] == released then undone = nil end
     local ms = ARGV[4] ~= '0' and ARGV[4] or nil
-    local woken, grant = {}, nil
+    local woken, grant, turn = {}, nil, nil
     for i = 1, #next do
         local id, handed = entry(next[i])
         woken[#woken + 1] = id
         if i == 1 then grant = handed end
+    end
+    if grant and undone then
+        -- Not handed over while the value keeps undone acquires: a hold handed to
+        -- a waiter that has gone would take them along as it expires (GRANT_MS).
+        -- The first is woken to ask, and the free value (which keeps them) is
+        -- kept for it alone: its turn still, ahead of the spare.
+        grant, turn = nil, woken[1]
     end
     local messages = {}
     if grant then
@@ -681,7 +696,7 @@ local function free(lock)
         messages[1] = woken[1] .. $GRANT .. digits(fence)
     elseif #woken > 0 then
         -- Kept for the waiters it wakes: for RESERVE_MS, nobody else takes it.
-        new[$RESERVED] = table.concat(woken, ' ')
+        new[$RESERVED] = turn or table.concat(woken, ' ')
         new[$RESERVED_UNTIL] = digits(now_ms() + $RESERVE_MS)
         messages[1] = woken[1]
     end
