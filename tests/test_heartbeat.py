@@ -22,7 +22,7 @@ from celery_redislock import client as client_module
 from celery_redislock import heartbeat as heartbeat_module
 from celery_redislock import lock as lock_module
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
-from celery_redislock.scripts import EXTEND, OWNER_FIELD, Call
+from celery_redislock.scripts import EXTEND, EXTEND_SCRIPT, OWNER_FIELD, Call
 from celery_redislock.scripts import run_calls as real_run_calls
 from celery_redislock.server import RedisServer, free_port
 from celery_redislock.transport import Deadline, Transport, flush, transport_for
@@ -880,3 +880,36 @@ def test_a_request_that_a_flush_and_the_lane_both_send_is_logged_once(
         assert item not in lane.pending
         client.close()
     direct.close()
+
+
+def test_work_handed_to_a_retired_lane_goes_to_the_transports_lane(
+    client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lane retires with its thread once it has had nothing to do for ``IDLE_EXIT``
+    (the next lock of its server makes another). A registration, or a request to send
+    in the background, that found it just before lands on the transport's lane made
+    anew, whose thread renews it, or sends it, and where a flush at exit looks."""
+    monkeypatch.setattr(heartbeat_module, "IDLE_EXIT", 0.1)
+    beat = get_heartbeat()
+    lock = RedisLock(client, "retired-lane", ttl=2, heartbeat=False)
+    assert lock.acquire()
+    transport = lock.transport
+    stale = beat.register(lock)
+    beat.unregister(lock)
+    assert wait_until(lambda: stale.retired and stale.thread is None)
+    assert beat._lanes.get(transport) is not stale
+
+    landed = stale.register(lock)
+    assert landed is not stale
+    assert beat._lanes[transport] is landed
+    # Renewals set the key's TTL back to the lock's, 2 s, every 2/3 s.
+    client.pexpire(lock.key, 1500)
+    assert wait_until(lambda: client.pttl(lock.key) > 1600)
+    landed.unregister(lock)
+
+    client.pexpire(lock.key, 1500)
+    extend = Call(EXTEND_SCRIPT, [lock.key], [lock.owner, 2000, ""])
+    stale.add_pending(extend, time.monotonic() + 5, "extending lock 'retired-lane'", quiet=True)
+    assert wait_until(lambda: client.pttl(lock.key) > 1600)
+    assert stale.pending == []
+    lock.release()

@@ -2805,3 +2805,92 @@ def test_contenders_take_turns(client: redis.Redis) -> None:
     assert errors == []
     assert sum(counts) == 200
     assert max(counts) <= 2 * min(counts), counts
+
+
+def _package_threads() -> int:
+    """This process's threads of the package (heartbeat lanes, wake-up hubs)."""
+    return sum(1 for thread in threading.enumerate() if thread.name.startswith("celery-redislock"))
+
+
+def _connected(client: redis.Redis) -> int:
+    """How many clients the server has connected."""
+    return int(client.info("clients")["connected_clients"])
+
+
+def _left_behind(client: redis.Redis, connected: int, threads: int) -> tuple[int, int]:
+    """Connections to the server and threads of the package above ``connected`` and
+    ``threads``, once they are back there (within a bounded wait) or the wait is over."""
+
+    def more() -> tuple[int, int]:
+        gc.collect()
+        return (max(0, _connected(client) - connected), max(0, _package_threads() - threads))
+
+    wait_until(lambda: more() == (0, 0), timeout=10)
+    return more()
+
+
+def _one_job(url: str, job: int, outcomes: list[str]) -> None:
+    """A job of an application that makes a client per job, takes a lock on it and
+    releases it: a free lock, one waited for (held by the job's other lock), or one
+    released without waiting for the answer (whose outcome goes to ``outcomes``).
+    Every other job closes its client; all drop it as they end."""
+    own = redis.Redis.from_url(url)
+    lock = RedisLock(own, f"per-job-{job}", ttl=10)
+    kind = job % 3
+    if kind == 0:
+        assert lock.acquire(blocking=False)
+        lock.release()
+    elif kind == 1:
+        holder = RedisLock(own, lock.name, ttl=10)
+        assert holder.acquire()
+        results, waiter = acquire_in_thread(lock, 10)
+        assert wait_until(lambda: own.zcard(lock.queue_key) == 1)
+        holder.release()
+        waiter.join(10)
+        assert results == [True]
+        lock.release()
+    else:
+        assert lock.acquire()
+        lock.release(wait=False, then=outcomes.append)
+    if job % 2:
+        own.close()
+
+
+def test_short_lived_clients_leave_nothing_behind(client: redis.Redis, redislock_url: str) -> None:
+    """An application that makes a client per job (a lock taken and released on it,
+    the client dropped) leaves nothing behind once it has dropped it: whether the lock
+    was free, waited for, or released without waiting for the answer, the
+    connections the locks made for the client are closed (their heartbeat lane's,
+    and the wake-up subscription's) and the threads made for it end, once the
+    answers of the releases that did not wait have been read."""
+    gc.collect()
+    connected, threads = _connected(client), _package_threads()
+    outcomes: list[str] = []
+    for job in range(30):
+        _one_job(redislock_url, job, outcomes)
+    assert _left_behind(client, connected, threads) == (0, 0)
+    # The answers owed were read all the same.
+    assert outcomes == ["released"] * 10
+
+
+def test_a_lock_held_after_its_client_is_dropped_is_renewed_and_released(
+    client: redis.Redis, redislock_url: str
+) -> None:
+    """A lock holds on to what it needs: held on a client its user dropped, it is still
+    renewed, and releases; once the lock is dropped too, nothing is left behind."""
+    gc.collect()
+    connected, threads = _connected(client), _package_threads()
+    own = redis.Redis.from_url(redislock_url)
+    lock = RedisLock(own, "outlives-its-client", ttl=2)
+    key = lock.key
+    assert lock.acquire()
+    del own
+    gc.collect()
+    for _ in range(2):
+        # Renewals set the key's TTL back to the lock's, 2 s, every 2/3 s.
+        client.pexpire(key, 1500)
+        assert wait_until(lambda: client.pttl(key) > 1600)
+    lock.release()
+    assert hold_count(client, key) == 0
+    del lock
+    assert _left_behind(client, connected, threads) == (0, 0)

@@ -26,7 +26,12 @@ releases wait to be sent again should they have switched (see
 
 Threads are rebuilt lazily in a child process after ``fork()``, which starts
 with no locks and no threads; a lane's thread ends when it has had nothing to do
-for a while.
+for a while, and the lane retires with it (the next lock of its server makes
+another). A lane whose transport's client has been garbage-collected (see
+:attr:`~celery_redislock.transport.Transport.dropped`) retires as soon as it
+has nothing left to do: no lock to renew, no request to retry, no reply owed to
+read. Its thread ends and the transport's idle connections are closed, so an
+application that makes a client per job leaves nothing behind once it drops it.
 """
 
 from __future__ import annotations
@@ -256,25 +261,34 @@ class _Lane:
         self.collected: deque[_Entry] = deque()
         self._collect = self.collected.append
         self.pid = _pid
+        #: Whether the lane has left its heartbeat (see :meth:`_retire`): what is
+        #: handed to it from then on goes to the transport's lane now.
+        self.retired = False
         # When the last renewal failure was logged, and the failures since.
         self.warned_at = -math.inf
         self.unwarned = 0
 
     # Called from any thread.
-    def register(self, lock: Renewable, due: float | None = None) -> None:
+    def register(self, lock: Renewable, due: float | None = None) -> _Lane:
+        """Renew ``lock`` from now on, first at ``due`` (on the lane's clock; by
+        default a renewal interval from now); return the lane it is registered
+        on: this one, or the transport's lane now should this one have retired."""
         entry = _Entry(lock, self._collect)
         entry.ident, entry.name = id(lock), lock.name
         with self.lock:
-            entry.due = self.clock() + lock.renew_interval if due is None else due
-            self.entries[entry.ident] = entry
-            # _wake()'s own test, first: usually nothing is to be done.
-            if self.thread is None or entry.due < self.wake_at:
-                self._wake(entry.due)
-            elif (round_trip := self.round) is not None:
-                # The thread is in a round: it waits for its answer no later than
-                # this lock is due (a connection gone dark holds up no renewal).
-                now = time.monotonic()
-                round_trip.bring_forward(now + max(entry.due - self.clock(), MIN_ROUND_TRIP))
+            if not self.retired:
+                entry.due = self.clock() + lock.renew_interval if due is None else due
+                self.entries[entry.ident] = entry
+                # _wake()'s own test, first: usually nothing is to be done.
+                if self.thread is None or entry.due < self.wake_at:
+                    self._wake(entry.due)
+                elif (round_trip := self.round) is not None:
+                    # The thread is in a round: it waits for its answer no later than
+                    # this lock is due (a connection gone dark holds up no renewal).
+                    now = time.monotonic()
+                    round_trip.bring_forward(now + max(entry.due - self.clock(), MIN_ROUND_TRIP))
+                return self
+        return self.heartbeat._lane(self.transport).register(lock, due)
 
     def primary_switched(self) -> None:
         """The transport learnt that the Sentinels replaced its primary: renew
@@ -302,9 +316,12 @@ class _Lane:
         if self.pid != _pid:
             return
         with self.lock:
-            at = self._check_at(self.clock())
-            if at is not None:
-                self._wake(at)
+            if not self.retired:
+                at = self._check_at(self.clock())
+                if at is not None:
+                    self._wake(at)
+                return
+        self.heartbeat._lane(self.transport).watch_primary()
 
     def _check_at(self, now: float) -> float | None:
         """When, on the lane's clock (``now`` on it), its transport's Sentinels are
@@ -338,10 +355,15 @@ class _Lane:
         then: Callable[[], None] | None = None,
     ) -> None:
         with self.cond:
-            self.pending.append(
-                _Pending(call, until, what, self.clock(), quiet, redirect, on_switch, then)
-            )
-            self._wake(self.clock())
+            if not self.retired:
+                self.pending.append(
+                    _Pending(call, until, what, self.clock(), quiet, redirect, on_switch, then)
+                )
+                self._wake(self.clock())
+                return
+        self.heartbeat._lane(self.transport).add_pending(
+            call, until, what, quiet, redirect, on_switch, then
+        )
 
     def drain_later(self) -> bool:
         """Have the owed replies read soon; ``False`` (nothing done) in a forked
@@ -359,16 +381,19 @@ class _Lane:
         if self.deferred and self.drain_at is not None:
             # Looking already, and told of a reply deferred since its last look
             # (read without the lock: a look that clears ``deferred`` meanwhile
-            # finds this request's reply owed, and keeps looking).
+            # finds this request's reply owed, and keeps looking). Never so on a
+            # retired lane, which retired with nothing to look for.
             return True
         with self.lock:
-            self.deferred = True
-            if self.drain_at is None:
-                self.drain_at = self.clock() + DRAIN_DELAY
-                # The first look reads what is owed now.
-                self.drain_mark = self.transport.sends
-                self._wake(self.drain_at)
-        return True
+            if not self.retired:
+                self.deferred = True
+                if self.drain_at is None:
+                    self.drain_at = self.clock() + DRAIN_DELAY
+                    # The first look reads what is owed now.
+                    self.drain_mark = self.transport.sends
+                    self._wake(self.drain_at)
+                return True
+        return self.heartbeat._lane(self.transport).drain_later()
 
     def locks(self) -> list[Renewable]:
         with self.cond:
@@ -441,6 +466,10 @@ class _Lane:
             with self.cond:
                 if self.thread is threading.current_thread():
                     self.thread = None
+                closing = self.retired and self.transport.dropped
+            if closing:
+                # Nothing of the package needs the connections any more.
+                self.transport.close_idle()
 
     def _round(
         self,
@@ -502,8 +531,14 @@ class _Lane:
                 wait = min(times) - now
                 if wait <= 0:
                     break
-            elif now - idle_since >= IDLE_EXIT:
+            elif self.transport.dropped or now - idle_since >= IDLE_EXIT:
+                # Nothing to do, and nothing will be: the client is gone (see
+                # client_dropped(), which wakes the thread), or has not used the
+                # lane for a while. (Looked at last, past the calls that take the
+                # transport's lock: a finalizer that could not take this lane's
+                # lock meanwhile set ``dropped`` before it tried.)
                 self.thread = None
+                self._retire()
                 return None
             else:
                 wait = IDLE_EXIT
@@ -526,6 +561,54 @@ class _Lane:
             self.drain_at = now + DRAIN_DELAY if keep_looking else None
             self.deferred = False
         return renewals, pending, drain, check_at is not None and check_at <= now
+
+    def _retire(self) -> None:
+        """With ``cond`` held, the lane idle and its thread ending (or gone): leave
+        the heartbeat. What is handed to the lane from now on (a registration that
+        found it a moment ago, say) goes to the transport's lane, made anew, so
+        nothing lands where no thread runs and no flush looks."""
+        self.retired = True
+        beat = self.heartbeat
+        with beat._guard:
+            if beat._lanes.get(self.transport) is self:
+                del beat._lanes[self.transport]
+
+    def retire_if_idle(self) -> None:
+        """Retire the lane if its thread has ended, its transport's client is gone
+        (see :attr:`~celery_redislock.transport.Transport.dropped`) and it has
+        nothing to do, and close the transport's idle connections: a lane made
+        with no work for its thread (see :meth:`Heartbeat.renew`), or left by
+        :meth:`Heartbeat.stop`."""
+        with self.cond:
+            if (
+                self.retired
+                or self.thread is not None
+                or self.pid != _pid
+                or not self.transport.dropped
+                or self.entries
+                or self.pending
+                or self.drain_at is not None
+                or self._check_at(self.clock()) is not None
+            ):
+                return
+            self._retire()
+        self.transport.close_idle()
+
+    def client_dropped(self) -> None:
+        """The transport's client was garbage-collected: wake the thread, which
+        retires the lane once it has nothing left to do.
+
+        Called from the client's finalizer, in whatever thread collected it,
+        perhaps amid code that holds a lock the lane's thread waits for: the
+        lane's lock is only tried, never waited for. Should another thread hold
+        it now, the lane retires when its thread next wakes (by
+        :data:`IDLE_EXIT` at the latest)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                if self.thread is not None:
+                    self.cond.notify()
+            finally:
+                self.lock.release()
 
     def _drop_collected(self) -> None:
         while self.collected:
@@ -873,10 +956,20 @@ class Heartbeat:
             return lane
         with self._guard:
             lane = self._lanes.get(transport)
-            if lane is None:
-                lane = self._lanes[transport] = _Lane(self, transport)
-                transport.watch_switches(lane)
-            return lane
+            if lane is not None:
+                return lane
+            lane = self._lanes[transport] = _Lane(self, transport)
+            transport.watch_switches(lane)
+            # Lanes with no thread whose clients are gone, left idle (see
+            # _Lane.retire_if_idle): looked at as a lane is made, which is rare.
+            idle = [
+                other
+                for other in self._lanes.values()
+                if other.thread is None and other.transport.dropped and other is not lane
+            ]
+        for other in idle:
+            other.retire_if_idle()
+        return lane
 
     def register(self, lock: Renewable, first: float | None = None) -> _Lane:
         """Start renewing ``lock`` every ``lock.renew_interval`` seconds (the first
@@ -885,8 +978,7 @@ class Heartbeat:
         self._stopping = False
         transport = lock.transport
         lane = self._lanes.get(transport) or self._lane(transport)
-        lane.register(lock, None if first is None else self._clock() + first)
-        return lane
+        return lane.register(lock, None if first is None else self._clock() + first)
 
     def unregister(self, lock: Renewable) -> None:
         """Stop renewing ``lock`` (no-op if it is not registered)."""
@@ -1079,8 +1171,18 @@ def _send_pending_now(beat: Heartbeat, deadline: Deadline, final: bool) -> None:
             return
 
 
+def _client_dropped(transport: Transport) -> None:
+    """The client of ``transport`` was garbage-collected: its lane, if any, retires
+    once idle (see :meth:`_Lane.client_dropped`; it never waits for a lock)."""
+    beat = _heartbeat
+    lane = beat._lanes.get(transport) if beat is not None else None
+    if lane is not None:
+        lane.client_dropped()
+
+
 _transport._after_reading.append(finish_rounds)
 _transport._after_drain.append(send_pending_now)
+_transport._on_drop.append(_client_dropped)
 
 _heartbeat: Heartbeat | None = None
 # This process's id: a lane of the parent's, reached in a forked child through a

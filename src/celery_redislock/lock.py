@@ -64,6 +64,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from celery_redislock import wakeups
 from celery_redislock.client import as_client
 from celery_redislock.errors import (
     LockBackendError,
@@ -113,7 +114,7 @@ from celery_redislock.transport import (
     may_have_run,
     router_for,
 )
-from celery_redislock.wakeups import Waiter, WakeHub, hub_for
+from celery_redislock.wakeups import Waiter, WakeHub
 
 logger = logging.getLogger(__name__)
 
@@ -465,7 +466,12 @@ class RedisLock:
         client_or_url: a ``redis.Redis`` client or a ``redis://`` URL (clients for
             a URL are shared per process). A client lends its connection settings
             (host, database, credentials, TLS); the lock makes its own bounded
-            connections with them.
+            connections with them, kept for the client's next locks. A client
+            may be made for a job and dropped after it: once it is
+            garbage-collected, and nothing of its locks still needs them (a held
+            lock, which keeps its client, a release retried in the background, the
+            answer of a ``release(wait=False)``), those connections are closed and
+            the heartbeat and wake-up threads made for it end.
         name: the lock's name; every holder of the same name excludes the others.
         ttl: seconds the lock lives without renewal (default 60; never ``None``: a
             lock always expires), so a crashed holder's lock frees itself after at
@@ -926,7 +932,7 @@ class RedisLock:
                 Deadline(started + self.call_timeout) if ends is None else self._call_deadline(ends)
             )
             waits = blocking and timeout != 0
-            if waits and hub_for(self.transport, self.prefix).subscribed:
+            if waits and wakeups.subscribed(self.transport, self.prefix):
                 # The process's wake-up subscription is in place: the first try
                 # can queue, and a lock found held needs no second.
                 acquired = self._wait(ends, request, held, stop=stop)
@@ -1790,8 +1796,7 @@ class RedisLock:
         after which the cluster names another primary for the key starts the
         count of failures afresh.
         """
-        hub = hub_for(self.transport, self.prefix)
-        waiter = hub.join()
+        hub, waiter = wakeups.join(self.transport, self.prefix)
         single = self._router.single
         # On a cluster, a try is not held up by a subscription to a node out of reach.
         cluster = single is None
@@ -2000,8 +2005,7 @@ class RedisLock:
         that hub. The waiter keeps its id, so its place in the queue: the hub it
         leaves stops subscribing once nobody else waits on it."""
         hub.leave(waiter)
-        moved = hub_for(self.transport, self.prefix)
-        moved.join(waiter)
+        moved, _ = wakeups.join(self.transport, self.prefix, waiter)
         return moved
 
     def _keep_handed(self, fence: int) -> bool:

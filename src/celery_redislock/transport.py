@@ -310,6 +310,12 @@ class Transport:
         self._settling = 0
         self._pid = os.getpid()
         _every_transport.add(self)
+        #: Whether the client this transport was made for (see :func:`transport_for`)
+        #: has been garbage-collected. Whatever of the package still needs the
+        #: transport keeps it (a request retried in the background, replies owed);
+        #: once nothing does, its heartbeat lane and wake-up hubs retire, and its
+        #: connections are closed.
+        self.dropped = False
         #: Requests written to the server (round trips started), for tests and benchmarks.
         self.sends = 0
         #: Digests of the scripts this server has run for us (cached there).
@@ -1601,15 +1607,42 @@ _transports: weakref.WeakKeyDictionary[redis.Redis, Transport] = weakref.WeakKey
 _transports_guard = threading.Lock()
 
 
+#: What :func:`_client_dropped` calls with a transport whose client was
+#: garbage-collected: the heartbeat and the wake-up hubs register theirs on
+#: import. Each runs in whatever thread collected the client, possibly amid a
+#: garbage collection that interrupted any code (one holding a lock of the
+#: package, say), so it must never wait for a lock, nor start a thread, nor raise.
+_on_drop: list[Callable[[Transport], None]] = []
+
+
 def transport_for(client: redis.Redis) -> Transport:
-    """The transport of ``client`` (one per client object and process)."""
+    """The transport of ``client`` (one per client object and process).
+
+    Once ``client`` is garbage-collected the transport is marked
+    :attr:`~Transport.dropped`: what was made for it alone (its heartbeat lane
+    and thread, its wake-up hubs, its connections) goes once nothing of the
+    package needs it any more."""
     transport = _transports.get(client)
     if transport is None:
         with _transports_guard:
             transport = _transports.get(client)
             if transport is None:
                 transport = _transports[client] = Transport(client)
+                # It refers to the transport, never to the client; and not at
+                # exit, when the flush needs every lane and transport as it is.
+                weakref.finalize(client, _client_dropped, transport).atexit = False
     return transport
+
+
+def _client_dropped(transport: Transport) -> None:
+    """``transport``'s client was garbage-collected: mark it, and tell the
+    heartbeat and the wake-up hubs (see :data:`_on_drop`)."""
+    transport.dropped = True
+    for hook in list(_on_drop):
+        try:
+            hook(transport)
+        except Exception:  # pragma: no cover - the hooks do not raise
+            logger.debug("celery_redislock: a hook for a dropped client failed", exc_info=True)
 
 
 #: A client the engine accepts: one server (plain, Sentinel-managed, TLS, unix

@@ -31,6 +31,11 @@ for :data:`PROBE_AFTER` seconds asks the server for a word: it subscribes to its
 channel again, which the server confirms (a subscribed connection can send
 little else, and ``PING`` would need a permission the locks' ACL does not give);
 one that hears nothing for :data:`PROBE_WAIT` seconds more takes it for broken.
+
+A hub whose transport's client has been garbage-collected (see
+:attr:`~celery_redislock.transport.Transport.dropped`) retires once nobody waits
+on it: its thread ends, its subscription is closed, and it leaves the process's
+hubs (a waiter that comes later gets a new one).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
     Deadline,
     Transport,
+    _on_drop,
     describe_error,
     is_transient,
     parse_replies,
@@ -144,7 +150,10 @@ class WakeHub:
 
     def __init__(self, transport: Transport, prefix: str) -> None:
         self.transport = transport
+        self.prefix = prefix
         self.channel = f"{prefix}:wake:{process_token()}"
+        #: Whether the hub has left the process's hubs (see :meth:`retire_if_idle`).
+        self.retired = False
         self._waiters: dict[str, Waiter] = {}
         self._guard = threading.Condition()
         # Whether the subscription is confirmed, and why the last attempt failed.
@@ -185,17 +194,53 @@ class WakeHub:
     def join(self, waiter: Waiter | None = None) -> Waiter:
         """A new waiter, or ``waiter`` (one that leaves another hub, keeping its id
         and so its place in its lock's queue); the hub subscribes (in the
-        background) if it is not yet."""
+        background) if it is not yet. (A retired hub works all the same, but
+        for its waiters alone: see :func:`join`, which the locks use.)"""
         if waiter is None:
             waiter = Waiter(f"{process_token()}.{next(_counter)}")
+        self._add(waiter, retired=True)
+        return waiter
+
+    def _add(self, waiter: Waiter, retired: bool) -> bool:
+        """:meth:`join` of ``waiter``; ``False`` (nothing done) if the hub has
+        retired, unless ``retired``."""
         with self._guard:
+            if self.retired and not retired:
+                return False
             self._waiters[waiter.id] = waiter
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="celery-redislock-wakeups", daemon=True
                 )
                 self._thread.start()
-        return waiter
+        return True
+
+    def retire_if_idle(self, wait: bool = True) -> None:
+        """Retire the hub if its transport's client is gone (see
+        :attr:`~celery_redislock.transport.Transport.dropped`), nobody waits on it
+        and its thread has ended (with its subscription): it leaves the
+        process's hubs. ``wait=False``: from the client's finalizer, which may
+        run amid any code, so the locks are only tried (one held now leaves
+        the hub to the next look: see :func:`_retire_idle`)."""
+        guard = _hubs_guard
+        if not guard.acquire(blocking=wait):
+            return
+        try:
+            if not self._guard.acquire(blocking=wait):
+                return
+            try:
+                if self.retired or self._thread is not None or self._waiters:
+                    return
+                if not self.transport.dropped:
+                    return
+                self.retired = True
+            finally:
+                self._guard.release()
+            key = (self.transport, self.prefix)
+            if _hubs.get(key) is self:
+                del _hubs[key]
+        finally:
+            guard.release()
 
     def leave(self, waiter: Waiter) -> None:
         """Forget ``waiter`` (it got the lock or gave up)."""
@@ -416,6 +461,14 @@ class WakeHub:
             waiter.event.set()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self.transport.dropped:
+                self.retire_if_idle()
+
+    def _serve(self) -> None:
+        """The hub's thread: subscribe, and again after a break, while anyone waits."""
         pause = 0.05
         handshake = SUBSCRIBE_WAIT
         me = threading.current_thread()
@@ -466,8 +519,8 @@ class WakeHub:
 
     def _watch(self, conn: Any) -> bool:
         """Keep ``conn`` as the subscription until a reader finds it broken (raises)
-        or nobody has waited for :data:`IDLE_EXIT` seconds (returns True: the
-        thread ends)."""
+        or nobody has waited for :data:`IDLE_EXIT` seconds, or at all once the
+        transport's client is gone (returns True: the thread ends)."""
         idle_since = time.monotonic()
         with self._guard:
             while True:
@@ -475,7 +528,7 @@ class WakeHub:
                     raise self._failure or RedisConnectionError("wake-up subscription broke")
                 if self._waiters:
                     idle_since = time.monotonic()
-                elif time.monotonic() - idle_since >= IDLE_EXIT:
+                elif self.transport.dropped or time.monotonic() - idle_since >= IDLE_EXIT:
                     self._subscribed = False
                     self._thread = None
                     return True
@@ -536,7 +589,59 @@ def hub_for(transport: Transport, prefix: str) -> WakeHub:
             hub = _hubs.get((transport, prefix))
             if hub is None:
                 hub = _hubs[(transport, prefix)] = WakeHub(transport, prefix)
+                made = True
+            else:
+                made = False
+        if made:
+            # Rare enough to look at the others then.
+            _retire_idle()
     return hub
+
+
+def subscribed(transport: Transport, prefix: str) -> bool:
+    """Whether this process's hub for ``transport`` and ``prefix`` is subscribed
+    now (see :attr:`WakeHub.subscribed`); ``False`` if there is none (none is made)."""
+    hub = _hubs.get((transport, prefix))
+    return hub is not None and hub.subscribed
+
+
+def join(transport: Transport, prefix: str, waiter: Waiter | None = None) -> tuple[WakeHub, Waiter]:
+    """This process's hub for ``transport`` and ``prefix``, joined by a new waiter
+    or by ``waiter`` (see :meth:`WakeHub.join`), and that waiter. A hub that
+    retires meanwhile is not joined: the hub made in its place is."""
+    if waiter is None:
+        waiter = Waiter(f"{process_token()}.{next(_counter)}")
+    while True:
+        hub = hub_for(transport, prefix)
+        if hub._add(waiter, retired=False):
+            return hub, waiter
+
+
+def _retire_idle(transport: Transport | None = None, wait: bool = True) -> None:
+    """Retire the hubs (of ``transport``, or of any) whose clients are gone, that
+    nobody waits on and whose threads have ended (see :meth:`WakeHub.retire_if_idle`).
+    A hub whose thread runs retires as that ends; one without, here: as its
+    client is collected, or, should a lock have been held then, as the next hub
+    is made."""
+    guard = _hubs_guard
+    if not guard.acquire(blocking=wait):
+        return
+    try:
+        idle = [
+            hub
+            for (owner, _), hub in _hubs.items()
+            if (owner is transport or transport is None) and owner.dropped and hub._thread is None
+        ]
+    finally:
+        guard.release()
+    for hub in idle:
+        hub.retire_if_idle(wait)
+
+
+def _client_dropped(transport: Transport) -> None:
+    """The client of ``transport`` was garbage-collected: its idle hubs retire now
+    (those whose thread runs, as it ends). It never waits for a lock."""
+    _retire_idle(transport, wait=False)
 
 
 def _reset_after_fork() -> None:
@@ -547,3 +652,4 @@ def _reset_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
+_on_drop.append(_client_dropped)
