@@ -58,6 +58,7 @@ from celery_redislock.transport import Client, Deadline, Transport, transport_fo
 from celery_redislock.wakeups import PROBE_AFTER, hub_for
 from tests.proxy import FaultProxy
 from tests.support import (
+    acquire_in_thread,
     fields,
     hold_count,
     migrate_keys,
@@ -66,6 +67,7 @@ from tests.support import (
     queue_entries,
     settle,
     wait_for,
+    wait_until,
     write_fields,
 )
 
@@ -476,6 +478,55 @@ def test_cluster_renewal_is_one_round_trip_per_primary(
         heartbeat.stop()
         for lock in held:
             lock.release()
+
+
+def _cluster_job(cluster: ClusterDeployment, job: int) -> None:
+    """A job of an application that makes a cluster client per job: a lock taken
+    and released on it, every other one waited for; the client closed and dropped."""
+    own = cluster.client()
+    holder = RedisLock(own, f"cluster:per-job:{job}", ttl=10)
+    assert holder.acquire(blocking=False)
+    if job % 2:
+        waiter = RedisLock(own, holder.name, ttl=10)
+        results, thread = acquire_in_thread(waiter, 10)
+        assert wait_until(lambda: own.zcard(holder.queue_key) == 1)
+        holder.release()
+        thread.join(10)
+        assert results == [True]
+        waiter.release()
+    else:
+        holder.release()
+    own.close()
+
+
+def test_cluster_clients_made_per_job_leave_nothing_behind(
+    redislock_cluster: ClusterDeployment,
+) -> None:
+    """An application that makes a cluster client per job leaves nothing behind once
+    it drops it: each node's client hands its connections the cluster's own connect
+    hook, which the locks' connections hold weakly, so the clients are collected and
+    the connections and threads the locks made for them go (a lock waited for
+    included: its wake-up subscription)."""
+    admins = [server.client() for server in redislock_cluster.primaries()]
+
+    def left() -> tuple[int, int]:
+        gc.collect()
+        connected = sum(int(admin.info("clients")["connected_clients"]) for admin in admins)
+        threads = sum(1 for t in threading.enumerate() if t.name.startswith("celery-redislock"))
+        return connected, threads
+
+    before = left()
+    for job in range(4):
+        _cluster_job(redislock_cluster, job)
+    # (Fewer than before, should another test's idle threads end meanwhile.)
+    assert wait_until(
+        lambda: all(a <= b for a, b in zip(left(), before, strict=True)), timeout=10
+    ), (
+        left(),
+        before,
+    )
+    for admin in admins:
+        admin.close()
 
 
 def test_cluster_release_whose_slot_map_cannot_be_refreshed_fails_like_any_release(

@@ -300,6 +300,12 @@ class Transport:
             if "maint_notifications" not in k and k not in ("lib_name", "lib_version")
         }
         kwargs.update(_OVERRIDES, retry=Retry(NoBackoff(), 0))
+        connect = kwargs.get("redis_connect_func")
+        if getattr(connect, "__self__", None) is not None:
+            # A method of another client (a Redis Cluster gives each node's client
+            # its own on_connect): held weakly, or the transport would keep that
+            # client, and so the one it was made for, alive (see transport_for).
+            kwargs["redis_connect_func"] = _weakly(connect)
         self._kwargs = kwargs
         self._idle: list[Any] = []
         # Replies still owed on a connection, oldest first: (how many, handler,
@@ -1145,6 +1151,22 @@ class _LookedUp(redis.connection.Connection):
             finally:
                 self.host = name
         raise error
+
+
+def _weakly(method: Any) -> Callable[[Any], None]:
+    """A connection's ``redis_connect_func`` that calls the bound ``method`` while
+    its object lives, and the connection's own handshake after (``on_connect``,
+    what redis-py calls when no such function is given)."""
+    held = weakref.WeakMethod(method)
+
+    def connect(connection: Any) -> None:
+        bound = held()
+        if bound is None:
+            connection.on_connect()
+        else:
+            bound(connection)
+
+    return connect
 
 
 _bounded_classes: dict[type[Any], type[Any]] = {}
