@@ -110,6 +110,17 @@ def acquire_in_thread(lock: Any, timeout: float | None) -> tuple[list[bool], thr
     return got, thread
 
 
+def handed_to_a_waiter(client: Any, holder: Any, waiter: Any) -> None:
+    """``waiter`` waits for the lock ``holder`` holds (``client``: one that reaches
+    its queue), takes it as ``holder`` releases it, and releases it."""
+    got, thread = acquire_in_thread(waiter, 10)
+    assert wait_until(lambda: client.zcard(holder.queue_key) == 1)
+    holder.release()
+    thread.join(10)
+    assert got == [True]
+    waiter.release()
+
+
 def fields(client: redis.Redis, key: str) -> dict[str, str]:
     """The fields stored in the lock key ``key``, by stored name (the empty ones
     left out; none when there is no key)."""

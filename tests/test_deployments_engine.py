@@ -58,8 +58,8 @@ from celery_redislock.transport import Client, Deadline, Transport, transport_fo
 from celery_redislock.wakeups import PROBE_AFTER, hub_for
 from tests.proxy import FaultProxy
 from tests.support import (
-    acquire_in_thread,
     fields,
+    handed_to_a_waiter,
     hold_count,
     migrate_keys,
     migrating,
@@ -487,13 +487,7 @@ def _cluster_job(cluster: ClusterDeployment, job: int) -> None:
     holder = RedisLock(own, f"cluster:per-job:{job}", ttl=10)
     assert holder.acquire(blocking=False)
     if job % 2:
-        waiter = RedisLock(own, holder.name, ttl=10)
-        results, thread = acquire_in_thread(waiter, 10)
-        assert wait_until(lambda: own.zcard(holder.queue_key) == 1)
-        holder.release()
-        thread.join(10)
-        assert results == [True]
-        waiter.release()
+        handed_to_a_waiter(own, holder, RedisLock(own, holder.name, ttl=10))
     else:
         holder.release()
     own.close()

@@ -73,6 +73,7 @@ from tests.support import (
     acquire_in_thread,
     field,
     fields,
+    handed_to_a_waiter,
     hold_count,
     queue_entries,
     up_for_anyone,
@@ -2843,12 +2844,7 @@ def _one_job(url: str, job: int, outcomes: list[str]) -> None:
     elif kind == 1:
         holder = RedisLock(own, lock.name, ttl=10)
         assert holder.acquire()
-        results, waiter = acquire_in_thread(lock, 10)
-        assert wait_until(lambda: own.zcard(lock.queue_key) == 1)
-        holder.release()
-        waiter.join(10)
-        assert results == [True]
-        lock.release()
+        handed_to_a_waiter(own, holder, lock)
     else:
         assert lock.acquire()
         lock.release(wait=False, then=outcomes.append)
