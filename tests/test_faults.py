@@ -2654,6 +2654,40 @@ def test_a_waiter_handed_the_lock_after_its_retry_queued_leaves_its_late_first_t
     assert not held(direct, lock.key)
 
 
+@pytest.mark.slow
+def test_a_waiter_handed_the_lock_a_ttl_after_its_lost_try_holds_it(
+    proxy: FaultProxy, direct: redis.Redis
+) -> None:
+    """A waiter's first try is held up as its connection breaks, and its retry
+    queues it; the lock is handed to it more than its TTL later. That try still
+    counts as unconfirmed (its copy may arrive yet), but the hold the waiter got is
+    its own, with the full TTL from the hand-over: not lost as the acquire
+    returns, and renewed past its TTL like any other."""
+    lock = RedisLock(proxy.url, "late-first-try-long-wait", ttl=1, call_timeout=2)
+    rival = RedisLock(direct, lock.name, ttl=30)
+    assert rival.acquire(blocking=False)
+    assert not lock.acquire(timeout=0.1)  # the connection open, the scripts known, subscribed
+    proxy.hold_next(1)
+    got, thread = acquire_in_thread(lock, 15)
+    wait_for(lambda: proxy.held == 1, what="the first try to be held up")
+    assert proxy.cut_held() == 1
+    wait_for(lambda: direct.zcard(lock.queue_key) == 1, what="the retry to queue the waiter")
+    time.sleep(lock.ttl * 1.5)
+    rival.release()
+    thread.join(15)
+    assert got == [True]
+    assert not lock.lost
+    time.sleep(lock.ttl * 1.5)
+    assert not lock.lost
+    assert hold_count(direct, lock) == 1
+
+    reaches_the_server(proxy, direct)
+
+    assert hold_count(direct, lock) == 1
+    lock.release()
+    assert not held(direct, lock.key)
+
+
 def test_an_acquire_written_ahead_and_taken_by_its_retry_leaves_its_late_first_send_nothing(
     proxy: FaultProxy, direct: redis.Redis
 ) -> None:

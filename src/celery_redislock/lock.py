@@ -1743,11 +1743,14 @@ class RedisLock:
         if not kept:
             # If it lands, it makes a change this object does not know the id of.
             self._last_change = None
-        item = (self._undo_call(request, kept), sent + self.ttl)
+        # A kept hold's listing is sent for a TTL from now: the try it names may
+        # have gone long before the hold was taken (a waiter's).
+        item = (self._undo_call(request, kept), (time.monotonic() if kept else sent) + self.ttl)
         with self._state:
-            if self._holds:
+            if self._holds and not kept:
                 # A re-entry that landed set the lock's own TTL (the undo keeps
-                # it), back from a longer extend's.
+                # it), back from a longer extend's. (A copy of a kept hold's try
+                # that lands renews the hold, or is refused: its deadline stays.)
                 self._expiry = min(self._expiry, sent + self.ttl)
             self._behind = (*self._behind, item)
         self._beat().retry_in_background(
