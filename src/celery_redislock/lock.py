@@ -1098,30 +1098,30 @@ class RedisLock:
         """``release(wait=False)`` of a RELEASE call with these ARGV (``resend``: those
         it is sent again with, in the background), sent ``now``: write the release,
         drop the hold, read the answer later."""
+        transport = self._router.single or self.transport
+        # While this release counts as unanswered (see _settled()): what it is
+        # sent again with, until when (set below), and (once it is) whether it was
+        # put among those sent ahead of the next request (see _read_owed()).
+        counted: list[Any] = [resend, 0.0, False]
+        # One section for the hold and the count: every release takes it.
         with self._state:
             if self._holds == 0:
                 raise LockNotOwnedError(self.name)
             self._holds -= 1
             last = self._holds == 0
-            until = self._expiry
+            until = counted[1] = self._expiry
             # The hold this release is for: an answer read after the object took
             # the lock anew (a new fencing token) says nothing about the new hold.
             token = self.token
-        lane = self._lane
-        if last:
-            # The count is 0 already: renewal stops now, whatever the send does.
-            self._stop_renewal()
-        transport = self._router.single or self.transport
-        ahead = self._ahead() if self._behind else ()
-        # While this release counts as unanswered (see _settled()): what it is
-        # sent again with, until when, and (once it is) whether it was put among
-        # those sent ahead of the next request (see _read_owed()).
-        counted: list[Any] = [resend, until, False]
-        with self._state:
             self._unanswered += 1
             self._owing = (*self._owing, counted)
             self._owed_by = _process_id
             self._owed_on = transport
+        lane = self._lane
+        if last:
+            # The count is 0 already: renewal stops now, whatever the send does.
+            self._stop_renewal()
+        ahead = self._ahead() if self._behind else ()
 
         def answered(result: list[Any] | RedisError) -> None:
             # _settled(), inline: this runs on every release.
