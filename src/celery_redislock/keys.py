@@ -279,6 +279,11 @@ def _text_digest(values: Sequence[Any], order: Sequence[tuple[int, str]]) -> str
 #: a number costs several times a lookup.
 _LENGTHS = tuple(str(n) for n in range(1024))
 
+#: The types a message's positional arguments come as: a tuple, or a list once
+#: decoded from JSON. A tuple made once: ``tuple | list`` in a call's
+#: ``isinstance`` makes a union anew on every call, and this runs on every task.
+_POSITIONAL = (tuple, list)
+
 
 def _bare(signature: inspect.Signature) -> str:
     """``signature`` without its annotations, for a message: ``(account_id, full=False)``."""
@@ -505,7 +510,7 @@ class KeyBuilder:
         """
         if self._order is not None:
             # A message's arguments are a tuple, or a list once decoded from JSON.
-            if not kwargs and isinstance(args, tuple | list) and len(args) == self._arity:
+            if not kwargs and isinstance(args, _POSITIONAL) and len(args) == self._arity:
                 found = _text_digest(args, self._positions)
                 if found is not None:
                     return f"{self.task_name}:{found}"

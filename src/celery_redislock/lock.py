@@ -1098,34 +1098,41 @@ class RedisLock:
         """``release(wait=False)`` of a RELEASE call with these ARGV (``resend``: those
         it is sent again with, in the background), sent ``now``: write the release,
         drop the hold, read the answer later."""
-        with self._state:
+        transport = self._router.single or self.transport
+        # While this release counts as unanswered (see _settled()): what it is
+        # sent again with, until when (set below), and (once it is) whether it was
+        # put among those sent ahead of the next request (see _read_owed()).
+        counted: list[Any] = [resend, 0.0, False]
+        # One section for the hold and the count: every release takes it.
+        state = self._state
+        # (Not ``with``: see _record().)
+        state.acquire()
+        try:
             if self._holds == 0:
                 raise LockNotOwnedError(self.name)
             self._holds -= 1
             last = self._holds == 0
-            until = self._expiry
+            until = counted[1] = self._expiry
             # The hold this release is for: an answer read after the object took
             # the lock anew (a new fencing token) says nothing about the new hold.
             token = self.token
-        lane = self._lane
-        if last:
-            # The count is 0 already: renewal stops now, whatever the send does.
-            self._stop_renewal()
-        transport = self._router.single or self.transport
-        ahead = self._ahead() if self._behind else ()
-        # While this release counts as unanswered (see _settled()): what it is
-        # sent again with, until when, and (once it is) whether it was put among
-        # those sent ahead of the next request (see _read_owed()).
-        counted: list[Any] = [resend, until, False]
-        with self._state:
             self._unanswered += 1
             self._owing = (*self._owing, counted)
             self._owed_by = _process_id
             self._owed_on = transport
+        finally:
+            state.release()
+        lane = self._lane
+        if last:
+            # The count is 0 already: renewal stops now, whatever the send does.
+            self._stop_renewal()
+        ahead = self._ahead() if self._behind else ()
 
         def answered(result: list[Any] | RedisError) -> None:
             # _settled(), inline: this runs on every release.
-            with self._state:
+            state = self._state
+            state.acquire()
+            try:
                 if counted:
                     counted.clear()
                     self._unanswered -= 1
@@ -1133,6 +1140,8 @@ class RedisLock:
                         self._owing = ()
                     if RedisLock._awaiting:
                         self._answers.notify_all()
+            finally:
+                state.release()
             reply = result if isinstance(result, RedisError) else result[len(ahead)]
             outcome: ReleaseOutcome
             if not isinstance(reply, Exception):
@@ -1521,7 +1530,10 @@ class RedisLock:
             self._held_fence = reply.last_fence
             self._position = reply.position or self._position
             return False
-        with self._state:
+        state = self._state
+        # acquire() and release(), not ``with``: half the cost, on every acquire.
+        state.acquire()
+        try:
             # Off the heartbeat: no hold yet, or the heartbeat found it lost.
             first = self._holds == 0 or self._lost
             if reply.outcome is _TAKEN:
@@ -1536,6 +1548,8 @@ class RedisLock:
             self._extended = False
             self._last_change = request
             self._confirmations += 1
+        finally:
+            state.release()
         # A new hold (TAKEN) is registered even if this object still counted
         # holds from a lock it lost, and so is a hold re-entered after the
         # heartbeat found it lost (the server still had it): losing it took it

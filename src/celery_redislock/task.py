@@ -2085,6 +2085,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         keep = retrying = reserve = False
         # When it began to wait (on_conflict="wait"), once it found the lock held.
         waiting: list[float] = []
+        # Looked up once: its hold is pushed on it below and popped as it ends.
+        on_thread = _held_on_this_thread()
         # One try from the acquire on: an exception raised asynchronously (a soft
         # time limit) just after the lock was taken must not leave it held, and
         # renewed by this process's heartbeat, with nobody to release it.
@@ -2139,7 +2141,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                     return outcome
             request.redislock = LockHandle(key, lock, opts)
             _running_here[lock.owner] = _process.pid
-            _held_on_this_thread().append(lock.owner)
+            on_thread.append(lock.owner)
             taken = time.monotonic()
             if signals.lock_acquired.receivers:
                 _send(
@@ -2164,7 +2166,6 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise
         finally:
             _running_here.pop(lock.owner, None)
-            on_thread = _held_on_this_thread()
             if on_thread and on_thread[-1] == lock.owner:
                 on_thread.pop()
             sent: _SentRetry | None = getattr(request, _SENT_RETRY, None)
