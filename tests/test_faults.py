@@ -31,6 +31,7 @@ from celery_redislock import (
     wakeups,
 )
 from celery_redislock import lock as lock_module
+from celery_redislock import signals as lock_signals
 from celery_redislock.admin import ForceReleased, force_release
 from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.ids import request_id
@@ -2709,6 +2710,46 @@ def test_an_acquire_written_ahead_and_taken_by_its_retry_leaves_its_late_first_s
     reaches_the_server(proxy, direct)
 
     assert not held(direct, lock.key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_conflict", ["skip", "wait"])
+def test_a_task_whose_acquire_is_answered_after_its_ttl_asks_again_before_its_body_runs(
+    server: RedisServer, proxy: FaultProxy, on_conflict: str
+) -> None:
+    """A task's acquire is held up on its way to the lock store for longer than the
+    lock's TTL (a stalled path; a process frozen meanwhile reads it as late): the
+    hold it made has run out by the time its answer is read. The task gives it back
+    and asks again before its body runs, which then holds a live lock; nothing
+    reports a loss. (A worker's acquire written ahead as it accepts the task is
+    handled so too: see test_early.py.)"""
+    app = Celery(f"late-answer-{on_conflict}", set_as_current=False)
+    app.conf.update(redislock_url=proxy.url_for(0))
+    seen: list[bool] = []
+
+    @app.task(base=SingletonTask, shared=False, bind=True, lock_ttl=1, on_conflict=on_conflict)
+    def job(self: Any, n: int) -> None:
+        seen.append(self.lock.lost)
+
+    lost: list[Any] = []
+
+    def on_lost(sender: Any = None, **fields: Any) -> None:
+        lost.append(fields)
+
+    job.apply((0,))  # the connection open, the scripts known
+    lock_signals.lock_lost.connect(on_lost, weak=False, dispatch_uid="late-answer")
+    try:
+        proxy.hold_next(1)
+        ran = threading.Thread(target=job.apply, args=((1,),))
+        ran.start()
+        wait_for(lambda: proxy.held == 1, what="the acquire to be held up")
+        time.sleep(1.5)
+        proxy.let_held_through()
+        ran.join(15)
+    finally:
+        lock_signals.lock_lost.disconnect(on_lost, dispatch_uid="late-answer")
+    assert seen == [False, False]
+    assert lost == []
 
 
 def locks_behind(proxy: FaultProxy, server: RedisServer, name: str) -> tuple[Celery, Any]:

@@ -913,13 +913,15 @@ class RedisLock:
         timeout: float | None,
         held: Callable[[], Any] | None = None,
         stop: Callable[[], bool] | None = None,
+        late_to_caller: bool = False,
     ) -> bool:
         """:meth:`acquire` with a checked ``timeout``; ``held()`` is called once if
         the lock is found held, before it is waited for (or given up on, for a
         ``timeout`` of 0): how a task reports the conflict it waits out. After
         each try that finds the lock held, the wait ends (``False``) if ``stop()``
         says so: how a task stops waiting for a hold that is no longer the one it
-        waits out."""
+        waits out. ``late_to_caller``: a hold whose answer comes after its TTL is
+        left to the caller (see :meth:`_record`)."""
         started = time.monotonic()
         ends = None if timeout is None or not blocking else started + timeout
         # Every try of this call sends the same request id: a try that landed
@@ -935,16 +937,18 @@ class RedisLock:
             if waits and wakeups.subscribed(self.transport, self.prefix):
                 # The process's wake-up subscription is in place: the first try
                 # can queue, and a lock found held needs no second.
-                acquired = self._wait(ends, request, held, stop=stop)
+                acquired = self._wait(ends, request, held, stop=stop, late_to_caller=late_to_caller)
             else:
                 if blocking and self._since_kept:
                     # (Usually after a try that found the lock held.)
                     self._stamp_since()
-                acquired = self._try_acquire(deadline, request)
+                acquired = self._try_acquire(deadline, request, late_to_caller=late_to_caller)
                 if not acquired and held is not None:
                     held()
                 if not acquired and waits and not (stop is not None and stop()):
-                    acquired = self._wait(ends, request, found_held=True, stop=stop)
+                    acquired = self._wait(
+                        ends, request, found_held=True, stop=stop, late_to_caller=late_to_caller
+                    )
             return acquired
         finally:
             if self._unconfirmed is not None:
@@ -1519,9 +1523,9 @@ class RedisLock:
 
         A hold read only once its TTL had passed is registered too, due at once:
         the heartbeat finds it lost and reports it (``on_lost``), as for any hold
-        whose local deadline passes. With ``late_to_caller`` (a task's acquire
-        written ahead, whose caller gives such a hold back and asks anew) it is
-        left off the heartbeat instead: not renewed, and not reported lost."""
+        whose local deadline passes. With ``late_to_caller`` (a task's acquire,
+        whose caller gives such a hold back and asks anew before its body runs)
+        it is left off the heartbeat instead: not renewed, and not reported lost."""
         if reply.outcome is _HELD:
             self.blocked_by = reply.holder
             self._blocked_owner = reply.owner
@@ -1785,11 +1789,12 @@ class RedisLock:
         held: Callable[[], Any] | None = None,
         found_held: bool = False,
         stop: Callable[[], bool] | None = None,
+        late_to_caller: bool = False,
     ) -> bool:
         """Queue for the lock and wait to be woken (or for the holder's TTL), until
         ``ends`` or until ``stop()`` is true after a try; ``held()`` is called once,
         after the first try that finds the lock held (``found_held``: a try before
-        this call found it so).
+        this call found it so; ``late_to_caller``: see :meth:`_record`).
 
         The process's wake-up subscription must be live before a try, or a
         wake-up could slip by between the try and the wait: a waiter waits for it
@@ -1878,7 +1883,7 @@ class RedisLock:
                         self._stamp_since()
                     now = time.monotonic()
                     trying = True
-                    if self._try_acquire(self._call_deadline(ends), request, entry):
+                    if self._try_acquire(self._call_deadline(ends), request, entry, late_to_caller):
                         acquired = True
                         if found_held:
                             self._waited = True

@@ -2103,22 +2103,34 @@ class SingletonTask(Task):  # type: ignore[misc]
                         lock = self._execution_lock(key, task_id, opts, request)
                         ahead = None
                 if ahead is None:
-                    if opts.on_conflict == "wait":
 
-                        def held() -> None:
-                            if lock.blocked_by == task_id:
-                                # Another delivery of this message: not lock_wait's wait.
-                                raise _OwnDelivery
-                            waiting.append(self._wait_begins(lock, key, request, opts))
+                    def held() -> None:
+                        if lock.blocked_by == task_id:
+                            # Another delivery of this message: not lock_wait's wait.
+                            raise _OwnDelivery
+                        waiting.append(self._wait_begins(lock, key, request, opts))
 
-                        # A first try that can queue (see RedisLock._acquire): no
-                        # second request when the lock is held.
-                        try:
-                            acquired = lock._acquire(True, check_timeout(opts.wait), held)
-                        except _OwnDelivery:
-                            acquired = False
-                    else:
-                        acquired = lock.acquire(blocking=False)
+                    # A hold whose answer is read only once its TTL had passed (the
+                    # process frozen, or the store stalled, while the try that took
+                    # it was on its way) is given back and asked for once more, as
+                    # above, before the body runs; a second such hold is kept, on
+                    # the heartbeat, which reports it lost.
+                    for late_to_caller in (True, False):
+                        if opts.on_conflict == "wait":
+                            # A first try that can queue (see RedisLock._acquire): no
+                            # second request when the lock is held.
+                            try:
+                                acquired = lock._acquire(
+                                    True, check_timeout(opts.wait), held, None, late_to_caller
+                                )
+                            except _OwnDelivery:
+                                acquired = False
+                        else:
+                            acquired = lock._acquire(False, None, None, None, late_to_caller)
+                        if not (acquired and lock.lost and late_to_caller):
+                            break
+                        lock.release(wait=False, then=_no_report)
+                        lock = self._execution_lock(key, task_id, opts, request)
             except LockBackendError as exc:
                 # Only a first try that failed runs the task unlocked, not a wait.
                 self._unavailable(key, task_id, exc, opts, unlocked=not waiting)
