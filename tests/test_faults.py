@@ -2625,6 +2625,27 @@ def test_an_acquire_taken_by_its_retry_leaves_its_late_first_try_nothing(
     assert not held(direct, lock.key)
 
 
+def handed_after_a_cut(
+    proxy: FaultProxy, direct: redis.Redis, lock: RedisLock, held_for: float = 0.0
+) -> None:
+    """``lock`` (reaching its server through ``proxy``) waits for another owner's
+    hold: its first try is held up at the proxy as its connection breaks, and its
+    retry, sent on a new connection, queues it; ``held_for`` seconds later the
+    other owner's release hands it the lock. Its first try stays held at the proxy."""
+    rival = RedisLock(direct, lock.name, ttl=30)
+    assert rival.acquire(blocking=False)
+    assert not lock.acquire(timeout=0.1)  # the connection open, the scripts known, subscribed
+    proxy.hold_next(1)
+    got, thread = acquire_in_thread(lock, 15)
+    wait_for(lambda: proxy.held == 1, what="the first try to be held up")
+    assert proxy.cut_held() == 1
+    wait_for(lambda: direct.zcard(lock.queue_key) == 1, what="the retry to queue the waiter")
+    time.sleep(held_for)
+    rival.release()
+    thread.join(15)
+    assert got == [True]
+
+
 def test_a_waiter_handed_the_lock_after_its_retry_queued_leaves_its_late_first_try_nothing(
     proxy: FaultProxy, direct: redis.Redis
 ) -> None:
@@ -2634,17 +2655,7 @@ def test_a_waiter_handed_the_lock_after_its_retry_queued_leaves_its_late_first_t
     inner hold and dropped it: it counts no second hold (which the waiter's
     release would leave held for a TTL), and the release frees the lock."""
     lock = RedisLock(proxy.url, "late-first-try-handed", ttl=30, call_timeout=2)
-    rival = RedisLock(direct, lock.name, ttl=30)
-    assert rival.acquire(blocking=False)
-    assert not lock.acquire(timeout=0.1)  # the connection open, the scripts known, subscribed
-    proxy.hold_next(1)
-    got, thread = acquire_in_thread(lock, 15)
-    wait_for(lambda: proxy.held == 1, what="the first try to be held up")
-    assert proxy.cut_held() == 1
-    wait_for(lambda: direct.zcard(lock.queue_key) == 1, what="the retry to queue the waiter")
-    rival.release()
-    thread.join(15)
-    assert got == [True]
+    handed_after_a_cut(proxy, direct, lock)
     with lock:
         pass
 
@@ -2665,18 +2676,7 @@ def test_a_waiter_handed_the_lock_a_ttl_after_its_lost_try_holds_it(
     its own, with the full TTL from the hand-over: not lost as the acquire
     returns, and renewed past its TTL like any other."""
     lock = RedisLock(proxy.url, "late-first-try-long-wait", ttl=1, call_timeout=2)
-    rival = RedisLock(direct, lock.name, ttl=30)
-    assert rival.acquire(blocking=False)
-    assert not lock.acquire(timeout=0.1)  # the connection open, the scripts known, subscribed
-    proxy.hold_next(1)
-    got, thread = acquire_in_thread(lock, 15)
-    wait_for(lambda: proxy.held == 1, what="the first try to be held up")
-    assert proxy.cut_held() == 1
-    wait_for(lambda: direct.zcard(lock.queue_key) == 1, what="the retry to queue the waiter")
-    time.sleep(lock.ttl * 1.5)
-    rival.release()
-    thread.join(15)
-    assert got == [True]
+    handed_after_a_cut(proxy, direct, lock, held_for=lock.ttl * 1.5)
     assert not lock.lost
     time.sleep(lock.ttl * 1.5)
     assert not lock.lost
