@@ -2625,6 +2625,39 @@ def test_an_acquire_taken_by_its_retry_leaves_its_late_first_try_nothing(
     assert not held(direct, lock.key)
 
 
+def test_an_extend_beyond_the_ttl_goes_after_the_listing_of_a_late_first_try(
+    proxy: FaultProxy, direct: redis.Redis, held_back: HeldBack
+) -> None:
+    """An acquire's first try is held up on its way as its connection breaks, and
+    its retry takes the lock; the listing of that try as undone is still to be sent
+    in the background when the holder extends the hold well beyond the lock's TTL.
+    The extend sends the listing first: the copy that arrives after it takes
+    nothing, and leaves the hold the time the extend gave it (recognised as the
+    hold's last change, it would renew the hold to the lock's TTL from its arrival,
+    earlier than the holder's local deadline)."""
+    lock = RedisLock(
+        proxy.url,
+        "late-first-try-after-a-long-extend",
+        ttl=30,
+        call_timeout=2,
+        _heartbeat=held_back,
+    )
+    assert lock.acquire(blocking=False)  # the connection open, the scripts known
+    lock.release()
+    assert acquire_through_a_cut(proxy, lock, blocking=False)
+    assert held_back.kept  # the listing, not sent yet
+    lock.extend(600)
+
+    reaches_the_server(proxy, direct)
+
+    assert direct.pttl(lock.key) > 300_000
+    held_back.let_go()
+    wait_for(lambda: not sent_in_background(lock, held_back), what="the listing to land again")
+    assert hold_count(direct, lock) == 1
+    lock.release()
+    assert not held(direct, lock.key)
+
+
 def handed_after_a_cut(
     proxy: FaultProxy, direct: redis.Redis, lock: RedisLock, held_for: float = 0.0
 ) -> None:

@@ -1290,9 +1290,12 @@ class RedisLock:
         floor = [math.inf]
         with self._state:
             self._extending = (*self._extending, floor)
+        # A listing of an unconfirmed try goes first: a copy of that try arriving
+        # after this extend would otherwise renew the hold to the lock's own TTL.
+        ahead = self._ahead() if self._behind else ()
         try:
             with backend_errors(f"extend lock {self.name!r}"):
-                result = self._run(call, self._call_deadline(None))
+                result = self._run(call, self._call_deadline(None), before=ahead)
         except BaseException as exc:
             with self._state:
                 self._extending = tuple(f for f in self._extending if f is not floor)
@@ -1301,6 +1304,8 @@ class RedisLock:
                     # TTL then holds on the server.
                     self._expiry = min(self._expiry, sent + new_ttl)
             raise
+        if ahead:
+            self._landed(ahead)
         if result != 1:
             with self._state:
                 self._extending = tuple(f for f in self._extending if f is not floor)
