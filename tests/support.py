@@ -191,7 +191,23 @@ def close_app(app: Celery) -> None:
     """
     with quiet_sockets():  # which collects again, after the close, on its way out
         gc.collect()
+        close_result_backend(app)
         app.close()
+
+
+def close_result_backend(app: Celery) -> None:
+    """Close the connections of the result backend ``app`` made in this thread, if any:
+    ``app.close()`` leaves them open, and the app, which its task classes and
+    Celery's thread-local state refer to, may live on until the session ends."""
+    backend = getattr(app._local, "backend", None)
+    if backend is None:
+        return
+    consumer = getattr(backend, "result_consumer", None)
+    if consumer is not None:
+        consumer.stop()
+    client = vars(backend).get("client")
+    if isinstance(client, redis.Redis):
+        client.connection_pool.disconnect()
 
 
 @contextmanager

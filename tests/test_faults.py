@@ -30,6 +30,7 @@ from celery_redislock import (
     SingletonTask,
     wakeups,
 )
+from celery_redislock import client as client_module
 from celery_redislock import lock as lock_module
 from celery_redislock import signals as lock_signals
 from celery_redislock.admin import ForceReleased, force_release
@@ -76,6 +77,19 @@ from tests.support import (
     write_fields,
 )
 from tests.support import hold_count as stored_hold_count
+
+
+@pytest.fixture(autouse=True)
+def _url_clients_forgotten() -> Iterator[None]:
+    """Forget, as the test ends, the clients its lock store URLs cached for the
+    process (one per URL, on purpose: see :func:`~celery_redislock.client.get_client`).
+    Each test here has a server or proxy of its own, on a port no later test uses:
+    kept, every such client and the connections its locks opened would stay until
+    the session ends. Forgotten, they are closed once nothing of the test needs them."""
+    before = set(client_module._clients)
+    yield
+    for url in set(client_module._clients) - before:
+        client_module._clients.pop(url, None)
 
 
 @pytest.fixture
@@ -2785,6 +2799,16 @@ def test_a_task_whose_acquire_is_answered_after_its_ttl_asks_again_before_its_bo
     assert lost == []
 
 
+def close_with_its_broker_connections(app: Celery) -> None:
+    """Close ``app`` (see :func:`~tests.support.close_app`) and the broker connections
+    Celery keeps for its broker URL in kombu's pools, one pool per URL for the whole
+    process: the URL is this test's own (its server's or proxy's), which no later
+    test uses, so they would otherwise stay open until the session ends."""
+    app.amqp.producer_pool.force_close_all(close_pool=False)
+    app.pool.force_close_all(close_pool=False)
+    close_app(app)
+
+
 def locks_behind(proxy: FaultProxy, server: RedisServer, name: str) -> tuple[Celery, Any]:
     """An app whose lock store is ``server`` behind ``proxy`` (its broker reached
     directly, db 1), and its ``until_executed`` task ``name``."""
@@ -2844,7 +2868,7 @@ def test_a_send_whose_reservation_reaches_the_server_after_its_undo_is_made_agai
     finally:
         proxy.heal()
         queue.close()
-        close_app(app)
+        close_with_its_broker_connections(app)
 
 
 def background_sends_about(key: str) -> list[str]:
@@ -2910,7 +2934,7 @@ def store_gone_as_it_publishes(
         yield job, send_failing
     finally:
         signals.before_task_publish.disconnect(server_goes_away)
-        app.close()
+        close_with_its_broker_connections(app)
 
 
 @pytest.mark.parametrize("meanwhile", ["nothing", "taken by another"])
@@ -3003,7 +3027,7 @@ def test_a_send_made_again_before_the_undo_of_a_sends_unanswered_reservation_is_
     finally:
         proxy.heal()
         queue.close()
-        close_app(app)
+        close_with_its_broker_connections(app)
 
 
 def frees_sent_ahead_of(key: str) -> int:

@@ -3,6 +3,7 @@ broker as a fallback, and SingletonTask end to end on Cluster, Sentinel and TLS.
 
 from __future__ import annotations
 
+import gc
 import os
 import ssl
 import threading
@@ -27,7 +28,7 @@ from celery_redislock.server import RedisServer, free_port
 from celery_redislock.store import describe_store, lock_store, store_url
 from celery_redislock.task import lock_store_url
 from celery_redislock.transport import Client, router_for
-from tests.support import close_app, field, in_forked_child, wait_for
+from tests.support import close_app, field, in_forked_child, wait_for, wait_until
 
 
 def make(name: str, **conf: Any) -> Celery:
@@ -655,6 +656,52 @@ def test_a_client_callable_replaced_while_it_makes_its_client_is_not_kept(
     close_app(app)
     old_client.close()
     new_client.close()
+
+
+def _one_job_app(server: RedisServer, job: int, reads_its_app: bool) -> None:
+    """A job of an application that makes a Celery app per job, with a client of its
+    own as the lock store (a ``redislock_client`` callable that, with
+    ``reads_its_app``, names the client after the app), sends an ``until_executed``
+    task (which takes its lock as it is sent) and closes the app."""
+    name = f"app-per-job-{int(reads_its_app)}-{job}"
+    app = make(name, task_default_queue=name)
+
+    def build() -> redis.Redis:
+        return server.client(client_name=app.main if reads_its_app else name)
+
+    app.conf.redislock_client = build
+
+    @app.task(base=SingletonTask, shared=False, name=name, lock_strategy="until_executed")
+    def job_task() -> None: ...
+
+    job_task.delay()
+    close_app(app)
+
+
+@pytest.mark.parametrize("reads_its_app", [False, True], ids=["plain", "reading-its-app"])
+def test_an_app_made_per_job_leaves_nothing_behind_once_dropped(
+    redislock_server: RedisServer, reads_its_app: bool
+) -> None:
+    """An application that makes a Celery app per job, each with a client of its own
+    as its lock store, and drops it once the job has sent its task, leaves nothing
+    behind: the client the app's callable made goes with the app (though the app's
+    configuration refers back to it once it has sent a message, and the callable
+    may too), and so do the connections its locks opened."""
+    admin = redislock_server.client()
+
+    prefix = f"app-per-job-{int(reads_its_app)}-"
+
+    def left_open() -> int:
+        gc.collect()
+        return sum(1 for c in admin.client_list() if c["name"].startswith(prefix))
+
+    for job in range(2):
+        _one_job_app(redislock_server, job, reads_its_app)
+    wait_until(lambda: left_open() == 0, timeout=5)
+    assert left_open() == 0
+    for job in range(2):
+        admin.delete(*admin.keys(f"*{prefix}{job}*"))
+    admin.close()
 
 
 def test_sentinel_url_without_master_name_says_what_to_set(

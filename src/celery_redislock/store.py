@@ -29,6 +29,10 @@ defining its tasks, or between uses, works; the first of these that is set wins:
    ``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, as
    Celery's Redis transport takes it: then the locks, like the broker's
    messages, go over TLS; for a Sentinel broker, to its master).
+
+What is resolved for an app, and the client its callable made, are kept on the
+app itself: an app that is dropped (one made per job) takes them along, and the
+connections the client's locks opened are closed.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ import operator
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -71,11 +74,48 @@ CLIENT_BUILD_WAIT: float = DEFAULT_CALL_TIMEOUT
 #: the store no longer than that, and leaves one thread behind per period.
 CLIENT_BUILD_ABANDON_WAITS: int = 12
 
-#: The client each app's callable made: (process id, the callable, its client).
-_built: weakref.WeakKeyDictionary[Any, tuple[int, object, Client]] = weakref.WeakKeyDictionary()
-#: The call of each app's callable under way, or ended and not yet taken up.
-_making: weakref.WeakKeyDictionary[Any, _Making] = weakref.WeakKeyDictionary()
 _guard = threading.Lock()
+
+#: The attribute of an app that holds what this module keeps for it (see :func:`_kept`).
+_KEPT = "_celery_redislock_store"
+
+#: Counts the forks this process comes from: what an app kept in the parent is
+#: not the child's (see :func:`_forget_after_fork`).
+_generation = 0
+
+
+class _Kept:
+    """What this module keeps for one app in this process: the store resolved for
+    it, with the configuration and the setting values it was resolved from; the
+    client its ``redislock_client`` callable made, with that callable; and the
+    call of the callable under way, or ended and not yet taken up."""
+
+    __slots__ = ("built", "generation", "making", "resolved")
+
+    def __init__(self) -> None:
+        self.generation = _generation
+        self.resolved: tuple[Any, tuple[Any, ...], Client] | None = None
+        self.built: tuple[object, Client] | None = None
+        self.making: _Making | None = None
+
+
+def _kept(app: Any) -> _Kept:
+    """What this module keeps for ``app``, kept on the app itself rather than in a
+    table by app: whatever of it refers back to the app (its configuration does,
+    once the app has sent a message; so may a ``redislock_client`` callable that
+    reads it) then goes with the app. An entry of a table by app, weak as its key
+    may be, would keep the app alive, and with it the client its callable made
+    and the connections that client's locks opened, for as long as the process
+    runs: an application that makes an app per job would gather them all."""
+    kept: _Kept | None = getattr(app, _KEPT, None)
+    if kept is not None and kept.generation == _generation:
+        return kept
+    with _guard:
+        kept = getattr(app, _KEPT, None)
+        if kept is None or kept.generation != _generation:
+            kept = _Kept()
+            setattr(app, _KEPT, kept)
+    return kept
 
 
 class _Making:
@@ -236,9 +276,6 @@ _STORE_SETTINGS = (
     "broker_transport_options",
     "broker_use_ssl",
 )
-_resolved: weakref.WeakKeyDictionary[Any, tuple[Any, tuple[Any, ...], Client]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def lock_store(app: Any, url: str | None = None) -> Client:
@@ -256,7 +293,8 @@ def lock_store(app: Any, url: str | None = None) -> Client:
                 url, check_transport_options(options, "app.conf.redislock_transport_options")
             )
         return get_client(url)
-    known, settings = _resolved.get(app), _settings(app)
+    kept = _kept(app)
+    known, settings = kept.resolved, _settings(app)
     # The very same configuration, with the very same values as when it was
     # resolved (compared by identity): ``config_from_object()`` on a configured
     # app makes a new one.
@@ -278,7 +316,7 @@ def lock_store(app: Any, url: str | None = None) -> Client:
     if same_source(source, app.conf.get("redislock_client")) and (
         not settings or (len(settings) == len(after) and all(map(operator.is_, settings, after)))
     ):
-        _resolved[app] = (app.conf, after, client)
+        kept.resolved = (app.conf, after, client)
     return client
 
 
@@ -301,9 +339,9 @@ def _resolve(app: Any) -> tuple[ClientSource | None, Client]:
     check_client_source(source)
     if isinstance(source, redis.Redis | RedisCluster):
         return source, source
-    built = _built.get(app)
-    if built is not None and built[0] == os.getpid() and same_source(built[1], source):
-        return source, built[2]
+    built = _kept(app).built
+    if built is not None and same_source(built[0], source):
+        return source, built[1]
     return source, _made_by(app, source)
 
 
@@ -319,17 +357,17 @@ def _made_by(app: Any, source: Callable[[], Client]) -> Client:
         Exception: any other error of the callable (a ``TypeError`` from one
             that takes arguments, say), or a ``TypeError`` if it returned no client.
     """
-    pid = os.getpid()
+    kept = _kept(app)
     with _guard:
-        built = _built.get(app)
-        if built is not None and built[0] == pid and same_source(built[1], source):
-            return built[2]
-        making = _making.get(app)
+        built = kept.built
+        if built is not None and same_source(built[0], source):
+            return built[1]
+        making = kept.making
         fresh = making is None or not making.serves(source, time.monotonic())
         if fresh:
             # A call of another callable (the setting changed), a failed one or one
             # under way for too long is dropped: it ends unseen.
-            making = _making[app] = _Making(source)
+            making = kept.making = _Making(source)
     assert making is not None
     if fresh:
         making.start()
@@ -354,12 +392,12 @@ def _made_by(app: Any, source: Callable[[], Client]) -> Client:
     client = making.client
     assert client is not None
     with _guard:
-        if _making.get(app) is making:
-            del _making[app]
-        built = _built.get(app)
-        if built is None or built[0] != pid or not same_source(built[1], source):
-            built = _built[app] = (pid, source, client)
-    return built[2]
+        if kept.making is making:
+            kept.making = None
+        built = kept.built
+        if built is None or not same_source(built[0], source):
+            built = kept.built = (source, client)
+    return built[1]
 
 
 def describe_store(app: Any, url: str | None = None) -> str:
@@ -375,11 +413,10 @@ def describe_store(app: Any, url: str | None = None) -> str:
 def _forget_after_fork() -> None:
     """A forked child builds its own clients (see ``redislock_client``), under a lock
     of its own: another thread of the parent may have held this one as it forked,
-    and a call of the callable the parent had under way has no thread in the child."""
-    global _guard
-    _resolved.clear()
-    _built.clear()
-    _making.clear()
+    and a call of the callable the parent had under way has no thread in the child:
+    what the apps kept in the parent is set aside (see :func:`_kept`)."""
+    global _guard, _generation
+    _generation += 1
     _guard = threading.Lock()
 
 
