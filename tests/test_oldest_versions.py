@@ -1,0 +1,112 @@
+"""The oldest releases of Celery, kombu and redis-py the package declares it works
+with (the ``>=`` floors of its dependencies) pass the tests of the parts that lean
+on their internals: the worker's request class, the task's start and end, the
+pools, the connection layer and a Redis Cluster's slot map. The rest of the suite
+runs on the newest releases."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: The dependencies whose oldest release is tested here.
+FLOORED = ("celery", "kombu", "redis")
+
+#: Tests of the code that uses Celery's and redis-py's internals, run on the floors
+#: (with ``INTEGRATION_SELECTION``: of the deployments, the cluster's, but for one
+#: whose set-up needs redis-py 8.2: a cluster client that knows its nodes only
+#: through a proxy refreshes its slot map from the proxy alone there, whereas
+#: before 8.2 it learns the nodes' own addresses, reaches the key's primary and
+#: the release it means to fail succeeds).
+INTEGRATION_TESTS = (
+    "tests/test_early.py",
+    "tests/test_task_solo.py",
+    "tests/test_workers.py",
+    "tests/test_transport.py",
+    "tests/test_client.py",
+    "tests/test_deployments_engine.py",
+)
+INTEGRATION_SELECTION = (
+    "(not test_deployments_engine or cluster) and not slot_map_cannot_be_refreshed"
+)
+
+
+def floors() -> dict[str, str]:
+    """``{distribution: oldest version}`` as pyproject.toml declares them."""
+    text = (ROOT / "pyproject.toml").read_text()
+    block = text.split("\ndependencies = [", 1)[1].split("\n]", 1)[0]
+    found: dict[str, str] = {}
+    for requirement in re.findall(r'^\s*"([^"]+)"', block, flags=re.MULTILINE):
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?>=([0-9][0-9.]*)", requirement)
+        if match and match[1] in FLOORED:
+            found[match[1]] = match[2]
+    return found
+
+
+def test_every_runtime_dependency_has_a_floor() -> None:
+    """Each runtime dependency names the oldest release it admits, which the test
+    below installs: none is left open."""
+    assert sorted(floors()) == sorted(FLOORED)
+
+
+@pytest.mark.slow
+def test_the_oldest_supported_releases_pass_the_integration_tests(
+    tmp_path: Path,
+) -> None:
+    """A virtual environment with the oldest releases of Celery, kombu and redis-py
+    the package admits (the rest taken from this environment) runs the tests of the
+    worker integration and of the connection layer, and passes them."""
+    venv = tmp_path / "oldest"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
+        check=True,
+        timeout=120,
+    )
+    python = str(venv / "bin" / "python")
+    pins = [f"{name}=={version}" for name, version in sorted(floors().items())]
+    installed = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    versions = subprocess.run(
+        [python, "-c", "import celery, kombu, redis; print(celery.__version__, "
+         "kombu.__version__, redis.__version__)"],
+        capture_output=True, text=True, env=env, timeout=60, check=True,
+    )  # fmt: skip
+    assert [Version(v) for v in versions.stdout.split()] == [
+        Version(floors()[name]) for name in FLOORED
+    ]
+    result = subprocess.run(
+        [
+            python,
+            "-m",
+            "pytest",
+            *INTEGRATION_TESTS,
+            "-k",
+            INTEGRATION_SELECTION,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--skip-slow",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
