@@ -2114,14 +2114,22 @@ class SingletonTask(Task):  # type: ignore[misc]
                     # process frozen, or the store stalled, while the try that took
                     # it was on its way) is given back and asked for once more, as
                     # above, before the body runs; a second such hold is kept, on
-                    # the heartbeat, which reports it lost.
+                    # the heartbeat, which reports it lost. The ask made again waits
+                    # only for what is left of lock_wait.
+                    limit = check_timeout(opts.wait)
+                    wait_ends = None if limit is None else time.monotonic() + limit
                     for late_to_caller in (True, False):
                         if opts.on_conflict == "wait":
+                            left = None if wait_ends is None else wait_ends - time.monotonic()
                             # A first try that can queue (see RedisLock._acquire): no
                             # second request when the lock is held.
                             try:
                                 acquired = lock._acquire(
-                                    True, check_timeout(opts.wait), held, None, late_to_caller
+                                    True,
+                                    None if left is None else max(0.0, left),
+                                    held,
+                                    None,
+                                    late_to_caller,
                                 )
                             except _OwnDelivery:
                                 acquired = False
