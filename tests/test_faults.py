@@ -2799,6 +2799,71 @@ def test_a_task_whose_acquire_is_answered_after_its_ttl_asks_again_before_its_bo
     assert lost == []
 
 
+@pytest.mark.slow
+def test_a_waiting_task_that_asks_again_after_a_late_answer_reports_its_wait_once(
+    server: RedisServer, proxy: FaultProxy, direct: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A waiting task (``on_conflict="wait"``) finds its lock held and waits; the
+    try that takes it is held up on its way to the store past the task's TTL, so
+    the task gives that hold back and asks again, and finds the lock held by
+    another owner once more (the waiter queued behind it, handed the lock by that
+    give-back). It waits again, and runs once the other owner releases: the
+    delivery sends ``lock_conflict`` once and logs its wait once."""
+    app = Celery("late-answer-wait-again", set_as_current=False)
+    app.conf.update(redislock_url=proxy.url_for(0))
+    seen: list[bool] = []
+
+    @app.task(
+        base=SingletonTask, shared=False, bind=True, lock_ttl=1, lock_wait=15, on_conflict="wait"
+    )
+    def job(self: Any, n: int) -> None:
+        seen.append(self.lock.lost)
+
+    conflicts: list[str] = []
+
+    def on_conflict(sender: Any = None, action: str = "", **fields: Any) -> None:
+        conflicts.append(action)
+
+    job.apply((0,))  # the connection open, the scripts known
+    name = job.lock_name((1,), {})
+    # The first holder, and a waiter queued behind the task whose TTL is longer
+    # than the task's: woken second as the holder releases (the task is handed
+    # the lock), it waits out a grant of that longer TTL before it asks.
+    holder = RedisLock(direct, name, ttl=30)
+    other = RedisLock(direct, name, ttl=30)
+    assert holder.acquire(blocking=False)
+    caplog.set_level(logging.INFO, logger="celery_redislock")
+    lock_signals.lock_conflict.connect(on_conflict, weak=False, dispatch_uid="late-wait-again")
+    try:
+        ran = threading.Thread(target=job.apply, args=((1,),))
+        ran.start()
+        wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the task to queue")
+        got, waits = acquire_in_thread(other, 15)
+        wait_for(lambda: direct.zcard(holder.queue_key) == 2, what="the other waiter to queue")
+        # Long enough after the task's try that it does not keep the handed hold
+        # unconfirmed: its next try confirms it, and is held up.
+        time.sleep(0.6)
+        proxy.hold_next(1)
+        holder.release()
+        wait_for(lambda: proxy.held == 1, what="the task's try to be held up")
+        time.sleep(1.2)  # past the task's TTL (and the grant it was handed)
+        proxy.let_held_through()
+        wait_until(lambda: got == [True] or not ran.is_alive())
+        if got == [True]:
+            other.release()
+        ran.join(15)
+        waits.join(15)
+    finally:
+        lock_signals.lock_conflict.disconnect(on_conflict, dispatch_uid="late-wait-again")
+        proxy.heal()
+        close_app(app)
+    assert got == [True]
+    assert seen == [False, False]
+    assert conflicts == ["wait"]
+    logged = [r for r in caplog.records if "waits up to" in r.getMessage()]
+    assert len(logged) == 1
+
+
 def close_with_its_broker_connections(app: Celery) -> None:
     """Close ``app`` (see :func:`~tests.support.close_app`) and the broker connections
     Celery keeps for its broker URL in kombu's pools, one pool per URL for the whole

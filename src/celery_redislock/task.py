@@ -2108,14 +2108,18 @@ class SingletonTask(Task):  # type: ignore[misc]
                         if lock.blocked_by == task_id:
                             # Another delivery of this message: not lock_wait's wait.
                             raise _OwnDelivery
-                        waiting.append(self._wait_begins(lock, key, request, opts))
+                        if not waiting:
+                            # Reported once per delivery: an ask made again after a
+                            # late answer (below) goes on with the same wait.
+                            waiting.append(self._wait_begins(lock, key, request, opts))
 
                     # A hold whose answer is read only once its TTL had passed (the
                     # process frozen, or the store stalled, while the try that took
                     # it was on its way) is given back and asked for once more, as
                     # above, before the body runs; a second such hold is kept, on
                     # the heartbeat, which reports it lost. The ask made again waits
-                    # only for what is left of lock_wait.
+                    # only for what is left of lock_wait, and a conflict it meets is
+                    # not reported a second time.
                     limit = check_timeout(opts.wait)
                     wait_ends = None if limit is None else time.monotonic() + limit
                     for late_to_caller in (True, False):
