@@ -1131,6 +1131,39 @@ def test_cut_off_holder_knows_before_anyone_else_can_take_it(
     rival.release()
 
 
+@pytest.mark.slow
+def test_a_hold_handed_to_a_waiter_is_lost_by_the_grant_when_its_first_renewal_never_lands(
+    proxy: FaultProxy, server: RedisServer, direct: redis.Redis
+) -> None:
+    """A hold a release hands to a waiter has the grant's TTL (GRANT_MS) on the
+    server until its first renewal lands, whatever the waiter's own TTL: its local
+    deadline is the send time of its last try plus the grant, and a waiter whose
+    renewals never reach the server knows it lost the lock before another client
+    can take it."""
+    holder = RedisLock(server.url, "handed-then-cut-off", ttl=30)
+    assert holder.acquire()
+    waiter = RedisLock(proxy.url, "handed-then-cut-off", ttl=60, call_timeout=0.5)
+    began = time.monotonic()
+    got, thread = acquire_in_thread(waiter, 30)
+    wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter in the queue")
+    queued_at = time.monotonic()
+    # Everything the waiter sends from now on (its renewals, on any connection) is
+    # kept at the proxy; its wake-up, from the server, still reaches it.
+    proxy.hold_next(10_000)
+    holder.release()
+    thread.join(15)
+    assert got == [True]
+    assert field(direct, waiter.key, OWNER_FIELD) == waiter.owner
+    assert began + GRANT_MS / 1000 <= waiter._expiry <= queued_at + GRANT_MS / 1000
+    rival = RedisLock(server.url, "handed-then-cut-off", ttl=10)
+    assert rival.acquire(timeout=15)
+    assert waiter.lost
+    with pytest.raises(LockLostError):
+        waiter.check()
+    rival.release()
+    proxy.let_held_through()
+
+
 def test_holder_extended_past_its_ttl_then_cut_off_knows_before_anyone_else_can_take_it(
     proxy: FaultProxy, server: RedisServer
 ) -> None:
