@@ -349,8 +349,8 @@ def _lua(text: str) -> str:
     leaves it when it wakes nobody (capturing its fence, its queued flag and the
     releases it remembers), ``$AFTER_FENCE`` one that matches any lock's value
     from the field after its fence on (capturing its request id, count, queued
-    flag, the releases and the drops it remembers, and the rest, from the
-    separator after them), and the marks and numbers the scripts share."""
+    flag, the releases and the drops it remembers, and the position after them),
+    and the marks and numbers the scripts share."""
     places = {name.upper(): str(LAYOUT.index(stored) + 1) for name, stored in FIELDS.items()}
     separator = f"\\{ord(SEPARATOR)}"
     between = LAYOUT.index(QUEUED_FIELD) - LAYOUT.index(FENCE_FIELD)
@@ -363,7 +363,7 @@ def _lua(text: str) -> str:
         else f"[^{separator}]*"
         for stored in LAYOUT[LAYOUT.index(FENCE_FIELD) + 1 : LAYOUT.index(DROPS_FIELD) + 1]
     ]
-    after_fence_pattern = "^" + f"{separator}?".join(after_fence) + "(.*)$"
+    after_fence_pattern = "^" + f"{separator}?".join(after_fence) + "()"
 
     def listed(fields: Sequence[str]) -> str:
         return "{" + ", ".join(str(LAYOUT.index(stored) + 1) for stored in fields) + "}"
@@ -1003,9 +1003,9 @@ return {1, fence, new[$RELEASED]}
 
 def _freeing(body: str, first: str = "") -> str:
     """A script that may free the lock: ``body`` after the shared helpers and
-    :data:`_FREE`, and before them ``first`` (a quick path), after :data:`_READ`
-    alone."""
-    return _READ + _lua(first) + _CHECK_TTL + _HELPERS + _FREE + _lua(body)
+    :data:`_FREE`, and before them all ``first`` (a quick path, which makes none of
+    their functions: a script makes each anew on every call)."""
+    return _lua(first) + _READ + _CHECK_TTL + _HELPERS + _FREE + _lua(body)
 
 
 #: Drop one hold; free the lock and wake the next waiters when the last hold goes.
@@ -1041,7 +1041,9 @@ def _freeing(body: str, first: str = "") -> str:
 #: hold remains, 0 when not owned (nothing changed but what ARGV[10] writes).
 RELEASE = _freeing(
     first="""
-local lock
+-- What the quick path found where it does not free the lock: the key's value
+-- (false for none), decoded below; nil where it did not run or was refused.
+local found
 if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' and ARGV[8] ~= 'read'
         and not string.find(ARGV[7] or '', $UNDONE, 1, true) then
     -- The usual last hold, keeping its key's expiry, is freed by one write: the
@@ -1068,11 +1070,12 @@ if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' and ARGV[8] ~= 're
         if old and string.sub(old, 1, #mine) == mine then
             local request, count, queued, released, drops, rest =
                 string.match(old, $AFTER_FENCE, #mine + 1)
-            -- (What follows the drops, if anything, starts with a separator.)
+            -- (What follows the drops, if anything, starts with a separator:
+            -- ``rest`` is where.)
             if request ~= ARGV[3] and count == '' and queued == ''
                     and not string.find(released, $UNDONE, 1, true)
                     and (drops == '' or not string.find(' ' .. drops .. ' ', ' ' .. ARGV[3] .. ' ', 1, true))
-                    and (rest == '' or string.sub(rest, 2, 2) == $SEPARATOR) then
+                    and (rest > #old or string.sub(old, rest + 1, rest + 1) == $SEPARATOR) then
                 if released ~= (ARGV[7] or '') then
                     redis.call('SET', KEYS[1], freed(released), 'KEEPTTL')
                 end
@@ -1080,12 +1083,13 @@ if ARGV[4] == '0' and ARGV[5] == '' and (ARGV[6] or '') ~= '' and ARGV[8] ~= 're
             end
         end
         if old then redis.call('SET', KEYS[1], old, 'KEEPTTL') end
-        lock = decode(old)
+        found = old or false
     end
     -- (A refused SET wrote nothing: read() and what follows answer as they would.)
 end
 """,
     body="""
+local lock = found ~= nil and decode(found) or nil
 if not lock then
     local bad = ARGV[4] ~= '0' and check_ttl(ARGV[4]) or nil
     if bad then return bad end
