@@ -19,6 +19,7 @@ import redis
 from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
 
 from celery_redislock import is_skipped
+from celery_redislock.dropped import ALL_COPIES, DROPPED_WORD_TTL, dropped_key, read_word
 from celery_redislock.lock import lock_keys as lock_keys_for
 from celery_redislock.scripts import FENCE_FIELD, LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer
@@ -634,6 +635,68 @@ def test_a_task_terminated_while_running_keeps_its_lock_until_its_cleanup_ends(
         assert outcome["holder"] == first.id
     wait_for(lambda: not held(client, key), timeout=15, what="the lock to be freed")
     assert (first.id, "cleaned") in steps()
+
+
+def test_a_revoke_that_finds_an_until_executed_task_running_leaves_word_that_expires(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """A revoke that reaches an ``until_executed`` task while it runs (without
+    ``terminate``, and with it: the default ``SIGTERM`` ends the body, the
+    ``finally`` keeps the lock) leaves its execution word that the messages it
+    may have sent under its task id are revoked: its next retry's
+    (``<lock key>:dropped:<task id>:1``) and one without a retry count
+    (``...:0``), tied to its hold by its fencing token. It sent none, so it never
+    reads them: they stay once it has ended, each expiring within a day (or
+    ``lock_enqueue_ttl`` if longer), and the next send of the same call runs, is
+    left no word and leaves none."""
+    mod, client, launch = env
+    launch("word", concurrency=2)
+    _revoke_running_until_executed(mod, client, "plain", terminate=False)
+    _revoke_running_until_executed(mod, client, "terminated", terminate=True)
+
+
+def _revoke_running_until_executed(
+    mod: Any, client: redis.Redis, name: str, terminate: bool
+) -> None:
+    """Revoke a running ``runs_until_told`` call of ``name``, let it end, and check
+    the word it is left (see the test above); send the call again."""
+    task = mod.runs_until_told
+    lock = task.lock_name((name,), {})
+    key = f"redislock:{{{lock}}}"
+
+    def left() -> list[str]:
+        return sorted(k.decode() for k in client.scan_iter(f"{key}:*"))
+
+    def started(task_id: str) -> dict[str, Any] | None:
+        runs = [r for r in records(client, "runs_until_told") if r["id"] == task_id]
+        return runs[0] if runs else None
+
+    result = task.delay(name)
+    wait_for(lambda: started(result.id), what="the task to start")
+    words = sorted(dropped_key(lock, result.id, retries, "redislock") for retries in (0, 1))
+    result.revoke(terminate=terminate)
+    wait_for(lambda: left() == words, what="the revoke to reach the running task")
+    client.set(f"release:{name}", 1)
+    outcome = result.get(timeout=30, propagate=False)
+    if terminate:
+        assert result.state == "REVOKED"
+    else:
+        assert outcome == name
+    wait_for(lambda: not held(client, key), what="the lock to be freed")
+    assert left() == words
+    run = started(result.id)
+    assert run is not None
+    longest = max(DROPPED_WORD_TTL, task.lock_enqueue_ttl) * 1000
+    for retries in (0, 1):
+        word = read_word(client, lock, result.id, retries, "redislock")
+        assert word is not None
+        assert (word.fence, word.then, word.drops) == (run["token"], 0, ALL_COPIES)
+        assert 0 < client.pttl(dropped_key(lock, result.id, retries, "redislock")) <= longest
+    again = task.delay(name)
+    assert again.id != result.id
+    assert again.get(timeout=30) == name
+    wait_for(lambda: not held(client, key), what="the lock to be freed again")
+    assert left() == words
 
 
 @pytest.mark.parametrize(

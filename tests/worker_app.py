@@ -284,6 +284,33 @@ def queued_once(self: Any, name: str) -> str:
     return str(self.request.id)
 
 
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    shared=False,
+    lock_strategy="until_executed",
+    lock_ttl=30,
+    lock_on=("name",),
+)
+def runs_until_told(self: Any, name: str) -> str:
+    """An until_executed task that runs until ``release:<name>`` is set (at most
+    60 s each), in its body and again in its ``finally``: a terminate's
+    ``SIGTERM``, which ends the body, leaves it holding the lock until told."""
+    log("runs_until_told", name=name, id=self.request.id, token=self.lock.token)
+    try:
+        _until_told(name)
+    finally:
+        _until_told(name)
+    return name
+
+
+def _until_told(name: str) -> None:
+    """Wait until ``release:<name>`` is set (at most 60 s)."""
+    deadline = time.monotonic() + 60
+    while not store.exists(f"release:{name}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 @app.task(bind=True, shared=False, acks_late=True)
 def occupy(self: Any, name: str) -> str:
     """Holds a worker slot until ``release:<name>`` is set (at most 60 s).
