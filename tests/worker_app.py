@@ -319,9 +319,7 @@ def occupy(self: Any, name: str) -> str:
     fetches nothing more from the broker while it runs.
     """
     log("occupy", name=name, id=self.request.id)
-    deadline = time.monotonic() + 60
-    while not store.exists(f"release:{name}") and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _until_told(name)
     return name
 
 

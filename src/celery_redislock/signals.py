@@ -44,8 +44,8 @@ lock_acquired = Signal(
 #: ``"dedup"`` (an ``until_*`` enqueue that published nothing) or
 #: ``"redelivered"`` (a copy of a message whose earlier delivery holds the lock:
 #: it waits for it, whatever ``on_conflict`` says; ``holder`` is its own task id).
-#: Sent once per delivery that meets a held lock, also when a waiting task asks
-#: for it again after an answer read only once its TTL had passed.
+#: A waiting task that asks for the lock again after an answer read only once
+#: its TTL had passed, and finds it held again, does not send it a second time.
 lock_conflict = Signal(
     name="lock_conflict", providing_args={"task_id", "name", "key", "holder", "action"}
 )
