@@ -230,8 +230,10 @@ TIMEOUT_SLACK = 1 / 64
 #: call, no retries inside redis-py (they would resend requests behind our
 #: back), RESP2 replies as bytes, and no ``CLIENT SETINFO`` (library name and
 #: version) in the handshake: two round trips on every new connection, for a
-#: label. A redis-py that knows ``driver_info`` takes ``driver_info=None`` for
-#: that, an earlier one ``lib_name=None, lib_version=None`` (deprecated since).
+#: label. A redis-py that knows ``driver_info`` is given one with an empty name
+#: and version, which it sends nothing for (redis-py 8 takes ``None`` for that
+#: too, 7 takes ``None`` for its own default); an earlier one takes
+#: ``lib_name=None, lib_version=None`` (deprecated since).
 _OVERRIDES: dict[str, Any] = {
     "retry_on_timeout": False,
     "retry_on_error": [],
@@ -240,7 +242,7 @@ _OVERRIDES: dict[str, Any] = {
     "protocol": 2,
     "socket_keepalive": True,
     **(
-        {"driver_info": None}
+        {"driver_info": importlib.import_module("redis.driver_info").DriverInfo("", "")}
         if importlib.util.find_spec("redis.driver_info") is not None
         else {"lib_name": None, "lib_version": None}
     ),
