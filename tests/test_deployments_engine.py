@@ -771,12 +771,12 @@ def test_cluster_waiter_through_a_failover_is_woken_on_the_promoted_replica(
     """A waiter whose wait spans its primary's death (SIGKILL) or hang (SIGSTOP)
     and its replica's promotion moves its wake-up subscription to the promoted
     replica: it leaves the failed node's hub, which (for a dead node) stops
-    reconnecting there (no warning each second) while the waiter still waits,
-    and the holder's release wakes
-    the waiter by a wake-up message, not by a re-check (made far longer than the
-    test here). A hung node's subscription, whose probe goes unanswered, has the
-    waiter ask the other nodes where its key lives now long before the probe
-    gives up."""
+    reconnecting there (no warning each second) while the waiter still waits;
+    once it has asked for the lock on the promoted replica, subscribed there,
+    and waits again, the holder's release wakes it by a wake-up message, not by
+    a re-check (made far longer than the test here). A hung node's
+    subscription, whose probe goes unanswered, has the waiter ask the other
+    nodes where its key lives now long before the probe gives up."""
     monkeypatch.setattr(lock_module, "RECHECK", 600.0)
     monkeypatch.setattr(lock_module, "UNSUBSCRIBED_RECHECK", 600.0)
     cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
@@ -801,7 +801,7 @@ def test_cluster_waiter_through_a_failover_is_woken_on_the_promoted_replica(
         direct.close()
 
         _fail(cluster, victim, fault)
-        cluster.wait_for_failover(victim, timeout=30)
+        heir = cluster.wait_for_failover(victim, timeout=30)
         wait_for(
             lambda: not dead._waiters or "ended" in outcome,
             timeout=30,
@@ -818,7 +818,20 @@ def test_cluster_waiter_through_a_failover_is_woken_on_the_promoted_replica(
         assert "ended" not in outcome, outcome.get("error")
         live = hub_for(waiter.transport, waiter.prefix)
         assert live is not dead
-        wait_for(lambda: live.subscribed, timeout=30, what="the waiter's new subscription")
+        # Subscribed there is not enough: the waiter then asks for the lock on the
+        # promoted replica, and only after that reads the subscription. A release
+        # before that ask hands the lock to the queued waiter, the ask takes it,
+        # and the wake-up is never read. Reading, it has asked and found the lock
+        # held: the release comes after that.
+        wait_for(
+            lambda: (live.subscribed and live._reading.locked()) or "ended" in outcome,
+            timeout=30,
+            what="the waiter to wait on its new subscription",
+        )
+        assert "ended" not in outcome, outcome.get("error")
+        admin = heir.client()
+        assert admin.pubsub_numsub(live.channel) == [(live.channel.encode(), 1)]
+        admin.close()
         received = live.received
         holder.release()
         thread.join(30)
