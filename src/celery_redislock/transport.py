@@ -1241,11 +1241,11 @@ class _Link:
     shapes the engine's commands have, several times cheaper than the general one.
 
     The connection is closed by :meth:`close`, or else as the link is dropped,
-    however it is dropped: a link still open when the transport that holds it is
-    garbage-collected (a transport is often part of a reference cycle, with a
-    heartbeat's lane, say) would otherwise be left to the collector, which may
-    finalize the socket before the connection that would close it (an
-    unclosed-socket ``ResourceWarning``).
+    however it is dropped. A transport last reached from a reference cycle (a
+    heartbeat and its lanes refer to each other) is freed by the garbage
+    collector, with the links it still holds: left to the collector, a socket may
+    be finalized before the connection that would close it, an unclosed-socket
+    ``ResourceWarning``.
     """
 
     __slots__ = ("__weakref__", "address", "closer", "conn", "poller", "timeout", "unread", "used")
