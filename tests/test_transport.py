@@ -4,6 +4,7 @@ the replies a connection still owes when its next request goes."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 import select
@@ -12,6 +13,7 @@ import ssl
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
@@ -27,7 +29,7 @@ from celery_redislock import LockBackendError, RedisLock, lookup
 from celery_redislock import lock as lock_module
 from celery_redislock import transport as transport_module
 from celery_redislock.deployments import TLSServer, make_certificates
-from celery_redislock.heartbeat import get_heartbeat
+from celery_redislock.heartbeat import Heartbeat, get_heartbeat
 from celery_redislock.scripts import ACQUIRE_SCRIPT, RELEASE_SCRIPT
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import (
@@ -713,6 +715,42 @@ def test_idle_connections_all_closed_by_the_server_cost_one_retry(
     assert lock.acquire(blocking=False)
     lock.release()
     client.close()
+
+
+def test_connections_left_to_the_garbage_collector_are_closed_before_it_reaches_them(
+    redislock_server: RedisServer,
+) -> None:
+    """A transport that only a heartbeat of its own still refers to (the heartbeat
+    and its lane refer to each other) is freed by the garbage collector, not as
+    its last user lets go of it, and its idle connections with it, one of them
+    owing a reply. Each is closed before the collector reaches it: one left open
+    to it may have its socket finalized first, an unclosed-socket ResourceWarning."""
+    client = redislock_server.client()
+    lock = RedisLock(client, uuid.uuid4().hex, ttl=30, heartbeat=False)
+    assert lock.acquire(blocking=False)
+    beat = Heartbeat()
+    beat.renew([lock])
+    transport = lock.transport
+    deadline = Deadline.after(5)
+    busy = transport.write([("PING",)], deadline)  # the idle connection, taken
+    transport.send_deferred([("PING",)], deadline, lambda result: None)  # a new one
+    assert transport.finish(busy, 1, deadline) == [b"PONG"]
+    # Whether each connection's socket was closed when the collector took it (a
+    # weak reference's callback runs before any finalizer of the garbage).
+    closed: list[bool] = []
+
+    def watch(sock: socket.socket) -> Callable[[Any], None]:
+        def collected(_ref: Any) -> None:
+            closed.append(sock.fileno() == -1)
+            sock.close()
+
+        return collected
+
+    watches = [weakref.ref(link.conn, watch(link.conn._sock)) for link in transport._idle]
+    assert len(watches) == 2
+    del lock, client, transport, busy, beat
+    gc.collect()
+    assert closed == [True, True]
 
 
 def _two_owing_links(transport: Transport, first: Any, second: Any) -> None:

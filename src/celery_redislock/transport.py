@@ -1239,12 +1239,23 @@ class _Link:
     database and speaks TLS. Once connected, requests are written to its socket
     and replies read from it here, with a small RESP2 parser for the few reply
     shapes the engine's commands have, several times cheaper than the general one.
+
+    The connection is closed by :meth:`close`, or else as the link is dropped,
+    however it is dropped. A transport last reached from a reference cycle (a
+    heartbeat and its lanes refer to each other) is freed by the garbage
+    collector, with the links it still holds: left to the collector, a socket may
+    be finalized before the connection that would close it, an unclosed-socket
+    ``ResourceWarning``.
     """
 
-    __slots__ = ("address", "conn", "poller", "timeout", "unread", "used")
+    __slots__ = ("__weakref__", "address", "closer", "conn", "poller", "timeout", "unread", "used")
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
+        #: Closes the connection once: called by :meth:`close`, or as the link
+        #: is dropped. Not at exit: the flush reads what the connections owe then.
+        self.closer = weakref.finalize(self, conn.disconnect)
+        self.closer.atexit = False
         self.unread = b""
         # The socket's timeout as last set here (-1: not yet).
         self.timeout = -1.0
@@ -1414,7 +1425,7 @@ class _Link:
         self.unread = b""
         self.timeout = -1.0
         self.poller = None
-        self.conn.disconnect()
+        self.closer()
 
     def read(
         self, count: int, deadline: Deadline, transport: Transport, ready: bool = False
