@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from redis.cluster import RedisCluster
-from redis.exceptions import ClusterDownError, NoPermissionError, TryAgainError
+from redis.cluster import PRIMARY, RedisCluster
+from redis.exceptions import ClusterDownError, MovedError, NoPermissionError, TryAgainError
 from redis.sentinel import Sentinel
 
 from celery_redislock import (
@@ -54,7 +54,7 @@ from celery_redislock.reservations import free_queued, queued_owner
 from celery_redislock.revoke import find_and_free_queued
 from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD, queue_entry
 from celery_redislock.server import RedisServer
-from celery_redislock.transport import Client, Deadline, Transport, transport_for
+from celery_redislock.transport import Client, Deadline, Transport, move_slot, transport_for
 from celery_redislock.wakeups import PROBE_AFTER, hub_for
 from tests.proxy import FaultProxy
 from tests.support import (
@@ -439,6 +439,22 @@ def cluster_client(redislock_cluster: ClusterDeployment) -> Iterator[RedisCluste
     client = redislock_cluster.client()
     yield client
     client.close()
+
+
+def test_cluster_moved_reply_naming_the_slots_primary_leaves_the_slot_map_as_it_was(
+    cluster_client: RedisCluster,
+) -> None:
+    """A ``MOVED`` that names the slot's primary already changes nothing in the slot
+    map, on every redis-py the package admits (before 7.2 it is applied by the
+    package's own code, see :func:`~celery_redislock.transport.move_slot`): the
+    primary stays first, and a primary."""
+    manager = cluster_client.nodes_manager
+    slot = cluster_client.keyslot("moved-to-itself")  # type: ignore[no-untyped-call]
+    before = list(manager.slots_cache[slot])
+    primary = before[0]
+    move_slot(manager, MovedError(f"{slot} {primary.host}:{primary.port}"))
+    assert manager.slots_cache[slot] == before
+    assert primary.server_type == PRIMARY
 
 
 def test_cluster_renewal_is_one_round_trip_per_primary(

@@ -112,5 +112,5 @@ def test_wheel_holds_only_the_package(tmp_path: Path) -> None:
     assert "pytest11" not in declared
     # Celery's Redis transport needs more than redis-py: its [redis] extra.
     assert any(re.match(r"Requires-Dist: celery\[redis\]", line) for line in requires), requires
-    # The Redis Cluster slot map is updated through NodesManager.move_slot (7.2).
-    assert "Requires-Dist: redis>=7.2" in requires, requires
+    # What kombu 5.7's [redis] extra takes.
+    assert "Requires-Dist: redis>=6.4" in requires, requires

@@ -1786,7 +1786,7 @@ class Router:
             return False
         client = cast(RedisCluster, self.client)
         if isinstance(exc, MovedError):
-            client.nodes_manager.move_slot(exc)
+            move_slot(client.nodes_manager, exc)
             return True
         if isinstance(exc, AskError):
             # A slot half-way through a migration: its keys settle shortly.
@@ -1884,7 +1884,7 @@ class _SlotQuestion:
                     for moved in range(low, high + 1):
                         owners = manager.slots_cache.get(moved)
                         if owners and owners[0].name in failed_names:
-                            manager.move_slot(MovedError(f"{moved} {host}:{port}"))
+                            move_slot(manager, MovedError(f"{moved} {host}:{port}"))
                 return
         except Exception as exc:
             logger.debug(
@@ -1908,6 +1908,28 @@ def _served(reply: Any, host: str) -> list[tuple[int, int, str, int]]:
         named = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
         ranges.append((int(served[0]), int(served[1]), named or host, int(primary[1])))
     return ranges
+
+
+def move_slot(manager: Any, moved: MovedError) -> None:
+    """Point the slot ``moved`` names at the node it names, in ``manager`` (a
+    cluster client's ``NodesManager``), now.
+
+    redis-py 7.2 and later do that with ``move_slot()``. Earlier ones keep one
+    such error and apply it at their next slot lookup: here it is applied at
+    once, under the manager's lock, and a redirection to the slot's primary
+    already (which those releases would mistake for a failover) is ignored.
+    """
+    move = getattr(manager, "move_slot", None)
+    if move is not None:
+        move(moved)
+        return
+    with manager._lock:
+        owners = manager.slots_cache.get(moved.slot_id)
+        node = manager.get_node(host=moved.host, port=moved.port)
+        if owners and node is not None and owners[0] is node:
+            return
+        manager._moved_exception = moved
+        manager._update_moved_slots()
 
 
 class _SlotRefresh:
