@@ -432,6 +432,23 @@ def test_parse_replies_keeps_the_start_of_an_unfinished_reply() -> None:
     assert parse_replies(rest + message[9:]) == ([[b"message", b"ch", b"p.1"]], b"")
 
 
+def test_arrays_of_integers_parse_as_item_by_item() -> None:
+    """An array of integers only (a script's usual reply), matched whole, parses
+    as the same array read item by item does: small, negative and large numbers,
+    empty and nested arrays, an array with other items, and one not all in yet."""
+    stream = (
+        b"*2\r\n:1\r\n:57\r\n*0\r\n*3\r\n:-1\r\n:123456789012345678901\r\n:1024\r\n"
+        b"*3\r\n:1\r\n:9\r\n$5\r\n11 12\r\n*2\r\n*1\r\n:4\r\n:5\r\n"
+        b"*9\r\n" + b":7\r\n" * 9 + b"*2\r\n:1\r\n:5"
+    )
+    replies, rest = parse_replies(stream)
+    assert replies == [
+        [1, 57], [], [-1, 123456789012345678901, 1024], [1, 9, b"11 12"], [[4], 5], [7] * 9,
+    ]  # fmt: skip
+    assert rest == b"*2\r\n:1\r\n:5"
+    assert parse_replies(rest + b"\r\n") == ([[1, 5]], b"")
+
+
 def test_owed_replies_are_read_after_the_next_request_is_written(
     redislock_client: redis.Redis,
 ) -> None:
