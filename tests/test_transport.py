@@ -644,8 +644,11 @@ def test_request_templates_encode_as_pack_does(lease: str, info: str) -> None:
     """The usual ACQUIRE and RELEASE calls, encoded from a template on every
     task's path, are byte for byte what :func:`pack` makes of them; a value that
     is not ASCII is left to :func:`pack` (``None``)."""
-    key, queue = lock_module._keys("t:ab12", "p")
-    acquire = lock_module._packed_acquire(key, queue, "AbCdEfGhIjKl", 60_000, lease, "17", info)
+    # The lock's own ready-made fields (no connection is made).
+    lock = RedisLock(redis.Redis(port=1), "t:ab12", ttl=60, owner="AbCdEfGhIjKl", prefix="p")
+    key, queue = lock.key, lock.queue_key
+    assert (key, queue) == lock_module._keys("t:ab12", "p")
+    acquire = lock_module._packed_acquire(lock._keys_field, lock._ttl_field, lease, "17", info)
     expected = pack(
         [("EVALSHA", ACQUIRE_SCRIPT.sha, 2, key, queue, "AbCdEfGhIjKl", 60_000, lease, "17", "", "",
           info)]
@@ -657,11 +660,11 @@ def test_request_templates_encode_as_pack_does(lease: str, info: str) -> None:
         ("AbCdEfGhIjKl", "p:wake:", lease or "18", 0, "", 7, ""),
     ]:
         command = ("EVALSHA", RELEASE_SCRIPT.sha, 2, key, queue, *args)
-        release = lock_module._packed_release(key, queue, args)
+        release = lock_module._packed_release(lock._keys_field, lock._wake_field, args)
         ascii = all(str(arg).isascii() for arg in args)
         assert release == (pack([command]) if ascii else None)
     # Another shape (a release that reads the lock first) is left to pack().
-    assert lock_module._packed_release(key, queue, (*args, "read")) is None
+    assert lock_module._packed_release(lock._keys_field, lock._wake_field, (*args, "read")) is None
 
 
 @pytest.mark.parametrize("value", [True, 1.5, None, object()])
