@@ -434,6 +434,23 @@ def test_parse_replies_keeps_the_start_of_an_unfinished_reply() -> None:
     assert parse_replies(rest + message[9:]) == ([[b"message", b"ch", b"p.1"]], b"")
 
 
+def test_arrays_of_integers_parse_as_item_by_item() -> None:
+    """An array of integers only (a script's usual reply), matched whole, parses
+    as the same array read item by item does: small, negative and large numbers,
+    empty and nested arrays, an array with other items, and one not all in yet."""
+    stream = (
+        b"*2\r\n:1\r\n:57\r\n*0\r\n*3\r\n:-1\r\n:123456789012345678901\r\n:1024\r\n"
+        b"*3\r\n:1\r\n:9\r\n$5\r\n11 12\r\n*2\r\n*1\r\n:4\r\n:5\r\n"
+        b"*9\r\n" + b":7\r\n" * 9 + b"*2\r\n:1\r\n:5"
+    )
+    replies, rest = parse_replies(stream)
+    assert replies == [
+        [1, 57], [], [-1, 123456789012345678901, 1024], [1, 9, b"11 12"], [[4], 5], [7] * 9,
+    ]  # fmt: skip
+    assert rest == b"*2\r\n:1\r\n:5"
+    assert parse_replies(rest + b"\r\n") == ([[1, 5]], b"")
+
+
 def test_owed_replies_are_read_after_the_next_request_is_written(
     redislock_client: redis.Redis,
 ) -> None:
@@ -629,8 +646,11 @@ def test_request_templates_encode_as_pack_does(lease: str, info: str) -> None:
     """The usual ACQUIRE and RELEASE calls, encoded from a template on every
     task's path, are byte for byte what :func:`pack` makes of them; a value that
     is not ASCII is left to :func:`pack` (``None``)."""
-    key, queue = lock_module._keys("t:ab12", "p")
-    acquire = lock_module._packed_acquire(key, queue, "AbCdEfGhIjKl", 60_000, lease, "17", info)
+    # The lock's own ready-made fields (no connection is made).
+    lock = RedisLock(redis.Redis(port=1), "t:ab12", ttl=60, owner="AbCdEfGhIjKl", prefix="p")
+    key, queue = lock.key, lock.queue_key
+    assert (key, queue) == lock_module._keys("t:ab12", "p")
+    acquire = lock_module._packed_acquire(lock._keys_field, lock._ttl_field, lease, "17", info)
     expected = pack(
         [("EVALSHA", ACQUIRE_SCRIPT.sha, 2, key, queue, "AbCdEfGhIjKl", 60_000, lease, "17", "", "",
           info)]
@@ -642,11 +662,11 @@ def test_request_templates_encode_as_pack_does(lease: str, info: str) -> None:
         ("AbCdEfGhIjKl", "p:wake:", lease or "18", 0, "", 7, ""),
     ]:
         command = ("EVALSHA", RELEASE_SCRIPT.sha, 2, key, queue, *args)
-        release = lock_module._packed_release(key, queue, args)
+        release = lock_module._packed_release(lock._keys_field, lock._wake_field, args)
         ascii = all(str(arg).isascii() for arg in args)
         assert release == (pack([command]) if ascii else None)
     # Another shape (a release that reads the lock first) is left to pack().
-    assert lock_module._packed_release(key, queue, (*args, "read")) is None
+    assert lock_module._packed_release(lock._keys_field, lock._wake_field, (*args, "read")) is None
 
 
 @pytest.mark.parametrize("value", [True, 1.5, None, object()])

@@ -65,6 +65,7 @@ from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker import state as worker_state
 from celery.worker.request import Request as _CeleryRequest
 
+from celery_redislock import transport
 from celery_redislock.admin import LockInfo, force_release, read_lock
 from celery_redislock.dropped import drop_id
 from celery_redislock.task import (
@@ -159,7 +160,9 @@ class Request(_CeleryRequest):  # type: ignore[misc]
     def on_accepted(self, pid: int, time_accepted: float) -> None:
         task = self.task
         # The pool reports the process the task runs in: this one, in this thread.
-        if pid == os.getpid() and isinstance(task, SingletonTask):
+        # (This process's id as the transport keeps it, renewed in a forked
+        # child: not a system call on every task.)
+        if pid == transport._process_id and isinstance(task, SingletonTask):
             try:
                 task._acquire_ahead(self)
             except Exception:

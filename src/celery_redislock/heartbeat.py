@@ -523,17 +523,22 @@ class _Lane:
         read, and whether to ask the Sentinels which server is primary (see
         :meth:`watch_primary`)."""
         idle_since = self.clock()
+        # Only a Sentinel-managed primary's requests wait for a switch (see
+        # watch_primary()): no other lane asks when to check, on every wake.
+        follows_switches = self.transport.follows_switches
         while True:
-            self._drop_collected()
+            if self.collected:
+                self._drop_collected()
             now = self.clock()
             if self.heartbeat._stopping:
                 self.thread = None
                 return None
             times = [e.due for e in self.entries.values()]
-            times += [p.next_try for p in self.pending]
+            if self.pending:
+                times += [p.next_try for p in self.pending]
             if self.drain_at is not None:
                 times.append(self.drain_at)
-            check_at = self._check_at(now)
+            check_at = self._check_at(now) if follows_switches else None
             if check_at is not None:
                 times.append(check_at)
             if times:

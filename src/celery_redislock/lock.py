@@ -631,6 +631,12 @@ class RedisLock:
     on_lost: Callable[[RedisLock], Any] | None
     #: The holder's description, as ACQUIRE takes it (see :func:`check_holder_info`).
     _info: str
+    #: RESP bulk strings of the values every ACQUIRE and RELEASE by digest of the
+    #: lock sends as they are (see :func:`_packed_acquire`): its key, queue key and
+    #: owner token, in that order; its TTL in ms; its wake channel prefix.
+    _keys_field: str
+    _ttl_field: str
+    _wake_field: str
     #: Guards every object's local hold state (its sections are a few
     #: assignments, never a request or a callback). One for all objects, so that
     #: a child forked while another thread held it can be given a new one.
@@ -724,9 +730,12 @@ class RedisLock:
         hold began, should it wait for it (see :meth:`_stamp_since`)."""
         ttl = float(ttl)
         kept = {"_since_kept": True} if since_kept else {}
+        wake_prefix = wake_channel_prefix(prefix)
         return {
             **kept,
             "ttl": ttl,
+            "_ttl_field": _bulk(str(max(1, int(ttl * 1000)))),
+            "_wake_field": _bulk(wake_prefix),
             "heartbeat_interval": ttl / 3 if heartbeat_interval is None else heartbeat_interval,
             "blocking_timeout": blocking_timeout,
             "call_timeout": call_timeout,
@@ -734,7 +743,7 @@ class RedisLock:
             "replica_timeout": replica_timeout,
             "client": client,
             "prefix": prefix,
-            "wake_prefix": wake_channel_prefix(prefix),
+            "wake_prefix": wake_prefix,
             "heartbeat": heartbeat,
             "on_lost": on_lost,
             "_heartbeat": beat,
@@ -761,8 +770,11 @@ class RedisLock:
         state = self.__dict__
         state.update(shared)
         state["name"] = name
-        state["key"], state["queue_key"] = _keys(name, shared["prefix"])
+        state["key"], state["queue_key"] = key, queue_key = _keys(name, shared["prefix"])
         state["owner"] = owner
+        state["_keys_field"] = (
+            f"${len(key)}\r\n{key}\r\n${len(queue_key)}\r\n{queue_key}\r\n${len(owner)}\r\n{owner}\r\n"
+        )
         state["lease"] = lease
         state["_info"] = info
 
@@ -1206,7 +1218,7 @@ class RedisLock:
         if RELEASE_SCRIPT.sha in transport.scripts:
             command = ("EVALSHA", RELEASE_SCRIPT.sha, 2, self.key, self.queue_key, *args)
             if not ahead:
-                packed = _packed_release(self.key, self.queue_key, args)
+                packed = _packed_release(self._keys_field, self._wake_field, args)
         else:
             command = ("EVAL", RELEASE_SCRIPT.text, 2, self.key, self.queue_key, *args)
         try:
@@ -1603,13 +1615,7 @@ class RedisLock:
         if ACQUIRE_SCRIPT.sha in transport.scripts:
             if self._info and not self._handed_from and not self._gone_waiters:
                 packed = _packed_acquire(
-                    self.key,
-                    self.queue_key,
-                    self.owner,
-                    max(1, int(self.ttl * 1000)),
-                    self.lease,
-                    ahead.request,
-                    self._info,
+                    self._keys_field, self._ttl_field, self.lease, ahead.request, self._info
                 )
             script = ("EVALSHA", ACQUIRE_SCRIPT.sha, 2, self.key, self.queue_key)
         else:
@@ -2262,37 +2268,44 @@ _RELEASE_HEAD = (
 )
 
 
+def _bulk(text: str) -> str:
+    """``text`` as a RESP bulk string, as :func:`~celery_redislock.transport.pack`
+    encodes an ASCII argument."""
+    return f"${len(text)}\r\n{text}\r\n"
+
+
 def _packed_acquire(
-    key: str, queue_key: str, owner: str, ttl_ms: int, lease: str, request: str, info: str
+    keys_field: str, ttl_field: str, lease: str, request: str, info: str
 ) -> bytes | None:
     """What :func:`~celery_redislock.transport.pack` makes of the usual ACQUIRE
     call by digest (a first try, not queued, with a holder description, nothing
     handed over, no gone waiters: ``EVALSHA <sha> 2 key queue_key owner ttl_ms
     lease request "" "" info``), made from one template rather than argument by
-    argument: every task's acquire is one. ``None`` if a value is not ASCII (its
+    argument: every task's acquire is one. ``keys_field`` and ``ttl_field``: the
+    lock's ready-made bulk strings of the key, queue key and owner token, and of
+    the TTL (see :meth:`RedisLock._fill`). ``None`` if a value is not ASCII (its
     length in bytes differs): :func:`pack` encodes that one."""
-    ttl = str(ttl_ms)
     text = (
-        f"*12\r\n{_ACQUIRE_HEAD}${len(key)}\r\n{key}\r\n${len(queue_key)}\r\n{queue_key}\r\n"
-        f"${len(owner)}\r\n{owner}\r\n${len(ttl)}\r\n{ttl}\r\n${len(lease)}\r\n{lease}\r\n"
+        f"*12\r\n{_ACQUIRE_HEAD}{keys_field}{ttl_field}${len(lease)}\r\n{lease}\r\n"
         f"${len(request)}\r\n{request}\r\n$0\r\n\r\n$0\r\n\r\n${len(info)}\r\n{info}\r\n"
     )
     return text.encode() if text.isascii() else None
 
 
-def _packed_release(key: str, queue_key: str, args: tuple[Any, ...]) -> bytes | None:
+def _packed_release(keys_field: str, wake_field: str, args: tuple[Any, ...]) -> bytes | None:
     """What :func:`~celery_redislock.transport.pack` makes of a RELEASE call by
     digest with these ARGV, as :meth:`RedisLock.release` makes them (the free
-    TTL an ``int``, the fence an ``int`` or ``""``, the others ``str``), made
-    from one template, as :func:`_packed_acquire` does; ``None`` for another
-    shape than the usual seven, or a value not ASCII."""
+    TTL an ``int``, the fence an ``int`` or ``""``, the others ``str``; the
+    owner token and the wake channel prefix the lock's own, whose bulk strings
+    ``keys_field`` and ``wake_field`` are), made from one template, as
+    :func:`_packed_acquire` does; ``None`` for another shape than the usual
+    seven, or a value not ASCII."""
     if len(args) != 7:
         return None
-    owner, wake, request, free_ttl, change, token, released = args
+    _owner, _wake, request, free_ttl, change, token, released = args
     free, fence = str(free_ttl), str(token)
     text = (
-        f"*12\r\n{_RELEASE_HEAD}${len(key)}\r\n{key}\r\n${len(queue_key)}\r\n{queue_key}\r\n"
-        f"${len(owner)}\r\n{owner}\r\n${len(wake)}\r\n{wake}\r\n${len(request)}\r\n{request}"
+        f"*12\r\n{_RELEASE_HEAD}{keys_field}{wake_field}${len(request)}\r\n{request}"
         f"\r\n${len(free)}\r\n{free}\r\n${len(change)}\r\n{change}\r\n${len(fence)}\r\n{fence}"
         f"\r\n${len(released)}\r\n{released}\r\n"
     )

@@ -33,6 +33,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 import select
 import socket
 import threading
@@ -1441,6 +1442,32 @@ class _Link:
                 clients: the connection is closed; the server still loading its
                 data: it stays open, every reply read).
         """
+        if count == 1:
+            # The usual read, one reply (a script's, a deferred release's), whole in
+            # what came in already or in one receive: taken without the loop below,
+            # which a reply that is an error, or not in yet, goes on to.
+            data = self.unread
+            if not data:
+                try:
+                    data = self.receive(deadline, transport, ready)
+                except _Step:
+                    pass
+                else:
+                    if not data:
+                        self.close()
+                        raise RedisConnectionError(
+                            f"{transport.describe(self.address)} closed the connection"
+                        )
+                    self.unread, ready = data, False
+            if data:
+                try:
+                    reply, at = _parse(data, 0)
+                except _Incomplete:
+                    pass
+                else:
+                    if not isinstance(reply, RedisError):
+                        self.unread = data[at:]
+                        return [reply]
         replies: list[Any] = []
         loading: BusyLoadingError | None = None
         # Whether a command of the request was not refused so: it may have run.
@@ -1505,6 +1532,11 @@ def parse_replies(data: bytes) -> tuple[list[Any], bytes]:
 _SMALL_INTS = {str(n).encode(): n for n in range(-1, 1024)}
 
 
+#: Arrays of ``n`` integer items, by ``n`` (a few: the scripts' replies), matched
+#: whole by one expression rather than item by item.
+_INTEGERS = tuple(re.compile(rb":(-?[0-9]+)\r\n" * n) for n in range(8))
+
+
 def _parse(data: bytes, at: int) -> tuple[Any, int]:
     """One RESP2 reply from ``data[at:]``, and where it ends.
 
@@ -1534,6 +1566,10 @@ def _parse(data: bytes, at: int) -> tuple[Any, int]:
         size = int(line) if number is None else number
         if size < 0:
             return None, at
+        whole = _INTEGERS[size].match(data, at) if size < len(_INTEGERS) else None
+        if whole is not None:
+            # Integers only, all in: the usual reply of a script, matched at once.
+            return list(map(int, whole.groups())), whole.end()
         items: list[Any] = []
         for _item in range(size):
             if at < len(data) and data[at] == 0x3A:
