@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,15 @@ def celery(
         timeout=60,
         check=False,
     )
+
+
+def celery_together(
+    url: str, *commands: tuple[str, ...], **env: str
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run each of ``commands`` as :func:`celery` would, all at once (for commands
+    that each wait out a timeout and leave the store alone): their results, in order."""
+    with ThreadPoolExecutor(max_workers=len(commands)) as pool:
+        return list(pool.map(lambda args: celery(url, *args, **env), commands))
 
 
 def celery_here(app: Celery, *args: str) -> subprocess.CompletedProcess[str]:
@@ -1189,17 +1199,18 @@ def test_a_frozen_broker_does_not_hang_show_release_or_purge(
     """With the broker frozen (it accepts connections and answers nothing), `show`
     ends and says the broker did not answer; `release` and `purge` refuse, as when
     the workers cannot be asked, unless --force. (The subprocess timeout is the
-    guard against a hang.)"""
+    guard against a hang.) The three commands that wait for the broker run side by
+    side: none of them changes the lock."""
     broker = redislock_server_factory()
     store = str(app.conf.redislock_url)
     name = leave_stale_lock(cli_app.report, 14, ttl=60)
     with broker.paused():
-        shown = celery(broker.url, "show", name, "--timeout", "0.1", REDISLOCK_TEST_LOCK_URL=store)
-        released = celery(
-            broker.url, "release", name, "--yes", "--timeout", "0.1", REDISLOCK_TEST_LOCK_URL=store
-        )
-        purged = celery(
-            broker.url, "purge", "--all", "--yes", "--timeout", "0.1", REDISLOCK_TEST_LOCK_URL=store
+        shown, released, purged = celery_together(
+            broker.url,
+            ("show", name, "--timeout", "0.1"),
+            ("release", name, "--yes", "--timeout", "0.1"),
+            ("purge", "--all", "--yes", "--timeout", "0.1"),
+            REDISLOCK_TEST_LOCK_URL=store,
         )
         assert read_lock(locks, name) is not None
         forced = celery(
