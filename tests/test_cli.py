@@ -107,7 +107,12 @@ def celery_together(
     """Run each of ``commands`` as :func:`celery` would, all at once (for commands
     that each wait out a timeout and leave the store alone): their results, in order."""
     with ThreadPoolExecutor(max_workers=len(commands)) as pool:
-        return list(pool.map(lambda args: celery(url, *args, **env), commands))
+        return list(
+            pool.map(
+                lambda args: celery(url, *args, app="tests.cli_app", stdin=None, cwd=ROOT, **env),
+                commands,
+            )
+        )
 
 
 def celery_here(app: Celery, *args: str) -> subprocess.CompletedProcess[str]:
@@ -387,13 +392,13 @@ def test_list_locks_scans_every_cluster_primary(redislock_cluster: ClusterDeploy
 
 
 def test_locks_of_a_slot_half_moved_are_listed_once_read_and_freed(
-    redislock_cluster_factory: Callable[..., ClusterDeployment],
+    resharding_cluster: ClusterDeployment,
 ) -> None:
     """While a lock's cluster slot is half-way moved to another primary (its keys
     there, the slot not yet: resharding under way, or stopped part-way), the lock
     is listed once, with its waiter, beside the others, read by name and by
     holder, and freed (handed to its waiter, whose queue moved with it)."""
-    cluster = redislock_cluster_factory(masters=3)
+    cluster = resharding_cluster
     client = cluster.client()
     try:
         still = RedisLock(client, "not-moving", ttl=60, lease="still-id")
@@ -430,13 +435,13 @@ def test_locks_of_a_slot_half_moved_are_listed_once_read_and_freed(
 
 @pytest.mark.slow
 def test_the_command_reads_a_half_moved_slot_and_says_what_blocks_a_release(
-    redislock_server: RedisServer, redislock_cluster_factory: Callable[..., ClusterDeployment]
+    redislock_server: RedisServer, resharding_cluster: ClusterDeployment
 ) -> None:
     """With a lock's slot half-way moved, `list`, `stats` and `show` read it; a
     release that the cluster refuses until the move ends (the lock's keys would
     be split between the two primaries) fails in one line saying so, and what
     ends the move; once it has ended, the release frees the lock."""
-    cluster = redislock_cluster_factory(masters=3)
+    cluster = resharding_cluster
     ports = ",".join(str(node.port) for node in cluster.nodes)
     client = cluster.client()
 
