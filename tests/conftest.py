@@ -85,8 +85,8 @@ def resharding_cluster(
     _resharding_clusters: list[ClusterDeployment],
 ) -> Iterator[ClusterDeployment]:
     """Three primaries (no replicas), shared by the tests that move slots between
-    them: a cluster takes seconds to start (a new primary waits two before it
-    serves), a move only milliseconds.
+    them: a cluster takes more than two seconds to start (a new primary waits two
+    seconds before it serves), a slot move only milliseconds.
 
     Each test finds every slot settled on some primary and no key anywhere;
     which primary serves which slots is whatever the moves before it left, so a
