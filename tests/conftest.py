@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
+from collections.abc import Iterator
 
 import pytest
+
+from celery_redislock.deployments import ClusterDeployment
+from tests.support import node_command
 
 # The same opt-in plugin users enable: private servers, deployments, helpers.
 pytest_plugins = ["celery_redislock.testing"]
@@ -59,3 +64,56 @@ def _root_log_level_restored(_root_log_level: int) -> None:
     dropped, and log assertions would depend on which tests ran before.
     """
     logging.getLogger().setLevel(_root_log_level)
+
+
+#: A slot a node is moving out (``[slot->-id]``) or in (``[slot-<-id]``), in its own
+#: line of ``CLUSTER NODES``.
+_MOVING_SLOT = re.compile(r"\[(\d+)-[<>]-")
+
+
+@pytest.fixture(scope="session")
+def _resharding_clusters() -> Iterator[list[ClusterDeployment]]:
+    """The cluster :func:`resharding_cluster` hands out (none until a test asks)."""
+    clusters: list[ClusterDeployment] = []
+    yield clusters
+    for cluster in clusters:
+        cluster.stop()
+
+
+@pytest.fixture
+def resharding_cluster(
+    _resharding_clusters: list[ClusterDeployment],
+) -> Iterator[ClusterDeployment]:
+    """Three primaries (no replicas), shared by the tests that move slots between
+    them: a cluster takes more than two seconds to start (a new primary waits two
+    seconds before it serves), a slot move only milliseconds.
+
+    Each test finds every slot settled on some primary and no key anywhere;
+    which primary serves which slots is whatever the moves before it left, so a
+    test picks its source and target from the cluster as it finds it. After
+    each test, a move it left under way is called off and every key deleted; a
+    cluster that does not settle again is replaced by a new one.
+    """
+    if not _resharding_clusters:
+        _resharding_clusters.append(ClusterDeployment(masters=3).start())
+    cluster = _resharding_clusters[0]
+    yield cluster
+    try:
+        _reset_cluster(cluster)
+    except Exception:
+        _resharding_clusters.remove(cluster)
+        cluster.stop()
+
+
+def _reset_cluster(cluster: ClusterDeployment) -> None:
+    """Call off every slot move under way, delete every key, and wait until the
+    cluster's nodes agree again."""
+    for node in cluster.primaries():
+        nodes = node_command(node, "CLUSTER", "NODES")
+        text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+        (own,) = [line for line in text.splitlines() if "myself" in line.split()[2]]
+        for slot in _MOVING_SLOT.findall(own):
+            node_command(node, "CLUSTER", "SETSLOT", int(slot), "STABLE")
+    for node in cluster.primaries():
+        node_command(node, "FLUSHALL")
+    cluster.wait_until_ok(10.0)

@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -100,17 +101,34 @@ def celery(
     )
 
 
-def celery_here(app: Celery, *args: str) -> subprocess.CompletedProcess[str]:
+def celery_together(
+    url: str, *commands: tuple[str, ...], **env: str
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run each of ``commands`` as :func:`celery` would, all at once (for commands
+    that each wait out a timeout and leave the store alone): their results, in order."""
+    with ThreadPoolExecutor(max_workers=len(commands)) as pool:
+        return list(
+            pool.map(
+                lambda args: celery(url, *args, app="tests.cli_app", stdin=None, cwd=ROOT, **env),
+                commands,
+            )
+        )
+
+
+def celery_here(
+    app: Celery, *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``celery -A tests.cli_app redislock ARGS`` in this process, through Celery's
     own command line: the same command as :func:`celery`, for checks that need no
     other configuration than this process's ``app`` (which ``-A`` finds), without
-    a new interpreter's start (a second or so each)."""
+    a new interpreter's start (a second or so each). ``stdin`` is what the command
+    reads as its answers."""
     assert app is cli_app.app
     try:
         runner = CliRunner(mix_stderr=False)  # type: ignore[call-arg]
     except TypeError:  # click 8.2 and later keep stderr apart anyway
         runner = CliRunner()
-    result = runner.invoke(celery_command, ["-A", "tests.cli_app", "redislock", *args])
+    result = runner.invoke(celery_command, ["-A", "tests.cli_app", "redislock", *args], input=stdin)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return subprocess.CompletedProcess(
@@ -377,13 +395,13 @@ def test_list_locks_scans_every_cluster_primary(redislock_cluster: ClusterDeploy
 
 
 def test_locks_of_a_slot_half_moved_are_listed_once_read_and_freed(
-    redislock_cluster_factory: Callable[..., ClusterDeployment],
+    resharding_cluster: ClusterDeployment,
 ) -> None:
     """While a lock's cluster slot is half-way moved to another primary (its keys
     there, the slot not yet: resharding under way, or stopped part-way), the lock
     is listed once, with its waiter, beside the others, read by name and by
     holder, and freed (handed to its waiter, whose queue moved with it)."""
-    cluster = redislock_cluster_factory(masters=3)
+    cluster = resharding_cluster
     client = cluster.client()
     try:
         still = RedisLock(client, "not-moving", ttl=60, lease="still-id")
@@ -420,13 +438,13 @@ def test_locks_of_a_slot_half_moved_are_listed_once_read_and_freed(
 
 @pytest.mark.slow
 def test_the_command_reads_a_half_moved_slot_and_says_what_blocks_a_release(
-    redislock_server: RedisServer, redislock_cluster_factory: Callable[..., ClusterDeployment]
+    redislock_server: RedisServer, resharding_cluster: ClusterDeployment
 ) -> None:
     """With a lock's slot half-way moved, `list`, `stats` and `show` read it; a
     release that the cluster refuses until the move ends (the lock's keys would
     be split between the two primaries) fails in one line saying so, and what
     ends the move; once it has ended, the release frees the lock."""
-    cluster = redislock_cluster_factory(masters=3)
+    cluster = resharding_cluster
     ports = ",".join(str(node.port) for node in cluster.nodes)
     client = cluster.client()
 
@@ -707,8 +725,7 @@ def test_list_text_and_json(app: Celery, locks: redis.Redis, worker: Any) -> Non
     running = running_report(app, locks, 2)
     plain = RedisLock(locks, "plain:1", ttl=30, lease="lease-1")
     assert plain.acquire()
-    url = str(app.conf.redislock_url)
-    text = celery(url, "list")
+    text = celery_here(app, "list")
     assert text.returncode == 0, text.stderr
     header, *rows, total = text.stdout.splitlines()
     assert header.split() == [
@@ -728,7 +745,7 @@ def test_list_text_and_json(app: Celery, locks: redis.Redis, worker: Any) -> Non
     report_row = next(row.split() for row in rows if row.startswith("cliapp.report:"))
     assert report_row[1:4] == ["cliapp.report", running.id, "running"]
     assert report_row[5] == str(os.getpid())
-    listed = celery(url, "list", "--json")
+    listed = celery_here(app, "list", "--json")
     assert listed.returncode == 0, listed.stderr
     document = json.loads(listed.stdout)
     jsonschema.validate(document, LIST_SCHEMA)
@@ -738,13 +755,13 @@ def test_list_text_and_json(app: Celery, locks: redis.Redis, worker: Any) -> Non
         "plain:1",
         cli_app.report.lock_name((2,), {}),
     }
-    only = json.loads(celery(url, "list", "--json", "--state", "running").stdout)
+    only = json.loads(celery_here(app, "list", "--json", "--state", "running").stdout)
     assert [lock["holder"] for lock in only["locks"]] == [running.id]
-    by_holder = json.loads(celery(url, "list", "--json", "--holder", "lease-1").stdout)
+    by_holder = json.loads(celery_here(app, "list", "--json", "--holder", "lease-1").stdout)
     assert [lock["name"] for lock in by_holder["locks"]] == ["plain:1"]
-    by_pattern = json.loads(celery(url, "list", "plain:*", "--json").stdout)
+    by_pattern = json.loads(celery_here(app, "list", "plain:*", "--json").stdout)
     assert by_pattern["count"] == 1
-    by_task = json.loads(celery(url, "list", "--task", "cliapp.report", "--json").stdout)
+    by_task = json.loads(celery_here(app, "list", "--task", "cliapp.report", "--json").stdout)
     assert by_task["locks"][0]["holder"] == running.id
     finish_report(locks, 2, running)
     plain.release()
@@ -760,16 +777,15 @@ def test_show_by_name_and_by_task_id(app: Celery, locks: redis.Redis, worker: An
     """`show` finds a lock by name or by its holder's task id, and tells what the result
     backend and the live workers know of the holder."""
     running = running_report(app, locks, 3)
-    url = str(app.conf.redislock_url)
     name = cli_app.report.lock_name((3,), {})
-    by_id = celery(url, "show", running.id)
+    by_id = celery_here(app, "show", running.id)
     assert by_id.returncode == 0, by_id.stderr
     fields = dict(line.split(None, 1) for line in by_id.stdout.splitlines() if line.strip())
     assert fields["name"] == name
     assert fields["state"] == "running"
     assert fields["worker"] == "cli-worker@test reports it active"
     assert fields["result"] == "PENDING"
-    shown = celery(url, "show", name, "--json")
+    shown = celery_here(app, "show", name, "--json")
     document = json.loads(shown.stdout)
     jsonschema.validate(document, SHOW_SCHEMA)
     (entry,) = document["locks"]
@@ -779,7 +795,7 @@ def test_show_by_name_and_by_task_id(app: Celery, locks: redis.Redis, worker: An
     assert entry["holder_status"]["worker"] == "cli-worker@test"
     assert entry["holder_status"]["worker_state"] == "active"
     finish_report(locks, 3, running)
-    missing = celery(url, "show", "no-such-lock")
+    missing = celery_here(app, "show", "no-such-lock")
     assert "no lock named 'no-such-lock' is held" in one_line_failure(missing)
 
 
@@ -815,7 +831,6 @@ def test_since_of_a_waiter_handed_the_lock_is_when_it_got_it(
     """A task that waited for its lock, handed over by its holder's release, holds it
     since then, not since it began to wait: `show` and `stats` (the oldest hold, as
     lock_stats finds it) say so, in the lock store's clock as the release ran."""
-    url = str(app.conf.redislock_url)
     first = cli_app.waiting.delay(20, "first")
     held_by(locks, 20, first.id)
     second, before = queued_waiting_task(locks, 20, "second")
@@ -830,7 +845,7 @@ def test_since_of_a_waiter_handed_the_lock_is_when_it_got_it(
     assert held.since is not None
     assert held.since >= before
     assert re.fullmatch(r"\d+\.\d{3}", fields(locks, lock_keys(held.name)[0])["b"])
-    shown = json.loads(celery(url, "show", second.id, "--json").stdout)
+    shown = json.loads(celery_here(app, "show", second.id, "--json").stdout)
     (entry,) = shown["locks"]
     assert entry["lock"]["since"] == held.since
     assert lock_stats(list_locks(locks))["oldest"]["since"] == held.since
@@ -843,11 +858,10 @@ def test_since_of_a_waiter_an_operator_release_hands_the_lock_to_is_when_it_got_
 ) -> None:
     """`release --force` of a running holder hands the lock to the task waiting for
     it, whose hold begins then."""
-    url = str(app.conf.redislock_url)
     first = cli_app.waiting.delay(21, "first")
     held_by(locks, 21, first.id)
     second, before = queued_waiting_task(locks, 21, "second")
-    forced = celery(url, "release", "--holder", first.id, "--yes", "--force")
+    forced = celery_here(app, "release", "--holder", first.id, "--yes", "--force")
     assert forced.returncode == 0, forced.stderr
     held = held_by(locks, 21, second.id)
     assert held.since is not None
@@ -878,7 +892,6 @@ def test_show_lists_a_locks_waiters_and_finds_a_waiting_task_by_its_id(
     """`show NAME` lists the tasks queued for the lock (task id, task, node, pid, since
     when they wait), under "waiting" and in --json; `show TASK_ID` of a waiting task
     says which lock it waits for, and where in the queue, and shows that lock."""
-    url = str(app.conf.redislock_url)
     holder = RedisLock(locks, "queue:1", ttl=60, lease="holder-id")
     assert holder.acquire()
     since = time.time() - 5
@@ -888,7 +901,7 @@ def test_show_lists_a_locks_waiters_and_finds_a_waiting_task_by_its_id(
     )
     got, thread = acquire_in_thread(waiter, 30)
     wait_for(lambda: locks.zcard(holder.queue_key) == 1, what="the waiter to queue")
-    by_name = celery(url, "show", "queue:1", "--json", *NO_WORKER_WAIT)
+    by_name = celery_here(app, "show", "queue:1", "--json", *NO_WORKER_WAIT)
     assert by_name.returncode == 0, by_name.stderr
     document = json.loads(by_name.stdout)
     jsonschema.validate(document, SHOW_SCHEMA)
@@ -896,7 +909,7 @@ def test_show_lists_a_locks_waiters_and_finds_a_waiting_task_by_its_id(
     assert entry["waiting"] == [
         {**described, "task_id": "waiter-id", "pid": 42, "since": pytest.approx(since)}
     ]
-    by_id = celery(url, "show", "waiter-id", *NO_WORKER_WAIT)
+    by_id = celery_here(app, "show", "waiter-id", *NO_WORKER_WAIT)
     assert by_id.returncode == 0, by_id.stderr
     lines = by_id.stdout.splitlines()
     assert lines[0] == "waiter-id is waiting for queue:1, number 1 in its queue"
@@ -964,23 +977,22 @@ def test_release_of_a_task_id_or_a_mistyped_name_says_what_to_give(
     locks. `release --holder` given a lock name says to give it as NAME, and
     `--task` a task the app does not have lists those it has."""
     running = running_report(app, locks, 15)
-    url = str(app.conf.redislock_url)
     name = cli_app.report.lock_name((15,), {})
-    by_id = one_line_failure(celery(url, "release", running.id, "--yes"))
+    by_id = one_line_failure(celery_here(app, "release", running.id, "--yes"))
     assert by_id == (
         f"Error: no lock named {running.id!r} is held; {running.id} is the task id holding "
         f"{name}: use --holder {running.id}"
     )
     nobody = str(uuid.uuid4())
-    gone = one_line_failure(celery(url, "release", nobody, "--yes"))
+    gone = one_line_failure(celery_here(app, "release", nobody, "--yes"))
     assert f"no lock is held by task id {nobody} either (--holder TASK_ID" in gone
     assert "`celery -A tests.cli_app redislock list` shows the held locks" in gone
-    by_name = one_line_failure(celery(url, "release", "--holder", name, "--yes"))
+    by_name = one_line_failure(celery_here(app, "release", "--holder", name, "--yes"))
     assert by_name == (
         f"Error: no lock is held by task id {name!r}; {name!r} is a lock's name: "
         f"release it with `release {name}`"
     )
-    typo = one_line_failure(celery(url, "release", "--task", "cliapp.reprot", "--yes"))
+    typo = one_line_failure(celery_here(app, "release", "--task", "cliapp.reprot", "--yes"))
     assert typo == (
         "Error: no lock of task cliapp.reprot is held (app 'cliapp' has no task "
         "'cliapp.reprot'; its SingletonTasks: cliapp.queued, cliapp.report, cliapp.waiting)"
@@ -992,13 +1004,12 @@ def test_release_of_a_task_id_or_a_mistyped_name_says_what_to_give(
 def test_release_asks_first(app: Celery, locks: redis.Redis) -> None:
     """`release NAME` lists what it would free and asks; 'n' (or no answer) frees
     nothing, 'y' frees it and says whose lock it evicted."""
-    url = str(app.conf.redislock_url)
     name = leave_stale_lock(cli_app.report, 5, ttl=30)
-    declined = celery(url, "release", name, *NO_WORKER_WAIT, stdin="n\n")
+    declined = celery_here(app, "release", name, *NO_WORKER_WAIT, stdin="n\n")
     assert declined.returncode == 1
     assert "Aborted!" in declined.stderr
     assert read_lock(locks, name) is not None
-    confirmed = celery(url, "release", name, *NO_WORKER_WAIT, stdin="y\n")
+    confirmed = celery_here(app, "release", name, *NO_WORKER_WAIT, stdin="y\n")
     assert confirmed.returncode == 0, confirmed.stderr
     assert f"released {name}: evicted task cliapp.report, holder crashed-" in confirmed.stdout
     assert "running on crashed@leave_stale_lock" in confirmed.stdout
@@ -1010,9 +1021,8 @@ def test_release_warns_of_a_holder_whose_node_did_not_answer(
 ) -> None:
     """A lock described as running on a node that does not answer (here, gone) is
     released after a warning saying that its node did not answer."""
-    url = str(app.conf.redislock_url)
     name = leave_stale_lock(cli_app.report, 9, ttl=30)
-    released = celery(url, "release", name, "--yes", "--timeout", "0.5")
+    released = celery_here(app, "release", name, "--yes", "--timeout", "0.5")
     assert released.returncode == 0, released.stderr
     assert "node crashed@leave_stale_lock did not answer within 0.5 s" in released.stderr
     assert read_lock(locks, name) is None
@@ -1021,24 +1031,25 @@ def test_release_warns_of_a_holder_whose_node_did_not_answer(
 def test_release_by_pattern_holder_and_task(app: Celery, locks: redis.Redis) -> None:
     """`release` takes exactly one of NAME, --pattern, --holder or --task; a NAME that
     looks like a glob gets a hint to use --pattern."""
-    url = str(app.conf.redislock_url)
     for account in (6, 7, 8):
         leave_stale_lock(cli_app.report, account, ttl=30)
-    hint = celery(url, "release", "cliapp.report:*", "--yes")
+    hint = celery_here(app, "release", "cliapp.report:*", "--yes")
     assert "use --pattern 'cliapp.report:*'" in one_line_failure(hint)
     holder = list_locks(locks)[0].holder
     assert holder is not None
-    by_holder = celery(url, "release", "--holder", holder, "--yes", *NO_WORKER_WAIT)
+    by_holder = celery_here(app, "release", "--holder", holder, "--yes", *NO_WORKER_WAIT)
     assert by_holder.returncode == 0, by_holder.stderr
     assert len(list_locks(locks)) == 2
-    by_pattern = celery(url, "release", "--pattern", "cliapp.report:*", "--yes", *NO_WORKER_WAIT)
+    by_pattern = celery_here(
+        app, "release", "--pattern", "cliapp.report:*", "--yes", *NO_WORKER_WAIT
+    )
     assert by_pattern.stdout.count("released ") == 2
     assert list_locks(locks) == []
     leave_stale_lock(cli_app.report, 9, ttl=30)
-    by_task = celery(url, "release", "--task", "cliapp.report", "--yes", *NO_WORKER_WAIT)
+    by_task = celery_here(app, "release", "--task", "cliapp.report", "--yes", *NO_WORKER_WAIT)
     assert by_task.returncode == 0, by_task.stderr
     assert list_locks(locks) == []
-    both = celery(url, "release", "x:1", "--task", "cliapp.report")
+    both = celery_here(app, "release", "x:1", "--task", "cliapp.report")
     assert both.returncode == 2
     assert "exactly one of" in one_line_failure(both)
 
@@ -1049,14 +1060,13 @@ def test_release_refuses_a_running_holder_unless_forced(
     """A lock whose holder a live worker is running is not released without --force;
     with it, the lock is freed and the running task finds it lost."""
     running = running_report(app, locks, 10)
-    url = str(app.conf.redislock_url)
     name = cli_app.report.lock_name((10,), {})
-    refused = celery(url, "release", name, "--yes")
+    refused = celery_here(app, "release", name, "--yes")
     line = one_line_failure(refused)
     assert f"its holder {running.id} is running on cli-worker@test" in line
     assert "--force" in line
     assert read_lock(locks, name) is not None
-    forced = celery(url, "release", name, "--yes", "--force")
+    forced = celery_here(app, "release", name, "--yes", "--force")
     assert forced.returncode == 0, forced.stderr
     assert f"released {name}: evicted task cliapp.report, holder {running.id}" in forced.stdout
     assert (
@@ -1189,17 +1199,18 @@ def test_a_frozen_broker_does_not_hang_show_release_or_purge(
     """With the broker frozen (it accepts connections and answers nothing), `show`
     ends and says the broker did not answer; `release` and `purge` refuse, as when
     the workers cannot be asked, unless --force. (The subprocess timeout is the
-    guard against a hang.)"""
+    guard against a hang.) The three commands that wait for the broker run side by
+    side: none of them changes the lock."""
     broker = redislock_server_factory()
     store = str(app.conf.redislock_url)
     name = leave_stale_lock(cli_app.report, 14, ttl=60)
     with broker.paused():
-        shown = celery(broker.url, "show", name, "--timeout", "0.1", REDISLOCK_TEST_LOCK_URL=store)
-        released = celery(
-            broker.url, "release", name, "--yes", "--timeout", "0.1", REDISLOCK_TEST_LOCK_URL=store
-        )
-        purged = celery(
-            broker.url, "purge", "--all", "--yes", "--timeout", "0.1", REDISLOCK_TEST_LOCK_URL=store
+        shown, released, purged = celery_together(
+            broker.url,
+            ("show", name, "--timeout", "0.1"),
+            ("release", name, "--yes", "--timeout", "0.1"),
+            ("purge", "--all", "--yes", "--timeout", "0.1"),
+            REDISLOCK_TEST_LOCK_URL=store,
         )
         assert read_lock(locks, name) is not None
         forced = celery(
@@ -1238,35 +1249,35 @@ def test_show_with_a_frozen_result_backend_says_it_timed_out(
 
 def test_purge(app: Celery, locks: redis.Redis) -> None:
     """`purge` frees every lock of a task, of a node, or of the app, after the same checks."""
-    url = str(app.conf.redislock_url)
-    nothing = celery(url, "purge")
+    nothing = celery_here(app, "purge")
     assert nothing.returncode == 2
     assert "--task NAME, --node NODENAME or --all" in one_line_failure(nothing)
     leave_stale_lock(cli_app.report, 11, ttl=30)
     leave_stale_lock(cli_app.queued, "x", ttl=30)
-    by_node = celery(url, "purge", "--node", "crashed@leave_stale_lock", "--yes", *NO_WORKER_WAIT)
+    by_node = celery_here(
+        app, "purge", "--node", "crashed@leave_stale_lock", "--yes", *NO_WORKER_WAIT
+    )
     assert by_node.stdout.count("released ") == 2, by_node.stderr
     leave_stale_lock(cli_app.report, 12, ttl=30)
     with hold_lock(cli_app.queued, "y"):
-        by_task = celery(url, "purge", "--task", "cliapp.report", "--yes", *NO_WORKER_WAIT)
+        by_task = celery_here(app, "purge", "--task", "cliapp.report", "--yes", *NO_WORKER_WAIT)
         assert by_task.stdout.count("released ") == 1, by_task.stderr
-        everything = celery(url, "purge", "--all", "--yes", *NO_WORKER_WAIT)
+        everything = celery_here(app, "purge", "--all", "--yes", *NO_WORKER_WAIT)
         assert everything.stdout.count("released ") == 1, everything.stderr
     assert list_locks(locks) == []
-    empty = celery(url, "purge", "--all", "--yes", *NO_WORKER_WAIT)
+    empty = celery_here(app, "purge", "--all", "--yes", *NO_WORKER_WAIT)
     assert empty.returncode == 0
     assert "no lock of the app is held" in empty.stdout
 
 
 def test_stats(app: Celery, locks: redis.Redis) -> None:
     """`stats` counts held locks by task and state; `--json` follows the schema."""
-    url = str(app.conf.redislock_url)
     leave_stale_lock(cli_app.report, 13, ttl=30)
     with hold_lock(cli_app.queued, "z"):
-        text = celery(url, "stats")
+        text = celery_here(app, "stats")
         assert text.returncode == 0, text.stderr
         assert text.stdout.startswith("2 lock(s) held, 0 waiter(s) queued")
-        document = json.loads(celery(url, "stats", "--json").stdout)
+        document = json.loads(celery_here(app, "stats", "--json").stdout)
     jsonschema.validate(document, STATS_SCHEMA)
     assert document["held"] == 2
     assert document["errors"] == []

@@ -1010,7 +1010,7 @@ def _held_half_moved(
 
 
 def test_cluster_locks_follow_their_slot_through_a_migration(
-    redislock_cluster_factory: Callable[..., ClusterDeployment],
+    resharding_cluster: ClusterDeployment,
 ) -> None:
     """A slot moved to another primary while its lock is held (resharding): half-way
     (the key moved, the slot not yet: ASK), the holder's calls follow the key to
@@ -1018,7 +1018,7 @@ def test_cluster_locks_follow_their_slot_through_a_migration(
     slot to settle (TRYAGAIN); once the slot has moved (MOVED), the heartbeat
     renews the held lock there, and it is released there. Nothing is reported
     lost."""
-    cluster = redislock_cluster_factory(masters=3)
+    cluster = resharding_cluster
     client = cluster.client()
     try:
         held, slot, target = _held_half_moved(cluster, client, "migrating", ttl=3)
@@ -1050,12 +1050,12 @@ def test_cluster_locks_follow_their_slot_through_a_migration(
 
 
 def test_cluster_renewals_follow_a_key_whose_slot_is_moving(
-    redislock_cluster_factory: Callable[..., ClusterDeployment],
+    resharding_cluster: ClusterDeployment,
 ) -> None:
     """While its slot is half-way moved (the key on the new primary, the slot not
     yet: ASK), the heartbeat renews the lock there: held through several TTLs of
     the move, it is not lost."""
-    cluster = redislock_cluster_factory(masters=3)
+    cluster = resharding_cluster
     client = cluster.client()
     try:
         held, slot, target = _held_half_moved(cluster, client, "migrating-renewed", ttl=1.5)
@@ -1072,13 +1072,13 @@ def test_cluster_renewals_follow_a_key_whose_slot_is_moving(
 
 @pytest.mark.parametrize("dropped", [False, True], ids=["kept", "dropped"])
 def test_cluster_release_read_later_follows_its_moving_slot(
-    redislock_cluster_factory: Callable[..., ClusterDeployment], dropped: bool
+    resharding_cluster: ClusterDeployment, dropped: bool
 ) -> None:
     """A release whose answer is read later (a task's), written to the old primary
     while its slot moves (ASK), is sent again in the background and lands where
     the key is now, freeing the lock, rather than leave it to its TTL; even once
     the lock object is gone, as a task's is when the task has ended."""
-    cluster = redislock_cluster_factory(masters=3)
+    cluster = resharding_cluster
     client = cluster.client()
     try:
         held, slot, target = _held_half_moved(cluster, client, "migrating-release", ttl=60)
@@ -2366,7 +2366,7 @@ def test_release_refused_after_its_one_write_leaves_the_lock_as_it_was(
 
 
 def test_a_moved_reply_updates_the_slot_map(
-    redislock_cluster_factory: Callable[..., ClusterDeployment],
+    resharding_cluster: ClusterDeployment,
 ) -> None:
     """Once a held lock's slot has moved whole to another primary (a finished
     resharding), the first request that meets MOVED updates the slot map, as
@@ -2374,7 +2374,7 @@ def test_a_moved_reply_updates_the_slot_map(
     later requests go there directly instead of to the old primary first (where
     each would meet MOVED again, and be sent after an ASKING as if the slot were
     still migrating)."""
-    cluster = redislock_cluster_factory(masters=3)
+    cluster = resharding_cluster
     client = cluster.client()
     try:
         held = RedisLock(client, "moved-slot", ttl=30, heartbeat=False)
@@ -2391,12 +2391,12 @@ def test_a_moved_reply_updates_the_slot_map(
 
 
 def test_renewals_move_to_the_lane_of_a_slot_that_moved(
-    redislock_cluster_factory: Callable[..., ClusterDeployment],
+    resharding_cluster: ClusterDeployment,
 ) -> None:
     """Once a held lock's slot has moved whole to another primary, its renewals
     go to the new primary's lane: not every round first to the old primary (to
     meet MOVED) and then to the new one, one lock at a time."""
-    cluster = redislock_cluster_factory(masters=3)
+    cluster = resharding_cluster
     client = cluster.client()
     try:
         held = RedisLock(client, "moved-renewed", ttl=1.5)

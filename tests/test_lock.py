@@ -2107,7 +2107,10 @@ def test_mutual_exclusion_history(redislock_url: str, client: redis.Redis) -> No
     """8 processes x 3 threads contend for one lock: no two critical sections overlap,
     no increment is lost, and tokens increase in the order the lock was taken."""
     processes, threads, sections = 8, 3, 8
-    ctx = multiprocessing.get_context("spawn")
+    # Fresh processes, forked from a server that has imported this module once
+    # (rather than each importing it again, a second or so apiece).
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     start = ctx.Barrier(processes * threads)
     out = ctx.Queue()
     workers = [

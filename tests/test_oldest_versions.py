@@ -65,8 +65,11 @@ def test_the_oldest_supported_releases_pass_the_integration_tests(
     the package admits (the rest taken from this environment) runs the tests of the
     worker integration and of the connection layer, and passes them."""
     venv = tmp_path / "oldest"
+    # No pip of its own (installing one is most of a new environment's set-up): the
+    # environment sees this one's packages, pip among them, which installs the pins
+    # into the new environment's site-packages, ahead of this one's.
     subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
         check=True,
         timeout=120,
     )
