@@ -23,6 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
 import jsonschema
 import pytest
 import redis
@@ -160,8 +165,6 @@ def test_compose_services_are_wired_as_documented() -> None:
 def test_dockerfile_installs_the_package() -> None:
     """The Dockerfile copies what `pip install .` needs (the package's source directory)
     and the example, which runs from the working directory."""
-    import tomllib
-
     text = DOCKERFILE.read_text()
     assert re.search(r"^FROM python:3\.\d+", text, re.MULTILINE)
     assert re.search(r"^RUN pip install \.", text, re.MULTILINE)

@@ -51,6 +51,28 @@ def floors() -> dict[str, str]:
     return found
 
 
+def this_environments_packages() -> list[str]:
+    """The directories this environment's packages are installed in: a virtual
+    environment's own (which ``venv --system-site-packages`` would not give a new
+    one: it gives the base interpreter's), those it sees of its base interpreter,
+    the user's."""
+    return [
+        entry
+        for entry in sys.path
+        if Path(entry).name in ("site-packages", "dist-packages") and Path(entry).is_dir()
+    ]
+
+
+def see_packages(python: str, directories: list[str]) -> None:
+    """Have the virtual environment of ``python`` import from ``directories``
+    too, after its own site-packages (a ``.pth`` file there)."""
+    own = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout.strip()  # fmt: skip
+    Path(own, "_tested_environment.pth").write_text("".join(f"{d}\n" for d in directories))
+
+
 def test_every_runtime_dependency_has_a_floor() -> None:
     """Each runtime dependency names the oldest release it admits, which the test
     below installs: none is left open."""
@@ -69,11 +91,10 @@ def test_the_oldest_supported_releases_pass_the_integration_tests(
     # environment sees this one's packages, pip among them, which installs the pins
     # into the new environment's site-packages, ahead of this one's.
     subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-        check=True,
-        timeout=120,
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
     )
     python = str(venv / "bin" / "python")
+    see_packages(python, this_environments_packages())
     pins = [f"{name}=={version}" for name, version in sorted(floors().items())]
     installed = subprocess.run(
         [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins],

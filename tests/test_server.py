@@ -97,16 +97,51 @@ def test_bad_explicit_binary(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "/nonexistent/redis-server" in str(excinfo.value)
 
 
+#: A process that starts a server from a thread once the main thread has returned,
+#: where starting a process with ``preexec_fn`` is refused then (as CPython 3.12.0
+#: and 3.12.1 do), prints the server's process id and waits.
+_REFUSED_AT_SHUTDOWN = """
+import subprocess, threading, time
+popen = subprocess.Popen
+
+def refusing(*args, **kwargs):
+    if kwargs.get("preexec_fn") is not None:
+        raise RuntimeError("preexec_fn not supported at interpreter shutdown")
+    return popen(*args, **kwargs)
+
+subprocess.Popen = refusing
+from celery_redislock.server import RedisServer
+
+def work():
+    while threading.main_thread().is_alive():
+        time.sleep(0.01)
+    server = RedisServer().start()
+    server.client().ping()
+    print(server.process.pid, flush=True)
+    time.sleep(60)
+
+threading.Thread(target=work).start()
+"""
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux-only")
-def test_server_dies_with_killed_parent() -> None:
-    """A server whose starting process is SIGKILLed does not outlive it."""
+@pytest.mark.parametrize("started", ["at once", "with preexec_fn refused at shutdown"])
+def test_server_dies_with_killed_parent(started: str) -> None:
+    """A server whose starting process is SIGKILLed does not outlive it: started
+    at once, or (run through a Python that asks for the parent-death signal,
+    then becomes the server) where ``preexec_fn`` is refused as the interpreter
+    waits for its threads."""
     code = (
         "from celery_redislock.server import RedisServer; s = RedisServer().start(); "
         "print(s.process.pid, flush=True); import time; time.sleep(60)"
+        if started == "at once"
+        else _REFUSED_AT_SHUTDOWN
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
     pid = int(parent.stdout.readline())
+    # The server itself, not a process that would start it.
+    command = Path(f"/proc/{pid}/comm").read_text().strip()
     parent.kill()
     parent.wait()
     parent.stdout.close()
@@ -122,6 +157,7 @@ def test_server_dies_with_killed_parent() -> None:
     while not gone():
         assert time.monotonic() < deadline, "the server outlived its parent"
         time.sleep(0.05)
+    assert command in ("redis-server", "valkey-server")
 
 
 _OUTLIVES_MAIN = """

@@ -175,13 +175,42 @@ def _serve_spawns(requests: queue.SimpleQueue[_SpawnRequest]) -> None:
             request.done.set()
 
 
+#: What a server's process runs first where ``preexec_fn`` is refused (see
+#: :func:`_popen`): asks Linux for the parent-death signal, as
+#: :func:`_die_with_parent` does, leaves if its parent (``argv[1]``) is already
+#: gone, then becomes the server (``argv[2:]``).
+_DIE_WITH_PARENT_THEN_EXEC = f"""
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGKILL)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
 def _popen(command: Sequence[str]) -> subprocess.Popen[bytes]:
+    try:
+        return subprocess.Popen(
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    except RuntimeError:
+        # CPython 3.12.0 and 3.12.1 refuse preexec_fn once the main thread has
+        # returned, while the interpreter waits for its other threads (a server
+        # restarted from one of them).
+        if threading.main_thread().is_alive():
+            raise
+    if sys.platform == "linux":
+        command = [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT_THEN_EXEC,
+                   str(os.getpid()), *command]  # fmt: skip
     return subprocess.Popen(
-        command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        preexec_fn=_die_with_parent,
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
 
 
