@@ -799,7 +799,8 @@ def test_a_default_and_the_same_value_passed_are_one_call(app: Celery, serialize
 def test_one_call_sent_pickled_and_as_json_to_a_pickle_task_is_two_values(app: Celery) -> None:
     """A pickle task receives a ``str`` Enum member from a pickled message and its
     value from a JSON one: a ``lock_key`` that formats it makes two names of one
-    call, one that takes its value makes one; a JSON task sees both as the value."""
+    call (on Python 3.11 and later, where the member formats as ``Region.EU``), one
+    that takes its value makes one; a JSON task sees both as the value."""
 
     def task(serializer: str, lock_key: Any) -> Any:
         @app.task(
@@ -818,7 +819,8 @@ def test_one_call_sent_pickled_and_as_json_to_a_pickle_task_is_two_values(app: C
     by_value = task("pickle", lambda region: f"region-{Region(region).value}")
     as_json = task("json", lambda region: f"region-{region}")
     pickled, sent_as_json = received((Region.EU,), {}, "pickle"), received((Region.EU,), {}, "json")
-    assert formatted.lock_name(*pickled) != formatted.lock_name(*sent_as_json)
+    two = formatted.lock_name(*pickled) != formatted.lock_name(*sent_as_json)
+    assert two is (sys.version_info >= (3, 11))
     assert by_value.lock_name(*pickled) == by_value.lock_name(*sent_as_json)
     assert as_json.lock_name(*pickled) == as_json.lock_name(*sent_as_json)
 

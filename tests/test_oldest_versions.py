@@ -21,11 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FLOORED = ("celery", "kombu", "redis")
 
 #: Tests of the code that uses Celery's and redis-py's internals, run on the floors
-#: (with ``INTEGRATION_SELECTION``: of the deployments, the cluster's, but for one
-#: whose set-up needs redis-py 8.2: a cluster client that knows its nodes only
-#: through a proxy refreshes its slot map from the proxy alone there, whereas
-#: before 8.2 it learns the nodes' own addresses, reaches the key's primary and
-#: the release it means to fail succeeds).
+#: (with ``INTEGRATION_SELECTION``: of the deployments, the cluster's).
 INTEGRATION_TESTS = (
     "tests/test_early.py",
     "tests/test_task_solo.py",
@@ -34,9 +30,7 @@ INTEGRATION_TESTS = (
     "tests/test_client.py",
     "tests/test_deployments_engine.py",
 )
-INTEGRATION_SELECTION = (
-    "(not test_deployments_engine or cluster) and not slot_map_cannot_be_refreshed"
-)
+INTEGRATION_SELECTION = "not test_deployments_engine or cluster"
 
 
 def floors() -> dict[str, str]:
