@@ -1,13 +1,15 @@
 """The oldest releases of Celery, kombu and redis-py the package declares it works
 with (the ``>=`` floors of its dependencies) pass the tests of the parts that lean
 on their internals: the worker's request class, the task's start and end, the
-pools, the connection layer and a Redis Cluster's slot map. The rest of the suite
-runs on the newest releases."""
+pools, the connection layer and a Redis Cluster's slot map. The oldest Python it
+declares passes the tests of lock names, of the engine and of a solo worker. The
+rest of the suite runs on the newest releases."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,12 +35,47 @@ INTEGRATION_TESTS = (
 INTEGRATION_SELECTION = "not test_deployments_engine or cluster"
 
 
-def floors() -> dict[str, str]:
-    """``{distribution: oldest version}`` as pyproject.toml declares them."""
+#: Tests run on the oldest Python the package declares: the derivation of lock
+#: names (what a value formats as changes between Python releases), the lock
+#: engine, and a task end to end in a solo worker.
+OLDEST_PYTHON_TESTS = ("tests/test_keys.py", "tests/test_lock.py", "tests/test_task_solo.py")
+
+#: What those tests need besides the package's own dependencies.
+TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
+
+
+def requirements() -> list[str]:
+    """The runtime dependencies pyproject.toml declares, as written there."""
     text = (ROOT / "pyproject.toml").read_text()
     block = text.split("\ndependencies = [", 1)[1].split("\n]", 1)[0]
+    return re.findall(r'^\s*"([^"]+)"', block, flags=re.MULTILINE)
+
+
+def oldest_python() -> tuple[str, str | None]:
+    """The oldest Python release the package declares (``requires-python``), and
+    an interpreter of it installed here (on ``PATH``, or among pyenv's versions),
+    if there is one."""
+    text = (ROOT / "pyproject.toml").read_text()
+    match = re.search(r'^requires-python = ">=(\d+\.\d+)"$', text, flags=re.MULTILINE)
+    assert match is not None, "requires-python names no oldest release"
+    release = match[1]
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    found = [shutil.which(f"python{release}")]
+    found += sorted(str(p) for p in pyenv.glob(f"versions/{release}.*/bin/python{release}"))
+    for python in found:
+        # (A pyenv shim of a release pyenv does not have installed fails to run.)
+        if (
+            python
+            and subprocess.run([python, "-c", ""], capture_output=True, timeout=60).returncode == 0
+        ):
+            return release, python
+    return release, None
+
+
+def floors() -> dict[str, str]:
+    """``{distribution: oldest version}`` as pyproject.toml declares them."""
     found: dict[str, str] = {}
-    for requirement in re.findall(r'^\s*"([^"]+)"', block, flags=re.MULTILINE):
+    for requirement in requirements():
         match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?>=([0-9][0-9.]*)", requirement)
         if match and match[1] in FLOORED:
             found[match[1]] = match[2]
@@ -127,4 +164,39 @@ def test_the_oldest_supported_releases_pass_the_integration_tests(
         timeout=900,
         check=False,
     )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_oldest_supported_python_passes_the_key_engine_and_worker_tests(
+    tmp_path: Path,
+) -> None:
+    """A virtual environment of the oldest Python the package declares, with the
+    newest releases of its dependencies that install there, runs the tests of the
+    lock names, the engine and a solo worker, and passes them (skipped where no
+    interpreter of that release is installed)."""
+    release, python = oldest_python()
+    if python is None:
+        pytest.skip(f"no Python {release} here")
+    venv = tmp_path / "oldest-python"
+    subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    interpreter = str(venv / "bin" / "python")
+    # This environment's pip installs into the new one (pip 22.3 and later).
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", interpreter, "install", "-q",
+         "--disable-pip-version-check", *requirements(), *TEST_TOOLS],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    version = subprocess.run(
+        [interpreter, "-c", "import sys; print(*sys.version_info[:2], sep='.')"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert version.stdout.strip() == release
+    result = subprocess.run(
+        [interpreter, "-m", "pytest", *OLDEST_PYTHON_TESTS, "-q", "-p", "no:cacheprovider",
+         "--skip-slow"],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=900, check=False,
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

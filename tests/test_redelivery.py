@@ -31,7 +31,13 @@ from celery_redislock.heartbeat import get_heartbeat
 from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import OWNER_FIELD
 from celery_redislock.server import RedisServer, free_port
-from celery_redislock.task import REDELIVERY_GRACE, free_queued, queued_owner, skipped_result
+from celery_redislock.task import (
+    REDELIVERY_GRACE,
+    LockHandle,
+    free_queued,
+    queued_owner,
+    skipped_result,
+)
 from celery_redislock.transport import ATTEMPTS, flush
 from tests.proxy import FaultProxy
 from tests.support import close_app, field, in_process_worker, make_app, wait_for
@@ -919,15 +925,25 @@ def test_an_eager_replace_with_the_same_call_is_dropped_as_a_copy(
     assert _lock_free(redislock_client, job.lock_name((1,), {}))
 
 
+@pytest.mark.parametrize("start", ["at once", "slow"])
 def test_a_copy_of_a_send_of_its_own_id_is_a_copy_of_the_delivery_that_took_the_hand_over(
-    app: Celery, redislock_client: redis.Redis
+    app: Celery, redislock_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, start: str
 ) -> None:
     """A message a body sent under its own task id (``until_executed``) is delivered
     twice while its sender still cleans up: both deliveries wait for the sender.
     The one that takes the hand-over first runs; the other, finding the lock passed
     from the sender to that delivery, is a copy of it from then on: not kept
     waiting behind it however long it runs (then to run the body again), but
-    dropped, that delivery being known alive."""
+    dropped, that delivery being known alive, even while it has yet to get from
+    its wait to its body (``slow``: a moment between the two)."""
+    if start == "slow":
+
+        class SlowHandle(LockHandle):
+            def __init__(self, *args: Any) -> None:
+                time.sleep(0.5)
+                super().__init__(*args)
+
+        monkeypatch.setattr("celery_redislock.task.LockHandle", SlowHandle)
     app.conf.task_acks_late = True
     events: list[str] = []
     ended: list[str] = []

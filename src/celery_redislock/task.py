@@ -2087,6 +2087,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         waiting: list[float] = []
         # Looked up once: its hold is pushed on it below and popped as it ends.
         on_thread = _held_on_this_thread()
+        # Known to run here from its first ask on, not only once it has read that
+        # it holds: a copy of its message on another thread that finds the lock
+        # handed to it (both waited) is dropped, never left to wait behind it.
+        _running_here[lock.owner] = _process.pid
         # One try from the acquire on: an exception raised asynchronously (a soft
         # time limit) just after the lock was taken must not leave it held, and
         # renewed by this process's heartbeat, with nobody to release it.
@@ -2099,8 +2103,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                         # between the worker's accept and the task's start took
                         # that long): another may hold the lock by now. Given
                         # back, if it is still there, and asked for anew.
-                        lock.release(wait=False, then=_no_report)
-                        lock = self._execution_lock(key, task_id, opts, request)
+                        lock = self._ask_anew(lock, key, task_id, opts, request)
                         ahead = None
                 if ahead is None:
 
@@ -2141,8 +2144,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                             acquired = lock._acquire(False, None, None, None, late_to_caller)
                         if not (acquired and lock.lost and late_to_caller):
                             break
-                        lock.release(wait=False, then=_no_report)
-                        lock = self._execution_lock(key, task_id, opts, request)
+                        lock = self._ask_anew(lock, key, task_id, opts, request)
             except LockBackendError as exc:
                 # Only a first try that failed runs the task unlocked, not a wait.
                 self._unavailable(key, task_id, exc, opts, unlocked=not waiting)
@@ -2164,7 +2166,6 @@ class SingletonTask(Task):  # type: ignore[misc]
                 if outcome is not None:
                     return outcome
             request.redislock = LockHandle(key, lock, opts)
-            _running_here[lock.owner] = _process.pid
             on_thread.append(lock.owner)
             taken = time.monotonic()
             if signals.lock_acquired.receivers:
@@ -2228,6 +2229,18 @@ class SingletonTask(Task):  # type: ignore[misc]
                         )  # fmt: skip
                 else:
                     self._release(lock, time.monotonic() - taken, retrying)
+
+    def _ask_anew(
+        self, lock: RedisLock, key: str, task_id: str, opts: LockOptions, request: Any
+    ) -> RedisLock:
+        """Give back the hold of ``lock``, read only once its TTL had passed, and
+        return the execution's lock to ask with anew (known to run here from now
+        on, as ``lock`` was)."""
+        lock.release(wait=False, then=_no_report)
+        _running_here.pop(lock.owner, None)
+        fresh = self._execution_lock(key, task_id, opts, request)
+        _running_here[fresh.owner] = _process.pid
+        return fresh
 
     def _run_unlocked(
         self,
