@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +26,37 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="skip fault/stress tests marked slow (CI runs them)",
     )
+
+
+#: ``TMPDIR`` as the session found it, while :func:`pytest_configure` replaces it.
+_TMPDIR_KEY = pytest.StashKey[tuple[str | None, str]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the processes the tests start a temporary directory of the session's.
+
+    Many tests SIGKILL what they started (workers, their pool processes, the
+    processes that own a server), and a killed process cannot remove its
+    temporary directories (multiprocessing's ``pymp-*``, a server's working
+    directory): they are left in the session's directory, removed with it as the
+    session ends. This process keeps the temporary directory it had (read first,
+    so that ``tempfile`` keeps it), and so do pytest's ``tmp_path`` directories.
+    """
+    tempfile.gettempdir()
+    mine = tempfile.mkdtemp(prefix="redislock-tests-")
+    config.stash[_TMPDIR_KEY] = (os.environ.get("TMPDIR"), mine)
+    os.environ["TMPDIR"] = mine
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _TMPDIR_KEY not in config.stash:
+        return
+    before, mine = config.stash[_TMPDIR_KEY]
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    shutil.rmtree(mine, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

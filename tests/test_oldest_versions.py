@@ -58,18 +58,44 @@ def oldest_python() -> tuple[str, str | None]:
     text = (ROOT / "pyproject.toml").read_text()
     match = re.search(r'^requires-python = ">=(\d+\.\d+)"$', text, flags=re.MULTILINE)
     assert match is not None, "requires-python names no oldest release"
-    release = match[1]
-    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    return match[1], python_of(match[1])
+
+
+def newest_python() -> tuple[str, str | None]:
+    """The newest Python release installed here (on ``PATH``, or among pyenv's
+    versions) that is newer than the one running the tests, and an interpreter of
+    it; the running release and ``None`` where there is none."""
+    this = sys.version_info[:2]
+    candidates = {(3, minor) for minor in range(this[1] + 1, this[1] + 10)}
+    candidates |= {
+        (3, int(match[1]))
+        for version in (pyenv_root() / "versions").glob("3.*")
+        if (match := re.fullmatch(r"3\.(\d+)\.\d+", version.name))
+    }
+    for release in sorted(candidates, reverse=True):
+        if release > this and (python := python_of(f"{release[0]}.{release[1]}")):
+            return f"{release[0]}.{release[1]}", python
+    return f"{this[0]}.{this[1]}", None
+
+
+def pyenv_root() -> Path:
+    """Where pyenv keeps its Python versions, if it is here."""
+    return Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+
+
+def python_of(release: str) -> str | None:
+    """An interpreter of ``release`` (``3.10``) that runs here: on ``PATH`` or among
+    pyenv's versions."""
     found = [shutil.which(f"python{release}")]
-    found += sorted(str(p) for p in pyenv.glob(f"versions/{release}.*/bin/python{release}"))
+    found += sorted(str(p) for p in pyenv_root().glob(f"versions/{release}.*/bin/python{release}"))
     for python in found:
         # (A pyenv shim of a release pyenv does not have installed fails to run.)
         if (
             python
             and subprocess.run([python, "-c", ""], capture_output=True, timeout=60).returncode == 0
         ):
-            return release, python
-    return release, None
+            return python
+    return None
 
 
 def floors() -> dict[str, str]:
@@ -178,7 +204,25 @@ def test_the_oldest_supported_python_passes_the_key_engine_and_worker_tests(
     release, python = oldest_python()
     if python is None:
         pytest.skip(f"no Python {release} here")
-    venv = tmp_path / "oldest-python"
+    pass_the_key_engine_and_worker_tests(python, release, tmp_path / "oldest-python")
+
+
+@pytest.mark.slow
+def test_the_newest_python_here_passes_the_key_engine_and_worker_tests(
+    tmp_path: Path,
+) -> None:
+    """The same on the newest Python installed here, where it is newer than the one
+    that runs the rest of the suite (skipped where there is none)."""
+    release, python = newest_python()
+    if python is None:
+        pytest.skip(f"no Python newer than {release} here")
+    pass_the_key_engine_and_worker_tests(python, release, tmp_path / "newest-python")
+
+
+def pass_the_key_engine_and_worker_tests(python: str, release: str, venv: Path) -> None:
+    """Make a virtual environment of ``python`` (of ``release``) at ``venv``, install
+    in it the newest dependencies that install there, and run in it
+    ``OLDEST_PYTHON_TESTS``, which must pass."""
     subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     interpreter = str(venv / "bin" / "python")
     # This environment's pip installs into the new one (pip 22.3 and later).
