@@ -575,59 +575,6 @@ def test_an_acquire_its_task_never_read_is_given_back_at_the_next(
     assert wait_until(lambda: not held(locks, keys[1]))
 
 
-@pytest.fixture(scope="module")
-def crowded(redislock_server: RedisServer) -> Iterator[Celery]:
-    """An app whose tasks run on an in-process threads pool of 8: acquires written
-    ahead from several threads at once, on one transport."""
-    app = make_app(redislock_server.url, "early-crowded")
-    # No remote control: stopping a threads-pool worker busy with a pidbox
-    # subscription sometimes leaves kombu's event loop blocked in a read of that
-    # subscription, and the worker thread never ends (none of this test's business).
-    app.conf.worker_enable_remote_control = False
-    inside: list[int] = []
-    guard = threading.Lock()
-    store = redislock_server.client()
-
-    @app.task(
-        base=SingletonTask,
-        shared=False,
-        name="early.purchase",
-        lock_on=("event",),
-        on_conflict="wait",
-        lock_wait=60,
-    )
-    def purchase(event: str, buyer: int) -> bool:
-        with guard:
-            inside.append(1)
-            overlapping = len(inside) > 1
-        try:
-            sold = int(store.get(f"{event}:sold") or 0)
-            time.sleep(0.002)  # a read-modify-write that a second holder would break
-            if sold >= 10:
-                return False
-            store.set(f"{event}:sold", sold + 1)
-            return not overlapping
-        finally:
-            with guard:
-                inside.pop()
-
-    with in_process_worker(app, pool="threads", concurrency=8):
-        yield app
-    store.close()
-    close_app(app)
-
-
-def test_threads_written_ahead_at_once_still_exclude(crowded: Celery, locks: redis.Redis) -> None:
-    """50 purchases of 10 tickets on 8 threads: exactly 10 sold, never two at once."""
-    event = uuid.uuid4().hex
-    purchase = crowded.tasks["early.purchase"]
-    results = [purchase.delay(event, buyer) for buyer in range(50)]
-    outcomes = [result.get(timeout=60) for result in results]
-    assert outcomes.count(True) == 10
-    assert int(locks.get(f"{event}:sold") or 0) == 10
-    locks.delete(f"{event}:sold")
-
-
 def test_a_task_the_tracer_skips_gives_its_lock_back(app: Celery, locks: redis.Redis) -> None:
     """The tracer may end a task as a success without calling it (a redelivered task
     already done, with ``worker_deduplicate_successful_tasks``): the hold written

@@ -26,6 +26,7 @@ FLOORED = ("celery", "kombu", "redis")
 #: (with ``INTEGRATION_SELECTION``: of the deployments, the cluster's).
 INTEGRATION_TESTS = (
     "tests/test_early.py",
+    "tests/test_early_crowded.py",
     "tests/test_task_solo.py",
     "tests/test_workers.py",
     "tests/test_transport.py",
