@@ -765,6 +765,7 @@ def test_a_hold_is_handed_over_only_in_its_holders_name(
     reservation = RedisLock(
         client, "handed", ttl=30, owner=owner, lease="task-1", holder_info={"state": "queued"}
     )
+    cleanup += [running, reservation]
     assert not reservation.acquire(blocking=False)
     reservation._handed_from = "somebody-else"
     assert not reservation.acquire(blocking=False)
@@ -793,6 +794,7 @@ def test_a_retrys_reservation_goes_only_to_an_acquire_that_names_it(
     held, and to nobody else; a second hold of the reservation is a duplicate."""
     owner = "task-1:1" + RESERVATION_SUFFIX
     reservation = RedisLock(client, "retried", ttl=30, owner=owner, lease="task-1")
+    cleanup.append(reservation)
     assert reservation.acquire(blocking=False)
     assert not RedisLock(client, "retried", ttl=30, owner=owner, lease="task-1").acquire(
         blocking=False
@@ -866,6 +868,7 @@ def test_a_hold_moved_to_a_reservation_wakes_the_waiters_of_its_lease(
     before = hub.received
 
     reservation = RedisLock(client, "moved", ttl=30, owner="task-1:1:queued", lease="task-1")
+    cleanup.append(reservation)
     reservation._handed_from = running.owner
     reservation._move_only = True
     assert reservation.acquire(blocking=False)
