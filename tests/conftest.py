@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_redislock.deployments import ClusterDeployment
-from tests.support import node_command
+from tests.support import node_command, redis_6_2_binary
 
 # The same opt-in plugin users enable: private servers, deployments, helpers.
 pytest_plugins = ["celery_redislock.testing"]
@@ -81,6 +81,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture(scope="session")
+def redis_6_2(tmp_path_factory: pytest.TempPathFactory) -> str | None:
+    """A Redis 6.2 server binary (see :func:`tests.support.redis_6_2_binary`), or
+    ``None`` where none can be had; fetched once a session, as a test first asks."""
+    return redis_6_2_binary(tmp_path_factory.mktemp("redis-6.2"))
 
 
 @pytest.fixture(scope="session")

