@@ -1488,6 +1488,32 @@ def test_on_redis_6_2_dead_waiters_are_handed_the_lock_all_the_same(
     client.delete(holder.key, holder.queue_key)
 
 
+def test_on_redis_6_2_a_command_refused_after_a_scripts_first_write_leaves_that_write(
+    client: redis.Redis, redislock_server: RedisServer
+) -> None:
+    """On Redis 6.2, whose scripts cannot ask before they write whether the user may
+    run a command, a user without the wake channels' permission (the minimal ACL
+    less ``&redislock:*``) whose release must wake a waiter is refused the PUBLISH
+    after the release freed the lock and took the waiter out of the queue: the
+    release raises naming it, and those writes stay (on Redis 7 and Valkey it is
+    refused before any write: ``test_release_refused_by_the_acl_changes_nothing``)."""
+    from tests.test_deployments_engine import MINIMAL_ACL
+
+    if checks_processes(client):
+        pytest.skip("this server checks a script's commands before its first write")
+    rules = [rule for rule in MINIMAL_ACL if rule != "&redislock:*"]
+    url = redislock_server.add_user("no-channels", "no-channels-password", rules)
+    lock = RedisLock(url, "refused-after-its-write", ttl=30, heartbeat=False)
+    assert lock.acquire(blocking=False)
+    client.zadd(lock.queue_key, {"someone.1": 1})
+    write_fields(client, lock.key, q="1")
+    with pytest.raises(LockBackendError, match="publish"):
+        lock.release()
+    assert not held(client, lock)
+    assert queued(client, lock) == 0
+    client.delete(lock.key, lock.queue_key)
+
+
 def test_a_release_passes_over_at_most_passed_over_limit_dead_waiters(
     client: redis.Redis,
 ) -> None:

@@ -356,8 +356,9 @@ class RedisServer:
     def add_user(self, username: str, password: str, rules: Sequence[str]) -> str:
         """Create (or reset) ACL user ``username`` with ``password`` and ``rules``; return its URL.
 
-        The user starts from nothing (``reset``): no commands, keys or channels,
-        then gets ``on``, the password and ``rules`` (e.g. ``"~app:*"``,
+        The user starts from nothing (``reset``, and ``resetchannels``: Redis 6.2
+        gives a reset user every channel): no commands, keys or channels, then
+        gets ``on``, the password and ``rules`` (e.g. ``"~app:*"``,
         ``"&app:*"``, ``"-@all"``, ``"+evalsha"``), as ``ACL SETUSER`` reads them.
         The default user is left as it was (no password, every permission), so
         tests can still see everything through :meth:`client`.
@@ -368,7 +369,7 @@ class RedisServer:
         admin = self.client(socket_timeout=5.0, socket_connect_timeout=5.0)
         try:
             admin.execute_command(  # type: ignore[no-untyped-call]
-                "ACL", "SETUSER", username, "reset", "on", f">{password}", *rules
+                "ACL", "SETUSER", username, "reset", "resetchannels", "on", f">{password}", *rules
             )
         finally:
             admin.close()
