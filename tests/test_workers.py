@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
+from kombu.exceptions import OperationalError
 
 from celery_redislock import is_skipped
 from celery_redislock.dropped import ALL_COPIES, DROPPED_WORD_TTL, dropped_key, read_word
@@ -61,14 +62,20 @@ class Worker:
 
     def wait_ready(self, app: Any) -> Worker:
         """Block until the worker answers a ping."""
-        wait_for(
-            lambda: (
-                self.process.poll() is None
-                and app.control.ping(destination=[self.name], timeout=0.2)
-            ),
-            timeout=60,
-            what=f"worker {self.name} to start",
-        )
+
+        def answers() -> bool:
+            if self.process.poll() is not None:
+                return False
+            try:
+                return bool(app.control.ping(destination=[self.name], timeout=0.2))
+            except (redis.ConnectionError, OperationalError):
+                # This process's broker connection, not the worker: closed under a
+                # ping once in a CI run ("Connection closed by server" as it sent
+                # BRPOP). The next ping goes on a new one.
+                app.pool.force_close_all()
+                return False
+
+        wait_for(answers, timeout=60, what=f"worker {self.name} to start")
         return self
 
     def signal(self, signum: int) -> None:
