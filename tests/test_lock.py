@@ -1450,9 +1450,16 @@ def test_waiters_whose_entries_do_not_ask_to_be_checked_are_handed_the_lock(
     """Entries that do not say where their process is subscribed (a cluster's, a
     Sentinel-managed server's) are handed the lock as before, whether or not their
     channel has a subscriber here: their process may be subscribed elsewhere."""
-    holder = RedisLock(client, "not-watched", ttl=60)
+    hand_to_the_first_of_two_dead_waiters(client, "not-watched", watched=False)
+
+
+def hand_to_the_first_of_two_dead_waiters(client: redis.Redis, name: str, watched: bool) -> None:
+    """Queue two waiters of a process that has no wake-up subscription (their entries
+    ask to be checked or not: ``watched``) behind a holder of lock ``name``, and
+    release it: the first must be handed the lock, and the second stay queued."""
+    holder = RedisLock(client, name, ttl=60)
     assert holder.acquire()
-    client.zadd(holder.queue_key, dead_entries(2, watched=False))
+    client.zadd(holder.queue_key, dead_entries(2, watched=watched))
     write_fields(client, holder.key, q="1")
     holder.release()
     assert field(client, holder.key, OWNER_FIELD) == "dead-owner-0"
@@ -1468,14 +1475,7 @@ def test_on_redis_6_2_dead_waiters_are_handed_the_lock_all_the_same(
     handed the lock as those that do not (the grant bounds what a dead one costs)."""
     if checks_processes(client):
         pytest.skip("this server tells dead waiters apart")
-    holder = RedisLock(client, "not-checked", ttl=60)
-    assert holder.acquire()
-    client.zadd(holder.queue_key, dead_entries(2))
-    write_fields(client, holder.key, q="1")
-    holder.release()
-    assert field(client, holder.key, OWNER_FIELD) == "dead-owner-0"
-    assert queued(client, holder) == 1
-    client.delete(holder.key, holder.queue_key)
+    hand_to_the_first_of_two_dead_waiters(client, "not-checked", watched=True)
 
 
 def test_on_redis_6_2_a_command_refused_after_a_scripts_first_write_leaves_that_write(
