@@ -39,6 +39,7 @@ from tests.fault_children import SOAK_HOLDS, SOAK_STATS, SOAK_STOP, fence_log, f
 from tests.proxy import FaultProxy
 from tests.support import (
     acquire_in_thread,
+    answers_ping,
     close_app,
     field,
     held,
@@ -205,10 +206,7 @@ class Worker:
     def wait_ready(self, app: Any) -> None:
         """Block until the worker answers a ping."""
         wait_for(
-            lambda: (
-                self.process.poll() is not None
-                or app.control.ping(destination=[self.name], timeout=0.2)
-            ),
+            lambda: self.process.poll() is not None or answers_ping(app, self.name),
             timeout=60,
             what=f"worker {self.name} to start",
         )

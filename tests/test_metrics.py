@@ -24,7 +24,7 @@ from celery_redislock.server import RedisServer, free_port
 from celery_redislock.testing import hold_lock, run_worker
 from celery_redislock.transport import flush
 from tests.proxy import FaultProxy
-from tests.support import close_app, held, make_app, wait_for
+from tests.support import answers_ping, close_app, held, make_app, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -227,7 +227,7 @@ def test_prefork_worker_serves_the_metrics_of_its_children(
     client = server.client()
     try:
         wait_for(
-            lambda: worker.poll() is None and mod.app.control.ping([node], timeout=0.2),
+            lambda: worker.poll() is None and answers_ping(mod.app, node),
             timeout=60,
             what="the worker to start",
         )

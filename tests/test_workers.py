@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import redis
 from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
-from kombu.exceptions import OperationalError
 
 from celery_redislock import is_skipped
 from celery_redislock.dropped import ALL_COPIES, DROPPED_WORD_TTL, dropped_key, read_word
@@ -25,7 +24,15 @@ from celery_redislock.lock import lock_keys as lock_keys_for
 from celery_redislock.scripts import FENCE_FIELD, LEASE_FIELD, OWNER_FIELD
 from celery_redislock.server import RedisServer
 from tests.proxy import FaultProxy
-from tests.support import close_app, field, held, lock_keys, wait_for, waiter_queues
+from tests.support import (
+    answers_ping,
+    close_app,
+    field,
+    held,
+    lock_keys,
+    wait_for,
+    waiter_queues,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,20 +69,11 @@ class Worker:
 
     def wait_ready(self, app: Any) -> Worker:
         """Block until the worker answers a ping."""
-
-        def answers() -> bool:
-            if self.process.poll() is not None:
-                return False
-            try:
-                return bool(app.control.ping(destination=[self.name], timeout=0.2))
-            except (redis.ConnectionError, OperationalError):
-                # This process's broker connection, not the worker: closed under a
-                # ping once in a CI run ("Connection closed by server" as it sent
-                # BRPOP). The next ping goes on a new one.
-                app.pool.force_close_all()
-                return False
-
-        wait_for(answers, timeout=60, what=f"worker {self.name} to start")
+        wait_for(
+            lambda: self.process.poll() is None and answers_ping(app, self.name),
+            timeout=60,
+            what=f"worker {self.name} to start",
+        )
         return self
 
     def signal(self, signum: int) -> None:
@@ -106,9 +104,10 @@ def env(
     started: list[Worker] = []
 
     def launch(name: str = "w", concurrency: int = 2, pool: str = "prefork", **env: str) -> Worker:
-        worker = Worker(server.url, name, concurrency, pool, env).wait_ready(worker_app.app)
+        worker = Worker(server.url, name, concurrency, pool, env)
+        # Killed as the test ends even if it never answers.
         started.append(worker)
-        return worker
+        return worker.wait_ready(worker_app.app)
 
     client = server.client()
     yield worker_app, client, launch
