@@ -156,10 +156,10 @@ def environments(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Future[str]]]:
     """The virtual environments of the tests of :data:`ENVIRONMENT_OF` this session
-    runs (those not skipped), by name, each the future of its interpreter: all are
-    built side by side as the first of those tests starts: an install is one pip
-    process, mostly on one CPU, and one after the other they made this module
-    take about 30 s longer (150 s against 120 on two CPUs)."""
+    runs (those not skipped), by name, each the future of its interpreter. All are
+    built side by side as the first of those tests starts (an install is one pip
+    process, mostly on one CPU): one after the other, they made this module take
+    about 30 s longer (150 s against 120 on two CPUs)."""
     wanted = {
         ENVIRONMENT_OF[item.originalname]
         for item in request.session.items

@@ -377,7 +377,11 @@ class RedisServer:
 
     def version(self) -> str:
         """The server's name and version, e.g. ``redis 7.0.15``."""
-        info = self.client().info("server")
+        client = self.client()
+        try:
+            info = client.info("server")
+        finally:
+            client.close()
         name = "valkey" if "valkey_version" in info else "redis"
         return f"{name} {info.get('valkey_version') or info['redis_version']}"
 
