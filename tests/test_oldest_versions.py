@@ -45,8 +45,22 @@ INTEGRATION_SELECTION = "not test_deployments_engine or cluster"
 #: releases), the lock engine, and a task end to end in a solo worker.
 OTHER_PYTHON_TESTS = ("tests/test_keys.py", "tests/test_lock.py", "tests/test_task_solo.py")
 
-#: What those tests need besides the package's own dependencies.
-TEST_TOOLS = ("pytest>=8", "hypothesis>=6")
+#: What those tests need besides the package's own dependencies (pytest-xdist: the
+#: project's pytest options name it).
+TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6")
+
+#: How the tests above run there: in one process (this session's own processes
+#: run beside them), quietly, without the slow ones.
+PYTEST_OPTIONS = ("-n", "0", "-q", "-p", "no:cacheprovider", "--skip-slow")
+
+
+def child_environment() -> dict[str, str]:
+    """The environment the tests run in another virtual environment: the
+    project's sources first on the path, and none of this session's ``PYTEST_*``
+    variables (an xdist worker's among them: that run is a session of its own)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    return env
 
 
 def requirements() -> list[str]:
@@ -227,7 +241,7 @@ def test_the_oldest_supported_releases_pass_the_integration_tests(
     the package admits (the rest taken from this environment) runs the tests of the
     worker integration and of the connection layer, and passes them."""
     python = environments[FLOORS].result()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    env = child_environment()
     versions = subprocess.run(
         [python, "-c", "import celery, kombu, redis; print(celery.__version__, "
          "kombu.__version__, redis.__version__)"],
@@ -237,18 +251,7 @@ def test_the_oldest_supported_releases_pass_the_integration_tests(
         Version(floors()[name]) for name in FLOORED
     ]
     result = subprocess.run(
-        [
-            python,
-            "-m",
-            "pytest",
-            *INTEGRATION_TESTS,
-            "-k",
-            INTEGRATION_SELECTION,
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--skip-slow",
-        ],
+        [python, "-m", "pytest", *INTEGRATION_TESTS, "-k", INTEGRATION_SELECTION, *PYTEST_OPTIONS],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -288,15 +291,14 @@ def test_the_newest_python_here_passes_the_key_engine_and_worker_tests(
 def pass_the_key_engine_and_worker_tests(interpreter: str, release: str) -> None:
     """Run ``OTHER_PYTHON_TESTS`` with ``interpreter`` (of a virtual environment
     :func:`make_environment` made, of Python ``release``): they must pass."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    env = child_environment()
     version = subprocess.run(
         [interpreter, "-c", "import sys; print(*sys.version_info[:2], sep='.')"],
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert version.stdout.strip() == release
     result = subprocess.run(
-        [interpreter, "-m", "pytest", *OTHER_PYTHON_TESTS, "-q", "-p", "no:cacheprovider",
-         "--skip-slow"],
+        [interpreter, "-m", "pytest", *OTHER_PYTHON_TESTS, *PYTEST_OPTIONS],
         cwd=ROOT, capture_output=True, text=True, env=env, timeout=900, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
