@@ -844,6 +844,22 @@ def test_dev_extra_installs_the_docs_tools() -> None:
     assert "mkdocs build --strict" in ci
 
 
+def test_tests_run_in_one_process_per_core_taking_whole_files() -> None:
+    """As the testing page says: ``pytest`` runs one process per core (pytest-xdist,
+    which the dev extra installs), each taking whole test files, so a module's
+    fixtures start once."""
+    options = shlex.split(_pyproject()["tool"]["pytest"]["ini_options"]["addopts"])
+    assert options[options.index("-n") + 1] == "auto"
+    assert options[options.index("--dist") + 1] == "loadfile"
+    assert any(
+        r.startswith("pytest-xdist")
+        for r in _pyproject()["project"]["optional-dependencies"]["dev"]
+    )
+    page = (ROOT / "docs" / "testing.md").read_text()
+    assert "one process per core" in page
+    assert "whole test files" in page
+
+
 # -- The README ----------------------------------------------------------------------
 
 
