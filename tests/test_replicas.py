@@ -12,17 +12,25 @@ from celery_redislock import LockBackendError, RedisLock, wakeups
 from celery_redislock.scripts import OWNER_FIELD, REQUEST_FIELD, queue_entry
 from celery_redislock.server import RedisServer
 from celery_redislock.transport import transport_for
-from tests.support import acquire_in_thread, field, held, queue_entries, wait_for
+from tests.support import (
+    REDIS_6_2,
+    acquire_in_thread,
+    binary_of,
+    field,
+    held,
+    queue_entries,
+    wait_for,
+)
 
 
 def primary_and_replica(
-    redislock_server_factory: Callable[..., RedisServer],
+    redislock_server_factory: Callable[..., RedisServer], binary: str | None = None
 ) -> tuple[RedisServer, redis.Redis]:
     """A primary, and a client of its one replica once the replica is linked (the
     primary sends its data at once, not after the 5 s it waits by default for more
-    replicas to join the transfer)."""
-    primary = redislock_server_factory(extra_args=("--repl-diskless-sync-delay", "0"))
-    replica = redislock_server_factory(extra_args=("--replicaof", primary.host, str(primary.port)))
+    replicas to join the transfer); both of ``binary``, if given."""
+    primary = redislock_server_factory(binary, ("--repl-diskless-sync-delay", "0"))
+    replica = redislock_server_factory(binary, ("--replicaof", primary.host, str(primary.port)))
     replica_client = replica.client()
     wait_for(
         lambda: replica_client.info("replication").get("master_link_status") == "up",
@@ -100,8 +108,13 @@ def test_min_replicas_is_checked(value: object, error: type[Exception]) -> None:
 
 
 @pytest.mark.parametrize("wait", [True, False], ids=["waited", "not-waited"])
+@pytest.mark.parametrize(
+    "server", [None, pytest.param(REDIS_6_2, marks=pytest.mark.slow)], ids=["default", REDIS_6_2]
+)
 def test_a_release_a_replica_refuses_is_sent_again_in_the_background(
     wait: bool,
+    server: str | None,
+    request: pytest.FixtureRequest,
     redislock_server_factory: Callable[..., RedisServer],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -111,8 +124,10 @@ def test_a_release_a_replica_refuses_is_sent_again_in_the_background(
     deadline, long past for a holder that never took it through this connection:
     one more try, then the heartbeat gives up and says so). A release that waits
     raises; one that does not (a task's) reports it once the answer is read,
-    rather than leaving the lock to its TTL."""
-    primary, replica_client = primary_and_replica(redislock_server_factory)
+    rather than leaving the lock to its TTL. So on Redis 6.2 too, which reports
+    the refusal as the error of the script whose write it refused."""
+    binary = binary_of(request, server)
+    primary, replica_client = primary_and_replica(redislock_server_factory, binary)
     holder = RedisLock(primary.url, "demoted", ttl=30, heartbeat=False)
     assert holder.acquire(blocking=False)
     wait_for(lambda: field(replica_client, holder.key, OWNER_FIELD) == holder.owner)

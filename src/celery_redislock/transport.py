@@ -1537,6 +1537,11 @@ _SMALL_INTS = {str(n).encode(): n for n in range(-1, 1024)}
 _INTEGERS = tuple(re.compile(rb":(-?[0-9]+)\r\n" * n) for n in range(8))
 
 
+#: How Redis 6.2 quotes a ``READONLY`` refusal in the error of the script whose
+#: write it refused (Redis 7 replies with the refusal itself, ``READONLY ...``).
+_SCRIPT_READ_ONLY = ": -READONLY "
+
+
 def _parse(data: bytes, at: int) -> tuple[Any, int]:
     """One RESP2 reply from ``data[at:]``, and where it ends.
 
@@ -1590,7 +1595,12 @@ def _parse(data: bytes, at: int) -> tuple[Any, int]:
         return line, at
     if kind == 0x2D:  # '-' error
         text = line.decode("utf-8", errors="replace")
-        return BaseParser.parse_error(text), at  # type: ignore[no-untyped-call]
+        error = BaseParser.parse_error(text)  # type: ignore[no-untyped-call]
+        if _SCRIPT_READ_ONLY in text and type(error) is ResponseError:
+            # A replica refuses every write: the script, stopped at its first,
+            # wrote nothing, as with any READONLY.
+            error = ReadOnlyError(text)
+        return error, at
     raise RedisConnectionError(f"protocol error: unexpected reply {data[start:end]!r}")
 
 
