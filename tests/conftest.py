@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from celery_redislock.deployments import ClusterDeployment
-from tests.support import node_command, redis_6_2_binary
+from celery_redislock.server import SERVER_ENV
+from tests.support import is_redis_6_2, node_command, redis_6_2_binary
 
 # The same opt-in plugin users enable: private servers, deployments, helpers.
 pytest_plugins = ["celery_redislock.testing"]
@@ -59,13 +60,23 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(mine, ignore_errors=True)
 
 
+#: What the fixtures of a test that starts a Redis Cluster or Sentinels are named.
+_DEPLOYMENT_FIXTURE = re.compile("cluster|sentinel")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.getoption("--skip-slow"):
-        return
-    skip = pytest.mark.skip(reason="slow test skipped by --skip-slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    if config.getoption("--skip-slow"):
+        skip = pytest.mark.skip(reason="slow test skipped by --skip-slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+    binary = os.environ.get(SERVER_ENV)
+    if binary and is_redis_6_2(binary):
+        # A session whose servers are Redis 6.2 (tests/test_oldest_redis.py).
+        skip = pytest.mark.skip(reason="the cluster and Sentinel deployments here need Redis 7")
+        for item in items:
+            if any(_DEPLOYMENT_FIXTURE.search(name) for name in getattr(item, "fixturenames", ())):
+                item.add_marker(skip)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

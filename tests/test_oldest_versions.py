@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from tests.support import CHILD_PYTEST_OPTIONS, child_environment
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The dependencies whose oldest release is tested here.
@@ -48,19 +50,6 @@ OTHER_PYTHON_TESTS = ("tests/test_keys.py", "tests/test_lock.py", "tests/test_ta
 #: What those tests need besides the package's own dependencies (pytest-xdist: the
 #: project's pytest options name it).
 TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6")
-
-#: How the tests above run there: in one process (this session's own processes
-#: run beside them), quietly, without the slow ones.
-PYTEST_OPTIONS = ("-n", "0", "-q", "-p", "no:cacheprovider", "--skip-slow")
-
-
-def child_environment() -> dict[str, str]:
-    """The environment the tests run in another virtual environment: the
-    project's sources first on the path, and none of this session's ``PYTEST_*``
-    variables (an xdist worker's among them: that run is a session of its own)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
-    return env
 
 
 def requirements() -> list[str]:
@@ -251,7 +240,15 @@ def test_the_oldest_supported_releases_pass_the_integration_tests(
         Version(floors()[name]) for name in FLOORED
     ]
     result = subprocess.run(
-        [python, "-m", "pytest", *INTEGRATION_TESTS, "-k", INTEGRATION_SELECTION, *PYTEST_OPTIONS],
+        [
+            python,
+            "-m",
+            "pytest",
+            *INTEGRATION_TESTS,
+            "-k",
+            INTEGRATION_SELECTION,
+            *CHILD_PYTEST_OPTIONS,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -298,7 +295,7 @@ def pass_the_key_engine_and_worker_tests(interpreter: str, release: str) -> None
     )  # fmt: skip
     assert version.stdout.strip() == release
     result = subprocess.run(
-        [interpreter, "-m", "pytest", *OTHER_PYTHON_TESTS, *PYTEST_OPTIONS],
+        [interpreter, "-m", "pytest", *OTHER_PYTHON_TESTS, *CHILD_PYTEST_OPTIONS],
         cwd=ROOT, capture_output=True, text=True, env=env, timeout=900, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
