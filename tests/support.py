@@ -355,8 +355,12 @@ def redis_6_2_binary(directory: Path) -> str | None:
 
 
 def is_redis_6_2(binary: str) -> bool:
-    """Whether the server binary ``binary`` is a Redis 6.2."""
-    runs = subprocess.run([binary, "--version"], capture_output=True, timeout=60, check=False)
+    """Whether the server binary ``binary`` (a path, or a name on ``PATH``) is a
+    Redis 6.2; ``False`` if it cannot be run."""
+    try:
+        runs = subprocess.run([binary, "--version"], capture_output=True, timeout=60, check=False)
+    except OSError:
+        return False
     return runs.returncode == 0 and b"v=6.2." in runs.stdout
 
 

