@@ -732,5 +732,8 @@ def test_the_second_look_frees_only_a_late_hold_of_the_dead_pool_process(
         hold.detach()
         locks.delete(hold.key)
     finally:
+        # Out of the worker state on_accepted entered it in (this process's): an
+        # in-process worker of a later test would list it among its active tasks.
+        task_ready(request)
         process.kill()
         process.wait()

@@ -19,15 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 #: accept hook, revokes, redeliveries, retries, call options), the heartbeat, the
 #: deferred release, the lock store, the signals, metrics and the command line.
 #: Their cluster and Sentinel tests are skipped there (see ``tests/conftest.py``).
-#: The command line's come first: its worker must answer a control ping within a
-#: second, which it did not always do after the in-process workers of the task
-#: tests had run in the same process.
 OLDEST_REDIS_TESTS = tuple(
     f"tests/test_{name}.py"
     for name in (
-        "cli", "task", "task_face", "call_options", "sent_names", "retried", "early",
-        "revoke", "redelivery", "heartbeat", "release_nowait", "store", "signals",
-        "metrics", "kit",
+        "task", "task_face", "call_options", "sent_names", "retried", "early", "revoke",
+        "redelivery", "heartbeat", "release_nowait", "store", "signals", "metrics", "cli",
+        "kit",
     )
 )  # fmt: skip
 
