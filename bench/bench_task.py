@@ -62,7 +62,11 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    next one's is what that task cost on the worker's clock, its kind known. A
    slow moment of the machine hits every kind alike: over ten runs,
    SingletonTask's ratio moved by 2.3 points and celery-singleton's, the most,
-   by 5, where section 2's move by ten. Then the lock store's time per command
+   by 5, where section 2's move by ten. The worker also notes when each task
+   starts and ends (``task_prerun``, ``task_postrun``) and when its body's work
+   begins and ends, and a table splits each kind's time per task into receipt
+   to start, start to body, the work, body to end and end to the next receipt.
+   Then the lock store's time per command
    over the counted rounds (``INFO commandstats``): the scripts' ``EVALSHA``
    and the owner-checked floor's ``FCALL`` beside the peers' ``SET`` and ``DEL``.
 
@@ -181,9 +185,14 @@ def critical_section(work: float) -> tuple[float, float]:
 
 
 def busy(work: float) -> None:
-    """Stand for ``work`` seconds of real work (a sleep: it leaves the CPU to others)."""
+    """Stand for ``work`` seconds of real work (a sleep: it leaves the CPU to others).
+    While section 5 marks the worker's clock, its start and end are noted too."""
+    if _marking:
+        _marks.append((time.perf_counter(), BODY, ""))
     if work:
         time.sleep(work)
+    if _marking:
+        _marks.append((time.perf_counter(), BODY_END, ""))
 
 
 #: The floors SingletonTask's ratio is compared with: their labels in the tables,
@@ -338,25 +347,79 @@ if celery_singleton is not None:
         busy(work)
 
 
-# Section 5's clock, in the worker: when each task was received, and its name.
-_began: list[tuple[float, str]] = []
+# Section 5's clock, in the worker: when each task was received, started and
+# ended (Celery's signals, with the task's name), and when its body's work began
+# and ended (busy(), without a name: the task started last's).
+RECEIVED, STARTED, BODY, BODY_END, ENDED = "received", "started", "body", "body end", "ended"
+_marks: list[tuple[float, str, str]] = []
+_marking = False
 
 
-def _note_start(sender: Any = None, request: Any = None, **_: Any) -> None:
-    _began.append((time.perf_counter(), request.name))
+def _note_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    _marks.append((time.perf_counter(), RECEIVED, request.name))
+
+
+def _note_started(sender: Any = None, **_: Any) -> None:
+    _marks.append((time.perf_counter(), STARTED, sender.name))
+
+
+def _note_ended(sender: Any = None, **_: Any) -> None:
+    _marks.append((time.perf_counter(), ENDED, sender.name))
+
+
+_NOTES = (
+    (signals.task_received, _note_received),
+    (signals.task_prerun, _note_started),
+    (signals.task_postrun, _note_ended),
+)
 
 
 @app.task(name="bench.starts", shared=False)
-def starts(action: str) -> list[tuple[float, str]]:
-    """``"start"``: note from now on when each task is received; ``"stop"``: stop,
-    and return the notes (this task's own receipt last)."""
+def starts(action: str) -> list[tuple[float, str, str]]:
+    """``"start"``: note from now on when each task is received, starts and ends,
+    and when its body's work begins and ends; ``"stop"``: stop, and return the
+    notes as ``(time, event, task name)`` (this task's own receipt last)."""
+    global _marking
     if action == "start":
-        _began.clear()
-        signals.task_received.connect(_note_start, weak=False)
+        _marks.clear()
+        for signal, note in _NOTES:
+            signal.connect(note, weak=False)
+        _marking = True
         return []
-    signals.task_received.disconnect(_note_start)
-    found = list(_began)
-    _began.clear()
+    _marking = False
+    for signal, note in _NOTES:
+        signal.disconnect(note)
+    found = list(_marks)
+    _marks.clear()
+    return found
+
+
+#: Section 5's parts of a task's time on the worker, between the marks they
+#: run from and to (see :func:`segments`).
+SEGMENTS = {
+    "receipt to start": (RECEIVED, STARTED),
+    "start to body": (STARTED, BODY),
+    "body": (BODY, BODY_END),
+    "body to end": (BODY_END, ENDED),
+    "end to next": (ENDED, RECEIVED),
+}
+
+
+def segments(marks: list[tuple[float, str, str]]) -> dict[str, dict[str, list[float]]]:
+    """Per task name, the seconds each task spent in each of :data:`SEGMENTS`,
+    from the worker's marks (a task whose marks are not all there is left out)."""
+    found: dict[str, dict[str, list[float]]] = {}
+    task: dict[str, float] = {}
+    name = ""
+    for when, event, marked in marks:
+        if event == RECEIVED:
+            if len(task) == len(SEGMENTS):
+                task["next"] = when
+                parts = found.setdefault(name, {part: [] for part in SEGMENTS})
+                for part, (start, end) in SEGMENTS.items():
+                    parts[part].append(task["next" if end == RECEIVED else end] - task[start])
+            task, name = {}, marked
+        task.setdefault(event, when)
     return found
 
 
@@ -947,6 +1010,8 @@ def bench_interleaved(
         # Per kind: the median time per task in each round, and its ratio to plain's.
         took: dict[str, list[float]] = {kind.label: [] for kind in kinds}
         ratios: dict[str, list[float]] = {kind.label: [] for kind in kinds}
+        # Per kind and part of a task (SEGMENTS), the median in each round.
+        parted: dict[str, dict[str, list[float]]] = {}
         # The lock store's time in the timed rounds: {command: [calls, microseconds]}.
         served: dict[str, list[float]] = {}
         for r in range(rounds + 1):
@@ -955,14 +1020,20 @@ def bench_interleaved(
             round_id = uuid.uuid4().hex
             calls = [(order[i % len(order)].task, (round_id, i, work)) for i in range(count)]
             run_batch(calls, worker, stats, 60 + count * (0.05 + work))
-            began = starts.apply_async(("stop",)).get(timeout=30)
+            marks = starts.apply_async(("stop",)).get(timeout=30)
             if r == 0:
                 continue
+            for name, parts in segments(marks).items():
+                if name in labels:
+                    kept = parted.setdefault(labels[name], {part: [] for part in SEGMENTS})
+                    for part, times in parts.items():
+                        kept[part].append(statistics.median(times) * 1e6)
             for command, (ran, usec) in command_stats(stats).items():
                 total = served.setdefault(command, [0, 0.0])
                 total[0] += ran
                 total[1] += usec
             spans: dict[str, list[float]] = {}
+            began = [(when, name) for when, event, name in marks if event == RECEIVED]
             for (start, name), (following, _) in itertools.pairwise(began):
                 if name in labels:
                     spans.setdefault(labels[name], []).append(following - start)
@@ -982,6 +1053,7 @@ def bench_interleaved(
     for label, why in broken.items():
         print(f"   {label:<30} {why}")
         findings.add(2, f"{label}, {what}", why)
+    print_segments(parted, [kind.label for kind in kinds], findings, what)
     print_served(served, findings, what)
     engine = Spread.of(ratios["SingletonTask"])
     peers = [statistics.median(ratios[label]) for label in PEERS if label in ratios]
@@ -994,6 +1066,25 @@ def bench_interleaved(
         if kind.label not in ("plain task", "SingletonTask"):
             findings.add(2, f"{kind.label}/plain throughput, {what}, solo pool",
                          Spread.of(ratios[kind.label]).show(3))  # fmt: skip
+
+
+def print_segments(
+    parted: dict[str, dict[str, list[float]]], labels: list[str], findings: Findings, what: str
+) -> None:
+    """Section 5's table of where each kind's time per task goes on the worker;
+    SingletonTask's parts go to the findings too."""
+    print(
+        "   where the time per task goes on the worker (median us over the rounds): received"
+        " (task_received) to started (task_prerun), to its body's work, the work, to ended"
+        " (task_postrun), to the next task's receipt"
+    )
+    print(f"   {'kind':<30}" + "".join(f" {part:>16}" for part in SEGMENTS))
+    for label in labels:
+        if label in parted:
+            cells = (statistics.median(parted[label][part]) for part in SEGMENTS)
+            print(f"   {label:<30}" + "".join(f" {cell:16,.0f}" for cell in cells))
+    for part, times in parted.get("SingletonTask", {}).items():
+        findings.add(2, f"SingletonTask us {part}, {what}", f"{statistics.median(times):.0f}")
 
 
 #: The lock store's commands section 5 reports the time of, and who sends them.

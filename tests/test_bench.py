@@ -35,12 +35,17 @@ def run_bench(script: str, options: list[str], tmp_path: Path) -> tuple[str, dic
 
 def test_bench_task_runs_and_reports_the_lock_stores_time_per_command(tmp_path: Path) -> None:
     """Sections 1 and 5 of ``bench/bench_task.py`` on a few tasks: it exits 0, and
-    section 5 reports the ratio to plain and the lock store's time per
-    ``EVALSHA`` (the scripts) and ``SET`` (the peers' and floors' acquire)."""
+    section 5 reports the ratio to plain, where a task's time goes on the
+    worker (the parts between its receipt, start, body, end and the next receipt)
+    and the lock store's time per ``EVALSHA`` (the scripts) and ``SET`` (the
+    peers' and floors' acquire)."""
     options = ["--only", "1,5", "--quick", "--tasks", "20", "--rounds", "1"]
     output, reported = run_bench("bench_task.py", options, tmp_path)
     assert "lock store, time per command over these rounds" in output
+    assert "where the time per task goes on the worker" in output
     assert "SingletonTask/plain throughput, interleaved, solo pool" in reported
+    for part in ("receipt to start", "start to body", "body", "body to end", "end to next"):
+        assert float(reported[f"SingletonTask us {part}, interleaved"]) >= 0
     for command in ("EVALSHA", "SET"):
         assert float(reported[f"lock store us per {command}, interleaved"]) > 0
 
