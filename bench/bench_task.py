@@ -394,6 +394,10 @@ def starts(action: str) -> list[tuple[float, str, str]]:
     return found
 
 
+#: The marks every task gets, in order, and the next task's receipt after them.
+EVENTS = (RECEIVED, STARTED, BODY, BODY_END, ENDED)
+NEXT = "next received"
+
 #: Section 5's parts of a task's time on the worker, between the marks they
 #: run from and to (see :func:`segments`).
 SEGMENTS = {
@@ -401,7 +405,7 @@ SEGMENTS = {
     "start to body": (STARTED, BODY),
     "body": (BODY, BODY_END),
     "body to end": (BODY_END, ENDED),
-    "end to next": (ENDED, RECEIVED),
+    "end to next": (ENDED, NEXT),
 }
 
 
@@ -413,11 +417,11 @@ def segments(marks: list[tuple[float, str, str]]) -> dict[str, dict[str, list[fl
     name = ""
     for when, event, marked in marks:
         if event == RECEIVED:
-            if len(task) == len(SEGMENTS):
-                task["next"] = when
+            if all(mark in task for mark in EVENTS):
+                task[NEXT] = when
                 parts = found.setdefault(name, {part: [] for part in SEGMENTS})
                 for part, (start, end) in SEGMENTS.items():
-                    parts[part].append(task["next" if end == RECEIVED else end] - task[start])
+                    parts[part].append(task[end] - task[start])
             task, name = {}, marked
         task.setdefault(event, when)
     return found
