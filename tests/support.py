@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 from zipfile import ZipFile
 
+import celery
 import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.worker import state as worker_state
 from kombu.exceptions import OperationalError
 
 from celery_redislock.deployments import ClusterDeployment
@@ -248,11 +250,40 @@ def in_process_worker(app: Celery, pool: str = "threads", concurrency: int = 1) 
         app, pool=pool, concurrency=concurrency, perform_ping_check=False, shutdown_timeout=60
     )
     started = worker.__enter__()
+    _in_process_workers.append(started)
     try:
         yield started
     finally:
+        _in_process_workers.remove(started)
         with quiet_sockets():
             worker.__exit__(None, None, None)
+
+
+#: Whether the Celery here is 5.7 or later (the tests' expectations of Celery's
+#: own behaviour differ before it).
+CELERY_5_7 = tuple(int(part) for part in celery.__version__.split(".")[:2]) >= (5, 7)
+
+#: The workers :func:`in_process_worker` runs now.
+_in_process_workers: list[Any] = []
+
+
+def scheduled_copies(task_id: str) -> int:
+    """How many messages of ``task_id`` this process's workers hold waiting for
+    their ETA (a countdown, a retry's delay), not yet handed on.
+
+    Celery 5.7 lists such requests in ``worker_state.scheduled_requests``; before
+    it, they are only the arguments of the worker's timer entries (which also
+    keep the entries of requests revoked or cancelled since: Celery drops those
+    as the ETA comes)."""
+    scheduled = getattr(worker_state, "scheduled_requests", None)
+    if scheduled is not None:
+        return sum(request.id == task_id for request in list(scheduled))
+    return sum(
+        1
+        for worker in list(_in_process_workers)
+        for _eta, _priority, entry in worker.timer.queue
+        if not entry.canceled and entry.args and getattr(entry.args[0], "id", None) == task_id
+    )
 
 
 @contextmanager

@@ -32,6 +32,7 @@ from celery_redislock.task import _shown, _written_ahead, queued_owner
 from celery_redislock.transport import transport_for
 from tests.proxy import FaultProxy
 from tests.support import (
+    CELERY_5_7,
     client_left_clean,
     close_app,
     field,
@@ -614,10 +615,11 @@ def test_a_child_process_that_ended_is_seen_gone_before_it_is_reaped() -> None:
         ({}, WorkerLostError(), False, False),
         ({"acks_late": True, "reject_on_worker_lost": True}, WorkerLostError(), False, True),
         (
+            # (Celery 5.7 sends it again as a retry; before, the option is unknown.)
             {"acks_late": True, "reject_on_worker_lost": True, "retry_on_worker_lost": True},
             WorkerLostError(),
             False,
-            False,
+            not CELERY_5_7,
         ),
         ({"acks_late": True, "reject_on_worker_lost": True}, Terminated(), False, False),
         ({}, Terminated(), True, True),

@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The dependencies whose oldest release is tested here.
 FLOORED = ("celery", "kombu", "redis")
 
-#: Tests of the code that uses Celery's and redis-py's internals, run on the floors
-#: (with ``INTEGRATION_SELECTION``: of the deployments, the cluster's).
+#: Tests of the code that uses Celery's and redis-py's internals (the request
+#: class, the pools, revokes, retries and redeliveries, the connection layer), run
+#: on the floors (with ``INTEGRATION_SELECTION``: of the deployments, the cluster's).
 INTEGRATION_TESTS = (
     "tests/test_early.py",
     "tests/test_early_crowded.py",
@@ -38,6 +39,9 @@ INTEGRATION_TESTS = (
     "tests/test_transport.py",
     "tests/test_client.py",
     "tests/test_deployments_engine.py",
+    "tests/test_revoke.py",
+    "tests/test_redelivery.py",
+    "tests/test_sent_names.py",
 )
 INTEGRATION_SELECTION = "not test_deployments_engine or cluster"
 

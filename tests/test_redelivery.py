@@ -22,7 +22,6 @@ from celery.signals import (
     task_retry,
     task_revoked,
 )
-from celery.worker import state as worker_state
 
 from celery_redislock import RedisLock, SingletonTask, signals
 from celery_redislock import lock as lock_module
@@ -40,7 +39,15 @@ from celery_redislock.task import (
 )
 from celery_redislock.transport import ATTEMPTS, flush
 from tests.proxy import FaultProxy
-from tests.support import close_app, field, in_process_worker, make_app, wait_for
+from tests.support import (
+    CELERY_5_7,
+    close_app,
+    field,
+    in_process_worker,
+    make_app,
+    scheduled_copies,
+    wait_for,
+)
 from tests.support import lock_keys as held_keys
 
 
@@ -1377,12 +1384,7 @@ def test_a_retry_revoked_long_before_its_eta_frees_the_lock_as_its_sender_ends(
                 assert sent.acquire(timeout=15), "the retry was not sent"
             if where == "waiting for its ETA":
                 wait_for(
-                    lambda: (
-                        (request := worker_state.requests.get(first.id)) is not None
-                        and request in worker_state.scheduled_requests
-                        and sum(r.id == first.id for r in list(worker_state.scheduled_requests))
-                        == copies
-                    ),
+                    lambda: scheduled_copies(first.id) == copies,
                     what="the worker to hold the retry",
                 )
             # A revoke of another id, sent after it, tells when this one was handled.
@@ -1587,8 +1589,13 @@ def test_a_retry_from_before_start_that_cannot_be_sent_gives_the_hold_back(
 
     with in_process_worker(app, concurrency=2):
         first = job.delay()
-        with pytest.raises(Exception, match="ttl"):
-            first.get(timeout=15)
+        if CELERY_5_7:
+            with pytest.raises(Exception, match="ttl"):
+                first.get(timeout=15)
+        else:
+            # Celery before 5.7 rejects the message of a task whose retry cannot be
+            # sent, and stores no result.
+            wait_for(lambda: bool(tried), what="the retry to be tried")
         name = job.lock_name((), {})
         wait_for(lambda: _lock_free(redislock_client, name), what="a free lock")
         again = job.delay()

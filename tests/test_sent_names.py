@@ -33,6 +33,7 @@ from tests.support import (
     make_app,
     record,
     runs,
+    scheduled_copies,
     wait_for,
 )
 
@@ -549,8 +550,7 @@ def test_an_eager_call_whose_arguments_the_serializer_changes_runs_under_its_res
 
 def scheduled_here(task_id: str) -> bool:
     """Whether this process's worker holds ``task_id``, waiting for its countdown."""
-    request = worker_state.requests.get(task_id)
-    return request is not None and request in worker_state.scheduled_requests
+    return scheduled_copies(task_id) > 0
 
 
 def test_revoking_a_queued_message_frees_the_name_its_send_reserved(

@@ -62,6 +62,7 @@ from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import Terminated, WorkerLostError
+from celery.app.task import Task as _CeleryTask
 from celery.worker import state as worker_state
 from celery.worker.request import Request as _CeleryRequest
 
@@ -85,6 +86,10 @@ logger = logging.getLogger(__name__)
 #: hard time limit: reported before the child is killed). ``Terminated``: a child
 #: the worker sent a signal to (a terminate, a cancel), reported once reaped.
 _PROCESS_GONE = (WorkerLostError, Terminated, SystemExit, KeyboardInterrupt)
+
+#: Whether this Celery sends a task whose pool process was lost again as a
+#: retry when the task asks (``retry_on_worker_lost``, new in Celery 5.7).
+_RETRIES_WORKER_LOST = hasattr(_CeleryTask, "retry_on_worker_lost")
 
 #: Request attribute set as the worker takes its last look at whether a request it
 #: reserved is revoked, on the way to the pool: past that look the pool runs the
@@ -276,7 +281,7 @@ class Request(_CeleryRequest):  # type: ignore[misc]
         return (
             bool(task.acks_late)
             and bool(task.reject_on_worker_lost)
-            and not task.retry_on_worker_lost
+            and not (_RETRIES_WORKER_LOST and task.retry_on_worker_lost)
         )
 
     def _free_dead_child_lock(self, fence: int | None = None, requeued: bool = False) -> None:

@@ -89,6 +89,7 @@ import redis
 from celery import bootsteps
 from celery.utils.functional import maybe_list
 from celery.worker import state as worker_state
+from celery.worker.request import Request as CeleryRequest
 from redis.cluster import RedisCluster
 
 from celery_redislock.dropped import REVOKED, drop_id, free_dropped, free_revoked, leave_revoked
@@ -106,6 +107,10 @@ from celery_redislock.task import (
 from celery_redislock.transport import Client, router_for
 
 logger = logging.getLogger(__name__)
+
+#: Whether Celery lists the requests waiting for their ETA in
+#: ``worker_state.requests`` (5.7 and later).
+_LISTS_SCHEDULED = hasattr(worker_state, "scheduled_requests")
 
 #: The consumer bootstep that runs the worker's remote-control node.
 CONTROL_STEP = "celery.worker.consumer.control.Control"
@@ -144,8 +149,11 @@ class _Pending(NamedTuple):
 class RevokeSweeper:
     """Frees the ``until_*`` locks of revoked tasks for one worker, on a thread of its own."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, timer: Any = None) -> None:
         self.app = app
+        #: The worker's timer, whose entries hold the requests waiting for their
+        #: ETA (see :meth:`_scheduled`).
+        self.timer = timer
         self._queue: queue.SimpleQueue[tuple[list[_Pending], set[str]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._guard = threading.Lock()
@@ -176,8 +184,13 @@ class RevokeSweeper:
         """
         pending: list[_Pending] = []
         unknown: set[str] = set()
+        task_ids = list(task_ids)
+        scheduled = {held.id: held for held in self._scheduled()} if task_ids else {}
         for task_id in task_ids:
-            request = worker_state.requests.get(task_id)
+            # A copy waiting for its ETA first: Celery 5.7 lists it in place of a
+            # running request of the same id (a message an execution sent under
+            # its own id), which earlier releases list alone.
+            request = scheduled.get(task_id) or worker_state.requests.get(task_id)
             if request is None:
                 unknown.add(task_id)
                 continue
@@ -207,7 +220,10 @@ class RevokeSweeper:
         if not revoked_stamps:
             return
         pending: list[_Pending] = []
-        for request in list(worker_state.requests.values()):
+        held = list(worker_state.requests.values())
+        listed = {id(request) for request in held}
+        held += [request for request in self._scheduled() if id(request) not in listed]
+        for request in held:
             if request in worker_state.active_requests or handed_to_pool(request):
                 continue  # running, or will run: its execution takes the lock over
             try:
@@ -220,6 +236,25 @@ class RevokeSweeper:
                 if item is not None:
                     pending.append(item)
         self._hand_over(pending, set())
+
+    def _scheduled(self) -> list[Any]:
+        """Before Celery 5.7, the requests this worker holds waiting for their ETA
+        (a countdown, a retry's delay), as the arguments of its timer's entries:
+        those releases list them nowhere else. (Celery 5.7 lists them in
+        ``worker_state.requests``: none here.)"""
+        timer = self.timer
+        if _LISTS_SCHEDULED or timer is None:
+            return []
+        try:
+            entries = timer.queue
+        except Exception as exc:
+            logger.warning("could not read the worker's timer: %s", exc)
+            return []
+        return [
+            entry.args[0]
+            for _eta, _priority, entry in entries
+            if not entry.canceled and entry.args and isinstance(entry.args[0], CeleryRequest)
+        ]
 
     def _hand_over(self, pending: list[_Pending], unknown: set[str]) -> None:
         if pending or unknown:
@@ -597,7 +632,7 @@ class RevokedLockRelease(bootsteps.StartStopStep):  # type: ignore[misc]
             if original is None or getattr(original, "redislock_wrapped", False):
                 continue
             if self.sweeper is None:
-                self.sweeper = RevokeSweeper(c.app)
+                self.sweeper = RevokeSweeper(c.app, getattr(c, "timer", None))
             handlers[command] = _then_sweep(original, self.sweeper, command)
         node.handlers = handlers
 
