@@ -652,11 +652,14 @@ def test_an_expired_lock_goes_to_the_first_asker_and_the_waiter_queues_behind_it
     finds the lock held, queues again, and gets it at the new holder's release."""
     server = redislock_server_factory()
     client = server.client()
-    holder = RedisLock(client, "expired-first-asker", ttl=1, heartbeat=False)
+    # Held for a minute while the child starts (which may take over a second on a busy
+    # machine), then cut to one second once the child is queued and stopped.
+    holder = RedisLock(client, "expired-first-asker", ttl=60, heartbeat=False)
     assert holder.acquire()
     child = queued_waiter(client, server, tmp_path, holder)
     try:
         os.kill(child.pid, signal.SIGSTOP)
+        holder.extend(1)
         wait_for(lambda: not held(client, holder.key), what="the holder's TTL to run out")
         newcomer = RedisLock(client, holder.name, ttl=60)
         assert newcomer.acquire(blocking=False)
