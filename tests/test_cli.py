@@ -877,8 +877,11 @@ def test_since_of_a_waiter_that_takes_an_expired_lock_is_when_it_took_it(
 ) -> None:
     """A waiting task that takes the lock itself once a crashed holder's hold expired
     (nobody hands it over) holds it since the try that took it."""
-    leave_stale_lock(cli_app.waiting, 22, "crashed", ttl=2)
+    # Held long enough for the task to queue behind it, however slow the worker, then
+    # left a second to run.
+    stale = leave_stale_lock(cli_app.waiting, 22, "crashed", ttl=60)
     waiting, before = queued_waiting_task(locks, 22, "waiting")
+    assert locks.pexpire(lock_keys(stale).lock, 1000)
     held = held_by(locks, 22, waiting.id)
     assert held.since is not None
     assert held.since >= before

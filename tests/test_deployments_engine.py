@@ -647,8 +647,9 @@ def test_cluster_locks_keep_working_after_a_primary_fails(
 ) -> None:
     """After a primary is killed and its replica promoted, the same RedisCluster client
     takes new locks on the failed-over slots without a restart. Observed for a lock
-    held across the failover (replicated with WAIT first, TTL 10 s): the heartbeat
-    follows its slot to the promoted replica and it stays held, renewed there."""
+    held across the failover (replicated with WAIT first, TTL 30 s, renewed every
+    3 s): the heartbeat follows its slot to the promoted replica and it stays held,
+    renewed there."""
     cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
     client = cluster.client()
     try:
@@ -659,7 +660,7 @@ def test_cluster_locks_keep_working_after_a_primary_fails(
             for name in (f"cluster-elsewhere:{i}" for i in range(300))
             if cluster.primary_for_slot(client.keyslot(lock_keys(name)[0])) is not victim  # type: ignore[no-untyped-call]
         )
-        held = RedisLock(client, on_victim[0], ttl=10)
+        held = RedisLock(client, on_victim[0], ttl=30, heartbeat_interval=3)
         assert held.acquire(blocking=False)
         direct = victim.client()
         assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
@@ -709,7 +710,7 @@ def test_cluster_held_locks_are_renewed_on_the_replica_promoted_for_their_failed
     victim = cluster.primaries()[0]
     lost: list[RedisLock] = []
     locks = [
-        RedisLock(client, name, ttl=6, on_lost=lost.append)
+        RedisLock(client, name, ttl=30, heartbeat_interval=2, on_lost=lost.append)
         for name in _names_on(cluster, client, victim, "cluster-renewed")
     ]
     try:
@@ -812,7 +813,7 @@ def test_cluster_waiter_through_a_failover_is_woken_on_the_promoted_replica(
     try:
         victim = cluster.primaries()[0]
         [name, _] = _names_on(cluster, client, victim, "cluster-failover-wait")
-        holder = RedisLock(client, name, ttl=10)
+        holder = RedisLock(client, name, ttl=30, heartbeat_interval=3)
         assert holder.acquire(blocking=False)
         waiter = RedisLock(client, name, ttl=10, call_timeout=20)
         dead = hub_for(waiter.transport, waiter.prefix)
@@ -1250,7 +1251,7 @@ def test_cluster_releases_refused_while_a_shard_fails_over_land_once_it_is_up(
         healthy = cluster.primary_for_slot(client.keyslot(lock_keys(kept_name)[0]))  # type: ignore[no-untyped-call]
         waited = RedisLock(client, names[0], ttl=60, call_timeout=0.5)
         later = RedisLock(client, names[1], ttl=60)
-        kept = RedisLock(client, kept_name, ttl=10)
+        kept = RedisLock(client, kept_name, ttl=30, heartbeat_interval=3)
         for lock in (waited, later, kept):
             assert lock.acquire(blocking=False)
         admin = healthy.client()
@@ -1370,12 +1371,12 @@ def test_sentinel_locks_keep_working_after_a_failover(
     """After the primary is killed and a replica promoted, the same master_for client
     and the same sentinel:// URL client take new locks on the new primary without a
     restart. Observed for a lock held across the failover (replicated with WAIT
-    first, TTL 10 s): the promoted replica has it, the heartbeat renews it there once
-    the Sentinels name the new primary, and it stays held."""
+    first, TTL 30 s, renewed every 3 s): the promoted replica has it, the heartbeat
+    renews it there once the Sentinels name the new primary, and it stays held."""
     deployment = redislock_sentinel_factory(replicas=1, sentinels=3)
     by_client = deployment.client(socket_timeout=5)
     by_url = get_client(deployment.sentinel_url, deployment.transport_options)
-    held = RedisLock(by_client, "sentinel-failover:held", ttl=10)
+    held = RedisLock(by_client, "sentinel-failover:held", ttl=30, heartbeat_interval=3)
     assert held.acquire(blocking=False)
     direct = deployment.master().client()
     assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]

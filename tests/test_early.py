@@ -202,12 +202,13 @@ class TestEngine:
         read late, it is renewed an interval after it was written (at once, when that
         has passed), not an interval after the read, by when its TTL could have run
         out on the server."""
-        lock = RedisLock(locks, uuid.uuid4().hex, ttl=3)  # renewed every second
+        lock = RedisLock(locks, uuid.uuid4().hex, ttl=6)  # renewed every 2 s
         ahead = lock._send_acquire()
         assert ahead is not None
-        time.sleep(1.5)
+        time.sleep(3)
         assert lock._acquire_sent(ahead)
-        assert wait_until(lambda: locks.pttl(lock.key) > 2_500, timeout=0.8)
+        # Renewed within 1.6 s of the read: not the 2 s after it a late renewal takes.
+        assert wait_until(lambda: locks.pttl(lock.key) > 5_000, timeout=1.6)
         lock.release()
 
     def test_a_reply_read_after_its_ttl_is_left_to_the_caller(self, locks: redis.Redis) -> None:

@@ -367,15 +367,16 @@ def test_a_reply_owed_on_a_connection_gone_dark_holds_up_no_renewal(
 def assert_a_short_lock_is_renewed_meanwhile(
     via_proxy: redis.Redis, direct: redis.Redis, name: str
 ) -> RedisLock:
-    """Take a short lock ``name`` (TTL 0.6 s) on a new connection to the healthy
-    server, and check that past its TTL nobody else could take it, that it is
-    still held and not reported lost; return it, held."""
+    """Take a short lock ``name`` (TTL 1.5 s, renewed every 0.2 s: a stall of the
+    machine does not lose it) on a new connection to the healthy server, and check
+    that past its TTL nobody else could take it, that it is still held and not
+    reported lost; return it, held."""
     lost: list[RedisLock] = []
-    short = RedisLock(via_proxy, name, ttl=0.6, on_lost=lost.append)
+    short = RedisLock(via_proxy, name, ttl=1.5, heartbeat_interval=0.2, on_lost=lost.append)
     assert short.acquire(blocking=False)
     taken = time.monotonic()
     rival = RedisLock(direct, name, ttl=10, heartbeat=False)
-    while time.monotonic() < taken + 1.5:  # past the short lock's TTL: only renewals keep it
+    while time.monotonic() < taken + 3:  # past the short lock's TTL: only renewals keep it
         assert not rival.acquire(blocking=False)
         time.sleep(0.02)
     assert short.owned()

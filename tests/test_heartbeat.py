@@ -891,7 +891,7 @@ def test_work_handed_to_a_retired_lane_goes_to_the_transports_lane(
     anew, whose thread renews it, or sends it, and where a flush at exit looks."""
     monkeypatch.setattr(heartbeat_module, "IDLE_EXIT", 0.1)
     beat = get_heartbeat()
-    lock = RedisLock(client, "retired-lane", ttl=2, heartbeat=False)
+    lock = RedisLock(client, "retired-lane", ttl=30, heartbeat_interval=0.5, heartbeat=False)
     assert lock.acquire()
     transport = lock.transport
     stale = beat.register(lock)
@@ -902,7 +902,7 @@ def test_work_handed_to_a_retired_lane_goes_to_the_transports_lane(
     landed = stale.register(lock)
     assert landed is not stale
     assert beat._lanes[transport] is landed
-    # Renewals set the key's TTL back to the lock's, 2 s, every 2/3 s.
+    # Renewals set the key's TTL back to the lock's, 30 s, every 0.5 s.
     client.pexpire(lock.key, 1500)
     assert wait_until(lambda: client.pttl(lock.key) > 1600)
     landed.unregister(lock)

@@ -299,7 +299,7 @@ def test_hold_lock_makes_a_call_a_duplicate(job: Any, redislock_client: redis.Re
 
 def test_leave_stale_lock_is_never_renewed(job: Any, redislock_client: redis.Redis) -> None:
     """A stale lock is held with a crashed holder's description and frees by its TTL."""
-    name = leave_stale_lock(job, 3, ttl=0.5)
+    name = leave_stale_lock(job, 3, ttl=3)  # time for the worker to see it held
     info = read_lock(redislock_client, name)
     assert info is not None
     assert (info.state, info.node) == ("running", "crashed@leave_stale_lock")

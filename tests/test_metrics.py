@@ -278,8 +278,9 @@ def test_heartbeat_renewals_are_counted(
     celery_redislock_heartbeat_total{server, result}; a lock deleted behind its back
     counts as lost."""
     server = f"{redislock_server.host}:{redislock_server.port}"
-    kept = RedisLock(redislock_server.url, "beats", ttl=0.3)
-    doomed = RedisLock(redislock_server.url, "beats-doomed", ttl=0.3)
+    # Renewed every 0.1 s, with more than a second to spare should the machine stall.
+    kept = RedisLock(redislock_server.url, "beats", ttl=1.5, heartbeat_interval=0.1)
+    doomed = RedisLock(redislock_server.url, "beats-doomed", ttl=1.5, heartbeat_interval=0.1)
     assert kept.acquire()
     assert doomed.acquire()
     direct = redislock_server.client()
@@ -317,7 +318,7 @@ def test_heartbeat_renewals_without_an_answer_are_counted_as_failed(
     try:
         with FaultProxy(redislock_server.host, redislock_server.port) as proxy:
             server = f"{proxy.host}:{proxy.port}"
-            lock = RedisLock(proxy.url, "beats-in-the-dark", ttl=3)
+            lock = RedisLock(proxy.url, "beats-in-the-dark", ttl=6, heartbeat_interval=1)
             assert lock.acquire()
             proxy.blackhole()
             wait_for(

@@ -149,7 +149,7 @@ def test_a_soft_time_limit_that_fires_while_a_task_waits_ends_its_wait(
     runs, and it leaves the queue, nothing left behind once the holder ends."""
     mod, client, launch = env
     launch("soft", concurrency=2)
-    holder = mod.sleeper.delay("soft", 4)
+    holder = mod.sleeper.delay("soft", 6)  # long past the waiter's start and its limit
     wait_for(lambda: records(client, "sleeper"), what="the holder to start")
     waiter = mod.sleeper.apply_async(("soft", 0), soft_time_limit=1)
     with pytest.raises(SoftTimeLimitExceeded):
@@ -196,9 +196,10 @@ def test_heartbeat_keeps_long_task_locked(
     """A task running for several TTLs keeps its lock the whole time (prefork child heartbeat)."""
     mod, client, launch = env
     launch("hb", concurrency=1)
-    result = mod.sleeper.delay("long", 5)  # lock_ttl is 2 s
+    result = mod.sleeper.delay("long", 6)  # lock_ttl is 2 s
     wait_for(lambda: records(client, "sleeper"), what="the task to start")
-    key = f"redislock:{{{mod.sleeper.lock_name(('long', 5), {})}}}"
+    key = f"redislock:{{{mod.sleeper.lock_name(('long', 6), {})}}}"
+    # Two TTLs, ending long before the task does, however late the start was seen.
     deadline = time.monotonic() + 4
     while time.monotonic() < deadline:
         assert held(client, key), "the lock expired while its task was running"
