@@ -224,6 +224,10 @@ def close_result_backend(app: Celery) -> None:
     consumer = getattr(backend, "result_consumer", None)
     if consumer is not None:
         consumer.stop()
+        if not CELERY_5_7:
+            # Before 5.7 each result collected later unsubscribes over the closed
+            # connection, reconnecting for 20 s once the server has stopped.
+            consumer._pubsub = None
     client = vars(backend).get("client")
     if isinstance(client, redis.Redis):
         client.connection_pool.disconnect()

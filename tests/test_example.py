@@ -23,7 +23,7 @@ from example_worker import inventory
 from example_worker.__main__ import build_parser
 from example_worker.inventory import commit_sale, event_keys, open_event, stale_holder_demo
 from example_worker.report import Click, RunResult, build_report
-from tests.support import field
+from tests.support import child_environment, field
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,14 +54,23 @@ def seckill_env(redis_url: str | None) -> dict[str, str]:
 
 
 def run_seckill(
-    args: list[str], tmp_path: Path, redis_url: str | None, timeout: float = 120
+    args: list[str],
+    tmp_path: Path,
+    redis_url: str | None,
+    timeout: float = 120,
+    python: str | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """Run the one command with ``--json`` and return the process and the JSON report."""
+    """Run the one command with ``--json`` and return the process and the JSON report
+    (with ``python``, an interpreter of another environment, this project's sources
+    on its path)."""
     report_path = tmp_path / f"report-{time.monotonic_ns()}.json"
+    env = seckill_env(redis_url)
+    if python is not None:
+        env["PYTHONPATH"] = child_environment()["PYTHONPATH"]
     done = subprocess.run(
-        [sys.executable, "-m", "example_worker", *args, "--json", str(report_path)],
+        [python or sys.executable, "-m", "example_worker", *args, "--json", str(report_path)],
         cwd=ROOT,
-        env=seckill_env(redis_url),
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
