@@ -576,7 +576,9 @@ def test_a_renewal_landing_before_a_slower_shorter_extend_does_not_outlast_it(
             renewal_sent.append(time.monotonic())
             renewal.extend()
 
-        proxy.set_latency(0.3)
+        # (A second on the way: the renewal, sent 0.1 s after it, lands first however
+        # slow the thread is to start.)
+        proxy.set_latency(1.0)
         renewer = threading.Thread(target=renew_while_the_extend_travels)
         renewer.start()
         holder.extend(1)
