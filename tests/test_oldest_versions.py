@@ -47,6 +47,15 @@ INTEGRATION_TESTS = (
 )
 INTEGRATION_SELECTION = "not test_deployments_engine or cluster or sentinel"
 
+#: Slow worker tests (prefork workers in subprocesses) of what Celery 5.6 does
+#: otherwise than 5.7, run on the floors too: a message killed for its hard time
+#: limit is delivered again (``acks_on_failure_or_timeout`` off: 5.6 has no
+#: ``acks_on_timeout``), and a task revoked by its id as it ran is reported revoked.
+FLOOR_WORKER_TESTS = (
+    "tests/test_workers.py::test_a_message_requeued_as_it_is_killed_for_its_time_limit_keeps_its_reservation",
+    "tests/test_workers.py::test_a_revoke_that_finds_an_until_executed_task_running_leaves_word_that_expires",
+)
+
 
 #: Tests run on the oldest Python the package declares and on the newest installed:
 #: the derivation of lock names (what a value formats as changes between Python
@@ -156,6 +165,7 @@ FLOORS, OLDEST_PYTHON, NEWEST_PYTHON = "floors", "oldest-python", "newest-python
 ENVIRONMENT_OF = {
     "test_the_oldest_supported_releases_pass_the_integration_tests": FLOORS,
     "test_the_seckill_demo_runs_on_the_oldest_supported_releases": FLOORS,
+    "test_the_oldest_supported_releases_pass_the_worker_tests_of_their_own_ways": FLOORS,
     "test_the_oldest_supported_python_passes_the_key_engine_and_worker_tests": OLDEST_PYTHON,
     "test_the_newest_python_here_passes_the_key_engine_and_worker_tests": NEWEST_PYTHON,
 }
@@ -264,6 +274,23 @@ def test_the_oldest_supported_releases_pass_the_integration_tests(
         check=False,
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_oldest_supported_releases_pass_the_worker_tests_of_their_own_ways(
+    environments: dict[str, Future[str]],
+) -> None:
+    """The same environment runs :data:`FLOOR_WORKER_TESTS`, slow as they are, and
+    passes them."""
+    python = environments[FLOORS].result()
+    options = [option for option in CHILD_PYTEST_OPTIONS if option != "--skip-slow"]
+    result = subprocess.run(
+        [python, "-m", "pytest", *FLOOR_WORKER_TESTS, *options],
+        cwd=ROOT, capture_output=True, text=True, env=child_environment(), timeout=600,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert f"{len(FLOOR_WORKER_TESTS)} passed" in result.stdout
 
 
 @pytest.mark.slow
