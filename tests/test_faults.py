@@ -2310,16 +2310,21 @@ def test_a_renewal_landing_after_a_longer_extend_cuts_the_local_deadline_too(
         beat.renew([lock])
         done.append("renewal")
 
-    busy = threading.Thread(target=direct.eval, args=(_BUSY, 0))
+    def delivered(start: threading.Thread, what: str) -> None:
+        before = proxy.bytes_to_server
+        start.start()
+        wait_for(lambda: proxy.bytes_to_server > before, what=what)
+
+    busy = threading.Thread(target=client.eval, args=(_BUSY, 0))
     extending = threading.Thread(target=extend)
     renewing = threading.Thread(target=renew)
-    busy.start()
-    time.sleep(0.2)
-    extending.start()  # reaches the server at once, runs once the script ends (1 s)
-    time.sleep(0.2)
+    delivered(busy, "the busy script to reach the server")
+    time.sleep(0.1)  # the server is in the script (1 s)
+    delivered(extending, "the extend to reach the server")  # runs once the script ends
     proxy.set_latency(2.0)
     renewing.start()  # reaches the server 2 s late: after the extend ran
-    time.sleep(1.2)  # the extend ran, its answer is held up by the latency
+    direct.ping()  # answered once the script has ended
+    time.sleep(0.1)  # the extend ran, its answer is held up by the latency
     proxy.set_latency(0)  # the renewal's answer comes back at once
     for thread in (busy, extending, renewing):
         thread.join(10)
