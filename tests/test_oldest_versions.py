@@ -50,7 +50,8 @@ INTEGRATION_SELECTION = "not test_deployments_engine or cluster or sentinel"
 #: Slow worker tests (prefork workers in subprocesses) of what Celery 5.6 does
 #: otherwise than 5.7, run on the floors too: a message killed for its hard time
 #: limit is delivered again (``acks_on_failure_or_timeout`` off: 5.6 has no
-#: ``acks_on_timeout``), and a task revoked by its id as it ran is reported revoked.
+#: ``acks_on_timeout``), and a task revoked by its id as it ran is stored as revoked
+#: until its success is stored over that.
 FLOOR_WORKER_TESTS = (
     "tests/test_workers.py::test_a_message_requeued_as_it_is_killed_for_its_time_limit_keeps_its_reservation",
     "tests/test_workers.py::test_a_revoke_that_finds_an_until_executed_task_running_leaves_word_that_expires",
