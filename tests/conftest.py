@@ -11,10 +11,11 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+from celery.result import AsyncResult
 
 from celery_redislock.deployments import ClusterDeployment
 from celery_redislock.server import SERVER_ENV
-from tests.support import is_redis_6_2, node_command, redis_6_2_binary
+from tests.support import CELERY_5_7, is_redis_6_2, node_command, redis_6_2_binary
 
 # The same opt-in plugin users enable: private servers, deployments, helpers.
 pytest_plugins = ["celery_redislock.testing"]
@@ -47,6 +48,17 @@ def pytest_configure(config: pytest.Config) -> None:
     mine = tempfile.mkdtemp(prefix="redislock-tests-")
     config.stash[_TMPDIR_KEY] = (os.environ.get("TMPDIR"), mine)
     os.environ["TMPDIR"] = mine
+    if not CELERY_5_7:
+        _leave_collected_results_subscribed()
+
+
+def _leave_collected_results_subscribed() -> None:
+    """Before Celery 5.7, a result the garbage collector finalizes unsubscribes on
+    the pub/sub connection of the thread that made it, from whichever thread collects
+    it: an in-process worker's thread then writes on a test's connection while the
+    test reads it for a result (Celery 5.7 serialises the two), and that result can
+    be lost, its ``get()`` timing out. The tests leave such results subscribed."""
+    AsyncResult.__del__ = lambda self: None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
