@@ -962,6 +962,8 @@ def test_an_undo_that_finds_nothing_to_undo_warns_of_nothing(
         assert sent_in_background(lock) != []
         proxy.heal()
         wait_for(lambda: sent_in_background(lock) == [], what="the undo to be done")
+        # The heartbeat forgets it once it has logged its end: logged by then.
+        wait_for(lambda: frees_sent_ahead_of(lock.key) == 0, what="the undo to be forgotten")
     assert not held(direct, lock.key)
     # (Other tests' locks may still be given up on meanwhile: only this one's count.)
     assert [warning for warning in seen if "'swallowed'" in warning] == []
