@@ -300,6 +300,10 @@ def app(request: pytest.FixtureRequest, redislock_server: RedisServer) -> Iterat
     def wrapped(name: str) -> str:
         return name
 
+    @app.task(base=_Wrapped, shared=False, name="early.wrapped_wait", on_conflict="wait")
+    def wrapped_wait(name: str) -> str:
+        return name
+
     @app.task(
         base=SingletonTask,
         shared=False,
@@ -392,6 +396,33 @@ def test_a_call_of_its_own_acquires_as_the_task_starts(
     written ahead for it."""
     assert app.tasks["early.wrapped"].delay("b").get(timeout=TIMEOUT) == "b"
     assert at_start == {"ahead": False}
+
+
+@pytest.mark.parametrize(("name", "at_once"), [("early.wrapped", 1), ("early.wrapped_wait", 0)])
+def test_an_acquire_made_as_the_task_starts_is_read_at_once_unless_it_may_wait(
+    app: Celery, at_start: dict[str, Any], monkeypatch: pytest.MonkeyPatch, name: str, at_once: int
+) -> None:
+    """A task nothing was written ahead for (here one with a __call__ of its own, as
+    a prefork pool process's) writes its acquire and reads the reply at once, as
+    one written ahead is read, not through the general path; it takes that path
+    only when it may wait for the lock (``on_conflict="wait"``), whose first try
+    queues if the lock is held. Both run as they are: the calls are only counted."""
+    calls = {"at once": 0, "general": 0}
+    at_once_of, general_of = RedisLock._acquire_at_once, RedisLock._acquire
+
+    def counted_at_once(lock: RedisLock) -> bool | None:
+        calls["at once"] += 1
+        return at_once_of(lock)
+
+    def counted_general(lock: RedisLock, *args: Any, **kwargs: Any) -> bool:
+        calls["general"] += 1
+        return general_of(lock, *args, **kwargs)
+
+    monkeypatch.setattr(RedisLock, "_acquire_at_once", counted_at_once)
+    monkeypatch.setattr(RedisLock, "_acquire", counted_general)
+    assert app.tasks[name].delay(name).get(timeout=TIMEOUT) == name
+    assert at_start == {"ahead": False}
+    assert calls == {"at once": at_once, "general": 1 - at_once}
 
 
 def test_a_request_class_of_its_own_acquires_as_the_task_starts(

@@ -265,7 +265,7 @@ class _Interrupted(Exception):
     """Raised from a signal handler, as Celery raises SoftTimeLimitExceeded."""
 
 
-@pytest.mark.parametrize("how", ["try", "written-ahead", "waiter"])
+@pytest.mark.parametrize("how", ["try", "written-ahead", "at once", "waiter"])
 def test_an_acquire_interrupted_before_its_reply_leaves_no_hold_behind(
     proxy: FaultProxy, via_proxy: redis.Redis, direct: redis.Redis, how: str
 ) -> None:
@@ -292,6 +292,8 @@ def test_an_acquire_interrupted_before_its_reply_leaves_no_hold_behind(
             ahead = lock._send_acquire()
             assert ahead is not None
             return lock._acquire_sent(ahead)
+        if how == "at once":
+            return bool(lock._acquire_at_once())
         return lock.acquire(blocking=waits, timeout=10 if waits else None)
 
     previous = signal.signal(signal.SIGALRM, interrupt)
@@ -310,6 +312,37 @@ def test_an_acquire_interrupted_before_its_reply_leaves_no_hold_behind(
     else:
         wait_for(lambda: not held(direct, lock.key), what="the hold to be undone")
     assert not lock.holding
+
+
+class _InterruptedBeforeTheRead(RedisLock):
+    """A lock whose :meth:`_acquire_sent` is interrupted as it is entered: what an
+    exception raised asynchronously just after an acquire was written, before its
+    reply is awaited, does."""
+
+    def _acquire_sent(self, ahead: Any) -> bool:
+        raise _Interrupted
+
+
+def test_an_acquire_at_once_interrupted_between_its_write_and_its_read_leaves_no_hold(
+    direct: redis.Redis,
+) -> None:
+    """The acquire a task makes as it starts when none was written ahead (a prefork
+    pool process's): an exception raised asynchronously after its request was
+    written, before its reply is read, has the hold it made undone in the
+    background, not left for the lock's TTL."""
+    warm = RedisLock(direct, "interrupted-at-once", ttl=30)
+    # The server has the script: the request goes by digest, as a worker's does.
+    assert warm.acquire(blocking=False)
+    warm.release()
+    lock = _InterruptedBeforeTheRead(direct, "interrupted-at-once", ttl=30)
+    with pytest.raises(_Interrupted):
+        lock._acquire_at_once()
+    wait_for(lambda: not held(direct, lock.key), what="the hold to be undone")
+    assert not lock.holding
+    # The lock is free for the next comer at once, not after its TTL.
+    other = RedisLock(direct, "interrupted-at-once", ttl=30)
+    assert other.acquire(blocking=False)
+    other.release()
 
 
 def test_a_release_interrupted_before_its_reply_is_sent_again(

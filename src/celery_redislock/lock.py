@@ -1585,10 +1585,11 @@ class RedisLock:
             self._lane = (self._heartbeat or get_heartbeat()).register(self, due)
         return True
 
-    def _send_acquire(self) -> SentAcquire | None:
+    def _send_acquire(self, request: str | None = None) -> SentAcquire | None:
         """Write a non-blocking acquire now and read its reply later, with
         :meth:`_acquire_sent`: the round trip then overlaps what the caller does
         in between. The connection it is written on waits for that read.
+        ``request``: its request id (a new one by default).
 
         ``None`` when it cannot go ahead of its caller: replicas must confirm it
         (``min_replicas``), or the store is a cluster (a redirection needs the
@@ -1607,7 +1608,7 @@ class RedisLock:
             or (_frees_pending and _pending_frees(self._router, self.key))
         ):
             return None
-        ahead = SentAcquire(self, transport, request_id())
+        ahead = SentAcquire(self, transport, request or request_id())
         # By text until this server is known to have the script: a request that
         # meets NOSCRIPT would only have to go again. (What by_sha() and by_text()
         # of _acquire_call() give, without building the Call.)
@@ -1644,27 +1645,24 @@ class RedisLock:
         Raises:
             LockBackendError: as :meth:`acquire`.
         """
-        self._unconfirmed = None
+        # Unconfirmed until its reply is read: an exception raised asynchronously
+        # meanwhile (a soft time limit) leaves it to be undone below.
+        self._unconfirmed = ahead.sent if ahead.written else None
         acquired = False
         try:
             deadline = Deadline(
                 max(ahead.sent + self.call_timeout, time.monotonic() + self.call_timeout / 2)
             )
-            try:
-                reply = ahead.reply(deadline)
-            except BaseException:
-                # Raised asynchronously while the reply was awaited: undone below.
-                if ahead.written:
-                    self._unconfirmed = ahead.sent
-                raise
+            reply = ahead.reply(deadline)
             if isinstance(reply, list):
+                self._unconfirmed = None
                 ahead.transport.scripts.add(ACQUIRE_SCRIPT.sha)
                 acquired = self._record(
                     AcquireReply.parse(reply), ahead.sent, ahead.request, late_to_caller=True
                 )
                 return acquired
-            if ahead.written and may_have_run(reply):
-                self._unconfirmed = ahead.sent
+            if not (ahead.written and may_have_run(reply)):
+                self._unconfirmed = None
             if isinstance(reply, RedisTimeoutError) and deadline.remaining() < MIN_CALL:
                 # The server did not answer in the time the call had: what is left
                 # of it is no time for another try.
@@ -1678,6 +1676,36 @@ class RedisLock:
         finally:
             if self._unconfirmed is not None:
                 self._undo(ahead.request, self._unconfirmed, kept=acquired)
+
+    def _acquire_at_once(self) -> bool | None:
+        """``acquire(blocking=False)`` as an acquire written ahead whose reply is
+        read at once (:meth:`_send_acquire`, then :meth:`_acquire_sent`): the
+        request written from the lock's encoded fields, without the layers of the
+        general path, which also queues, waits and batches what goes ahead of a
+        request. ``None`` (nothing sent) where it cannot go that way: see
+        :meth:`_send_acquire`. A hold whose reply came after its TTL is left to
+        the caller, as :meth:`_acquire_sent` leaves it.
+
+        From before the request is written until its reply is read, an exception
+        raised asynchronously (a soft time limit) has what the request may have
+        done undone in the background, as :meth:`acquire` has.
+
+        Raises:
+            LockBackendError: as :meth:`acquire`.
+        """
+        request = request_id()
+        self._unconfirmed = time.monotonic()
+        acquired = False
+        try:
+            ahead = self._send_acquire(request)
+            if ahead is None:
+                self._unconfirmed = None
+                return None
+            acquired = self._acquire_sent(ahead)
+            return acquired
+        finally:
+            if self._unconfirmed is not None:
+                self._undo(request, self._unconfirmed, kept=acquired)
 
     def _replica_wait(self, deadline: Deadline) -> list[tuple[Any, ...]]:
         """The ``WAIT`` that follows an acquire when replicas must confirm it."""

@@ -2096,16 +2096,26 @@ class SingletonTask(Task):  # type: ignore[misc]
         # renewed by this process's heartbeat, with nobody to release it.
         try:
             try:
+                first: bool | None = None
                 if ahead is not None:
-                    acquired = lock._acquire_sent(ahead)
+                    first = lock._acquire_sent(ahead)
+                elif opts.on_conflict != "wait":
+                    # As if written ahead, its reply read at once (a task of a
+                    # prefork pool process, whose acquire nothing wrote ahead):
+                    # the general path's layers, there to queue and wait, cost
+                    # a worker more per task.
+                    first = lock._acquire_at_once()
+                if first is not None:
+                    acquired = first
                     if acquired and lock.lost:
                         # Read only once the hold's TTL had passed (the work
-                        # between the worker's accept and the task's start took
-                        # that long): another may hold the lock by now. Given
-                        # back, if it is still there, and asked for anew.
+                        # between the worker's accept and the task's start, or a
+                        # stalled store or process, took that long): another may
+                        # hold the lock by now. Given back, if it is still there,
+                        # and asked for anew.
                         lock = self._ask_anew(lock, key, task_id, opts, request)
-                        ahead = None
-                if ahead is None:
+                        first = None
+                if first is None:
 
                     def held() -> None:
                         if lock.blocked_by == task_id:
