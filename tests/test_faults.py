@@ -315,11 +315,18 @@ def test_an_acquire_interrupted_before_its_reply_leaves_no_hold_behind(
 
 
 class _InterruptedBeforeTheRead(RedisLock):
-    """A lock whose :meth:`_acquire_sent` is interrupted as it is entered: what an
-    exception raised asynchronously just after an acquire was written, before its
-    reply is awaited, does."""
+    """A lock whose :meth:`_acquire_sent` is interrupted as it is entered, once the
+    request has run (its reply on its way): what an exception raised
+    asynchronously just after an acquire was written, before its reply is
+    awaited, does. ``probe``: a client of the same server, to see it run."""
+
+    probe: redis.Redis
+    #: The connection the acquire was written on.
+    link: Any = None
 
     def _acquire_sent(self, ahead: Any) -> bool:
+        self.link = ahead.link
+        wait_for(lambda: held(self.probe, self.key), what="the acquire to run")
         raise _Interrupted
 
 
@@ -335,10 +342,16 @@ def test_an_acquire_at_once_interrupted_between_its_write_and_its_read_leaves_no
     assert warm.acquire(blocking=False)
     warm.release()
     lock = _InterruptedBeforeTheRead(direct, "interrupted-at-once", ttl=30)
+    lock.probe = direct
     with pytest.raises(_Interrupted):
         lock._acquire_at_once()
     wait_for(lambda: not held(direct, lock.key), what="the hold to be undone")
     assert not lock.holding
+    # The connection it was written on, its reply never to be read, is closed,
+    # neither left open nor given back to be used out of step.
+    assert lock.link is not None
+    assert lock.link.conn._sock is None
+    assert lock.link not in lock.transport._idle
     # The lock is free for the next comer at once, not after its TTL.
     other = RedisLock(direct, "interrupted-at-once", ttl=30)
     assert other.acquire(blocking=False)

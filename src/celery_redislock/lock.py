@@ -1696,6 +1696,7 @@ class RedisLock:
         request = request_id()
         self._unconfirmed = time.monotonic()
         acquired = False
+        ahead = None
         try:
             ahead = self._send_acquire(request)
             if ahead is None:
@@ -1705,6 +1706,9 @@ class RedisLock:
             return acquired
         finally:
             if self._unconfirmed is not None:
+                if ahead is not None:
+                    # Its reply is never read.
+                    ahead.drop()
                 self._undo(request, self._unconfirmed, kept=acquired)
 
     def _replica_wait(self, deadline: Deadline) -> list[tuple[Any, ...]]:
@@ -2412,6 +2416,13 @@ class SentAcquire:
             except RedisError as exc:
                 self.answer = exc
         return self.answer
+
+    def drop(self) -> None:
+        """Close the connection it was written on, if its reply has not been read
+        (an exception raised before the read): that reply is never read."""
+        link, self.link = self.link, None
+        if link is not None:
+            self.transport.discard(link)
 
     def abandon(self) -> None:
         """Give back the hold it made, if it made one, when nobody will use it

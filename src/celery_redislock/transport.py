@@ -388,6 +388,12 @@ class Transport:
         self.sends += 1
         return link
 
+    def discard(self, link: _Link) -> None:
+        """The end of what :meth:`write` wrote on ``link`` for a caller that will
+        not read its replies (an exception raised before it could): the
+        connection is closed, and replies owed on it from before are failed."""
+        self._checkin(link, False)
+
     def finish(self, link: _Link, count: int, deadline: Deadline, ready: bool = False) -> list[Any]:
         """The second half of :meth:`execute`: read the ``count`` replies of what
         :meth:`write` wrote on ``link``, then give the connection back. ``ready``:
