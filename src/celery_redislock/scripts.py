@@ -1593,7 +1593,10 @@ def send(
             if ran and unsure is not None:
                 unsure()
             if isinstance(exc, TryAgainError):
-                if deadline.remaining() <= TRYAGAIN_PAUSE:
+                # The try after the pause gets a pause's time at least: one cut
+                # to the sliver of the deadline left would end the request as a
+                # timeout, hiding what held it up.
+                if deadline.remaining() <= 2 * TRYAGAIN_PAUSE:
                     raise
                 time.sleep(TRYAGAIN_PAUSE)
                 continue
