@@ -228,9 +228,10 @@ def singleton(round_id: str, index: int, work: float = 0.0) -> None:
 
 class AcquiredAtStart(SingletonTask):
     """``SingletonTask`` whose acquire nothing writes as the worker accepts the task:
-    a ``__call__`` of its own (the package writes ahead only for its own). The task
-    takes its lock as it starts, as one of a prefork pool process does, whose
-    worker accepts it in another process."""
+    its class has a ``__call__`` of its own (the package writes ahead only for a
+    task whose ``__call__`` is ``SingletonTask``'s). The task takes its lock as it
+    starts, as one of a prefork pool process does, whose worker accepts it in
+    another process."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return super().__call__(*args, **kwargs)
