@@ -1494,7 +1494,8 @@ def run_calls(
 #: Pause, in seconds, before sending again a request the server answered with
 #: ``TRYAGAIN``: its slot is being migrated, and only some of its keys are on the
 #: primary it reached (the others moved already, or do not exist), which the
-#: migration's end settles. Sent again until the deadline.
+#: migration's end settles. Sent again while the deadline leaves the pause and
+#: as long again for the try after it.
 TRYAGAIN_PAUSE = 0.05
 
 #: Pause, in seconds, before sending again a request whose Redis Cluster primary
