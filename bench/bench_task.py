@@ -53,8 +53,8 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    worker under valgrind drains 40, then 240 tasks of each kind queued for it,
    counted for all its threads and for its main thread alone.
 5. Interleaved: one solo worker drains batches in which the kinds of section 2,
-   and ``SingletonTask`` taking its lock as it starts (as in a prefork pool
-   process, where nothing writes its acquire as the worker accepts it), take
+   and ``SingletonTask`` taking its lock as it starts (nothing written ahead,
+   as for an ``until_*`` task in a prefork pool process), take
    turns task by task (which kind comes first rotates from round to
    round): batches of no-op tasks, then, for each other ``--work-ms`` value,
    batches of tasks that sleep that long (with ``--pin``, the worker on a CPU of
@@ -71,6 +71,9 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    Then the lock store's time per command
    over the counted rounds (``INFO commandstats``): the scripts' ``EVALSHA``
    and the owner-checked floor's ``FCALL`` beside the peers' ``SET`` and ``DEL``.
+   Last, a prefork worker with one pool process: per kind (plain,
+   ``SingletonTask``, the same taking its lock as it starts, the one-round-trip
+   floor), the pool process's time from being handed a no-op task to its body.
 
 celery-once and celery-singleton take their lock when the task is *sent*
 (``apply_async``) and free it when it ends, so part of their cost is paid by
@@ -227,11 +230,12 @@ def singleton(round_id: str, index: int, work: float = 0.0) -> None:
 
 
 class AcquiredAtStart(SingletonTask):
-    """``SingletonTask`` whose acquire nothing writes as the worker accepts the task:
-    its class has a ``__call__`` of its own (the package writes ahead only for a
-    task whose ``__call__`` is ``SingletonTask``'s). The task takes its lock as it
-    starts, as one of a prefork pool process does, whose worker accepts it in
-    another process."""
+    """``SingletonTask`` whose acquire nothing writes ahead: its class has a
+    ``__call__`` of its own (the package writes ahead only for a task whose
+    ``__call__`` is ``SingletonTask``'s). The task takes its lock as it starts, as
+    an ``until_*`` task of a prefork pool process does (whose worker accepts it
+    in another process, and whose pool process leaves its reservation alone
+    until the task starts)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return super().__call__(*args, **kwargs)
@@ -414,6 +418,33 @@ def starts(action: str) -> list[tuple[float, str, str]]:
     return found
 
 
+#: Section 5's prefork mark: when a pool process is handed a task (see
+#: :func:`_mark_handed`).
+HANDED = "handed"
+
+
+def _handed_noted(task: Any, tracer: Any) -> Any:
+    """``tracer``, a task's ``__trace__`` in a prefork pool process, made to note
+    when the process is handed the task, while section 5 marks the clock."""
+
+    def trace(task_id: str, args: Any, kwargs: Any, request: Any = None) -> Any:
+        if _marking:
+            _marks.append((time.perf_counter(), HANDED, task.name))
+        return tracer(task_id, args, kwargs, request)
+
+    return trace
+
+
+@signals.worker_process_init.connect
+def _mark_handed(**_: Any) -> None:
+    """In a prefork pool process: note when it is handed each task of this module.
+    Connected after the package's own receiver (imported above), so the note
+    comes before the acquire the package writes there."""
+    for task in app.tasks.values():
+        if task.name.startswith("bench.") and task.__trace__ is not None:
+            task.__trace__ = _handed_noted(task, task.__trace__)
+
+
 #: The marks every task gets, in order, and the next task's receipt after them.
 EVENTS = (RECEIVED, STARTED, BODY, BODY_END, ENDED)
 NEXT = "next received"
@@ -552,8 +583,7 @@ class Kind:
 
 def interleaved_kinds() -> list[Kind]:
     """The kinds of section 5: those of sections 1 and 2, and ``SingletonTask`` taking
-    its lock as it starts, as in a prefork pool process (section 2's prefork figures
-    vary too much from round to round to show that path's cost)."""
+    its lock as it starts, with nothing written ahead (see :class:`AcquiredAtStart`)."""
     kinds = task_kinds()
     kinds.insert(2, Kind("SingletonTask, at start", singleton_at_start, "lock taken at start"))
     return kinds
@@ -1101,6 +1131,73 @@ def bench_interleaved(
                          Spread.of(ratios[kind.label]).show(3))  # fmt: skip
 
 
+def handed_kinds() -> list[Kind]:
+    """The kinds of section 5's prefork run: plain, ``SingletonTask`` (its acquire
+    written as the pool process is handed the task), the same taking its lock as
+    it starts, and the one-round-trip floor."""
+    kinds = {kind.label: kind for kind in interleaved_kinds()}
+    return [
+        kinds[label]
+        for label in ("plain task", "SingletonTask", "SingletonTask, at start", FLOOR_LABEL)
+    ]
+
+
+#: The one-round-trip floor's label in the tables.
+FLOOR_LABEL = "one round trip (floor)"
+
+
+def bench_handed(
+    url: str, lock_url: str, count: int, rounds: int, findings: Findings, cpus: set[int] | None
+) -> None:
+    """Section 5, prefork: a pool process's time from being handed a no-op task to
+    its body, per kind taking turns in each batch. ``cpus``: the worker's own,
+    with ``--pin``."""
+    where = (
+        "" if cpus is None else f" on CPU {min(cpus)}, the servers and the producer on the others"
+    )
+    pinned = "" if cpus is None else " pinned"
+    print(
+        f"\n5. Prefork pool, 1 process{where}: from being handed a no-op task to its body,"
+        f" the kinds taking turns in batches of {count}, {rounds} rounds (after one to warm up)"
+    )
+    stats = redis.Redis.from_url(lock_url)
+    with worker_process(url, lock_url, "prefork", 1, cpus) as worker:
+        broken = warm_up(handed_kinds(), worker, stats)
+        kinds = [kind for kind in handed_kinds() if kind.label not in broken]
+        labels = {kind.task.name: kind.label for kind in kinds}
+        # Per kind, the median time from handed to body in each round.
+        took: dict[str, list[float]] = {kind.label: [] for kind in kinds}
+        for r in range(rounds + 1):
+            starts.apply_async(("start",)).get(timeout=30)
+            order = rotated(kinds, r)
+            round_id = uuid.uuid4().hex
+            calls = [(order[i % len(order)].task, (round_id, i, 0.0)) for i in range(count)]
+            run_batch(calls, worker, stats, 60 + count * 0.05)
+            marks = starts.apply_async(("stop",)).get(timeout=30)
+            if r == 0:
+                continue
+            spans: dict[str, list[float]] = {}
+            handed: tuple[float, str] | None = None
+            for when, event, name in marks:
+                if event == HANDED:
+                    handed = (when, name)
+                elif event == BODY and handed is not None:
+                    if handed[1] in labels:
+                        spans.setdefault(labels[handed[1]], []).append(when - handed[0])
+                    handed = None
+            for label, times in spans.items():
+                took[label].append(statistics.median(times) * 1e6)
+    stats.close()
+    plain_us = statistics.median(took["plain task"])
+    print(f"   {'kind':<30} {'us handed to body':>22} {'above plain':>12}")
+    for kind in kinds:
+        mine = Spread.of(took[kind.label])
+        print(f"   {kind.label:<30} {mine.show(0):>22} {mine.median - plain_us:12.0f}")
+        findings.add(2, f"{kind.label} us handed to body, prefork{pinned}", mine.show(0))
+    for label, why in broken.items():
+        print(f"   {label:<30} {why}")
+
+
 def print_segments(
     parted: dict[str, dict[str, list[float]]], labels: list[str], findings: Findings, what: str
 ) -> None:
@@ -1495,6 +1592,7 @@ def main(argv: list[str] | None = None) -> int:
                 # Fewer tasks of real work: a batch of them takes longer.
                 tasks = count * (3 if work else 6)
                 bench_interleaved(url, lock_url, tasks, rounds, findings, work, cpus)
+            bench_handed(url, lock_url, count * 3, rounds, findings, cpus)
         # The results still in reference cycles, collected while their backend is up:
         # Celery before 5.7 reconnects to it as each is collected, retrying for
         # minutes once the server has stopped.

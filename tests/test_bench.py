@@ -36,9 +36,10 @@ def run_bench(script: str, options: list[str], tmp_path: Path) -> tuple[str, dic
 def test_bench_task_runs_and_reports_the_lock_stores_time_per_command(tmp_path: Path) -> None:
     """Sections 1 and 5 of ``bench/bench_task.py`` on a few tasks: it exits 0, and
     section 5 reports the ratio to plain, where a task's time goes on the
-    worker (the parts between its receipt, start, body, end and the next receipt)
-    and the lock store's time per ``EVALSHA`` (the scripts) and ``SET`` (the
-    peers' and floors' acquire)."""
+    worker (the parts between its receipt, start, body, end and the next receipt),
+    the lock store's time per ``EVALSHA`` (the scripts) and ``SET`` (the
+    peers' and floors' acquire), and a prefork pool process's time from being
+    handed a task to its body, per kind."""
     options = ["--only", "1,5", "--quick", "--tasks", "20", "--rounds", "1"]
     output, reported = run_bench("bench_task.py", options, tmp_path)
     assert "lock store, time per command over these rounds" in output
@@ -48,6 +49,10 @@ def test_bench_task_runs_and_reports_the_lock_stores_time_per_command(tmp_path: 
         assert float(reported[f"SingletonTask us {part}, interleaved"]) >= 0
     for command in ("EVALSHA", "SET"):
         assert float(reported[f"lock store us per {command}, interleaved"]) > 0
+    # The prefork run: a pool process's time from being handed a task to its body.
+    assert "from being handed a no-op task to its body" in output
+    for kind in ("plain task", "SingletonTask", "SingletonTask, at start"):
+        assert f"{kind} us handed to body, prefork" in reported
 
 
 @pytest.mark.skipif(
@@ -61,6 +66,7 @@ def test_bench_task_pins_the_worker_apart_from_the_servers(tmp_path: Path) -> No
     output, reported = run_bench("bench_task.py", [*options, "--pin"], tmp_path)
     assert "the servers and the producer on the others" in output
     assert "SingletonTask/plain throughput, interleaved pinned, solo pool" in reported
+    assert "SingletonTask us handed to body, prefork pinned" in reported
 
 
 def test_bench_lock_runs_and_counts_commands_and_round_trips(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ accepting thread."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,15 +16,17 @@ from typing import Any
 
 import pytest
 import redis
-from billiard.exceptions import Terminated, WorkerLostError
+from billiard.exceptions import SoftTimeLimitExceeded, Terminated, WorkerLostError
+from billiard.pool import SIG_SOFT_TIMEOUT, soft_timeout_sighandler
 from celery import Celery
 from celery import signals as celery_signals
+from celery.app.trace import build_tracer
 from celery.contrib.testing.mocks import TaskMessage
 from celery.exceptions import Reject
 from celery.worker.state import task_ready
 
 from celery_redislock import LockBackendError, RedisLock, SingletonTask, signals
-from celery_redislock.early import Request, _process_gone, _requeued_on_timeout
+from celery_redislock.early import Request, _process_gone, _requeued_on_timeout, trace_ahead
 from celery_redislock.heartbeat import Heartbeat
 from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
@@ -622,6 +625,143 @@ def test_a_task_the_tracer_skips_gives_its_lock_back(app: Celery, locks: redis.R
     request.on_success((False, None, 0.0))
     assert threading.get_ident() not in _written_ahead
     assert wait_until(lambda: not held(locks, key))
+
+
+@pytest.fixture
+def pool_app(redislock_server: RedisServer) -> Iterator[Celery]:
+    """An app as a prefork pool process has it once Celery has built its tasks'
+    tracers (``__trace__``), and before ``worker_process_init``; nothing runs it."""
+    app = make_app(redislock_server.url, "early-pool")
+    options: dict[str, Any] = {"shared": False, "ignore_result": True, "lock_ttl": 60}
+    app.task(base=SingletonTask, name="pool.plain", **options)(_echo)
+    app.task(base=_Wrapped, name="pool.wrapped", **options)(_echo)
+    app.task(base=SingletonTask, name="pool.until", lock_strategy="until_executed", **options)(
+        _echo
+    )
+    app.task(shared=False, name="pool.celery", ignore_result=True)(_echo)
+    for task in app.tasks.values():
+        task.__trace__ = build_tracer(task.name, task, app=app, hostname=POOL_NODE)
+    yield app
+    close_app(app)
+
+
+#: The node name the tracers of ``pool_app`` are built for.
+POOL_NODE = "pool@test"
+
+
+def _echo(name: str) -> str:
+    return name
+
+
+def handed(app: Celery, task_name: str, name: str) -> tuple[str, dict[str, Any]]:
+    """A task id, and what a prefork pool process hands the tracer of ``task_name``
+    with it (``fast_trace_task``'s request) for a call with argument ``name``."""
+    task_id = str(uuid.uuid4())
+    request = {
+        "id": task_id, "task": task_name, "hostname": POOL_NODE, "delivery_info": {},
+        "args": (name,), "kwargs": {}, "is_eager": False,
+    }  # fmt: skip
+    return task_id, request
+
+
+def test_a_pool_process_writes_a_while_executing_acquire_before_the_tracer(
+    pool_app: Celery, locks: redis.Redis
+) -> None:
+    """At ``worker_process_init`` the tracer of each while_executing SingletonTask is
+    made to write the acquire first: by ``task_prerun`` it is kept for the task
+    (its lock held), and the task reads it as it starts, runs and releases. The
+    others are left as they are."""
+    trace_ahead(pool_app)
+    wrapped = {n for n, t in pool_app.tasks.items() if hasattr(t.__trace__, "__wrapped__")}
+    assert wrapped == {"pool.plain"}
+    task = pool_app.tasks["pool.plain"]
+    name = uuid.uuid4().hex
+    key = lock_keys(task.lock_name((name,), {})).lock
+    seen: dict[str, Any] = {}
+
+    def started(sender: Any = None, task_id: str = "", **_: Any) -> None:
+        written = _written_ahead.get(threading.get_ident())
+        seen["written"] = written is not None and written.task_id == task_id
+        seen["held"] = wait_until(lambda: field(locks, key, LEASE_FIELD) == task_id, timeout=5)
+
+    celery_signals.task_prerun.connect(started, sender=task, weak=False)
+    try:
+        task_id, request = handed(pool_app, task.name, name)
+        outcome = task.__trace__(task_id, (name,), {}, request)
+    finally:
+        celery_signals.task_prerun.disconnect(started, sender=task)
+    assert outcome[0] == name
+    assert seen == {"written": True, "held": True}
+    assert threading.get_ident() not in _written_ahead
+    assert wait_until(lambda: not held(locks, key))
+    # Made once per process: a second look wraps nothing again.
+    trace_ahead(pool_app)
+    assert not hasattr(task.__trace__.__wrapped__, "__wrapped__")
+
+
+def test_an_acquire_a_pool_process_wrote_for_a_task_its_tracer_never_calls_is_given_back(
+    pool_app: Celery, locks: redis.Redis
+) -> None:
+    """The tracer may end a task without calling it (its setup failed, a redelivery
+    of a task already done is skipped): the hold written ahead is given back as the
+    tracer returns, not left for the lock's TTL (a minute)."""
+    task = pool_app.tasks["pool.plain"]
+    name = uuid.uuid4().hex
+    key = lock_keys(task.lock_name((name,), {})).lock
+    calls: list[str] = []
+
+    def never_calls(task_id: str, args: Any, kwargs: Any, request: Any = None) -> Any:
+        calls.append(task_id)
+        assert wait_until(lambda: held(locks, key))
+        return None, None, None, None
+
+    task.__trace__ = never_calls
+    trace_ahead(pool_app)
+    task_id, request = handed(pool_app, task.name, name)
+    task.__trace__(task_id, (name,), {}, request)
+    assert calls == [task_id]
+    assert threading.get_ident() not in _written_ahead
+    assert wait_until(lambda: not held(locks, key), timeout=5)
+
+
+def test_a_soft_time_limit_as_a_pool_process_writes_an_acquire_leaves_no_hold(
+    pool_app: Celery, locks: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A soft time limit that strikes just after the acquire is written (kept for
+    the task before it was written) ends the task with ``SoftTimeLimitExceeded``,
+    its tracer never run, and the hold is given back: the limit is not swallowed
+    as a failed write, and the hold not left for the lock's TTL."""
+    task = pool_app.tasks["pool.plain"]
+    name = uuid.uuid4().hex
+    key = lock_keys(task.lock_name((name,), {})).lock
+    calls: list[str] = []
+
+    def tracer(task_id: str, args: Any, kwargs: Any, request: Any = None) -> Any:
+        calls.append(task_id)
+        return None, None, None, None
+
+    write_acquire = RedisLock._write_acquire
+
+    def strikes_after_the_write(lock: RedisLock, ahead: Any) -> None:
+        write_acquire(lock, ahead)
+        os.kill(os.getpid(), SIG_SOFT_TIMEOUT)  # Celery's soft time limit
+        # The handler runs in this thread before the loop ends.
+        for _ in range(1000):
+            pass
+
+    task.__trace__ = tracer
+    trace_ahead(pool_app)
+    monkeypatch.setattr(RedisLock, "_write_acquire", strikes_after_the_write)
+    previous = signal.signal(SIG_SOFT_TIMEOUT, soft_timeout_sighandler)
+    try:
+        task_id, request = handed(pool_app, task.name, name)
+        with pytest.raises(SoftTimeLimitExceeded):
+            task.__trace__(task_id, (name,), {}, request)
+    finally:
+        signal.signal(SIG_SOFT_TIMEOUT, previous)
+    assert calls == []
+    assert threading.get_ident() not in _written_ahead
+    assert wait_until(lambda: not held(locks, key), timeout=5)
 
 
 def test_a_child_process_that_ended_is_seen_gone_before_it_is_reaped() -> None:

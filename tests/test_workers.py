@@ -263,6 +263,41 @@ def test_a_dead_pool_childs_lock_is_freed_by_the_worker(
         result.get(timeout=30)
 
 
+def test_a_pool_process_writes_its_acquire_before_the_task_is_set_up(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """A prefork child writes a while_executing task's acquire as it is handed the
+    task: by the time Celery's tracer sends ``task_prerun``, the acquire is kept for
+    the task and its lock held; the task reads the reply as it starts, runs and
+    releases the lock."""
+    mod, client, launch = env
+    launch("ahead", concurrency=1)
+    result = mod.ahead_probe.delay("a")
+    assert result.get(timeout=30) == "a"
+    [set_up] = records(client, "set_up")
+    assert set_up == {"id": result.id, "written": True, "held": True}
+    assert [r["id"] for r in records(client, "ahead_probe")] == [result.id]
+    wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
+
+
+def test_a_pool_process_that_dies_holding_a_lock_it_took_ahead_leaves_no_lock(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """A prefork child killed after its task's acquire written ahead took the lock,
+    before the task started (in ``task_prerun``): the worker sees the child gone and
+    frees the hold (the task's id, node and process id are in it from the first
+    request on), rather than leave it for its 60 s TTL."""
+    mod, client, launch = env
+    launch("ahead-dies", concurrency=1)
+    result = mod.ahead_probe.delay("dies")
+    with pytest.raises(WorkerLostError):
+        result.get(timeout=30)
+    [set_up] = records(client, "set_up")
+    assert set_up == {"id": result.id, "written": True, "held": True}
+    assert records(client, "ahead_probe") == []
+    wait_for(lambda: lock_keys(client) == [], timeout=6, what="the worker to free the lock")
+
+
 @pytest.mark.parametrize("task", ["executing_dies_as_it_starts", "executed_dies_as_it_starts"])
 def test_a_pool_process_that_dies_before_its_task_starts_leaves_no_reservation(
     env: tuple[Any, redis.Redis, Callable[..., Worker]], task: str

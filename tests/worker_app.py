@@ -9,19 +9,21 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import warnings
 from typing import Any
 
 import redis
+from celery import signals as celery_signals
 from celery.exceptions import Reject
 
 from celery_redislock import SingletonTask, early, signals
 from celery_redislock.admin import read_lock
 from celery_redislock.lock import lock_keys
-from celery_redislock.scripts import OWNER_FIELD
-from celery_redislock.task import RequestClassWarning
-from tests.support import CELERY_5_7, field, make_app
+from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
+from celery_redislock.task import RequestClassWarning, _written_ahead
+from tests.support import CELERY_5_7, field, make_app, wait_until
 
 URL = os.environ.get("REDISLOCK_TEST_URL", "redis://127.0.0.1:6379/0")
 app = make_app(URL, "workers")
@@ -350,6 +352,29 @@ def dies_on_sigterm(self: Any, name: str) -> str:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(60)
     return name
+
+
+@app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=60, lock_on=("name",))
+def ahead_probe(self: Any, name: str) -> str:
+    """A while_executing task whose setup (``task_prerun``, below) looks whether its
+    acquire was written before it; ``name`` ``"dies"`` makes its pool process kill
+    itself there, once its lock is held."""
+    log("ahead_probe", name=name, id=self.request.id)
+    return name
+
+
+@celery_signals.task_prerun.connect
+def look_ahead(sender: Any = None, task_id: str = "", args: Any = (), **_: Any) -> None:
+    """Log whether an ``ahead_probe`` task's acquire was written before the tracer set
+    it up, and whether its lock was held for it meanwhile (within 5 s)."""
+    if getattr(sender, "name", None) != ahead_probe.name:
+        return
+    written = _written_ahead.get(threading.get_ident())
+    key = lock_keys(ahead_probe.lock_name(args, {})).lock
+    seen = wait_until(lambda: field(store, key, LEASE_FIELD) == task_id, timeout=5)
+    log("set_up", id=task_id, written=written is not None and written.task_id == task_id, held=seen)
+    if args[0] == "dies" and seen:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class FailingStart(SingletonTask):

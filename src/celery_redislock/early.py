@@ -10,9 +10,14 @@ Celery's work instead of coming after it. Nothing else changes: the task still
 knows it holds the lock before its body runs, and still renews, releases and
 reports it as before.
 
-The prefork pool accepts a task in the parent process and runs it in a child;
-there (and with a ``Request`` class that does not derive from this one) the
-task acquires as it starts.
+The prefork pool accepts a task in the parent process and runs it in a child.
+There the child writes the acquire of a ``while_executing`` task (the default
+strategy) as it is handed the task, before Celery's tracer sets the task up
+(its request context, ``task_prerun``, ``track_started``, ``before_start``),
+and the task reads the reply as it starts (see :func:`trace_ahead`); an
+``until_*`` task acquires as it starts. With a ``Request`` class that does not
+derive from this one, on the solo and threads pools, the task acquires as it
+starts.
 
 The acquire is kept for the task by the thread that runs it (a thread runs one
 task at a time). One written for a task whose ``before_start`` raises is given
@@ -61,7 +66,7 @@ import time
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
-from billiard.exceptions import Terminated, WorkerLostError
+from billiard.exceptions import SoftTimeLimitExceeded, Terminated, WorkerLostError
 from celery.app.task import Task as _CeleryTask
 from celery.worker import state as worker_state
 from celery.worker.request import Request as _CeleryRequest
@@ -78,7 +83,7 @@ from celery_redislock.task import (
 )
 from celery_redislock.transport import DEFAULT_CALL_TIMEOUT
 
-__all__ = ["Request"]
+__all__ = ["Request", "trace_ahead"]
 
 logger = logging.getLogger(__name__)
 
@@ -430,3 +435,75 @@ class Request(_CeleryRequest):  # type: ignore[misc]
         written = take_written_ahead(self.id)
         if written is not None:
             written.sent.abandon()
+
+
+class _Handed:
+    """A task handed to a prefork pool process, as
+    :meth:`~celery_redislock.task.SingletonTask._acquire_ahead` reads a worker
+    request: ``request_dict`` is what the worker sent the process (the message's
+    headers and delivery details)."""
+
+    __slots__ = ("args", "hostname", "id", "kwargs", "request_dict")
+
+    def __init__(self, task_id: str, args: Any, kwargs: Any, request: dict[str, Any]) -> None:
+        self.id = task_id
+        self.args = args
+        self.kwargs = kwargs
+        self.request_dict = request
+        self.hostname = request.get("hostname")
+
+
+def _ahead_of(task: SingletonTask, tracer: Any) -> Any:
+    """``tracer``, the ``__trace__`` Celery built for ``task`` in a prefork pool
+    process, made to write the task's acquire before it runs (see
+    :func:`trace_ahead`)."""
+
+    def trace(task_id: str, args: Any, kwargs: Any, request: Any = None) -> Any:
+        try:
+            try:
+                task._acquire_ahead(_Handed(task_id, args, kwargs, request or {}))
+            except SoftTimeLimitExceeded:
+                # The task's, struck as the acquire was written: the task ends with
+                # it, and the finally below gives the acquire back.
+                raise
+            except Exception:
+                # Never in the way of the task: it then asks as it starts.
+                logger.exception("celery_redislock: writing the acquire of %s failed", task_id)
+            return tracer(task_id, args, kwargs, request)
+        finally:
+            if _written_ahead:
+                # The tracer ended it without calling it (a prerun handler or
+                # before_start raised, a redelivery of a task already done was
+                # skipped, a soft time limit struck first): nobody reads it.
+                written = take_written_ahead(task_id)
+                if written is not None:
+                    written.sent.abandon()
+
+    trace.__wrapped__ = tracer  # type: ignore[attr-defined]
+    return trace
+
+
+def trace_ahead(app: Any) -> None:
+    """Make each :class:`~celery_redislock.task.SingletonTask` of ``app`` write its
+    acquire as this prefork pool process is handed it (at ``worker_process_init``,
+    once Celery has built the tasks' tracers).
+
+    The tracer's setup (the request context, ``task_prerun``, ``track_started``,
+    ``before_start``) then runs while the request is on its way, as the worker's
+    own work does on the solo pool. Only ``while_executing`` tasks (the default
+    strategy) are made to: an ``until_*`` execution's acquire takes over the
+    reservation its send made, which a pool process that dies before its task
+    starts must leave as it was (a message Celery requeues finds it when it
+    comes back). A task class with a ``__call__`` of its own, which may not
+    start the locked execution, is left as it is too. Those acquire as they start.
+    """
+    for task in list(app.tasks.values()):
+        tracer = getattr(task, "__trace__", None)
+        if (
+            isinstance(task, SingletonTask)
+            and type(task).__call__ is SingletonTask.__call__
+            and task.lock_options.strategy == WHILE_EXECUTING
+            and tracer is not None
+            and not hasattr(tracer, "__wrapped__")
+        ):
+            task.__trace__ = _ahead_of(task, tracer)

@@ -1600,6 +1600,17 @@ class RedisLock:
         worker's, however slow) does not leave it without time to read a reply
         that came in long since.
         """
+        ahead = self._acquire_to_send(request)
+        if ahead is not None:
+            self._write_acquire(ahead)
+        return ahead
+
+    def _acquire_to_send(self, request: str | None = None) -> SentAcquire | None:
+        """The first half of :meth:`_send_acquire`: the acquire to write, not
+        written yet (``None`` where it cannot go ahead of its caller). A caller
+        that must give it back whatever happens keeps it before it is written
+        with :meth:`_write_acquire`: an exception raised asynchronously as it is
+        written then leaves it in the caller's hands, to read and give back."""
         transport = self._router.single
         if (
             transport is None
@@ -1608,7 +1619,12 @@ class RedisLock:
             or (_frees_pending and _pending_frees(self._router, self.key))
         ):
             return None
-        ahead = SentAcquire(self, transport, request or request_id())
+        return SentAcquire(self, transport, request or request_id())
+
+    def _write_acquire(self, ahead: SentAcquire) -> None:
+        """The second half of :meth:`_send_acquire`: write ``ahead``. A write that
+        fails is not raised: it is the answer :meth:`_acquire_sent` reads."""
+        transport = ahead.transport
         # By text until this server is known to have the script: a request that
         # meets NOSCRIPT would only have to go again. (What by_sha() and by_text()
         # of _acquire_call() give, without building the Call.)
@@ -1629,7 +1645,6 @@ class RedisLock:
         except RedisError as exc:
             # Not written, or not whole: it did not run.
             ahead.answer = exc
-        return ahead
 
     def _acquire_sent(self, ahead: SentAcquire) -> bool:
         """``acquire(blocking=False)`` whose first try is ``ahead``, written earlier.

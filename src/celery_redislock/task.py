@@ -2040,10 +2040,13 @@ class SingletonTask(Task):  # type: ignore[misc]
         except Exception:
             # Raised again as the task starts, and reported then.
             return
-        ahead = lock._send_acquire()
+        ahead = lock._acquire_to_send()
         if ahead is not None:
+            # Kept before it is written: an exception raised asynchronously as it
+            # is written (a soft time limit) leaves it to be given back.
             # _Ahead(...) without its Python-level __new__: every accepted task's.
             _written_ahead[me] = tuple.__new__(_Ahead, (task_id, ahead, opts))
+            lock._write_acquire(ahead)
 
     def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ahead: SentAcquire | None = None
@@ -3111,6 +3114,19 @@ def _metrics_at_worker_start(sender: Any = None, **_: Any) -> None:
         metrics.enable()
 
 
+def _ahead_in_pool_process(**_: Any) -> None:
+    """Have this prefork pool process write each task's acquire as it is handed
+    the task (:func:`celery_redislock.early.trace_ahead`)."""
+    from celery import current_app
+
+    from celery_redislock.early import trace_ahead
+
+    try:
+        trace_ahead(current_app)
+    except Exception as exc:  # a signal handler must not break the worker
+        logger.warning("celery_redislock: tasks acquire as they start: %s", exc)
+
+
 def _flush_at_child_exit(**_: Any) -> None:
     """Read the answers a prefork pool child still owes (the releases it wrote
     without waiting), and send the releases it retries in the background, before
@@ -3125,6 +3141,7 @@ def _flush_at_child_exit(**_: Any) -> None:
 celery_signals.worker_process_shutdown.connect(_flush_at_child_exit, weak=False)
 celery_signals.worker_init.connect(_metrics_at_worker_start, weak=False)
 celery_signals.worker_process_init.connect(_metrics_at_worker_start, weak=False)
+celery_signals.worker_process_init.connect(_ahead_in_pool_process, weak=False)
 
 
 def _shown(text: str) -> str:
