@@ -653,7 +653,7 @@ def _echo(name: str) -> str:
     return name
 
 
-def handed(app: Celery, task_name: str, name: str) -> tuple[str, dict[str, Any]]:
+def handed(task_name: str, name: str) -> tuple[str, dict[str, Any]]:
     """A task id, and what a prefork pool process hands the tracer of ``task_name``
     with it (``fast_trace_task``'s request) for a call with argument ``name``."""
     task_id = str(uuid.uuid4())
@@ -686,7 +686,7 @@ def test_a_pool_process_writes_a_while_executing_acquire_before_the_tracer(
 
     celery_signals.task_prerun.connect(started, sender=task, weak=False)
     try:
-        task_id, request = handed(pool_app, task.name, name)
+        task_id, request = handed(task.name, name)
         outcome = task.__trace__(task_id, (name,), {}, request)
     finally:
         celery_signals.task_prerun.disconnect(started, sender=task)
@@ -717,7 +717,7 @@ def test_an_acquire_a_pool_process_wrote_for_a_task_its_tracer_never_calls_is_gi
 
     task.__trace__ = never_calls
     trace_ahead(pool_app)
-    task_id, request = handed(pool_app, task.name, name)
+    task_id, request = handed(task.name, name)
     task.__trace__(task_id, (name,), {}, request)
     assert calls == [task_id]
     assert threading.get_ident() not in _written_ahead
@@ -754,7 +754,7 @@ def test_a_soft_time_limit_as_a_pool_process_writes_an_acquire_leaves_no_hold(
     monkeypatch.setattr(RedisLock, "_write_acquire", strikes_after_the_write)
     previous = signal.signal(SIG_SOFT_TIMEOUT, soft_timeout_sighandler)
     try:
-        task_id, request = handed(pool_app, task.name, name)
+        task_id, request = handed(task.name, name)
         with pytest.raises(SoftTimeLimitExceeded):
             task.__trace__(task_id, (name,), {}, request)
     finally:

@@ -472,8 +472,8 @@ def _ahead_of(task: SingletonTask, tracer: Any) -> Any:
             return tracer(task_id, args, kwargs, request)
         finally:
             if _written_ahead:
-                # The tracer ended it without calling it (a prerun handler or
-                # before_start raised, a redelivery of a task already done was
+                # The tracer ended it without calling it (track_started could not
+                # store the state, a redelivery of a task already done was
                 # skipped, a soft time limit struck first): nobody reads it.
                 written = take_written_ahead(task_id)
                 if written is not None:
