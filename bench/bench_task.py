@@ -1041,6 +1041,36 @@ def pin_apart(urls: list[str]) -> set[int]:
     return worker
 
 
+def pinned_where(cpus: set[int] | None) -> str:
+    """Where section 5's worker runs, with ``--pin`` (``cpus``: its own), for a heading."""
+    if cpus is None:
+        return ""
+    return f" on CPU {min(cpus)}, the servers and the producer on the others"
+
+
+def marked_rounds(
+    kinds: list[Kind],
+    worker: subprocess.Popen[bytes],
+    stats: redis.Redis,
+    count: int,
+    rounds: int,
+    work: float,
+) -> Iterator[list[tuple[float, str, str]]]:
+    """Section 5's rounds: each a batch of ``count`` tasks of ``kinds`` taking
+    turns (which comes first rotating), each task sleeping ``work`` seconds, the
+    worker marking its clock meanwhile (see :func:`starts`). Yields the marks of
+    each of ``rounds`` rounds, after one more that warms up."""
+    for r in range(rounds + 1):
+        starts.apply_async(("start",)).get(timeout=30)
+        order = rotated(kinds, r)
+        round_id = uuid.uuid4().hex
+        calls = [(order[i % len(order)].task, (round_id, i, work)) for i in range(count)]
+        run_batch(calls, worker, stats, 60 + count * (0.05 + work))
+        marks = starts.apply_async(("stop",)).get(timeout=30)
+        if r:
+            yield marks
+
+
 def bench_interleaved(
     url: str,
     lock_url: str,
@@ -1058,9 +1088,7 @@ def bench_interleaved(
     what = ("interleaved" if not work else f"interleaved {work * 1e3:g} ms") + (
         "" if cpus is None else " pinned"
     )
-    where = (
-        "" if cpus is None else f" on CPU {min(cpus)}, the servers and the producer on the others"
-    )
+    where = pinned_where(cpus)
     print(
         f"\n5. Interleaved: the kinds taking turns in batches of {count} {tasks}, "
         f"solo pool{where}, {rounds} rounds (after one to warm up)"
@@ -1077,15 +1105,7 @@ def bench_interleaved(
         parted: dict[str, dict[str, list[float]]] = {}
         # The lock store's time in the timed rounds: {command: [calls, microseconds]}.
         served: dict[str, list[float]] = {}
-        for r in range(rounds + 1):
-            starts.apply_async(("start",)).get(timeout=30)
-            order = rotated(kinds, r)
-            round_id = uuid.uuid4().hex
-            calls = [(order[i % len(order)].task, (round_id, i, work)) for i in range(count)]
-            run_batch(calls, worker, stats, 60 + count * (0.05 + work))
-            marks = starts.apply_async(("stop",)).get(timeout=30)
-            if r == 0:
-                continue
+        for marks in marked_rounds(kinds, worker, stats, count, rounds, work):
             for name, parts in segments(marks).items():
                 if name in labels:
                     kept = parted.setdefault(labels[name], {part: [] for part in SEGMENTS})
@@ -1152,12 +1172,9 @@ def bench_handed(
     """Section 5, prefork: a pool process's time from being handed a no-op task to
     its body, per kind taking turns in each batch. ``cpus``: the worker's own,
     with ``--pin``."""
-    where = (
-        "" if cpus is None else f" on CPU {min(cpus)}, the servers and the producer on the others"
-    )
     pinned = "" if cpus is None else " pinned"
     print(
-        f"\n5. Prefork pool, 1 process{where}: from being handed a no-op task to its body,"
+        f"\n5. Prefork pool, 1 process{pinned_where(cpus)}: from being handed a no-op task to its body,"
         f" the kinds taking turns in batches of {count}, {rounds} rounds (after one to warm up)"
     )
     stats = redis.Redis.from_url(lock_url)
@@ -1167,15 +1184,7 @@ def bench_handed(
         labels = {kind.task.name: kind.label for kind in kinds}
         # Per kind, the median time from handed to body in each round.
         took: dict[str, list[float]] = {kind.label: [] for kind in kinds}
-        for r in range(rounds + 1):
-            starts.apply_async(("start",)).get(timeout=30)
-            order = rotated(kinds, r)
-            round_id = uuid.uuid4().hex
-            calls = [(order[i % len(order)].task, (round_id, i, 0.0)) for i in range(count)]
-            run_batch(calls, worker, stats, 60 + count * 0.05)
-            marks = starts.apply_async(("stop",)).get(timeout=30)
-            if r == 0:
-                continue
+        for marks in marked_rounds(kinds, worker, stats, count, rounds, 0.0):
             spans: dict[str, list[float]] = {}
             handed: tuple[float, str] | None = None
             for when, event, name in marks:
