@@ -635,7 +635,10 @@ def pool_app(redislock_server: RedisServer) -> Iterator[Celery]:
     options: dict[str, Any] = {"shared": False, "ignore_result": True, "lock_ttl": 60}
     app.task(base=SingletonTask, name="pool.plain", **options)(_echo)
     app.task(base=_Wrapped, name="pool.wrapped", **options)(_echo)
-    app.task(base=SingletonTask, name="pool.until", lock_strategy="until_executed", **options)(
+    until = {"lock_strategy": "until_executed", **options}
+    app.task(base=SingletonTask, name="pool.until", **until)(_echo)
+    app.task(base=SingletonTask, name="pool.until_late", acks_late=True, **until)(_echo)
+    app.task(base=SingletonTask, name="pool.executing", lock_strategy="until_executing", **options)(
         _echo
     )
     app.task(shared=False, name="pool.celery", ignore_result=True)(_echo)
@@ -667,13 +670,13 @@ def handed(task_name: str, name: str) -> tuple[str, dict[str, Any]]:
 def test_a_pool_process_writes_a_while_executing_acquire_before_the_tracer(
     pool_app: Celery, locks: redis.Redis
 ) -> None:
-    """At ``worker_process_init`` the tracer of each while_executing SingletonTask is
-    made to write the acquire first: by ``task_prerun`` it is kept for the task
-    (its lock held), and the task reads it as it starts, runs and releases. The
-    others are left as they are."""
+    """At ``worker_process_init`` the tracer of each while_executing SingletonTask
+    (and until_executed without ``acks_late``) is made to write the acquire first:
+    by ``task_prerun`` it is kept for the task (its lock held), and the task reads
+    it as it starts, runs and releases. The others are left as they are."""
     trace_ahead(pool_app)
     wrapped = {n for n, t in pool_app.tasks.items() if hasattr(t.__trace__, "__wrapped__")}
-    assert wrapped == {"pool.plain"}
+    assert wrapped == {"pool.plain", "pool.until"}
     task = pool_app.tasks["pool.plain"]
     name = uuid.uuid4().hex
     key = lock_keys(task.lock_name((name,), {})).lock

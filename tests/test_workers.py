@@ -303,10 +303,12 @@ def test_a_pool_process_that_dies_before_its_task_starts_leaves_no_reservation(
     env: tuple[Any, redis.Redis, Callable[..., Worker]], task: str
 ) -> None:
     """An until_* task whose prefork child dies after the worker accepted it but
-    before its execution took the send's reservation over (here in
-    ``before_start``) leaves no reservation behind: the worker frees it, by its
-    owner token, before it records the failure, and the same call sent again is
-    sent (not taken for a duplicate of the failed task) and runs."""
+    before the task was called (here in ``before_start``) leaves no lock behind,
+    before the worker records the failure: an until_executing task's reservation,
+    which nothing took over, is freed by its owner token; an until_executed task
+    without ``acks_late``, whose pool process took the reservation over as it was
+    handed the task, has that hold freed as the dead process's. The same call
+    sent again is sent (not taken for a duplicate of the failed task) and runs."""
     mod, client, launch = env
     job = getattr(mod, task)
     launch("dies", concurrency=1)
@@ -319,7 +321,13 @@ def test_a_pool_process_that_dies_before_its_task_starts_leaves_no_reservation(
     assert again.get(timeout=30) == "d"
     assert [r["id"] for r in records(client, task)] == [again.id]
     [start] = records(client, "starts")
-    assert (start["id"], start["owner"]) == (again.id, f"{again.id}:queued")
+    # The second call's, as before_start runs: its reservation, or already its
+    # execution's hold, taken over as the pool process was handed the task.
+    assert (start["id"], start["lease"]) == (again.id, again.id)
+    if task == "executing_dies_as_it_starts":
+        assert start["owner"] == f"{again.id}:queued"
+    else:
+        assert not start["owner"].endswith(":queued")
     wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
 
 

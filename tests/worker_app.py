@@ -396,7 +396,7 @@ class TroubledStart(SingletonTask):
     task is called: its pool process kills itself (``trouble = "dies"``, as one
     the out-of-memory killer ends while it builds the arguments), or it runs past
     the task's hard time limit (``"stalls"``). A later delivery logs who holds the
-    lock as it starts (before it takes it over) under ``starts``."""
+    lock (owner and lease) as ``before_start`` runs, under ``starts``."""
 
     trouble = "dies"
 
@@ -406,7 +406,10 @@ class TroubledStart(SingletonTask):
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)
         key = lock_keys(self.lock_name(args, kwargs)).lock
-        log("starts", task=self.name, id=task_id, owner=field(store, key, OWNER_FIELD))
+        log(
+            "starts", task=self.name, id=task_id, owner=field(store, key, OWNER_FIELD),
+            lease=field(store, key, LEASE_FIELD),
+        )  # fmt: skip
 
 
 def troubled_start(kind: str, trouble: str, **options: Any) -> Any:
@@ -467,9 +470,15 @@ class GatedStart(SingletonTask):
             time.sleep(0.01)
 
 
-@app.task(base=GatedStart, bind=True, shared=False, lock_strategy="until_executed", lock_ttl=30)
+@app.task(
+    base=GatedStart, bind=True, shared=False, lock_strategy="until_executed", lock_ttl=30,
+    acks_late=True,
+)  # fmt: skip
 def gated(self: Any, name: str) -> str:
-    """An until_executed task that starts only once its gate opens, then sleeps."""
+    """An until_executed task that starts only once its gate opens, then sleeps.
+    ``acks_late`` (its message acknowledged as it fails, not requeued): its pool
+    process takes the reservation over as the task starts, after the gate, rather
+    than as it is handed the task."""
     log("gated_runs", id=self.request.id)
     time.sleep(30)
     return name

@@ -12,12 +12,12 @@ reports it as before.
 
 The prefork pool accepts a task in the parent process and runs it in a child.
 There the child writes the acquire of a ``while_executing`` task (the default
-strategy) as it is handed the task, before Celery's tracer sets the task up
-(its request context, ``task_prerun``, ``track_started``, ``before_start``),
-and the task reads the reply as it starts (see :func:`trace_ahead`); an
-``until_*`` task acquires as it starts. With a ``Request`` class that does not
-derive from this one, on the solo and threads pools, the task acquires as it
-starts.
+strategy), or of an ``until_executed`` task without ``acks_late``, as it is
+handed the task, before Celery's tracer sets the task up (its request context,
+``task_prerun``, ``track_started``, ``before_start``), and the task reads the
+reply as it starts (see :func:`trace_ahead`); other tasks acquire as they
+start. With a ``Request`` class that does not derive from this one, on the solo
+and threads pools, the task acquires as it starts.
 
 The acquire is kept for the task by the thread that runs it (a thread runs one
 task at a time). One written for a task whose ``before_start`` raises is given
@@ -34,8 +34,9 @@ id, the worker's node and the child's process id in its description, its
 fencing token in the release), before Celery records the failure or sends the
 task again (``task_reject_on_worker_lost``, ``task_retry_on_worker_lost``), so
 that the copy need not wait for the TTL. A child that died before the execution
-took its ``until_*`` message's reservation over (as it built the arguments, or
-in ``before_start``) held nothing of its own: the message's reservation is freed
+took its ``until_*`` message's reservation over (as it built the arguments, or,
+where the take-over waits for the task's start, in ``before_start``) held
+nothing of its own: the message's reservation is freed
 instead, by its owner token, unless Celery requeues the message
 (``acks_late`` with ``task_reject_on_worker_lost``), whose delivery takes it
 over. (Two round trips on the worker's event loop, of 5 s at most each:
@@ -75,6 +76,7 @@ from celery_redislock import transport
 from celery_redislock.admin import LockInfo, force_release, read_lock
 from celery_redislock.dropped import drop_id
 from celery_redislock.task import (
+    UNTIL_EXECUTED,
     WHILE_EXECUTING,
     SingletonTask,
     _shown,
@@ -490,19 +492,26 @@ def trace_ahead(app: Any) -> None:
 
     The tracer's setup (the request context, ``task_prerun``, ``track_started``,
     ``before_start``) then runs while the request is on its way, as the worker's
-    own work does on the solo pool. Only ``while_executing`` tasks (the default
-    strategy) are made to: an ``until_*`` execution's acquire takes over the
-    reservation its send made, which a pool process that dies before its task
-    starts must leave as it was (a message Celery requeues finds it when it
-    comes back). A task class with a ``__call__`` of its own, which may not
-    start the locked execution, is left as it is too. Those acquire as they start.
+    own work does on the solo pool. ``while_executing`` tasks (the default
+    strategy) are made to, and ``until_executed`` tasks without ``acks_late``,
+    whose message nothing delivers again once their pool process is lost. An
+    ``until_executed`` execution's acquire takes over the reservation its send
+    made, which the pool process of an ``acks_late`` task that dies before the
+    task starts must leave as it was: Celery may requeue the message, whose
+    delivery finds it when it comes back. ``until_executing`` tasks (whose lock
+    is released as they start) and task classes with a ``__call__`` of their
+    own (which may not start the locked execution) are left as they are too.
+    Those acquire as they start.
     """
     for task in list(app.tasks.values()):
         tracer = getattr(task, "__trace__", None)
         if (
             isinstance(task, SingletonTask)
             and type(task).__call__ is SingletonTask.__call__
-            and task.lock_options.strategy == WHILE_EXECUTING
+            and (
+                task.lock_options.strategy == WHILE_EXECUTING
+                or (task.lock_options.strategy == UNTIL_EXECUTED and not task.acks_late)
+            )
             and tracer is not None
             and not hasattr(tracer, "__wrapped__")
         ):
