@@ -298,6 +298,27 @@ def test_a_pool_process_that_dies_holding_a_lock_it_took_ahead_leaves_no_lock(
     wait_for(lambda: lock_keys(client) == [], timeout=6, what="the worker to free the lock")
 
 
+def test_an_acquire_a_pool_process_wrote_ahead_whose_reply_is_lost_is_asked_again_once(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """The acquire a prefork child wrote as it was handed the task runs on the
+    server, and its reply is lost (the connection reset): the task asks again with
+    the same request id, which the script recognises, and runs once under one
+    hold, released as it ends."""
+    mod, client, launch = env
+    server = client.connection_pool.connection_kwargs
+    with FaultProxy(server["host"], server["port"]) as proxy:
+        launch("ahead-reset", concurrency=1, REDISLOCK_TEST_LOCK_URL=proxy.url_for(0))
+        proxy.drop_reply_to(mod.ahead_probe.lock_name(("reset",), {}).encode())
+        result = mod.ahead_probe.delay("reset")
+        assert result.get(timeout=30) == "reset"
+        assert proxy.marked_drops == 1
+    [set_up] = records(client, "set_up")
+    assert set_up == {"id": result.id, "written": True, "held": True}
+    assert [r["id"] for r in records(client, "ahead_probe")] == [result.id]
+    wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
+
+
 @pytest.mark.parametrize("task", ["executing_dies_as_it_starts", "executed_dies_as_it_starts"])
 def test_a_pool_process_that_dies_before_its_task_starts_leaves_no_reservation(
     env: tuple[Any, redis.Redis, Callable[..., Worker]], task: str
