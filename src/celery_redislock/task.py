@@ -3124,7 +3124,11 @@ def _ahead_in_pool_process(**_: Any) -> None:
     try:
         trace_ahead(current_app)
     except Exception as exc:  # a signal handler must not break the worker
-        logger.warning("celery_redislock: tasks acquire as they start: %s", exc)
+        logger.warning(
+            "celery_redislock: this pool process writes no acquire ahead (its tasks "
+            "acquire as they start): %s",
+            exc,
+        )
 
 
 def _flush_at_child_exit(**_: Any) -> None:
