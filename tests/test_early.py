@@ -4,6 +4,7 @@ accepting thread."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -700,6 +701,17 @@ def test_a_pool_process_writes_a_while_executing_acquire_before_the_tracer(
     # Made once per process: a second look wraps nothing again.
     trace_ahead(pool_app)
     assert not hasattr(task.__trace__.__wrapped__, "__wrapped__")
+    # Another library's wrapper (functools.wraps) is no reason to leave a tracer be.
+    other = pool_app.tasks["pool.until"]
+    built = other.__trace__.__wrapped__
+
+    @functools.wraps(built)
+    def instrumented(*args: Any, **kwargs: Any) -> Any:
+        return built(*args, **kwargs)
+
+    other.__trace__ = instrumented
+    trace_ahead(pool_app)
+    assert other.__trace__.__wrapped__ is instrumented
 
 
 def test_an_acquire_a_pool_process_wrote_for_a_task_its_tracer_never_calls_is_given_back(

@@ -455,6 +455,11 @@ class _Handed:
         self.hostname = request.get("hostname")
 
 
+#: Attribute marking a tracer :func:`_ahead_of` made (another library's wrapper
+#: may carry ``__wrapped__`` too: that one is wrapped all the same).
+_WRITES_AHEAD = "_redislock_writes_ahead"
+
+
 def _ahead_of(task: SingletonTask, tracer: Any) -> Any:
     """``tracer``, the ``__trace__`` Celery built for ``task`` in a prefork pool
     process, made to write the task's acquire before it runs (see
@@ -482,6 +487,7 @@ def _ahead_of(task: SingletonTask, tracer: Any) -> Any:
                     written.sent.abandon()
 
     trace.__wrapped__ = tracer  # type: ignore[attr-defined]
+    setattr(trace, _WRITES_AHEAD, True)
     return trace
 
 
@@ -513,6 +519,6 @@ def trace_ahead(app: Any) -> None:
                 or (task.lock_options.strategy == UNTIL_EXECUTED and not task.acks_late)
             )
             and tracer is not None
-            and not hasattr(tracer, "__wrapped__")
+            and not getattr(tracer, _WRITES_AHEAD, False)
         ):
             task.__trace__ = _ahead_of(task, tracer)
