@@ -67,7 +67,9 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    by 5, where section 2's move by ten. The worker also notes when each task
    starts and ends (``task_prerun``, ``task_postrun``) and when its body's work
    begins and ends, and a table splits each kind's time per task into receipt
-   to start, start to body, the work, body to end and end to the next receipt.
+   to start, start to body, the work, body to end and end to the next receipt,
+   and (Linux) counts how often per task the worker's thread slept, was
+   preempted, and was off its CPU in all.
    Then the lock store's time per command
    over the counted rounds (``INFO commandstats``): the scripts' ``EVALSHA``
    and the owner-checked floor's ``FCALL`` beside the peers' ``SET`` and ``DEL``.
@@ -90,6 +92,7 @@ import gc
 import itertools
 import os
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -378,8 +381,20 @@ RECEIVED, STARTED, BODY, BODY_END, ENDED = "received", "started", "body", "body 
 _marks: list[tuple[float, str, str]] = []
 _marking = False
 
+#: Noted just before each receipt, where the system counts them per thread
+#: (Linux): how often the worker's main thread, which runs the tasks of a solo
+#: pool, has given up its CPU so far to wait (for a reply, a sleep: ``SLEPT``) and
+#: had it taken away by another task the kernel ran there instead (``PREEMPTED``).
+#: Their marks carry the count where the others carry a time.
+SLEPT, PREEMPTED = "slept", "preempted"
+_THREAD_USAGE: int | None = getattr(resource, "RUSAGE_THREAD", None)
+
 
 def _note_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    if _THREAD_USAGE is not None:
+        usage = resource.getrusage(_THREAD_USAGE)
+        _marks.append((usage.ru_nvcsw, SLEPT, ""))
+        _marks.append((usage.ru_nivcsw, PREEMPTED, ""))
     _marks.append((time.perf_counter(), RECEIVED, request.name))
 
 
@@ -460,20 +475,38 @@ SEGMENTS = {
 }
 
 
+#: The worker's main thread's context switches per task, from the counts noted
+#: at one task's receipt to those at the next (see :data:`SLEPT`), and the two
+#: together: how often the task was off its CPU, and waited to be run again
+#: (unless what it would have waited for came in meanwhile).
+SWITCHES = (SLEPT, PREEMPTED)
+OFF_CPU = "off CPU"
+COUNTS = (*SWITCHES, OFF_CPU)
+
+
 def segments(marks: list[tuple[float, str, str]]) -> dict[str, dict[str, list[float]]]:
-    """Per task name, the seconds each task spent in each of :data:`SEGMENTS`,
-    from the worker's marks (a task whose marks are not all there is left out)."""
+    """Per task name, the seconds each task spent in each of :data:`SEGMENTS`, and
+    where they were counted, its :data:`COUNTS`, from the worker's marks (a task
+    whose marks are not all there is left out)."""
     found: dict[str, dict[str, list[float]]] = {}
     task: dict[str, float] = {}
     name = ""
+    counts: dict[str, float] = {}
     for when, event, marked in marks:
+        if event in SWITCHES:
+            counts[event] = when
+            continue
         if event == RECEIVED:
             if all(mark in task for mark in EVENTS):
                 task[NEXT] = when
                 parts = found.setdefault(name, {part: [] for part in SEGMENTS})
                 for part, (start, end) in SEGMENTS.items():
                     parts[part].append(task[end] - task[start])
-            task, name = {}, marked
+                if all(switch in task and switch in counts for switch in SWITCHES):
+                    switched = [counts[switch] - task[switch] for switch in SWITCHES]
+                    for switch, times in zip(COUNTS, (*switched, sum(switched)), strict=True):
+                        parts.setdefault(switch, []).append(times)
+            task, name = dict(counts), marked
         task.setdefault(event, when)
     return found
 
@@ -1108,9 +1141,14 @@ def bench_interleaved(
         for marks in marked_rounds(kinds, worker, stats, count, rounds, work):
             for name, parts in segments(marks).items():
                 if name in labels:
-                    kept = parted.setdefault(labels[name], {part: [] for part in SEGMENTS})
+                    kept = parted.setdefault(labels[name], {})
                     for part, times in parts.items():
-                        kept[part].append(statistics.median(times) * 1e6)
+                        # A time's median, in us; a count's mean (mostly 0, 1 or 2).
+                        kept.setdefault(part, []).append(
+                            statistics.fmean(times)
+                            if part in COUNTS
+                            else statistics.median(times) * 1e6
+                        )
             for command, (ran, usec) in command_stats(stats).items():
                 total = served.setdefault(command, [0, 0.0])
                 total[0] += ran
@@ -1210,20 +1248,46 @@ def bench_handed(
 def print_segments(
     parted: dict[str, dict[str, list[float]]], labels: list[str], findings: Findings, what: str
 ) -> None:
-    """Section 5's table of where each kind's time per task goes on the worker;
-    SingletonTask's parts go to the findings too."""
+    """Section 5's table of where each kind's time per task goes on the worker,
+    and, where the system counts them, how often per task the worker's thread was
+    off its CPU (see :data:`COUNTS`); SingletonTask's parts, and every kind's
+    counts, go to the findings too."""
+    counted = [count for count in COUNTS if count in parted.get("plain task", {})]
     print(
         "   where the time per task goes on the worker (median us over the rounds): received"
         " (task_received) to started (task_prerun), to its body's work, the work, to ended"
         " (task_postrun), to the next task's receipt"
+        + (
+            "; then how often per task (the mean in a round; the median over the rounds) the"
+            " worker's thread that runs them gave up its CPU to wait (slept: for an answer,"
+            " in the body), had it taken by another task (preempted: where the servers share"
+            " the worker's CPUs, often one a request the worker wrote had just woken), and"
+            " the two together (off CPU: each time, the task waits to run again, unless what"
+            " it would have waited for comes in meanwhile)"
+            if counted
+            else ""
+        )
     )
-    print(f"   {'kind':<30}" + "".join(f" {part:>16}" for part in SEGMENTS))
+    print(
+        f"   {'kind':<30}"
+        + "".join(f" {part:>16}" for part in SEGMENTS)
+        + "".join(f" {count:>9}" for count in counted)
+    )
     for label in labels:
         if label in parted:
             cells = (statistics.median(parted[label][part]) for part in SEGMENTS)
-            print(f"   {label:<30}" + "".join(f" {cell:16,.0f}" for cell in cells))
-    for part, times in parted.get("SingletonTask", {}).items():
-        findings.add(2, f"SingletonTask us {part}, {what}", f"{statistics.median(times):.0f}")
+            counts = [statistics.median(parted[label][count]) for count in counted]
+            print(
+                f"   {label:<30}"
+                + "".join(f" {cell:16,.0f}" for cell in cells)
+                + "".join(f" {count:9.2f}" for count in counts)
+            )
+            for count, value in zip(counted, counts, strict=True):
+                findings.add(2, f"{label} {count} per task, {what}", f"{value:.2f}")
+    for part in SEGMENTS:
+        times = parted.get("SingletonTask", {}).get(part)
+        if times:
+            findings.add(2, f"SingletonTask us {part}, {what}", f"{statistics.median(times):.0f}")
 
 
 #: The lock store's commands section 5 reports the time of, and who sends them.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +39,10 @@ def test_bench_task_runs_and_reports_the_lock_stores_time_per_command(tmp_path: 
     section 5 reports the ratio to plain, where a task's time goes on the
     worker (the parts between its receipt, start, body, end and the next receipt),
     the lock store's time per ``EVALSHA`` (the scripts) and ``SET`` (the
-    peers' and floors' acquire), and a prefork pool process's time from being
-    handed a task to its body, per kind."""
+    peers' and floors' acquire), how often per task the worker's thread slept,
+    was preempted and was off its CPU in all (where the system counts it per
+    thread), and a prefork pool process's time from being handed a task to its
+    body, per kind."""
     options = ["--only", "1,5", "--quick", "--tasks", "20", "--rounds", "1"]
     output, reported = run_bench("bench_task.py", options, tmp_path)
     assert "lock store, time per command over these rounds" in output
@@ -49,6 +52,16 @@ def test_bench_task_runs_and_reports_the_lock_stores_time_per_command(tmp_path: 
         assert float(reported[f"SingletonTask us {part}, interleaved"]) >= 0
     for command in ("EVALSHA", "SET"):
         assert float(reported[f"lock store us per {command}, interleaved"]) > 0
+    if hasattr(resource, "RUSAGE_THREAD"):
+        assert "slept preempted   off CPU" in output
+        for kind in ("plain task", "SingletonTask", "one round trip (floor)"):
+            slept, preempted, off = (
+                float(reported[f"{kind} {count} per task, interleaved"])
+                for count in ("slept", "preempted", "off CPU")
+            )
+            assert slept >= 0
+            assert preempted >= 0
+            assert off == pytest.approx(slept + preempted, abs=0.02)
     # The prefork run: a pool process's time from being handed a task to its body.
     assert "from being handed a no-op task to its body" in output
     for kind in ("plain task", "SingletonTask", "SingletonTask, at start"):
