@@ -54,7 +54,8 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    counted for all its threads and for its main thread alone.
 5. Interleaved: one solo worker drains batches in which the kinds of section 2,
    and ``SingletonTask`` taking its lock as it starts (nothing written ahead,
-   as for an ``acks_late`` ``until_executed`` task in a prefork pool process), take
+   as for an ``until_executed`` task in a prefork pool process whose message
+   Celery requeues if that process is lost), take
    turns task by task (which kind comes first rotates from round to
    round): batches of no-op tasks, then, for each other ``--work-ms`` value,
    batches of tasks that sleep that long (with ``--pin``, the worker on a CPU of
@@ -236,9 +237,10 @@ class AcquiredAtStart(SingletonTask):
     """``SingletonTask`` whose acquire nothing writes ahead: its class has a
     ``__call__`` of its own (the package writes ahead only for a task whose
     ``__call__`` is ``SingletonTask``'s). The task takes its lock as it starts, as
-    an ``acks_late`` ``until_executed`` task of a prefork pool process does (whose
-    worker accepts it in another process, and whose pool process leaves its
-    reservation alone until the task starts)."""
+    an ``until_executed`` task of a prefork pool process whose message Celery
+    requeues if that process is lost does (whose worker accepts it in another
+    process, and whose pool process leaves its reservation alone until the task
+    starts)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return super().__call__(*args, **kwargs)

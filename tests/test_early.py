@@ -27,7 +27,13 @@ from celery.exceptions import Reject
 from celery.worker.state import task_ready
 
 from celery_redislock import LockBackendError, RedisLock, SingletonTask, signals
-from celery_redislock.early import Request, _process_gone, _requeued_on_timeout, trace_ahead
+from celery_redislock.early import (
+    Request,
+    _comes_back,
+    _process_gone,
+    _requeued_on_timeout,
+    trace_ahead,
+)
 from celery_redislock.heartbeat import Heartbeat
 from celery_redislock.lock import lock_keys
 from celery_redislock.scripts import LEASE_FIELD, OWNER_FIELD
@@ -639,6 +645,10 @@ def pool_app(redislock_server: RedisServer) -> Iterator[Celery]:
     until = {"lock_strategy": "until_executed", **options}
     app.task(base=SingletonTask, name="pool.until", **until)(_echo)
     app.task(base=SingletonTask, name="pool.until_late", acks_late=True, **until)(_echo)
+    app.task(
+        base=SingletonTask, name="pool.until_requeued", acks_late=True,
+        reject_on_worker_lost=True, **until,
+    )(_echo)  # fmt: skip
     app.task(base=SingletonTask, name="pool.executing", lock_strategy="until_executing", **options)(
         _echo
     )
@@ -672,12 +682,14 @@ def test_a_pool_process_writes_a_while_executing_acquire_before_the_tracer(
     pool_app: Celery, locks: redis.Redis
 ) -> None:
     """At ``worker_process_init`` the tracer of each while_executing SingletonTask
-    (and until_executed without ``acks_late``) is made to write the acquire first:
-    by ``task_prerun`` it is kept for the task (its lock held), and the task reads
-    it as it starts, runs and releases. The others are left as they are."""
+    (and until_executed whose message Celery never delivers again once its pool
+    process is lost: without ``acks_late``, or with it and no requeue) is made to
+    write the acquire first: by ``task_prerun`` it is kept for the task (its lock
+    held), and the task reads it as it starts, runs and releases. The others are
+    left as they are."""
     trace_ahead(pool_app)
     wrapped = {n for n, t in pool_app.tasks.items() if hasattr(t.__trace__, "__wrapped__")}
-    assert wrapped == {"pool.plain", "pool.until"}
+    assert wrapped == {"pool.plain", "pool.until", "pool.until_late"}
     task = pool_app.tasks["pool.plain"]
     name = uuid.uuid4().hex
     key = lock_keys(task.lock_name((name,), {})).lock
@@ -846,6 +858,66 @@ def test_a_message_whose_pool_process_died_is_known_to_come_back_as_celery_decid
         request = Request(TaskMessage(job.name, args=("r",)), app=app, task=job)
         request._already_cancelled = cancelled
         assert request._requeued_when_lost(exc) is requeued
+    finally:
+        close_app(app)
+
+
+@pytest.mark.parametrize(
+    ("options", "cancels", "comes_back"),
+    [
+        ({}, False, False),
+        ({}, True, False),
+        ({"reject_on_worker_lost": True}, False, False),
+        ({"acks_late": True}, False, False),
+        ({"acks_late": True, "reject_on_worker_lost": True}, False, True),
+        (
+            # (Celery 5.7 sends it again as a retry; before, the option is unknown.)
+            {"acks_late": True, "reject_on_worker_lost": True, "retry_on_worker_lost": True},
+            False,
+            not CELERY_5_7,
+        ),
+        (
+            {"acks_late": True, "acks_on_timeout": False}
+            if CELERY_5_7
+            else {"acks_late": True, "acks_on_failure_or_timeout": False},
+            False,
+            True,
+        ),
+        ({"acks_late": True}, True, True),
+    ],
+    ids=[
+        "acks-early",
+        "acks-early-cancelled-on-connection-loss",
+        "acks-early-rejected-when-lost",
+        "acks-late",
+        "requeued-when-lost",
+        "sent-as-a-retry-when-lost",
+        "requeued-on-its-time-limit",
+        "cancelled-on-connection-loss",
+    ],
+)
+def test_whether_a_message_may_come_back_once_its_pool_process_is_lost_decides_writing_ahead(
+    redislock_server: RedisServer, options: dict[str, Any], cancels: bool, comes_back: bool
+) -> None:
+    """An until_executed task's pool process writes its acquire ahead (taking the
+    send's reservation over before the task starts) only if Celery never delivers
+    its message again once that process is lost: not ``acks_late``, or without a
+    requeue when the process is lost (``reject_on_worker_lost``, unless Celery 5.7
+    sends a retry instead) or killed for its time limit, and without
+    ``worker_cancel_long_running_tasks_on_connection_loss`` (which cancels
+    ``acks_late`` tasks only). A message that may come back keeps its reservation
+    until a delivery starts."""
+    app = make_app(redislock_server.url, "early-comes-back")
+    app.conf.worker_cancel_long_running_tasks_on_connection_loss = cancels
+    try:
+        job = app.task(
+            base=SingletonTask, shared=False, name="early.comes_back",
+            lock_strategy="until_executed", **options,
+        )(_echo)  # fmt: skip
+        assert _comes_back(job) is comes_back
+        job.__trace__ = build_tracer(job.name, job, app=app, hostname=POOL_NODE)
+        trace_ahead(app)
+        assert hasattr(job.__trace__, "__wrapped__") is not comes_back
     finally:
         close_app(app)
 

@@ -319,7 +319,9 @@ def test_an_acquire_a_pool_process_wrote_ahead_whose_reply_is_lost_is_asked_agai
     wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
 
 
-@pytest.mark.parametrize("task", ["executing_dies_as_it_starts", "executed_dies_as_it_starts"])
+@pytest.mark.parametrize(
+    "task", ["executing_dies_as_it_starts", "executed_dies_as_it_starts", "late_dies_as_it_starts"]
+)
 def test_a_pool_process_that_dies_before_its_task_starts_leaves_no_reservation(
     env: tuple[Any, redis.Redis, Callable[..., Worker]], task: str
 ) -> None:
@@ -327,12 +329,17 @@ def test_a_pool_process_that_dies_before_its_task_starts_leaves_no_reservation(
     before the task was called (here in ``before_start``) leaves no lock behind,
     before the worker records the failure: an until_executing task's reservation,
     which nothing took over, is freed by its owner token; an until_executed task
-    without ``acks_late``, whose pool process took the reservation over as it was
-    handed the task, has that hold freed as the dead process's. The same call
-    sent again is sent (not taken for a duplicate of the failed task) and runs."""
+    whose message Celery does not deliver again (without ``acks_late``, or with it
+    and no ``reject_on_worker_lost``), whose pool process took the reservation
+    over as it was handed the task, has that hold freed as the dead process's.
+    The same call sent again is sent (not taken for a duplicate of the failed
+    task) and runs."""
     mod, client, launch = env
     job = getattr(mod, task)
-    launch("dies", concurrency=1)
+    # An acks_late message is acknowledged only once the worker has seen its pool
+    # process lost, which under load can take longer than the tests' visibility
+    # timeout: the broker would deliver it again meanwhile.
+    launch("dies", concurrency=1, REDISLOCK_TEST_VISIBILITY_TIMEOUT="600")
     first = job.delay("d")
     with pytest.raises(WorkerLostError):
         first.get(timeout=30)
@@ -384,23 +391,30 @@ def test_a_hold_a_dead_pool_process_took_late_is_freed(
     assert records(client, "gated_runs") == []
 
 
+@pytest.mark.parametrize("task", ["executed_stalls_as_it_starts", "late_stalls_as_it_starts"])
 def test_a_task_killed_for_its_time_limit_before_it_starts_leaves_no_reservation(
-    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+    env: tuple[Any, redis.Redis, Callable[..., Worker]], task: str
 ) -> None:
     """An until_executed task whose prefork child is killed for its hard time limit
-    before the execution took the send's reservation over (here in a
-    ``before_start`` that runs too long) leaves no reservation behind: once the
-    child is gone, the worker frees it, and the same call sent again runs."""
+    before the task was called (here in a ``before_start`` that runs too long)
+    leaves no reservation behind: the child took it over as it was handed the task
+    (its message is not delivered again: no ``acks_late``, or ``acks_late`` with
+    ``acks_on_timeout``); once the child is gone, the worker frees that hold, and
+    the same call sent again runs."""
     mod, client, launch = env
+    job = getattr(mod, task)
     launch("stalls", concurrency=1)
-    first = mod.executed_stalls_as_it_starts.delay("s")
+    first = job.delay("s")
     with pytest.raises(TimeLimitExceeded):
         first.get(timeout=30)
     wait_for(lambda: lock_keys(client) == [], what="the reservation to be freed")
-    again = mod.executed_stalls_as_it_starts.delay("s")
+    again = job.delay("s")
     assert again.id != first.id
     assert again.get(timeout=30) == "s"
-    assert [r["id"] for r in records(client, "executed_stalls_as_it_starts")] == [again.id]
+    assert [r["id"] for r in records(client, task)] == [again.id]
+    [start] = records(client, "starts")
+    assert (start["id"], start["lease"]) == (again.id, again.id)
+    assert not start["owner"].endswith(":queued")
     wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
 
 

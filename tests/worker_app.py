@@ -433,6 +433,11 @@ executing_dies_as_it_starts = troubled_start(
 executed_dies_as_it_starts = troubled_start(
     "executed_dies_as_it_starts", "dies", lock_strategy="until_executed"
 )
+# acks_late, but its message is acknowledged when the first delivery's pool
+# process dies (no reject_on_worker_lost): nothing delivers it again.
+late_dies_as_it_starts = troubled_start(
+    "late_dies_as_it_starts", "dies", lock_strategy="until_executed", acks_late=True
+)
 # Celery requeues its message when the first delivery's pool process dies.
 requeued_dies_as_it_starts = troubled_start(
     "requeued_dies_as_it_starts", "dies", lock_strategy="until_executed",
@@ -446,6 +451,12 @@ resent_dies_as_it_starts = troubled_start(
 executed_stalls_as_it_starts = troubled_start(
     "executed_stalls_as_it_starts", "stalls", lock_strategy="until_executed", time_limit=1
 )
+# acks_late, but its message is acknowledged when the first delivery is killed for
+# its time limit (acks_on_timeout, by default): nothing delivers it again.
+late_stalls_as_it_starts = troubled_start(
+    "late_stalls_as_it_starts", "stalls", lock_strategy="until_executed", time_limit=1,
+    acks_late=True,
+)  # fmt: skip
 # Celery requeues its message when the first delivery is killed for its time limit
 # (Celery 5.7: acks_on_timeout off; before it, which has no such option,
 # acks_on_failure_or_timeout off leaves the message unacknowledged, and the broker

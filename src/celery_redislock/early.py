@@ -12,8 +12,8 @@ reports it as before.
 
 The prefork pool accepts a task in the parent process and runs it in a child.
 There the child writes the acquire of a ``while_executing`` task (the default
-strategy), or of an ``until_executed`` task without ``acks_late``, as it is
-handed the task, before Celery's tracer sets the task up (its request context,
+strategy), or of an ``until_executed`` task whose message Celery never delivers
+again once the child is lost (:func:`_comes_back`), as it is handed the task, before Celery's tracer sets the task up (its request context,
 ``task_prerun``, ``track_started``, ``before_start``), and the task reads the
 reply as it starts (see :func:`trace_ahead`); other tasks acquire as they
 start. With a ``Request`` class that does not derive from this one, on the solo
@@ -145,6 +145,31 @@ def _process_gone(pid: int) -> bool:
     except OSError:
         return False
     return False
+
+
+def _requeued_lost(task: Any) -> bool:
+    """Whether Celery requeues the message of ``task`` as it is when the pool
+    process running it is lost (``acks_late`` with ``reject_on_worker_lost``),
+    rather than send it again as a retry (``retry_on_worker_lost``) or end it."""
+    return (
+        bool(task.acks_late)
+        and bool(task.reject_on_worker_lost)
+        and not (_RETRIES_WORKER_LOST and task.retry_on_worker_lost)
+    )
+
+
+def _comes_back(task: Any) -> bool:
+    """Whether Celery may deliver the message of ``task`` again after the pool
+    process running it dies or is killed while the worker lives on: requeued as
+    the process is lost (:func:`_requeued_lost`) or killed for its hard time
+    limit (:func:`_requeued_on_timeout`), or left unacknowledged as the worker
+    cancels it on losing its broker connection
+    (``worker_cancel_long_running_tasks_on_connection_loss``, which cancels
+    ``acks_late`` tasks only)."""
+    cancels = task.app.conf.get("worker_cancel_long_running_tasks_on_connection_loss")
+    return bool(task.acks_late) and (
+        _requeued_lost(task) or _requeued_on_timeout(task) or bool(cancels)
+    )
 
 
 def _requeued_on_timeout(task: Any) -> bool:
@@ -284,12 +309,7 @@ class Request(_CeleryRequest):  # type: ignore[misc]
             return True
         if isinstance(exc, Terminated):
             return False
-        task = self.task
-        return (
-            bool(task.acks_late)
-            and bool(task.reject_on_worker_lost)
-            and not (_RETRIES_WORKER_LOST and task.retry_on_worker_lost)
-        )
+        return _requeued_lost(self.task)
 
     def _free_dead_child_lock(self, fence: int | None = None, requeued: bool = False) -> None:
         """Free the hold of the pool child that died running this task, if it is
@@ -499,15 +519,19 @@ def trace_ahead(app: Any) -> None:
     The tracer's setup (the request context, ``task_prerun``, ``track_started``,
     ``before_start``) then runs while the request is on its way, as the worker's
     own work does on the solo pool. ``while_executing`` tasks (the default
-    strategy) are made to, and ``until_executed`` tasks without ``acks_late``,
-    whose message nothing delivers again once their pool process is lost. An
-    ``until_executed`` execution's acquire takes over the reservation its send
-    made, which the pool process of an ``acks_late`` task that dies before the
-    task starts must leave as it was: Celery may requeue the message, whose
-    delivery finds it when it comes back. ``until_executing`` tasks (whose lock
-    is released as they start) and task classes with a ``__call__`` of their
-    own (which may not start the locked execution) are left as they are too.
-    Those acquire as they start.
+    strategy) are made to, and ``until_executed`` tasks whose message Celery
+    never delivers again once their pool process is lost (:func:`_comes_back`):
+    without ``acks_late``, or with it but without ``reject_on_worker_lost``, a
+    requeue on the hard time limit and
+    ``worker_cancel_long_running_tasks_on_connection_loss``. For those, the
+    worker freeing a dead process's hold (:class:`Request`) has the outcome of
+    freeing the message's reservation. The others are left as they are, and
+    acquire as they start: ``until_executed`` tasks whose message may come back
+    (an execution's acquire takes over the reservation the send made, which a
+    pool process that dies before the task starts must leave for the delivery
+    that comes back), ``until_executing`` tasks (whose lock is released as they
+    start), and task classes with a ``__call__`` of their own (which may not
+    start the locked execution).
     """
     for task in list(app.tasks.values()):
         tracer = getattr(task, "__trace__", None)
@@ -516,7 +540,7 @@ def trace_ahead(app: Any) -> None:
             and type(task).__call__ is SingletonTask.__call__
             and (
                 task.lock_options.strategy == WHILE_EXECUTING
-                or (task.lock_options.strategy == UNTIL_EXECUTED and not task.acks_late)
+                or (task.lock_options.strategy == UNTIL_EXECUTED and not _comes_back(task))
             )
             and tracer is not None
             and not getattr(tracer, _WRITES_AHEAD, False)
