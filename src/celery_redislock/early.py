@@ -13,11 +13,12 @@ reports it as before.
 The prefork pool accepts a task in the parent process and runs it in a child.
 There the child writes the acquire of a ``while_executing`` task (the default
 strategy), or of an ``until_executed`` task whose message Celery never delivers
-again once the child is lost (:func:`_comes_back`), as it is handed the task, before Celery's tracer sets the task up (its request context,
-``task_prerun``, ``track_started``, ``before_start``), and the task reads the
-reply as it starts (see :func:`trace_ahead`); other tasks acquire as they
-start. With a ``Request`` class that does not derive from this one, on the solo
-and threads pools, the task acquires as it starts.
+again once the child is lost (:func:`_comes_back`), as it is handed the task,
+before Celery's tracer sets the task up (its request context, ``task_prerun``,
+``track_started``, ``before_start``), and the task reads the reply as it starts
+(see :func:`trace_ahead`); other tasks acquire as they start. With a
+``Request`` class that does not derive from this one, on the solo and threads
+pools, the task acquires as it starts.
 
 The acquire is kept for the task by the thread that runs it (a thread runs one
 task at a time). One written for a task whose ``before_start`` raises is given
