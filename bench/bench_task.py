@@ -75,8 +75,9 @@ nothing is asserted; a figure that misses its target prints ``NOT MET``):
    over the counted rounds (``INFO commandstats``): the scripts' ``EVALSHA``
    and the owner-checked floor's ``FCALL`` beside the peers' ``SET`` and ``DEL``.
    Last, a prefork worker with one pool process: per kind (plain,
-   ``SingletonTask``, the same taking its lock as it starts, the one-round-trip
-   floor), the pool process's time from being handed a no-op task to its body.
+   ``SingletonTask``, the same taking its lock as it starts, an
+   ``until_executed`` one with ``acks_late``, the one-round-trip floor), the
+   pool process's time from being handed a no-op task to its body.
 
 celery-once and celery-singleton take their lock when the task is *sent*
 (``apply_async``) and free it when it ends, so part of their cost is paid by
@@ -250,6 +251,24 @@ class AcquiredAtStart(SingletonTask):
 def singleton_at_start(round_id: str, index: int, work: float = 0.0) -> None:
     """This project's task, its lock taken as it starts (see :class:`AcquiredAtStart`)."""
     busy(work)
+
+
+@app.task(
+    name="bench.singleton_until_late",
+    base=SingletonTask,
+    shared=False,
+    lock_strategy="until_executed",
+    acks_late=True,
+)
+def singleton_until_late(round_id: str, index: int, work: float = 0.0) -> None:
+    """This project's task, reserved as it is sent and acknowledged as it ends: its
+    message is not delivered again if its pool process dies, so that process
+    takes the reservation over as it is handed the task."""
+    busy(work)
+
+
+#: Section 5's prefork kind of :func:`singleton_until_late`.
+UNTIL_LATE_LABEL = "until_executed, acks_late"
 
 
 @app.task(name="bench.redis_py", shared=False)
@@ -1194,12 +1213,17 @@ def bench_interleaved(
 def handed_kinds() -> list[Kind]:
     """The kinds of section 5's prefork run: plain, ``SingletonTask`` (its acquire
     written as the pool process is handed the task), the same taking its lock as
-    it starts, and the one-round-trip floor."""
+    it starts, an ``until_executed`` ``acks_late`` one (written as it is handed
+    the task too), and the one-round-trip floor."""
     kinds = {kind.label: kind for kind in interleaved_kinds()}
+    kinds[UNTIL_LATE_LABEL] = Kind(UNTIL_LATE_LABEL, singleton_until_late, "reserved as sent")
     return [
         kinds[label]
-        for label in ("plain task", "SingletonTask", "SingletonTask, at start", FLOOR_LABEL)
-    ]
+        for label in (
+            "plain task", "SingletonTask", "SingletonTask, at start", UNTIL_LATE_LABEL,
+            FLOOR_LABEL,
+        )
+    ]  # fmt: skip
 
 
 #: The one-round-trip floor's label in the tables.

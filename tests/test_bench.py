@@ -64,7 +64,9 @@ def test_bench_task_runs_and_reports_the_lock_stores_time_per_command(tmp_path: 
             assert off == pytest.approx(slept + preempted, abs=0.02)
     # The prefork run: a pool process's time from being handed a task to its body.
     assert "from being handed a no-op task to its body" in output
-    for kind in ("plain task", "SingletonTask", "SingletonTask, at start"):
+    for kind in (
+        "plain task", "SingletonTask", "SingletonTask, at start", "until_executed, acks_late",
+    ):  # fmt: skip
         assert f"{kind} us handed to body, prefork" in reported
 
 

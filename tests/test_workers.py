@@ -569,6 +569,34 @@ def test_a_message_rejected_with_requeue_keeps_its_lock_while_it_waits_again(
     assert [r["run"] for r in records(client, "rejects_once")] == [1, 2]
 
 
+def test_a_message_its_start_sends_back_in_a_pool_process_keeps_its_reservation(
+    env: tuple[Any, redis.Redis, Callable[..., Worker]],
+) -> None:
+    """An acks_late until_executed task whose prefork child took the send's
+    reservation over as it was handed the task (its message is acknowledged if
+    the child dies), and whose ``before_start`` then raises
+    ``Reject(requeue=True)``: the hold goes back to the message's reservation, for
+    lock_enqueue_ttl (not lock_ttl), while the message waits in the queue again,
+    so a duplicate sent meanwhile publishes nothing; the message then runs once."""
+    mod, client, launch = env
+    launch("sendback", concurrency=1)
+    result = mod.sent_back_at_start.delay("b")
+    mod.occupy.delay("sendback-gate")  # queued behind it, so the message comes back behind
+    wait_for(lambda: records(client, "occupy"), what="the slot to be taken")
+    [sent_back] = records(client, "sent_back")
+    # Taken over as the child was handed the task, before before_start.
+    assert (sent_back["id"], sent_back["lease"]) == (result.id, result.id)
+    assert sent_back["owner"] != f"{result.id}:queued"
+    key = lock_keys_for(mod.sent_back_at_start.lock_name(("b",), {})).lock
+    assert field(client, key, OWNER_FIELD) == f"{result.id}:queued"
+    assert client.pttl(key) > 1_000  # lock_ttl is 1 s
+    assert mod.sent_back_at_start.delay("b").id == result.id
+    client.set("release:sendback-gate", "1")
+    assert result.get(timeout=30) == "b"
+    assert [r["id"] for r in records(client, "sent_back_at_start")] == [result.id]
+    wait_for(lambda: lock_keys(client) == [], what="the lock to be released")
+
+
 def test_an_until_executed_task_whose_start_failed_leaves_no_reservation(
     env: tuple[Any, redis.Redis, Callable[..., Worker]],
 ) -> None:

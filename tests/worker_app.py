@@ -176,6 +176,31 @@ def rejects_once(self: Any, name: str) -> str:
     return name
 
 
+class SendsBackAtStart(SingletonTask):
+    """A task class whose first ``before_start`` for a name sends its message back to
+    the queue (``Reject(requeue=True)``), after logging who holds the lock then
+    (owner and lease) under ``sent_back``."""
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        if store.set(f"sent-back:{self.name}:{args[0]}", "1", nx=True):
+            key = lock_keys(self.lock_name(args, kwargs)).lock
+            log(
+                "sent_back", id=task_id, owner=field(store, key, OWNER_FIELD),
+                lease=field(store, key, LEASE_FIELD),
+            )  # fmt: skip
+            raise Reject("again later", requeue=True)
+
+
+@app.task(
+    base=SendsBackAtStart, bind=True, shared=False, lock_strategy="until_executed",
+    lock_ttl=1, acks_late=True,
+)  # fmt: skip
+def sent_back_at_start(self: Any, name: str) -> str:
+    """An acks_late until_executed task whose first start sends its message back."""
+    log("sent_back_at_start", name=name, id=self.request.id)
+    return name
+
+
 def _until_queued_or_started(queue: str, name: str) -> None:
     """Wait (20 s at most) until a waiter is queued for the lock whose waiter queue
     is ``queue``, or the task ``name`` logged by :func:`log` has started a second
