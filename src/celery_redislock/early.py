@@ -452,12 +452,18 @@ class Request(_CeleryRequest):  # type: ignore[misc]
 
     def _give_back(self) -> None:
         """Give back the hold of an acquire written ahead that the task never read."""
-        if not _written_ahead:
-            # The usual end: the task read its own (every task ends here).
-            return
-        written = take_written_ahead(self.id)
-        if written is not None:
-            written.sent.abandon()
+        _give_back_unread(self.id)
+
+
+def _give_back_unread(task_id: str) -> None:
+    """Give back the hold of the acquire written ahead for ``task_id`` on this
+    thread, if the task never read it."""
+    if not _written_ahead:
+        # The usual end: the task read its own (every task ends here).
+        return
+    written = take_written_ahead(task_id)
+    if written is not None:
+        written.sent.abandon()
 
 
 class _Handed:
@@ -499,13 +505,10 @@ def _ahead_of(task: SingletonTask, tracer: Any) -> Any:
                 logger.exception("celery_redislock: writing the acquire of %s failed", task_id)
             return tracer(task_id, args, kwargs, request)
         finally:
-            if _written_ahead:
-                # The tracer ended it without calling it (track_started could not
-                # store the state, a redelivery of a task already done was
-                # skipped, a soft time limit struck first): nobody reads it.
-                written = take_written_ahead(task_id)
-                if written is not None:
-                    written.sent.abandon()
+            # Left unread if the tracer ended the task without calling it
+            # (track_started could not store the state, a redelivery of a task
+            # already done was skipped, a soft time limit struck first).
+            _give_back_unread(task_id)
 
     trace.__wrapped__ = tracer  # type: ignore[attr-defined]
     setattr(trace, _WRITES_AHEAD, True)
