@@ -1,0 +1,307 @@
+"""Real workers of every pool, every duplicate mode, under injected faults.
+
+A prefork, a threads and a solo worker run the tasks of :mod:`tests.soak_app`
+(``wait``, ``skip``, ``retry`` and an ``until_executed`` one with ``acks_late``)
+on four keys, sent at random, while the test kills and freezes pool processes,
+freezes whole workers, and resets, cuts, slows and drops the replies of their
+connections to the lock store, or freezes the store itself. Afterwards: no two
+bodies of one lock ran at once unless the older one was told it had lost its
+lock; no write the fence refused came from a body that had just checked its lock;
+every message was taken; no lock is left held; every key has an expiry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import redis
+
+from celery_redislock.server import RedisServer
+from tests.proxy import FaultProxy
+from tests.support import close_app, lock_keys, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+
+#: Seconds of sends and faults.
+SOAK_SECONDS = 30.0
+#: Pools and their concurrency.
+POOLS = (("prefork", 2), ("threads", 2), ("solo", 1))
+#: Seconds between two faults (at random in this range).
+FAULT_GAP = (0.3, 2.0)
+#: How long a freeze lasts at most: longer than the tasks' TTL, so some bodies lose
+#: their locks.
+LONGEST_FREEZE = 3.5
+#: Bodies that must have run, for the soak to have shown anything.
+MIN_BODIES = 50
+
+
+class Body(NamedTuple):
+    """One execution of a soak task's body, from its logs."""
+
+    began: float
+    ended: float  # when its process was killed, for a body killed before its end
+    token: int
+    task_id: str
+    pid: int
+    outcome: str  # done, lost, refused, killed
+    gap: float  # refused: seconds from the last check of the lock to the write
+    lost: bool  # what the lock said at the end
+
+
+def start_worker(
+    env: dict[str, str], pool: str, concurrency: int, log: Path
+) -> subprocess.Popen[bytes]:
+    """A ``celery worker`` on the soak app, in a process group of its own."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [
+                sys.executable, "-m", "celery", "-A", "tests.soak_app", "worker",
+                "-P", pool, "-c", str(concurrency), "-n", f"{pool}@localhost", "-l", "info",
+                "--without-gossip", "--without-mingle", "--without-heartbeat", "-Q", "soak",
+            ],
+            cwd=ROOT, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+
+def pool_children(worker: subprocess.Popen[bytes]) -> list[int]:
+    """The pool processes of a prefork worker (Linux)."""
+    try:
+        with open(f"/proc/{worker.pid}/task/{worker.pid}/children") as listing:
+            return [int(pid) for pid in listing.read().split()]
+    except OSError:
+        return []
+
+
+def inject_fault(
+    rng: random.Random,
+    workers: list[subprocess.Popen[bytes]],
+    proxy: FaultProxy,
+    store: RedisServer,
+    killed: dict[int, float],
+) -> str:
+    """Inject one fault at random, wait for it to end, and return its name."""
+    worker = rng.choice(workers)
+    children = pool_children(workers[0])
+    freeze = rng.uniform(0.5, LONGEST_FREEZE)
+    fault = rng.choice(
+        [
+            "kill_child",
+            "stop_child",
+            "stop_worker",
+            "reset",
+            "cut",
+            "drop_replies",
+            "slow",
+            "stall_store",
+        ]
+    )
+    if fault in ("kill_child", "stop_child") and not children:
+        fault = "stop_worker"
+    if fault == "kill_child":
+        victim = rng.choice(children)
+        killed[victim] = time.time()
+        os.kill(victim, signal.SIGKILL)
+    elif fault == "stop_child":
+        victim = rng.choice(children)
+        os.kill(victim, signal.SIGSTOP)
+        time.sleep(freeze)
+        os.kill(victim, signal.SIGCONT)
+    elif fault == "stop_worker":
+        os.killpg(worker.pid, signal.SIGSTOP)
+        time.sleep(freeze)
+        os.killpg(worker.pid, signal.SIGCONT)
+    elif fault == "reset":
+        proxy.reset_all()
+    elif fault == "cut":
+        proxy.blackhole()
+        time.sleep(rng.uniform(0.3, 2.5))
+        proxy.heal()
+    elif fault == "drop_replies":
+        proxy.drop_replies(rng.randint(1, 3))
+    elif fault == "slow":
+        proxy.set_latency(rng.uniform(0.05, 0.4))
+        time.sleep(rng.uniform(0.5, 2.0))
+        proxy.set_latency(0.0)
+    else:
+        with store.paused():
+            time.sleep(rng.uniform(0.3, 2.5))
+    return fault
+
+
+def bodies(log: redis.Redis, killed: dict[int, float]) -> tuple[dict[str, list[Body]], list[Any]]:
+    """The bodies that ran, per lock (kind and key), and the starts with no end whose
+    process was not killed."""
+    ends: dict[tuple[str, int, int], list[dict[str, Any]]] = defaultdict(list)
+    for raw in log.lrange("soak:end", 0, -1):
+        end = json.loads(raw)
+        ends[end["id"], end["pid"], end["token"]].append(end)
+    per_lock: dict[str, list[Body]] = defaultdict(list)
+    open_ended = []
+    for raw in log.lrange("soak:start", 0, -1):
+        start = json.loads(raw)
+        matching = ends[start["id"], start["pid"], start["token"]]
+        if matching:
+            end = matching.pop(0)
+            ended, outcome, gap, lost = end["at"], end["outcome"], end["gap"], end["lost"]
+        elif killed.get(start["pid"], 0.0) >= start["at"]:
+            ended, outcome, gap, lost = killed[start["pid"]], "killed", 0.0, False
+        else:
+            open_ended.append(start)
+            continue
+        per_lock[f"{start['kind']}:{start['key']}"].append(
+            Body(start["at"], ended, start["token"], start["id"], start["pid"], outcome, gap, lost)
+        )
+    return per_lock, open_ended
+
+
+def overlaps(per_lock: dict[str, list[Body]]) -> list[str]:
+    """Bodies of one lock that ran at once while the older one was told nothing of
+    a loss, and writes the fence refused right after a check that passed."""
+    from tests.soak_app import PAUSE
+
+    problems = []
+    for lock, runs in per_lock.items():
+        runs.sort()
+        for i, first in enumerate(runs):
+            if first.outcome == "refused" and first.gap < PAUSE:
+                problems.append(f"{lock}: {first} wrote {first.gap:.3f} s after its check passed")
+            for second in runs[i + 1 :]:
+                if second.began >= first.ended:
+                    break
+                older = min(first, second, key=lambda body: body.token)
+                if older.outcome not in ("lost", "refused") and not older.lost:
+                    problems.append(f"{lock}: {first} and {second} ran at once")
+    return problems
+
+
+def tail(path: Path, size: int = 3000) -> str:
+    """The end of a worker's log."""
+    return path.read_bytes()[-size:].decode(errors="replace")
+
+
+@pytest.fixture
+def soak_servers(
+    redislock_server_factory: Callable[..., RedisServer],
+) -> Iterator[tuple[RedisServer, RedisServer, FaultProxy]]:
+    """The broker's server (also the logs'), the lock store, and a proxy before it."""
+    broker, store = redislock_server_factory(), redislock_server_factory()
+    with FaultProxy(store.host, store.port) as proxy:
+        yield broker, store, proxy
+
+
+def test_real_workers_under_injected_faults_never_run_one_lock_twice_at_once(
+    soak_servers: tuple[RedisServer, RedisServer, FaultProxy], tmp_path: Path
+) -> None:
+    """Under kills, freezes, resets, cuts, lost replies and a frozen store, no lock
+    runs two bodies at once unless the older was told it lost the lock, every
+    message is taken, and nothing is left held."""
+    broker, store, proxy = soak_servers
+    seed = random.randrange(2**32)
+    # The faults and the sends each draw from a generator of their own.
+    rng, sends = random.Random(seed), random.Random(seed + 1)
+    urls = {
+        "REDISLOCK_SOAK_BROKER": broker.url_for(db=1),
+        "REDISLOCK_SOAK_LOG": broker.url_for(db=2),
+        "REDISLOCK_SOAK_LOCK": store.url,
+    }
+    # The test sends (and an until_executed send reserves) on the store directly;
+    # the workers reach it through the proxy.
+    os.environ.update(urls)
+    sys.modules.pop("tests.soak_app", None)
+    import tests.soak_app as soak_app
+
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    env = dict(os.environ, PYTHONPATH=path, REDISLOCK_SOAK_LOCK=proxy.url)
+    logs = [tmp_path / f"{pool}.log" for pool, _ in POOLS]
+    workers = [start_worker(env, pool, n, log) for (pool, n), log in zip(POOLS, logs, strict=True)]
+    queue = redis.Redis.from_url(urls["REDISLOCK_SOAK_BROKER"])
+    log = redis.Redis.from_url(urls["REDISLOCK_SOAK_LOG"])
+    lock_store = store.client()
+    killed: dict[int, float] = {}
+    faults: Counter[str] = Counter()
+    stop = threading.Event()
+    injector_errors: list[BaseException] = []
+
+    def inject() -> None:
+        try:
+            while not stop.wait(rng.uniform(*FAULT_GAP)):
+                faults[inject_fault(rng, workers, proxy, store, killed)] += 1
+        except BaseException as exc:
+            injector_errors.append(exc)
+
+    injector = threading.Thread(target=inject, name="soak-faults")
+    sent = refused_sends = 0
+    try:
+        wait_for(lambda: len(pool_children(workers[0])) == POOLS[0][1], 60, "the prefork pool")
+        time.sleep(2.0)  # the other workers start meanwhile
+        injector.start()
+        began = time.monotonic()
+        while time.monotonic() - began < SOAK_SECONDS:
+            task = sends.choice(soak_app.KINDS)
+            key = f"k{sends.randrange(4)}"
+            try:
+                task.apply_async((key, sent, sends.choice((0.0, 0.05, 0.3, 1.0, 2.5))))
+            except Exception:
+                # An until_executed send while the store is frozen: refused, nothing queued.
+                refused_sends += 1
+            sent += 1
+            time.sleep(sends.uniform(0.02, 0.2))
+        stop.set()
+        injector.join()
+        assert not injector_errors, injector_errors
+        proxy.heal()
+
+        def drained() -> bool:
+            open_ended = bodies(log, killed)[1]
+            return not (queue.llen("soak") or queue.hlen("unacked") or open_ended)
+
+        summary = f"seed {seed}: {sent} sent ({refused_sends} refused), faults {dict(faults)}"
+        wait_for(drained, 90, f"every message taken and every body ended ({summary})")
+        per_lock, _ = bodies(log, killed)
+        outcomes = Counter(body.outcome for runs in per_lock.values() for body in runs)
+        summary += f", bodies {dict(outcomes)}"
+        assert all(worker.poll() is None for worker in workers), summary
+        assert sum(outcomes.values()) >= MIN_BODIES, summary
+        problems = overlaps(per_lock)
+        assert not problems, f"{len(problems)} problems, first: {problems[:5]}; {summary}"
+        # A hold of a killed or frozen process is freed by its worker or expires.
+        wait_for(lambda: not lock_keys(lock_store), soak_app.TTL + 5, f"locks freed ({summary})")
+        keys = list(lock_store.scan_iter("*"))
+        assert keys, summary
+        assert all(lock_store.pttl(key) > 0 for key in keys), summary
+        print(summary)  # shown with -s or -rP
+    except BaseException:
+        for worker_log in logs:
+            print(f"--- {worker_log.name}\n{tail(worker_log)}", file=sys.stderr)
+        raise
+    finally:
+        stop.set()
+        if injector.is_alive():
+            injector.join()
+        proxy.heal()
+        for worker in workers:
+            try:
+                os.killpg(worker.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            worker.wait(10)
+        for client in (queue, log, lock_store):
+            client.close()
+        close_app(soak_app.app)
+        sys.modules.pop("tests.soak_app", None)
+        for name in urls:
+            os.environ.pop(name, None)
