@@ -34,11 +34,15 @@ from tests.support import close_app, lock_keys, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # The pool processes are found in /proc.
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only"),
+]
 
 #: Seconds of sends and faults.
 SOAK_SECONDS = 30.0
-#: Pools and their concurrency.
+#: Pools and their concurrency (the prefork one first: its pool processes are faulted).
 POOLS = (("prefork", 2), ("threads", 2), ("solo", 1))
 #: Seconds between two faults (at random in this range).
 FAULT_GAP = (0.3, 2.0)
@@ -95,7 +99,7 @@ def inject_fault(
 ) -> str:
     """Inject one fault at random, wait for it to end, and return its name."""
     worker = rng.choice(workers)
-    children = pool_children(workers[0])
+    children = pool_children(workers[0])  # the prefork worker's
     freeze = rng.uniform(0.5, LONGEST_FREEZE)
     fault = rng.choice(
         [
