@@ -50,6 +50,11 @@ app.conf.update(
     worker_hijack_root_logger=False,
     result_expires=None,
 )
+if os.environ.get("REDISLOCK_SOAK_VISIBILITY_TIMEOUT"):
+    # Whole workers are killed: what they had taken comes back after this long.
+    app.conf.broker_transport_options = {
+        "visibility_timeout": float(os.environ["REDISLOCK_SOAK_VISIBILITY_TIMEOUT"])
+    }
 log_store = redis.Redis.from_url(
     os.environ.get("REDISLOCK_SOAK_LOG", "redis://127.0.0.1:6379/2"), socket_timeout=10
 )
