@@ -117,10 +117,11 @@ def skip(self: Any, key: str, index: int, seconds: float) -> str:
 
 @app.task(
     base=SingletonTask, bind=True, shared=False, name="soak.retry",
-    lock_ttl=TTL, lock_on=("key",), on_conflict="retry", lock_retry_delay=0.2, max_retries=200,
+    lock_ttl=TTL, lock_on=("key",), on_conflict="retry", lock_retry_delay=0.1, max_retries=6,
 )  # fmt: skip
 def retry(self: Any, key: str, index: int, seconds: float) -> str:
-    """Retried later when its lock is held."""
+    """Retried later when its lock is held (6 times at most: countdowns of 0.1 s
+    doubling each time, so the last is 10 s at most)."""
     return body(self, "retry", key, seconds)
 
 
