@@ -3,11 +3,12 @@
 A prefork, a threads and a solo worker run the tasks of :mod:`tests.soak_app`
 (``wait``, ``skip``, ``retry`` and an ``until_executed`` one with ``acks_late``)
 on four keys, sent at random, while the test kills and freezes pool processes,
-freezes whole workers, and resets, cuts, slows and drops the replies of their
-connections to the lock store, or freezes the store itself. Afterwards: no two
-bodies of one lock ran at once unless the older one was told it had lost its
-lock; no write the fence refused came right after a check that passed;
-every message was taken; no lock is left held; every key has an expiry.
+freezes whole workers, resets, cuts, slows and drops the replies of their
+connections to the lock store, and freezes the store or restarts it (with its
+data). Afterwards: no two bodies of one lock ran at once unless the older one was
+told it had lost its lock; no write the fence refused came right after a check
+that passed; every message was taken; no lock is left held; every key has an
+expiry.
 
 ``REDISLOCK_SOAK_SECONDS`` makes the soak longer, and
 ``REDISLOCK_SOAK_KILL_WORKERS=1`` kills (and starts again) whole workers too.
@@ -127,6 +128,7 @@ def inject_fault(
             "drop_replies",
             "slow",
             "stall_store",
+            "restart_store",
             *(["kill_worker"] if KILL_WORKERS else []),
         ]
     )
@@ -163,6 +165,9 @@ def inject_fault(
         proxy.set_latency(rng.uniform(0.05, 0.4))
         time.sleep(rng.uniform(0.5, 2.0))
         proxy.set_latency(0.0)
+    elif fault == "restart_store":
+        # Stopped (SIGTERM) and started again on the same port, with its data.
+        store.restart()
     else:
         with store.paused():
             time.sleep(rng.uniform(0.3, 2.5))
@@ -222,10 +227,15 @@ def tail(path: Path, size: int = 3000) -> str:
 
 @pytest.fixture
 def soak_servers(
-    redislock_server_factory: Callable[..., RedisServer],
+    redislock_server_factory: Callable[..., RedisServer], tmp_path: Path
 ) -> Iterator[tuple[RedisServer, RedisServer, FaultProxy]]:
-    """The broker's server (also the logs'), the lock store, and a proxy before it."""
-    broker, store = redislock_server_factory(), redislock_server_factory()
+    """The broker's server (also the logs'), the lock store (which keeps its data
+    across a restart: every write is in its append-only file before it answers),
+    and a proxy before it."""
+    data = tmp_path / "store"
+    data.mkdir()
+    persistent = ("--appendonly", "yes", "--appendfsync", "always", "--dir", str(data))
+    broker, store = redislock_server_factory(), redislock_server_factory(extra_args=persistent)
     with FaultProxy(store.host, store.port) as proxy:
         yield broker, store, proxy
 
@@ -233,7 +243,7 @@ def soak_servers(
 def test_real_workers_under_injected_faults_never_run_one_lock_twice_at_once(
     soak_servers: tuple[RedisServer, RedisServer, FaultProxy], tmp_path: Path
 ) -> None:
-    """Under kills, freezes, resets, cuts, lost replies and a frozen store, no lock
+    """Under kills, freezes, resets, cuts, lost replies, a frozen or restarted store, no lock
     runs two bodies at once unless the older was told it lost the lock, every
     message is taken, and nothing is left held."""
     broker, store, proxy = soak_servers
