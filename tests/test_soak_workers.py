@@ -104,6 +104,16 @@ def pool_children(worker: subprocess.Popen[bytes]) -> list[int]:
         return []
 
 
+def send_signal(send: Callable[[int, int], None], pid: int, signum: int) -> bool:
+    """``send(pid, signum)`` (``os.kill`` or ``os.killpg``); ``False`` if the process
+    has gone: a pool process listed before its worker reaped it."""
+    try:
+        send(pid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def inject_fault(
     rng: random.Random,
     workers: list[subprocess.Popen[bytes]],
@@ -135,22 +145,24 @@ def inject_fault(
     if fault in ("kill_child", "stop_child") and not children:
         fault = "stop_worker"
     if fault == "kill_child":
-        victim = rng.choice(children)
-        killed[victim] = time.time()
-        os.kill(victim, signal.SIGKILL)
+        victim, at = rng.choice(children), time.time()
+        if send_signal(os.kill, victim, signal.SIGKILL):
+            # (A process killed before, not reaped yet, died then.)
+            killed.setdefault(victim, at)
     elif fault == "stop_child":
         victim = rng.choice(children)
-        os.kill(victim, signal.SIGSTOP)
+        send_signal(os.kill, victim, signal.SIGSTOP)
         time.sleep(freeze)
-        os.kill(victim, signal.SIGCONT)
+        send_signal(os.kill, victim, signal.SIGCONT)
     elif fault == "stop_worker":
-        os.killpg(worker.pid, signal.SIGSTOP)
+        send_signal(os.killpg, worker.pid, signal.SIGSTOP)
         time.sleep(freeze)
-        os.killpg(worker.pid, signal.SIGCONT)
+        send_signal(os.killpg, worker.pid, signal.SIGCONT)
     elif fault == "kill_worker":
-        for pid in (worker.pid, *pool_children(worker)):
-            killed[pid] = time.time()
-        os.killpg(worker.pid, signal.SIGKILL)
+        pids, at = (worker.pid, *pool_children(worker)), time.time()
+        send_signal(os.killpg, worker.pid, signal.SIGKILL)
+        for pid in pids:
+            killed.setdefault(pid, at)
         worker.wait(10)
         restart(index)
     elif fault == "reset":
@@ -305,10 +317,9 @@ def test_real_workers_under_injected_faults_never_run_one_lock_twice_at_once(
             time.sleep(sends.uniform(0.02, 0.2))
         stop.set()
         injector.join()
-        assert not injector_errors, injector_errors
-        proxy.heal()
-
         summary = f"seed {seed}: {sent} sent ({refused_sends} refused), faults {dict(faults)}"
+        assert not injector_errors, f"{injector_errors}; {summary}"
+        proxy.heal()
         # The backlog left when the sends stop takes as long as it takes: the wait
         # gives up only once nothing has moved for a while.
         last, moved = None, time.monotonic()
