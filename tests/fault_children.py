@@ -35,13 +35,14 @@ from celery_redislock.scripts import FENCE_FIELD, LAYOUT
 # FENCED_WRITE reads the fence as the second field of a lock's value.
 assert LAYOUT.index(FENCE_FIELD) == 1
 
-#: KEYS[1] highest token seen; KEYS[2] the attempt log; KEYS[3] the writer's lock key.
+#: KEYS[1] highest token seen; KEYS[2] the attempt log; KEYS[3] (optional) the writer's
+#: lock key, on the same server (without it, no attempt is logged as current).
 #: ARGV[1] the writer's token; ARGV[2] the writer's label. Returns 1 if accepted.
 FENCED_WRITE = """
 local top = redis.call('GET', KEYS[1])
 local token = tonumber(ARGV[1])
 local accepted = (not top) or token >= tonumber(top)
-local lock = redis.call('GET', KEYS[3])
+local lock = KEYS[3] and redis.call('GET', KEYS[3])
 local holder = lock and string.match(lock, '^[^\\31]*\\31([^\\31]*)')
 local current = holder ~= nil and holder ~= false and tonumber(holder) == token
 if accepted then
@@ -63,15 +64,17 @@ SOAK_STOP = "soak:stop"
 
 
 def fenced_write(
-    client: redis.Redis, resource: str, token: int | None, writer: str, lock_key: str
+    client: redis.Redis, resource: str, token: int | None, writer: str, lock_key: str | None
 ) -> bool:
-    """Write to ``resource`` with fencing ``token``; return whether the write was accepted."""
+    """Write to ``resource`` with fencing ``token``; return whether the write was accepted.
+
+    ``lock_key``: the writer's lock, if it is on ``client``'s server (each attempt
+    is logged with whether that lock's token still was the writer's), else ``None``.
+    """
     if token is None:
         raise ValueError("a fenced write needs a token")
-    reply = client.eval(
-        FENCED_WRITE, 3, f"{resource}:top", f"{resource}:log", lock_key, token, writer
-    )
-    return bool(reply)
+    keys = [f"{resource}:top", f"{resource}:log", *([lock_key] if lock_key else [])]
+    return bool(client.eval(FENCED_WRITE, len(keys), *keys, token, writer))
 
 
 def fence_log(client: redis.Redis, resource: str) -> list[dict[str, Any]]:

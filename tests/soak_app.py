@@ -20,6 +20,7 @@ import redis
 from celery import Celery
 
 from celery_redislock import LockLostError, SingletonTask
+from tests.fault_children import fenced_write
 
 #: The lists the bodies log to: ``soak:start`` and ``soak:end``.
 START, END = "soak:start", "soak:end"
@@ -31,14 +32,6 @@ TTL = 2.0
 #: check, is what protects the resource then.
 PAUSE = 0.3
 
-# KEYS[1] the highest token the resource has seen. ARGV[1] the writer's token.
-# Returns 1 when the write is accepted (a token not below the highest), else 0.
-FENCED_WRITE = """
-local top = redis.call('GET', KEYS[1])
-if top and tonumber(ARGV[1]) < tonumber(top) then return 0 end
-redis.call('SET', KEYS[1], ARGV[1])
-return 1
-"""
 
 broker = os.environ.get("REDISLOCK_SOAK_BROKER", "redis://127.0.0.1:6379/1")
 app = Celery("soak", broker=broker, backend=broker, set_as_current=False)
@@ -58,7 +51,6 @@ if os.environ.get("REDISLOCK_SOAK_VISIBILITY_TIMEOUT"):
 log_store = redis.Redis.from_url(
     os.environ.get("REDISLOCK_SOAK_LOG", "redis://127.0.0.1:6379/2"), socket_timeout=10
 )
-fenced_write = log_store.register_script(FENCED_WRITE)
 
 
 def record(where: str, task: Any, **fields: Any) -> None:
@@ -84,7 +76,8 @@ def body(task: Any, kind: str, key: str, seconds: float) -> str:
         except LockLostError:
             outcome = "lost"
             break
-        if not fenced_write(keys=[f"resource:{kind}:{key}"], args=[token]):
+        writer = f"{task.request.id}/{os.getpid()}"
+        if not fenced_write(log_store, f"resource:{kind}:{key}", token, writer, None):
             outcome, gap = "refused", time.monotonic() - checked
             break
         if time.monotonic() >= ends:

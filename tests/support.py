@@ -80,6 +80,12 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
     return predicate()
 
 
+def tail(log: Path, lines: int = 30) -> str:
+    """The end of a child's (or a worker's) output, for failure messages."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
 def wait_for(condition: Callable[[], object], timeout: float = 15.0, what: str = "") -> None:
     """Poll ``condition`` until it is truthy, failing after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

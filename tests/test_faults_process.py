@@ -45,6 +45,7 @@ from tests.support import (
     held,
     lock_keys,
     queue_entries,
+    tail,
     wait_for,
 )
 
@@ -95,12 +96,6 @@ def exit_code(process: Process, timeout: float) -> int | None:
         return process.wait(timeout)
     except subprocess.TimeoutExpired:
         return None
-
-
-def tail(log: Path, lines: int = 30) -> str:
-    """The end of a child's output, for failure messages."""
-    text = log.read_text(errors="replace") if log.exists() else ""
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def entries(client: redis.Redis, key: str) -> list[dict[str, Any]]:

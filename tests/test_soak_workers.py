@@ -34,7 +34,7 @@ import redis
 
 from celery_redislock.server import RedisServer
 from tests.proxy import FaultProxy
-from tests.support import close_app, lock_keys, wait_for
+from tests.support import close_app, lock_keys, tail, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -230,11 +230,6 @@ def overlaps(per_lock: dict[str, list[Body]]) -> list[str]:
                 if older.outcome not in ("lost", "refused") and not older.lost:
                     problems.append(f"{lock}: {first} and {second} ran at once")
     return problems
-
-
-def tail(path: Path, size: int = 3000) -> str:
-    """The end of a worker's log."""
-    return path.read_bytes()[-size:].decode(errors="replace")
 
 
 @pytest.fixture
