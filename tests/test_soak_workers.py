@@ -4,11 +4,14 @@ A prefork, a threads and a solo worker run the tasks of :mod:`tests.soak_app`
 (``wait``, ``skip``, ``retry`` and an ``until_executed`` one with ``acks_late``)
 on four keys, sent at random, while the test kills and freezes pool processes,
 freezes whole workers, resets, cuts, slows and drops the replies of their
-connections to the lock store, and freezes the store or restarts it (with its
-data). Afterwards: no two bodies of one lock ran at once unless the older one was
-told it had lost its lock; no write the fence refused came right after a check
-that passed; every message was taken; no lock is left held; every key has an
-expiry.
+connections to the lock store, and freezes the store, restarts it (with its
+data), kills it and starts it again (with its data, as after a crash), or wipes
+it (killed and started again without its data). Afterwards: no two bodies of one
+lock ran at once unless the older one was told it had lost its lock, or the
+store lost its data between their starts (then the later one's fencing token is
+higher); no write the fence refused came right after a check that passed, unless
+the store lost its data in between; every message was taken; no lock is left
+held; every key has an expiry.
 
 ``REDISLOCK_SOAK_SECONDS`` makes the soak longer, and
 ``REDISLOCK_SOAK_KILL_WORKERS=1`` kills (and starts again) whole workers too.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,12 +118,21 @@ def send_signal(send: Callable[[int, int], None], pid: int, signum: int) -> bool
     return True
 
 
+class Store(NamedTuple):
+    """The lock store: its server, the directory of its data, and when it lost its
+    data (``time.time()`` as it was killed, each time it was wiped)."""
+
+    server: RedisServer
+    data: Path
+    wiped: list[float]
+
+
 def inject_fault(
     rng: random.Random,
     workers: list[subprocess.Popen[bytes]],
     restart: Callable[[int], None],
     proxy: FaultProxy,
-    store: RedisServer,
+    store: Store,
     killed: dict[int, float],
 ) -> str:
     """Inject one fault at random, wait for it to end, and return its name
@@ -139,6 +152,8 @@ def inject_fault(
             "slow",
             "stall_store",
             "restart_store",
+            "crash_store",
+            "wipe_store",
             *(["kill_worker"] if KILL_WORKERS else []),
         ]
     )
@@ -179,9 +194,20 @@ def inject_fault(
         proxy.set_latency(0.0)
     elif fault == "restart_store":
         # Stopped (SIGTERM) and started again on the same port, with its data.
-        store.restart()
+        store.server.restart()
+    elif fault == "crash_store":
+        # Killed (SIGKILL) and started again: what it answered is on disk.
+        store.server.kill()
+        store.server.restart()
+    elif fault == "wipe_store":
+        # Killed and started again without its data: every lock is gone.
+        store.wiped.append(time.time())
+        store.server.kill()
+        for path in store.data.iterdir():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        store.server.restart()
     else:
-        with store.paused():
+        with store.server.paused():
             time.sleep(rng.uniform(0.3, 2.5))
     return fault
 
@@ -212,46 +238,68 @@ def bodies(log: redis.Redis, killed: dict[int, float]) -> tuple[dict[str, list[B
     return per_lock, open_ended
 
 
-def overlaps(per_lock: dict[str, list[Body]]) -> list[str]:
+def overlaps(per_lock: dict[str, list[Body]], wiped: list[float]) -> tuple[list[str], int]:
     """Bodies of one lock that ran at once while the older one was told nothing of
-    a loss, and writes the fence refused right after a check that passed."""
+    a loss, and writes the fence refused right after a check that passed; and how
+    many pairs of bodies ran at once across a wipe of the store.
+
+    The store losing its data (at the times in ``wiped``) frees every lock: a
+    holder learns of it only at its next renewal, so a body that began before
+    and one that began after may run at once, and the older's check may pass
+    just before the newer writes. Such a pair is no problem if the newer has
+    the higher fencing token: then the fence refuses what the older writes
+    after it."""
     from tests.soak_app import PAUSE
 
+    def wiped_between(start: float, end: float) -> bool:
+        return any(start < at <= end for at in wiped)
+
     problems = []
+    across = 0
     for lock, runs in per_lock.items():
         runs.sort()
         for i, first in enumerate(runs):
-            if first.outcome == "refused" and first.gap < PAUSE:
+            if (
+                first.outcome == "refused"
+                and first.gap < PAUSE
+                and not wiped_between(first.began, first.ended)
+            ):
                 problems.append(f"{lock}: {first} wrote {first.gap:.3f} s after its check passed")
             for second in runs[i + 1 :]:
                 if second.began >= first.ended:
                     break
+                if wiped_between(first.began, second.began):
+                    across += 1
+                    if second.token <= first.token:
+                        problems.append(f"{lock}: {second} began after a wipe, below {first}")
+                    continue
                 older = min(first, second, key=lambda body: body.token)
                 if older.outcome not in ("lost", "refused") and not older.lost:
                     problems.append(f"{lock}: {first} and {second} ran at once")
-    return problems
+    return problems, across
 
 
 @pytest.fixture
 def soak_servers(
     redislock_server_factory: Callable[..., RedisServer], tmp_path: Path
-) -> Iterator[tuple[RedisServer, RedisServer, FaultProxy]]:
+) -> Iterator[tuple[RedisServer, Store, FaultProxy]]:
     """The broker's server (also the logs'), the lock store (which keeps its data
-    across a restart: every write is in its append-only file before it answers),
-    and a proxy before it."""
+    across a restart or a crash: every write is in its append-only file before it
+    answers), and a proxy before it."""
     data = tmp_path / "store"
     data.mkdir()
     persistent = ("--appendonly", "yes", "--appendfsync", "always", "--dir", str(data))
     broker, store = redislock_server_factory(), redislock_server_factory(extra_args=persistent)
     with FaultProxy(store.host, store.port) as proxy:
-        yield broker, store, proxy
+        yield broker, Store(store, data, []), proxy
 
 
 def test_real_workers_under_injected_faults_never_run_one_lock_twice_at_once(
-    soak_servers: tuple[RedisServer, RedisServer, FaultProxy], tmp_path: Path
+    soak_servers: tuple[RedisServer, Store, FaultProxy], tmp_path: Path
 ) -> None:
-    """Under kills, freezes, resets, cuts, lost replies, a frozen or restarted store, no lock
-    runs two bodies at once unless the older was told it lost the lock, every
+    """Under kills, freezes, resets, cuts, lost replies, a frozen, restarted, crashed or
+    wiped store, no lock runs two bodies at once unless the older was told it lost
+    the lock (or the store lost its data, and the newer's token is higher), every
     message is taken, and nothing is left held."""
     broker, store, proxy = soak_servers
     seed = random.randrange(2**32)
@@ -260,7 +308,7 @@ def test_real_workers_under_injected_faults_never_run_one_lock_twice_at_once(
     urls = {
         "REDISLOCK_SOAK_BROKER": broker.url_for(db=1),
         "REDISLOCK_SOAK_LOG": broker.url_for(db=2),
-        "REDISLOCK_SOAK_LOCK": store.url,
+        "REDISLOCK_SOAK_LOCK": store.server.url,
     }
     # The test sends (and an until_executed send reserves) on the store directly;
     # the workers reach it through the proxy.
@@ -276,7 +324,7 @@ def test_real_workers_under_injected_faults_never_run_one_lock_twice_at_once(
     workers = [start_worker(env, pool, n, log) for (pool, n), log in zip(POOLS, logs, strict=True)]
     queue = redis.Redis.from_url(urls["REDISLOCK_SOAK_BROKER"])
     log = redis.Redis.from_url(urls["REDISLOCK_SOAK_LOG"])
-    lock_store = store.client()
+    lock_store = store.server.client()
     killed: dict[int, float] = {}
     faults: Counter[str] = Counter()
     stop = threading.Event()
@@ -338,7 +386,8 @@ def test_real_workers_under_injected_faults_never_run_one_lock_twice_at_once(
         summary += f", bodies {dict(outcomes)}"
         assert all(worker.poll() is None for worker in workers), summary
         assert sum(outcomes.values()) >= MIN_BODIES, summary
-        problems = overlaps(per_lock)
+        problems, across = overlaps(per_lock, store.wiped)
+        summary += f", {across} pairs at once across a wipe"
         assert not problems, f"{len(problems)} problems, first: {problems[:5]}; {summary}"
         # A hold of a killed or frozen process is freed by its worker or expires.
         wait_for(lambda: not lock_keys(lock_store), soak_app.TTL + 5, f"locks freed ({summary})")
