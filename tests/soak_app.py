@@ -3,7 +3,8 @@ fenced resource while :mod:`tests.test_soak_workers` injects faults.
 
 The broker and the log are on one server (``REDISLOCK_SOAK_BROKER``,
 ``REDISLOCK_SOAK_LOG``), the locks on another (``REDISLOCK_SOAK_LOCK``, which the
-workers reach through a fault proxy). Every body logs when it starts (with its
+workers reach through a fault proxy), or on a primary its Sentinels name
+``REDISLOCK_SOAK_LOCK_MASTER``. Every body logs when it starts (with its
 fencing token) and when it ends (with what it was told of its lock), so the test
 can check afterwards that no two bodies of one lock ran at once unless the older
 was told it had lost its lock.
@@ -43,6 +44,9 @@ app.conf.update(
     worker_hijack_root_logger=False,
     result_expires=None,
 )
+if os.environ.get("REDISLOCK_SOAK_LOCK_MASTER"):
+    # The lock store is a Sentinel-managed primary (REDISLOCK_SOAK_LOCK: sentinel://...).
+    app.conf.redislock_transport_options = {"master_name": os.environ["REDISLOCK_SOAK_LOCK_MASTER"]}
 if os.environ.get("REDISLOCK_SOAK_VISIBILITY_TIMEOUT"):
     # Whole workers are killed: what they had taken comes back after this long.
     app.conf.broker_transport_options = {

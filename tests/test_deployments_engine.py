@@ -1553,6 +1553,11 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
       ``min-replicas-to-write``) and then took from the heartbeat, which retried it
       in the background; and so is one by a client that makes no request after it
       (an idle process), whose heartbeat asks the Sentinels meanwhile;
+    * a message's reservation that an execution took over on the old primary,
+      and released there, is freed on the new primary too, where the take-over
+      never came: not left there for ``lock_enqueue_ttl``; so is one made on the
+      new primary (by a producer that asked the Sentinels) whose execution found
+      the lock held by another on the old one;
     * a lock released and taken again on the old primary (a new fencing token)
       is not renewed on the new one, whose copy is of the hold released: it is
       found lost as the switch is learnt (not renewed there and freed by the
@@ -1592,6 +1597,15 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
     assert reserved.acquire(blocking=False)
     leased = RedisLock(client, "manual-failover:lease", ttl=60, lease="lease-task", heartbeat=False)
     assert leased.acquire(blocking=False)
+    sent = RedisLock(
+        client,
+        "manual-failover:taken-over",
+        ttl=60,
+        owner=queued_owner("sent-task"),
+        lease="sent-task",
+        heartbeat=False,
+    )
+    assert sent.acquire(blocking=False)
     idle = RedisLock(idle_client, "manual-failover:idle", ttl=60, heartbeat=False)
     assert idle.acquire(blocking=False)
     retried = RedisLock(client, "manual-failover:retried", ttl=60, heartbeat=False)
@@ -1599,7 +1613,7 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
     # Every hold replicated before the failover (a WAIT of another connection
     # does not wait for these clients' writes).
     replica = deployment.replicas()[0].client()
-    for lock in (released, again, anew, kept, reserved, leased, idle, retried):
+    for lock in (released, again, anew, kept, reserved, leased, idle, retried, sent):
 
         def replicated(lock: RedisLock = lock) -> bool:
             return fields(replica, lock.key).get(OWNER_FIELD) == lock.owner
@@ -1626,7 +1640,7 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
                 what="the Sentinels to announce the switch",
             )
             new_admin = new.client()
-            for lock in (released, again, anew, kept, reserved, leased, idle, retried):
+            for lock in (released, again, anew, kept, reserved, leased, idle, retried, sent):
                 assert fields(new_admin, lock.key).get(OWNER_FIELD) == lock.owner
             # The switch not learnt yet: all go to the old primary.
             assert inner.acquire(blocking=False)
@@ -1663,8 +1677,35 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
             assert early.acquire(blocking=False)
             outcomes: list[object] = []
             released.release(wait=False, then=outcomes.append)
+            # An until_* execution: it takes the message's reservation over.
+            execution = RedisLock(client, sent.name, ttl=60, lease="sent-task", heartbeat=False)
+            execution._reserved_by = (sent.owner, sent.token)
+            assert execution.acquire(blocking=False)
+            execution.release(wait=False, then=outcomes.append)
             transport.drain(Deadline.after(5))
-            assert outcomes == ["released"]
+            assert outcomes == ["released", "released"]
+            assert OWNER_FIELD not in fields(old_admin, sent.key)
+            assert fields(new_admin, sent.key).get(OWNER_FIELD) == sent.owner
+            # Sent by a producer that asks the Sentinels (the new primary); its
+            # execution asks the old one, where another holds the lock.
+            other_sent = RedisLock(
+                rival_client,
+                "manual-failover:other-holds",
+                ttl=60,
+                owner=queued_owner("other-task"),
+                lease="other-task",
+                heartbeat=False,
+            )
+            assert other_sent.acquire(blocking=False)
+            holder = RedisLock(client, other_sent.name, ttl=60, heartbeat=False)
+            locks.append(holder)
+            assert holder.acquire(blocking=False)
+            refused = RedisLock(client, other_sent.name, ttl=60, lease="other-task")
+            refused._reserved_by = (other_sent.owner, other_sent.token)
+            asked = time.monotonic()
+            assert not refused.acquire(blocking=False)
+            refused._free_reservation(asked, at_once=True)  # as the task does
+            assert fields(new_admin, other_sent.key).get(OWNER_FIELD) == other_sent.owner
             assert fields(old_admin, early.key).get(OWNER_FIELD) == early.owner
             assert OWNER_FIELD not in fields(old_admin, released.key)
             assert fields(new_admin, released.key).get(OWNER_FIELD) == released.owner
@@ -1692,7 +1733,7 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
             # Sent again with the others (after inner's release, had it been).
             assert fields(new_admin, kept.key).get(OWNER_FIELD) == kept.owner
             assert not kept.lost
-            for key in (reserved.key, leased.key, idle.key, retried.key):
+            for key in (reserved.key, leased.key, idle.key, retried.key, sent.key, other_sent.key):
 
                 def freed(key: str = key) -> bool:
                     return OWNER_FIELD not in fields(new_admin, key)

@@ -176,6 +176,68 @@ def test_a_reservation_of_the_message_is_taken_over_at_once(
     assert not reserved.owned()
 
 
+@pytest.mark.parametrize("found", ["the reservation", "one made again"])
+def test_a_reservation_found_in_place_of_its_executions_hold_is_freed_as_it_ends(
+    app: Celery, redislock_client: redis.Redis, found: str
+) -> None:
+    """An ``until_executed`` execution takes its message's reservation over, and the
+    store then loses the take-over, as the replica a failover promotes does when the
+    take-over had not reached it: here the body puts the reservation back. As the
+    execution ends, its release finds the reservation in place of its hold (the
+    lock lost): it frees it, rather than leave it for ``lock_enqueue_ttl`` with
+    every send of the call meanwhile returning this task's result. Only that
+    reservation, tied to the fencing token the send gave it: one of the same owner
+    token made again since, with another token, stays."""
+    released: list[tuple[str, str]] = []
+    runs: list[str] = []
+    dumped: list[bytes] = []
+
+    def receive(sender: Any, task_id: str, outcome: str, **_: Any) -> None:
+        released.append((task_id, outcome))
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lock_strategy="until_executed")
+    def job(self: SingletonTask) -> str:
+        runs.append(self.request.id)
+        key, owner = lock_keys(self.lock.name).lock, queued_owner(self.request.id)
+        if len(runs) > 1:
+            return "again"
+        if found == "the reservation":
+            redislock_client.restore(key, 30_000, dumped[0], replace=True)
+        else:
+            redislock_client.delete(key)
+            lease = self.request.id
+            again = RedisLock(redislock_client, self.lock.name, ttl=30, owner=owner, lease=lease)
+            assert again.acquire(blocking=False)
+        assert field(redislock_client, key, OWNER_FIELD) == owner
+        return "first"
+
+    key = lock_keys(job.lock_name((), {})).lock
+    signals.lock_released.connect(receive, weak=False)
+    try:
+        first = job.delay()
+        reservation = redislock_client.dump(key)
+        assert isinstance(reservation, bytes)
+        dumped.append(reservation)
+        with in_process_worker(app):
+            assert first.get(timeout=15) == "first"
+            wait_for(lambda: (first.id, "lost") in released, what="the release to find it lost")
+
+            def freeing() -> list[Any]:
+                """The reservation's free, while it waits to be sent."""
+                lanes = get_heartbeat()._lanes.values()
+                owner = queued_owner(first.id)
+                return [p for lane in lanes for p in lane.pending if owner in p.call.args]
+
+            wait_for(lambda: not freeing(), what="the reservation's free to land")
+            if found == "the reservation":
+                assert field(redislock_client, key, OWNER_FIELD) is None
+                assert job.delay().get(timeout=15) == "again"
+            else:
+                assert field(redislock_client, key, OWNER_FIELD) == queued_owner(first.id)
+    finally:
+        signals.lock_released.disconnect(receive)
+
+
 def test_a_send_with_the_id_of_a_running_until_executed_task_publishes_nothing(
     app: Celery, redislock_client: redis.Redis
 ) -> None:

@@ -596,6 +596,10 @@ class RedisLock:
     # Whether the next acquire only moves the hold ``_handed_from`` names, and
     # takes nothing if that hold has gone (see scripts.ACQUIRE, ARGV[10]).
     _move_only = False
+    # The owner token and fencing token (None: not known) of the message's
+    # reservation this lock's acquire takes over, if any (an ``until_*`` task's
+    # execution): see _free_reservation().
+    _reserved_by: tuple[str, int | None] | None = None
     # The ids of this object's last waiters that gave up (at most GONE_WAITERS,
     # space-separated): a queue entry of theirs may outlive them, and a hold a
     # release hands to one is nobody's, which the next acquire takes anew rather
@@ -1079,9 +1083,11 @@ class RedisLock:
         """The RELEASE script call of this lock with these ARGV."""
         return Call(RELEASE_SCRIPT, (self.key, self.queue_key), args)
 
-    def _free_later(self, until: float, what: str, fence: int | None = None) -> None:
-        """Free the lock in the background, if this owner still holds it, once
-        the store answers: sent until it lands or ``until``. Never another
+    def _free_later(
+        self, until: float, what: str, fence: int | None = None, owner: str | None = None
+    ) -> None:
+        """Free the lock in the background, if this owner (or ``owner``) still holds
+        it, once the store answers: sent until it lands or ``until``. Never another
         owner's hold. Tied to the hold's fencing token (this object's, or
         ``fence`` for a hold it never took, such as a message's reservation),
         it never frees a later hold of the same owner token either, and the next
@@ -1089,13 +1095,55 @@ class RedisLock:
         :data:`_frees_pending`). With neither known, it goes by the owner token
         alone."""
         token = self.token if fence is None else fence
-        args = (
-            self.owner, self.wake_prefix, request_id(), FENCE_TTL_MS, "",
-            "" if token is None else token, "",
-        )  # fmt: skip
-        call = self._release_call(args)
+        call = self._free_call(self.owner if owner is None else owner, token)
         then = None if token is None else _pend_free(self._router, self.key, (call, until))
         self._beat().retry_in_background(self, call, until, what, quiet=True, then=then)
+
+    def _free_call(self, owner: str, fence: int | None) -> Call:
+        """The RELEASE call that frees the hold of ``owner`` (tied to ``fence``, if
+        known) whatever its count, remembered by no earlier release."""
+        args = (
+            owner,
+            self.wake_prefix,
+            request_id(),
+            FENCE_TTL_MS,
+            "",
+            "" if fence is None else fence,
+            "",
+        )
+        return self._release_call(args)
+
+    def _free_reservation(self, written_at: float, at_once: bool) -> None:
+        """Free the reservation of the message this lock's execution runs
+        (:attr:`_reserved_by`): its acquire, written at ``written_at``, took it
+        over, or found the lock held by another, and the execution ends.
+
+        Where a failover promotes a replica that the take-over had not reached
+        (the old primary took it, or the release too, after the promotion, or had
+        not passed it on), or the send made the reservation on the new primary
+        while the execution asked the old one (which may take writes until the
+        Sentinels demote it), the reservation is left there, and nobody else
+        frees it: for ``lock_enqueue_ttl``, every send of the same call would
+        be deduplicated to a task that has ended. With ``at_once`` (its release
+        found the hold gone, or its acquire another's hold), it is freed in the
+        background at once; and on a Sentinel-managed primary it is freed again
+        on the new one, should the transport learn within ``SWITCH_RESEND`` of
+        ``written_at`` that the Sentinels had replaced the primary. Only that
+        reservation goes, by its owner token and (if known) its fencing token:
+        a hold another execution took over stays, and where there is none it
+        changes nothing."""
+        reserved = self._reserved_by
+        if reserved is None:
+            return
+        owner, fence = reserved
+        what = f"freeing lock {self.name!r} reserved by {owner!r}, whose execution has ended"
+        until = written_at + SWITCH_RESEND + max(self.call_timeout, MIN_CALL)
+        if at_once:
+            self._free_later(max(until, time.monotonic() + self.ttl), what, fence, owner)
+        transport = self._router.single
+        if transport is not None and transport.follows_switches:
+            call = self._free_call(owner, fence)
+            _resend_on_switch(self._beat(), transport, written_at, call, until, what)
 
     def _free_ttl_ms(self, now: float) -> int:
         """How long the key outlives a release sent ``now`` (the RELEASE script's
@@ -1172,12 +1220,16 @@ class RedisLock:
                     # hold, of this owner's other object, would drop another).
                     if reply == Released.FREED and transport.follows_switches:
                         self._resend_on_switch(transport, now, resend, until)
+                        if self._reserved_by is not None:
+                            self._free_reservation(now, at_once=False)
                     if then is not None:
                         then("released")
                     return
                 with self._state:
                     if self.token == token:
                         self._lost = True
+                if last and self._reserved_by is not None:
+                    self._free_reservation(now, at_once=True)
                 if then is None:
                     logger.warning(
                         "celery_redislock: lock %s was no longer held when released (it "

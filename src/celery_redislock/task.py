@@ -2005,9 +2005,14 @@ class SingletonTask(Task):  # type: ignore[misc]
             task_id,
             self._holder_text(running=True, request=request),
         )
-        if retries and opts.strategy == UNTIL_EXECUTED:
-            # A retry's delivery: the reservation its sender left is its own.
-            lock._handed_from = queued_owner(task_id, retries)
+        if opts.strategy != WHILE_EXECUTING:
+            # The reservation its send made, which its acquire takes over: freed
+            # should a failover lose the take-over (see RedisLock._free_reservation).
+            reservation = queued_owner(task_id, retries)
+            lock._reserved_by = (reservation, _sent_fence(request))
+            if retries and opts.strategy == UNTIL_EXECUTED:
+                # A retry's delivery: the reservation its sender left is its own.
+                lock._handed_from = reservation
         return lock
 
     def _acquire_ahead(self, message: Any) -> None:
@@ -2167,6 +2172,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                 if waiting or opts.on_redis_error != "run":
                     raise
                 return self._run_unlocked(request, key, task_id, exc, opts, args, kwargs)
+            if not acquired and lock.blocked_by != task_id and lock._reserved_by is not None:
+                # Held by another: its message's reservation, taken over by
+                # nobody, can be left only where a failover split the store.
+                lock._free_reservation(asked, at_once=True)
             if not acquired and lock.blocked_by == task_id:
                 # Another delivery of this very message: whether it is alive decides.
                 outcome = self._redelivered(lock, key, request, opts, waiting)
