@@ -3,8 +3,9 @@ fenced resource while :mod:`tests.test_soak_workers` injects faults.
 
 The broker and the log are on one server (``REDISLOCK_SOAK_BROKER``,
 ``REDISLOCK_SOAK_LOG``), the locks on another (``REDISLOCK_SOAK_LOCK``, which the
-workers reach through a fault proxy), or on a primary its Sentinels name
-``REDISLOCK_SOAK_LOCK_MASTER``. Every body logs when it starts (with its
+workers reach through a fault proxy), on a primary its Sentinels name
+``REDISLOCK_SOAK_LOCK_MASTER``, or on the Redis Cluster of the nodes
+``REDISLOCK_SOAK_LOCK_CLUSTER`` lists. Every body logs when it starts (with its
 fencing token) and when it ends (with what it was told of its lock), so the test
 can check afterwards that no two bodies of one lock ran at once unless the older
 was told it had lost its lock.
@@ -19,6 +20,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from redis.cluster import ClusterNode, RedisCluster
 
 from celery_redislock import LockLostError, SingletonTask
 from tests.fault_children import fenced_write
@@ -44,6 +46,12 @@ app.conf.update(
     worker_hijack_root_logger=False,
     result_expires=None,
 )
+if os.environ.get("REDISLOCK_SOAK_LOCK_CLUSTER"):
+    # The lock store is a Redis Cluster: these nodes' ``host:port``, comma-separated.
+    nodes = [node.rsplit(":", 1) for node in os.environ["REDISLOCK_SOAK_LOCK_CLUSTER"].split(",")]
+    app.conf.redislock_client = lambda: RedisCluster(
+        startup_nodes=[ClusterNode(host, int(port)) for host, port in nodes]  # type: ignore[no-untyped-call,unused-ignore]
+    )
 if os.environ.get("REDISLOCK_SOAK_LOCK_MASTER"):
     # The lock store is a Sentinel-managed primary (REDISLOCK_SOAK_LOCK: sentinel://...).
     app.conf.redislock_transport_options = {"master_name": os.environ["REDISLOCK_SOAK_LOCK_MASTER"]}

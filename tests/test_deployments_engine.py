@@ -1586,26 +1586,19 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
     kept = RedisLock(client, "manual-failover:shared", ttl=60, owner="manual-failover-owner")
     inner = RedisLock(client, kept.name, ttl=60, owner=kept.owner, heartbeat=False)
     assert kept.acquire(blocking=False)
-    reserved = RedisLock(
-        client,
-        "manual-failover:reserved",
-        ttl=60,
-        owner=queued_owner("queued-task"),
-        lease="queued-task",
-        heartbeat=False,
-    )
-    assert reserved.acquire(blocking=False)
+
+    def reservation(client: redis.Redis, name: str, task_id: str) -> RedisLock:
+        """The reservation a send of task ``task_id`` makes, taken."""
+        lock = RedisLock(
+            client, name, ttl=60, owner=queued_owner(task_id), lease=task_id, heartbeat=False
+        )
+        assert lock.acquire(blocking=False)
+        return lock
+
+    reserved = reservation(client, "manual-failover:reserved", "queued-task")
     leased = RedisLock(client, "manual-failover:lease", ttl=60, lease="lease-task", heartbeat=False)
     assert leased.acquire(blocking=False)
-    sent = RedisLock(
-        client,
-        "manual-failover:taken-over",
-        ttl=60,
-        owner=queued_owner("sent-task"),
-        lease="sent-task",
-        heartbeat=False,
-    )
-    assert sent.acquire(blocking=False)
+    sent = reservation(client, "manual-failover:taken-over", "sent-task")
     idle = RedisLock(idle_client, "manual-failover:idle", ttl=60, heartbeat=False)
     assert idle.acquire(blocking=False)
     retried = RedisLock(client, "manual-failover:retried", ttl=60, heartbeat=False)
@@ -1688,15 +1681,7 @@ def test_a_busy_client_follows_an_operators_failover_while_the_old_primary_takes
             assert fields(new_admin, sent.key).get(OWNER_FIELD) == sent.owner
             # Sent by a producer that asks the Sentinels (the new primary); its
             # execution asks the old one, where another holds the lock.
-            other_sent = RedisLock(
-                rival_client,
-                "manual-failover:other-holds",
-                ttl=60,
-                owner=queued_owner("other-task"),
-                lease="other-task",
-                heartbeat=False,
-            )
-            assert other_sent.acquire(blocking=False)
+            other_sent = reservation(rival_client, "manual-failover:other-holds", "other-task")
             holder = RedisLock(client, other_sent.name, ttl=60, heartbeat=False)
             locks.append(holder)
             assert holder.acquire(blocking=False)
