@@ -293,8 +293,9 @@ def fault_cluster(
     """Inject ``fault`` (one of :data:`CLUSTER_FAULTS`) on a primary that has a
     replica in step, wait until the replica has taken its slots over and the
     cluster is whole again, and add that span to ``losses``. A killed primary
-    stays down (its shard has no replica left); a frozen one comes back as the
-    replica of its heir. Without a primary that has a replica left, nothing.
+    stays down (its shard has no replica left), so only the first
+    ``kill_primary`` kills, and the later ones freeze; a frozen primary comes back
+    as the replica of its heir. Without a primary that has a replica left, nothing.
     Returns what it did: ``fault``, or ``no_replica_left``."""
     began = time.time()
     ready = [
@@ -302,6 +303,9 @@ def fault_cluster(
     ]
     if not ready:
         return "no_replica_left"
+    if fault == "kill_primary" and len(ready) < cluster.masters:
+        # One kill a soak: a killed node stays down, its shard without a replica.
+        fault = "stall_primary"
     victim = rng.choice(ready)
     if fault == "kill_primary":
         cluster.kill(victim)

@@ -1103,14 +1103,8 @@ class RedisLock:
         """The RELEASE call that frees the hold of ``owner`` (tied to ``fence``, if
         known) whatever its count, remembered by no earlier release."""
         args = (
-            owner,
-            self.wake_prefix,
-            request_id(),
-            FENCE_TTL_MS,
-            "",
-            "" if fence is None else fence,
-            "",
-        )
+            owner, self.wake_prefix, request_id(), FENCE_TTL_MS, "", "" if fence is None else fence, "",
+        )  # fmt: skip
         return self._release_call(args)
 
     def _free_reservation(self, written_at: float, at_once: bool) -> None:
