@@ -441,6 +441,60 @@ def overlaps(per_lock: dict[str, list[Body]], losses: list[Loss]) -> tuple[list[
     return problems, across
 
 
+def drain(queue: redis.Redis, log: redis.Redis, workers: Workers, summary: str) -> None:
+    """Wait until every message sent is taken and every body that began has ended
+    (or its process was killed). The backlog left when the sends stop takes as long
+    as it takes: the wait fails only once nothing has moved for :data:`STILL`."""
+    from tests.soak_app import END, START
+
+    last, moved = None, time.monotonic()
+    while True:
+        state = (
+            queue.llen("soak"),
+            queue.hlen("unacked"),
+            log.llen(START),
+            log.llen(END),
+            len(bodies(log, workers.killed)[1]),
+        )
+        if state[:2] == (0, 0) and state[4] == 0:
+            return
+        if state != last:
+            last, moved = state, time.monotonic()
+        # (queued, taken and unacknowledged, started, ended, not ended)
+        assert time.monotonic() - moved < STILL, f"stuck at {state}; {summary}"
+        time.sleep(0.2)
+
+
+def left_held(
+    lock_store: redis.Redis,
+    per_lock: dict[str, list[Body]],
+    refused_ids: set[str],
+    workers: Workers,
+) -> list[Any]:
+    """What is known of each lock still held: its value and TTL, whether the send
+    of its lease's message was refused, the bodies that message ran, its result,
+    and every line the workers logged about it."""
+    from tests.soak_app import app
+
+    left: list[Any] = []
+    for key in lock_keys(lock_store):
+        held = fields(lock_store, key)
+        lease = held.get(LEASE_FIELD)
+        ran = [body for runs in per_lock.values() for body in runs if body.task_id == lease]
+        result = app.AsyncResult(lease)
+        told = [
+            line
+            for log_path in workers.logs
+            for line in log_path.read_text(errors="replace").splitlines()
+            if lease and lease in line
+        ]
+        left.append(
+            (key, held, lock_store.pttl(key), f"refused send: {lease in refused_ids}", ran,
+             result.state, repr(result.result), told)
+        )  # fmt: skip
+    return left
+
+
 def soak(
     directory: Path,
     broker: RedisServer,
@@ -520,24 +574,7 @@ def soak(
         injector.join()
         summary = f"seed {seed}: {sent} sent ({len(refused_ids)} refused), faults {dict(faults)}"
         assert not injector_errors, f"{injector_errors}; {summary}"
-        # The backlog left when the sends stop takes as long as it takes: the wait
-        # gives up only once nothing has moved for a while.
-        last, moved = None, time.monotonic()
-        while True:
-            state = (
-                queue.llen("soak"),
-                queue.hlen("unacked"),
-                log.llen(soak_app.START),
-                log.llen(soak_app.END),
-                len(bodies(log, workers.killed)[1]),
-            )
-            if state[:2] == (0, 0) and state[4] == 0:
-                break
-            if state != last:
-                last, moved = state, time.monotonic()
-            # (queued, taken and unacknowledged, started, ended, not ended)
-            assert time.monotonic() - moved < STILL, f"stuck at {state}; {summary}"
-            time.sleep(0.2)
+        drain(queue, log, workers, summary)
         per_lock, _ = bodies(log, workers.killed)
         outcomes = Counter(body.outcome for runs in per_lock.values() for body in runs)
         summary += f", bodies {dict(outcomes)}"
@@ -550,23 +587,7 @@ def soak(
         try:
             wait_for(lambda: not lock_keys(lock_store), soak_app.TTL + 5, "locks freed")
         except AssertionError:
-            left = []
-            for key in lock_keys(lock_store):
-                held = fields(lock_store, key)
-                lease = held.get(LEASE_FIELD)
-                ran = [body for runs in per_lock.values() for body in runs if body.task_id == lease]
-                refused = lease in refused_ids
-                result = soak_app.app.AsyncResult(lease)
-                told = [
-                    line
-                    for log_path in workers.logs
-                    for line in log_path.read_text(errors="replace").splitlines()
-                    if lease and lease in line
-                ]
-                left.append(
-                    (key, held, lock_store.pttl(key), f"refused send: {refused}", ran,
-                     result.state, repr(result.result), told)
-                )  # fmt: skip
+            left = left_held(lock_store, per_lock, refused_ids, workers)
             raise AssertionError(f"locks left held: {left}; losses {losses}; {summary}") from None
         keys = list(lock_store.scan_iter("*"))
         assert keys, summary
