@@ -577,7 +577,8 @@ def soak(
         drain(queue, log, workers, summary)
         per_lock, _ = bodies(log, workers.killed)
         outcomes = Counter(body.outcome for runs in per_lock.values() for body in runs)
-        summary += f", bodies {dict(outcomes)}"
+        kinds = Counter(lock.split(":")[0] for lock, runs in per_lock.items() for _ in runs)
+        summary += f", bodies {dict(outcomes)} ({dict(kinds)})"
         assert all(worker.poll() is None for worker in workers.processes), summary
         assert sum(outcomes.values()) >= MIN_BODIES, summary
         problems, across = overlaps(per_lock, losses)

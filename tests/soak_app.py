@@ -140,4 +140,16 @@ def until(self: Any, key: str, index: int, seconds: float) -> str:
     return body(self, "until", key, seconds)
 
 
-KINDS = (wait, skip, retry, until)
+@app.task(
+    base=SingletonTask, bind=True, shared=False, name="soak.replicated",
+    lock_ttl=TTL, lock_on=("key",), lock_min_replicas=1,
+)  # fmt: skip
+def replicated(self: Any, key: str, index: int, seconds: float) -> str:
+    """Taken only once a replica has its lock (a store with replicas only), skipped
+    when it is held."""
+    return body(self, "replicated", key, seconds)
+
+
+KINDS: tuple[Any, ...] = (wait, skip, retry, until)
+if os.environ.get("REDISLOCK_SOAK_LOCK_MASTER") or os.environ.get("REDISLOCK_SOAK_LOCK_CLUSTER"):
+    KINDS += (replicated,)
