@@ -1119,10 +1119,14 @@ class RedisLock:
         Sentinels demote it), the reservation is left there, and nobody else
         frees it: for ``lock_enqueue_ttl``, every send of the same call would
         be deduplicated to a task that has ended. With ``at_once`` (its release
-        found the hold gone, or its acquire another's hold), it is freed in the
-        background at once; and on a Sentinel-managed primary it is freed again
-        on the new one, should the transport learn within ``SWITCH_RESEND`` of
-        ``written_at`` that the Sentinels had replaced the primary. Only that
+        found the hold gone: on the primary it asks, the reservation may be what
+        is there instead), it is freed in the background at once; and on a
+        Sentinel-managed primary it is freed on the new one, should the transport
+        learn within ``SWITCH_RESEND`` of ``written_at`` that the Sentinels had
+        replaced the primary (an acquire that found another's hold learns nothing
+        from a free sent where it found it, and sends none). A release whose
+        answer is lost, sent again in the background, takes a free of the
+        reservation along (see :meth:`_send_later`). Only that
         reservation goes, by its owner token and (if known) its fencing token:
         a hold another execution took over stays, and where there is none it
         changes nothing."""
@@ -2250,6 +2254,11 @@ class RedisLock:
         # An inner release sent again may find the hold changed since, and then
         # changes nothing: not worth a warning.
         beat.retry_in_background(self, call, until, what, quiet=not last, on_switch=last)
+        if last and self._reserved_by is not None:
+            # Behind it on the same lane, and like it to wherever the key lives
+            # by then: should it find the reservation in place of its hold.
+            owner, fence = self._reserved_by
+            self._free_later(until, f"{what} reserved by {owner!r}", fence, owner)
         if not last:
             with self._state:
                 self._behind = (*self._behind, (call, until))

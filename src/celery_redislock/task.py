@@ -2174,8 +2174,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                 return self._run_unlocked(request, key, task_id, exc, opts, args, kwargs)
             if not acquired and lock.blocked_by != task_id and lock._reserved_by is not None:
                 # Held by another: its message's reservation, taken over by
-                # nobody, can be left only where a failover split the store.
-                lock._free_reservation(asked, at_once=True)
+                # nobody, can be left only on a primary promoted meanwhile.
+                lock._free_reservation(asked, at_once=False)
             if not acquired and lock.blocked_by == task_id:
                 # Another delivery of this very message: whether it is alive decides.
                 outcome = self._redelivered(lock, key, request, opts, waiting)
