@@ -924,7 +924,13 @@ def test_cluster_release_retried_in_the_background_follows_a_failover(
     (which raises). Once the replica is promoted they
     follow the keys to it and free both locks there, long before their TTL (60 s)
     runs out: they are not retried against the dead node until they give up. So
-    does one sent as the process exits (its flush), after the failover."""
+    does one sent as the process exits (its flush), after the failover.
+
+    A third is an ``until_executed`` execution's, which took its message's
+    reservation over; the store then lost the take-over (as a replica that it had
+    not reached would: here the reservation is put back, and replicated). Its
+    release, retried, finds the reservation there instead of its hold, and the
+    reservation's free, sent behind it, frees it too."""
     cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
     client = cluster.client()
     try:
@@ -933,7 +939,20 @@ def test_cluster_release_retried_in_the_background_follows_a_failover(
         waited, unwaited = (RedisLock(client, name, ttl=60, call_timeout=0.5) for name in names)
         for lock in (waited, unwaited):
             assert lock.acquire(blocking=False)
+        [name, _] = _names_on(cluster, client, victim, "cluster-dead-reserved")
+        task_id = f"id-{uuid.uuid4().hex}"
+        reservation = RedisLock(
+            client, name, ttl=60, owner=queued_owner(task_id), lease=task_id, heartbeat=False
+        )
+        assert reservation.acquire(blocking=False)
+        reserved = client.dump(reservation.key)
+        assert isinstance(reserved, bytes)
+        executed = RedisLock(client, name, ttl=60, lease=task_id, call_timeout=0.5)
+        executed._reserved_by = (reservation.owner, reservation.token)
+        assert executed.acquire(blocking=False)
         direct = victim.client()
+        assert fields(direct, executed.key)[OWNER_FIELD] == executed.owner
+        direct.restore(executed.key, 60_000, reserved, replace=True)
         assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
         direct.close()
 
@@ -948,13 +967,14 @@ def test_cluster_release_retried_in_the_background_follows_a_failover(
             outcomes.append(str(exc))
         wait_for(lambda: bool(outcomes), timeout=10, what="the release's outcome")
         assert outcomes[0] == "retrying" or "retried in the background" in outcomes[0]
-        with pytest.raises(LockBackendError, match="retried in the background"):
-            waited.release()
+        for lock in (waited, executed):
+            with pytest.raises(LockBackendError, match="retried in the background"):
+                lock.release()
         heir = cluster.wait_for_failover(victim, timeout=30)
 
         admin = heir.client()
         try:
-            for lock in (waited, unwaited):
+            for lock in (waited, unwaited, executed):
                 wait_for(
                     functools.partial(_freed, admin, lock.key),
                     timeout=30,
