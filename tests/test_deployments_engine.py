@@ -631,14 +631,18 @@ def _until_acquired(lock: RedisLock, timeout: float) -> float:
 
 
 def _names_on(
-    cluster: ClusterDeployment, client: RedisCluster, primary: RedisServer, prefix: str
+    cluster: ClusterDeployment,
+    client: RedisCluster,
+    primary: RedisServer,
+    prefix: str,
+    count: int = 2,
 ) -> list[str]:
-    """Two lock names ``<prefix>:<n>`` whose keys live on ``primary``."""
+    """``count`` lock names ``<prefix>:<n>`` whose keys live on ``primary``."""
     return [
         name
-        for name in (f"{prefix}:{i}" for i in range(300))
+        for name in (f"{prefix}:{i}" for i in range(150 * count))
         if cluster.primary_for_slot(client.keyslot(lock_keys(name)[0])) is primary  # type: ignore[no-untyped-call]
-    ][:2]
+    ][:count]
 
 
 @pytest.mark.slow
@@ -1012,6 +1016,155 @@ def test_cluster_release_retried_in_the_background_follows_a_failover(
             assert _freed(admin, at_exit.key)
         finally:
             admin.close()
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_cluster_releases_a_primary_lost_in_its_crash_go_again_to_the_promoted_replica(
+    redislock_cluster_factory: Callable[..., ClusterDeployment],
+) -> None:
+    """A primary answers releases and dies before its replica has them (a replica
+    is sent writes once they have run): promoted, the replica still has the holds.
+    Here the releases reach it, and the holds are put back on it once promoted.
+    The next request of the process that finds the primary gone (an acquire of
+    another lock of its slots) learns where its slots live now, and the releases
+    answered within ``SWITCH_RESEND`` go again there: a ``release()``, a
+    ``release(wait=False)``, an ``until_executed`` execution's (with the free of
+    its message's reservation, which the replica has in place of the take-over),
+    and a ``release_lease``. A release whose key stayed on its primary is not
+    sent again: a hold put back there stays."""
+    cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
+    client = cluster.client()
+    try:
+        victim, healthy = cluster.primaries()[:2]
+        waited, unwaited, executed, leased, other = (
+            RedisLock(client, name, ttl=60)
+            for name in _names_on(cluster, client, victim, "cluster-crash-release", 5)
+        )
+        [kept_name] = _names_on(cluster, client, healthy, "cluster-crash-kept", 1)
+        kept = RedisLock(client, kept_name, ttl=60)
+        task_id = f"id-{uuid.uuid4().hex}"
+        reservation = RedisLock(
+            client, executed.name, ttl=60, owner=queued_owner(task_id), lease=task_id,
+            heartbeat=False,
+        )  # fmt: skip
+        assert reservation.acquire(blocking=False)
+        reserved = client.dump(reservation.key)
+        executed = RedisLock(client, executed.name, ttl=60, lease=task_id)
+        executed._reserved_by = (reservation.owner, reservation.token)
+        leased = RedisLock(client, leased.name, ttl=60, lease="a-lease", heartbeat=False)
+        for lock in (waited, unwaited, executed, leased, kept):
+            assert lock.acquire(blocking=False)
+        dumps = {lock.key: client.dump(lock.key) for lock in (waited, unwaited, leased, kept)}
+        dumps[executed.key] = reserved
+
+        outcomes: list[str] = []
+        waited.release()
+        unwaited.release(wait=False, then=outcomes.append)
+        executed.release(wait=False, then=outcomes.append)
+        assert release_lease(client, leased.name, "a-lease")
+        kept.release()
+        wait_for(lambda: len(outcomes) == 2, what="the releases' answers")
+        assert outcomes == ["released", "released"]
+        for server in (victim, healthy):
+            direct = server.client()
+            assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+            direct.close()
+
+        cluster.kill(victim)
+        heir = cluster.wait_for_failover(victim, timeout=30)
+        # What the promoted replica would have, had the releases died with the
+        # primary; and a hold of a key that did not move.
+        for server in (heir, healthy):
+            direct = server.client()
+            for key, value in dumps.items():
+                if cluster.primary_for_slot(client.keyslot(key)) is server:  # type: ignore[no-untyped-call]
+                    assert isinstance(value, bytes)
+                    direct.restore(key, 60_000, value, replace=True)
+            direct.close()
+        admin = heir.client()
+        try:
+            for lock in (waited, unwaited, executed, leased):
+                assert not _freed(admin, lock.key)
+            # The slot map still names the dead primary: this acquire finds it gone.
+            _until_acquired(other, timeout=10)
+            other.release()
+            for lock in (waited, unwaited, executed, leased):
+                wait_for(
+                    functools.partial(_freed, admin, lock.key),
+                    timeout=10,
+                    what=f"{lock.name!r} freed on the promoted replica",
+                )
+        finally:
+            admin.close()
+        direct = healthy.client()
+        try:
+            assert fields(direct, kept.key)[OWNER_FIELD] == kept.owner
+        finally:
+            direct.close()
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_cluster_release_goes_again_where_a_moved_answer_puts_its_key(
+    redislock_cluster_factory: Callable[..., ClusterDeployment],
+) -> None:
+    """A ``MOVED`` answer, learnt by any request of the process, that puts the key
+    of a release answered lately on another primary sends the release again
+    there: what follows when a primary frozen through a failover comes back,
+    answers a release before it learns that its replica replaced it, and then
+    answers ``MOVED``. Here the slot is moved on purpose, the holds put back on the
+    primary it moved to, and the next acquire of the key learns the move: the
+    releases sent again free the holds, and that acquire then takes the lock.
+    Sent again so: a release answered at once, and one retried in the background
+    (its primary frozen as it was sent) that freed its lock once it came back."""
+    cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
+    client = cluster.client()
+    try:
+        name = "cluster-moved-release"
+        # Another prefix, the same hash tag: the same slot.
+        released, retried = (
+            RedisLock(client, name, ttl=60, call_timeout=0.3, prefix=prefix)
+            for prefix in ("redislock", "retried")
+        )
+        slot = client.keyslot(released.key)  # type: ignore[no-untyped-call]
+        source = cluster.primary_for_slot(slot)
+        holds = {}
+        for lock in (released, retried):
+            assert lock.acquire(blocking=False)
+            holds[lock.key] = client.dump(lock.key)
+        released.release()
+        with (
+            source.paused(),
+            pytest.raises(LockBackendError, match="retried in the background"),
+        ):
+            retried.release()
+        admin = source.client()
+        try:
+            wait_for(
+                functools.partial(_freed, admin, retried.key),
+                what="the release retried in the background to land",
+            )
+        finally:
+            admin.close()
+        source, target = migrating(cluster, slot)
+        migrate_keys(source, target, slot)
+        settle(cluster, slot, target)
+        direct = target.client()
+        try:
+            for key, held in holds.items():
+                assert isinstance(held, bytes)
+                direct.restore(key, 60_000, held, replace=True)
+            # Sent to the source first (the map names it): MOVED.
+            for lock in (released, retried):
+                rival = RedisLock(client, name, ttl=10, prefix=lock.prefix)
+                _until_acquired(rival, timeout=10)
+                assert fields(direct, lock.key)[OWNER_FIELD] == rival.owner
+                rival.release()
+        finally:
+            direct.close()
     finally:
         client.close()
 

@@ -58,6 +58,7 @@ from celery_redislock.transport import (
     WATCH_STEP,
     Deadline,
     MovableDeadline,
+    Router,
     Transport,
     describe_error,
     may_have_run,
@@ -184,6 +185,7 @@ class _Pending:
         "pause",
         "quiet",
         "redirect",
+        "router",
         "settled",
         "then",
         "until",
@@ -200,17 +202,21 @@ class _Pending:
         redirect: Callable[[Call, Deadline], Any] | None,
         on_switch: bool = False,
         then: Callable[[], None] | None = None,
+        router: Router | None = None,
     ) -> None:
         self.call = call
         #: Called once it has settled (landed or given up), by whoever settled it.
         self.then = then
         #: A last hold's release: once it frees the lock, it goes again to a new
         #: primary should the Sentinels turn out to have replaced the one that
-        #: answered (see Transport.resend_on_switch).
+        #: answered (see Transport.resend_on_switch), or the cluster's slot map
+        #: come to put its key on another primary (see Router.resend_on_move).
         self.on_switch = on_switch
         #: Sends the call to wherever its key lives now, on a cluster (see
         #: _Lane._send_pending); ``None`` elsewhere.
         self.redirect = redirect
+        #: The cluster's router of a last hold's release (``None`` elsewhere).
+        self.router = router
         self.until = until
         self.what = what
         self.quiet = quiet
@@ -363,16 +369,19 @@ class _Lane:
         redirect: Callable[[Call, Deadline], Any] | None = None,
         on_switch: bool = False,
         then: Callable[[], None] | None = None,
+        router: Router | None = None,
     ) -> None:
         with self.cond:
             if not self.retired:
                 self.pending.append(
-                    _Pending(call, until, what, self.clock(), quiet, redirect, on_switch, then)
+                    _Pending(
+                        call, until, what, self.clock(), quiet, redirect, on_switch, then, router
+                    )
                 )
                 self._wake(self.clock())
                 return
         self.heartbeat._lane(self.transport).add_pending(
-            call, until, what, quiet, redirect, on_switch, then
+            call, until, what, quiet, redirect, on_switch, then, router
         )
 
     def drain_later(self) -> bool:
@@ -929,16 +938,31 @@ class _Lane:
                     item.then()
                 except Exception:
                     logger.exception("celery_redislock: %s: its follow-up failed", item.what)
-        if freed and self.transport.follows_switches and not final:
+        if freed and not final:
             self._resend_on_switch(written_at, freed)
 
     def _resend_on_switch(self, written_at: float, freed: list[_Pending]) -> None:
         """Releases sent from here at ``written_at`` freed their locks on a
-        Sentinel-managed primary: as for those a lock's own thread sends, they go
-        again, in the background, to a new primary should the transport learn soon
-        that the Sentinels had replaced the one that answered (which may have taken
-        them after its replica was promoted), and the Sentinels are asked meanwhile."""
+        Sentinel-managed primary, or a cluster primary: as for those a lock's own
+        thread sends, they go again, in the background, to a new primary should
+        the transport learn soon that the Sentinels had replaced the one that
+        answered (which may have taken them after its replica was promoted), and
+        the Sentinels are asked meanwhile; or should the cluster's slot map come
+        to put their keys on another primary than the one that answered (which
+        may have died before its replica had them)."""
         for item in freed:
+            router = item.router
+            if router is not None:
+                # It may have followed its key: the map names who answered.
+                key = item.call.keys[0]
+                what = f"{item.what} again where its key lives now"
+                again = functools.partial(
+                    self.heartbeat.send_where_it_lives, router, item.call, item.until, what
+                )
+                router.resend_on_move(router.transport(key), key, written_at, item.until, again)
+                continue
+            if not self.transport.follows_switches:
+                continue
             again = functools.partial(
                 self.heartbeat.send_in_background,
                 self.transport,
@@ -1029,7 +1053,11 @@ class Heartbeat:
         # is collected (and no longer renewed) at once, as the lane holds locks weakly.
         sender = getattr(lock, "_sender", None)
         redirect = sender() if sender is not None else None
-        self._lane(lock.transport).add_pending(call, until, what, quiet, redirect, on_switch, then)
+        # A last hold's release on a cluster: sent again should its key move.
+        router = getattr(lock, "_router", None) if on_switch and redirect is not None else None
+        self._lane(lock.transport).add_pending(
+            call, until, what, quiet, redirect, on_switch, then, router
+        )
 
     def send_in_background(self, transport: Transport, call: Call, until: float, what: str) -> None:
         """Send ``call`` (safe to send twice) on ``transport`` until it lands or the
@@ -1039,6 +1067,13 @@ class Heartbeat:
         lock may be gone by then."""
         self._stopping = False
         self._lane(transport).add_pending(call, until, what, True)
+
+    def send_where_it_lives(self, router: Router, call: Call, until: float, what: str) -> None:
+        """:meth:`send_in_background` to the cluster primary whose slot holds
+        ``call``'s key now, as ``router``'s slot map says: a release sent again
+        after its key moved (see
+        :meth:`~celery_redislock.transport.Router.resend_on_move`)."""
+        self.send_in_background(router.transport(call.keys[0]), call, until, what)
 
     def watch_primary(self, transport: Transport) -> None:
         """Have ``transport``'s lane ask its Sentinels which server is primary while

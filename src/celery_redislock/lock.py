@@ -1074,7 +1074,7 @@ class RedisLock:
             # Another thread sharing this object took the lock again while what
             # was the last hold's release went (off the heartbeat): renew it again.
             self._lane = self._beat().register(self)
-        if result is Released.FREED and transport.follows_switches:
+        if result is Released.FREED and (transport.follows_switches or self._clustered):
             # Only a release that freed the lock: one that dropped an inner hold
             # (of this owner's other object), sent again, would drop another.
             self._resend_on_switch(transport, now, resend, until)
@@ -1138,10 +1138,10 @@ class RedisLock:
         until = written_at + SWITCH_RESEND + max(self.call_timeout, MIN_CALL)
         if at_once:
             self._free_later(max(until, time.monotonic() + self.ttl), what, fence, owner)
-        transport = self._router.single
-        if transport is not None and transport.follows_switches:
+        transport = self.transport
+        if transport.follows_switches or self._clustered:
             call = self._free_call(owner, fence)
-            _resend_on_switch(self._beat(), transport, written_at, call, until, what)
+            _resend_on_switch(self._beat(), self._router, transport, written_at, call, until, what)
 
     def _free_ttl_ms(self, now: float) -> int:
         """How long the key outlives a release sent ``now`` (the RELEASE script's
@@ -1216,7 +1216,7 @@ class RedisLock:
                     # Sentinels may turn out to have replaced meanwhile, a release
                     # that freed the lock goes again; one that dropped an inner
                     # hold, of this owner's other object, would drop another).
-                    if reply == Released.FREED and transport.follows_switches:
+                    if reply == Released.FREED and (transport.follows_switches or self._clustered):
                         self._resend_on_switch(transport, now, resend, until)
                         if self._reserved_by is not None:
                             self._free_reservation(now, at_once=False)
@@ -1306,6 +1306,7 @@ class RedisLock:
         lock taken since by another owner, or anew, leaves it alone."""
         _resend_on_switch(
             self._beat(),
+            self._router,
             transport,
             written_at,
             self._release_call(resend),
@@ -2512,16 +2513,27 @@ class SentAcquire:
 
 
 def _resend_on_switch(
-    beat: Heartbeat, transport: Transport, written_at: float, call: Call, until: float, what: str
+    beat: Heartbeat,
+    router: Router,
+    transport: Transport,
+    written_at: float,
+    call: Call,
+    until: float,
+    what: str,
 ) -> None:
     """A release ``call`` written at ``written_at`` freed a lock on a
-    Sentinel-managed primary: should ``transport`` learn soon that the Sentinels
-    had replaced it, ``call`` goes again, in the background, to the new one
-    (until ``until``; see
-    :meth:`~celery_redislock.transport.Transport.resend_on_switch`). The
-    heartbeat's lane of the transport asks the Sentinels meanwhile, should no
-    request ask them first (a process gone idle)."""
-    if transport.resend_on_switch(
+    Sentinel-managed primary, or a Redis Cluster primary (``transport``'s):
+    should the process learn soon that the Sentinels had replaced it, or that
+    the cluster's slot map puts the lock's key on another primary now (a
+    failover: see :meth:`~celery_redislock.transport.Router.resend_on_move`),
+    ``call`` goes again, in the background, to the new one (until ``until``;
+    see :meth:`~celery_redislock.transport.Transport.resend_on_switch`). A
+    Sentinel-managed transport's heartbeat lane asks the Sentinels meanwhile,
+    should no request ask them first (a process gone idle)."""
+    if router.single is None:
+        again = functools.partial(beat.send_where_it_lives, router, call, until, what)
+        router.resend_on_move(transport, call.keys[0], written_at, until, again)
+    elif transport.resend_on_switch(
         written_at, until, functools.partial(beat.send_in_background, transport, call, until, what)
     ):
         beat.watch_primary(transport)
@@ -2564,12 +2576,13 @@ def release_lease(
         reply = send(router, key, call, Deadline.after(timeout))
     # {1, fence} when freed now, 1 when by an earlier arrival (fence unknown).
     fence = reply[1] if isinstance(reply, list) else None
-    transport = router.single
-    if fence is not None and transport is not None and transport.follows_switches:
+    transport = router.single or router.transport(key)
+    if fence is not None and (transport.follows_switches or router.single is None):
         again = Call(RELEASE_LEASE_SCRIPT, [key, queue], [*call.args, fence])
         until = written_at + SWITCH_RESEND + max(timeout, MIN_CALL)
         _resend_on_switch(
             get_heartbeat(),
+            router,
             transport,
             written_at,
             again,

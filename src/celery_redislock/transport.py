@@ -1780,6 +1780,14 @@ class Router:
         # The questions of where the slots of a primary that failed live now, by
         # that primary, under way or the last (see relocate()).
         self._questions: dict[Transport, _SlotQuestion] = {}
+        # Requests answered lately, sent again should the slot map come to put
+        # their key on another primary than the one that answered them (see
+        # resend_on_move): (written at, until, that primary's transport, key,
+        # send again), about oldest first.
+        self._answered: collections.deque[_Answered] = collections.deque()
+        self._answered_guard = threading.Lock()
+        # When this router last changed the slot map (on the monotonic clock).
+        self._moved_at = -math.inf
         _every_router.add(self)
 
     @property
@@ -1839,6 +1847,7 @@ class Router:
         client = cast(RedisCluster, self.client)
         if isinstance(exc, MovedError):
             move_slot(client.nodes_manager, exc)
+            self._map_changed()
             return True
         if isinstance(exc, AskError):
             # A slot half-way through a migration: its keys settle shortly.
@@ -1849,7 +1858,7 @@ class Router:
             with self._refresh_guard:
                 refresh = self._refresh
                 if refresh is None or refresh.done.is_set():
-                    refresh = self._refresh = _SlotRefresh(client)
+                    refresh = self._refresh = _SlotRefresh(client, self._map_changed)
             return refresh.wait(deadline)
         return False
 
@@ -1877,9 +1886,84 @@ class Router:
             if question is None or question.done.is_set():
                 # Those answered are forgotten.
                 self._questions = {t: q for t, q in self._questions.items() if not q.done.is_set()}
-                question = self._questions[failed] = _SlotQuestion(client, failed)
+                question = self._questions[failed] = _SlotQuestion(
+                    client, failed, self._map_changed
+                )
         question.done.wait(max(0.0, deadline.remaining()))
         return self.transport(key) is not failed
+
+    def resend_on_move(
+        self,
+        transport: Transport,
+        key: str,
+        written_at: float,
+        until: float,
+        again: Callable[[], object],
+    ) -> None:
+        """Call ``again`` should the slot map, changed by this router within
+        :data:`SWITCH_RESEND` of ``written_at`` and before ``until`` (both on the
+        monotonic clock), put ``key`` on another primary than ``transport``'s,
+        which answered a request about it written at ``written_at``. A primary
+        may answer a release and die before its replica, promoted in its place,
+        has it (a replica is sent writes once they have run), or come back from
+        a freeze and take it before it learns that its replica was promoted: the
+        hold would stay on the new primary until its TTL. The change is learnt
+        when a request of this process finds the key's primary gone or moved (a
+        renewal, an acquire, a release: see :meth:`redirected` and
+        :meth:`relocate`); at once if the map changed after ``written_at``.
+        ``again`` as for :meth:`Transport.resend_on_switch`. Nothing on a
+        single server."""
+        if self.single is not None:
+            return
+        with self._answered_guard:
+            entries = self._answered
+            now = time.monotonic()
+            while entries and entries[0][0] < now - SWITCH_RESEND:
+                entries.popleft()
+            entries.append((written_at, until, transport, key, again))
+            moved = self._moved_at >= written_at
+        if moved:
+            self._map_changed()
+
+    def _map_changed(self) -> None:
+        """This router changed the slot map: send again the requests answered
+        lately (see :meth:`resend_on_move`) whose key it puts on another primary
+        than the one that answered them now. Quick; never raises a
+        :class:`~redis.RedisError`."""
+        now = time.monotonic()
+        with self._answered_guard:
+            self._moved_at = now
+            recent = [
+                entry
+                for entry in self._answered
+                if entry[0] >= now - SWITCH_RESEND and entry[1] > now
+            ]
+        if not recent:
+            return
+        try:
+            moved = [entry for entry in recent if self.transport(entry[3]) is not entry[2]]
+        except Exception as exc:  # pragma: no cover - the client is gone
+            logger.debug("celery_redislock: could not look the slot map up: %s", exc)
+            return
+        if not moved:
+            return
+        with self._answered_guard:
+            # Each sent again once: taken off the list (those added meanwhile stay).
+            gone = {id(entry) for entry in moved}
+            self._answered = collections.deque(
+                entry for entry in self._answered if id(entry) not in gone
+            )
+        logger.info(
+            "celery_redislock: the cluster's slot map moved the keys of %d release(s) "
+            "answered lately to another primary: sending them again there",
+            len(moved),
+        )
+        _call_each([entry[4] for entry in moved])
+
+
+#: A request answered lately (see :meth:`Router.resend_on_move`): written at,
+#: until, the transport that answered it, its key, what sends it again.
+_Answered = tuple[float, float, Transport, str, Callable[[], object]]
 
 
 #: How long, in seconds, one Redis Cluster node is given to say which primary
@@ -1893,17 +1977,17 @@ class _SlotQuestion:
     node of the cluster (not that one) that answers says, put in the cluster
     client's slot map: in a thread of its own (see :meth:`Router.relocate`)."""
 
-    def __init__(self, client: RedisCluster, failed: Transport) -> None:
+    def __init__(self, client: RedisCluster, failed: Transport, moved: Callable[[], None]) -> None:
         self.done = threading.Event()
         thread = threading.Thread(
             target=self._run,
-            args=(client, failed),
+            args=(client, failed, moved),
             name="celery-redislock-cluster-slot",
             daemon=True,
         )
         thread.start()
 
-    def _run(self, client: RedisCluster, failed: Transport) -> None:
+    def _run(self, client: RedisCluster, failed: Transport, moved: Callable[[], None]) -> None:
         try:
             nodes = sorted(
                 client.get_nodes(),  # type: ignore[no-untyped-call]
@@ -1933,10 +2017,11 @@ class _SlotQuestion:
                     and _transports.get(each.redis_connection) is failed
                 }
                 for low, high, host, port in served:
-                    for moved in range(low, high + 1):
-                        owners = manager.slots_cache.get(moved)
+                    for slot in range(low, high + 1):
+                        owners = manager.slots_cache.get(slot)
                         if owners and owners[0].name in failed_names:
-                            move_slot(manager, MovedError(f"{moved} {host}:{port}"))
+                            move_slot(manager, MovedError(f"{slot} {host}:{port}"))
+                moved()
                 return
         except Exception as exc:
             logger.debug(
@@ -1995,26 +2080,27 @@ class _SlotRefresh:
     caller's.
     """
 
-    def __init__(self, client: RedisCluster) -> None:
+    def __init__(self, client: RedisCluster, refreshed: Callable[[], None]) -> None:
         self.done = threading.Event()
         #: Whether the slot map was refreshed (meaningful once ``done`` is set).
         self.ok = False
         # The thread holds the client only while it runs.
         thread = threading.Thread(
             target=self._run,
-            args=(client,),
+            args=(client, refreshed),
             name="celery-redislock-cluster-refresh",
             daemon=True,
         )
         thread.start()
 
-    def _run(self, client: RedisCluster) -> None:
+    def _run(self, client: RedisCluster, refreshed: Callable[[], None]) -> None:
         try:
             client.nodes_manager.initialize()
         except Exception as exc:
             logger.debug("celery_redislock: could not refresh the cluster's slot map: %s", exc)
         else:
             self.ok = True
+            refreshed()
         finally:
             self.done.set()
 
@@ -2377,6 +2463,8 @@ def _forget_after_fork() -> None:
     for router in list(_every_router):
         # A refresh under way in the parent has no thread here to end it.
         router._refresh, router._refresh_guard = None, threading.Lock()
+        # The parent's releases are the parent's to send again.
+        router._answered, router._answered_guard = collections.deque(), threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
