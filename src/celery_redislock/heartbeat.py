@@ -1045,7 +1045,9 @@ class Heartbeat:
         hold's release), once it frees the lock on a Sentinel-managed primary, it
         goes again to a new primary should the process learn soon that the
         Sentinels had replaced that one (see
-        :meth:`~celery_redislock.transport.Transport.resend_on_switch`)."""
+        :meth:`~celery_redislock.transport.Transport.resend_on_switch`); on a
+        cluster, should the slot map come to put its key on another primary (see
+        :meth:`~celery_redislock.transport.Router.resend_on_move`)."""
         self._stopping = False
         # A lock that can send a request wherever its key lives (RedisLock._sender,
         # on a cluster) has its background requests follow a moving cluster slot

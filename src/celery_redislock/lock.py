@@ -1120,11 +1120,12 @@ class RedisLock:
         frees it: for ``lock_enqueue_ttl``, every send of the same call would
         be deduplicated to a task that has ended. With ``at_once`` (its release
         found the hold gone: on the primary it asks, the reservation may be what
-        is there instead), it is freed in the background at once; and on a
-        Sentinel-managed primary it is freed on the new one, should the transport
-        learn within ``SWITCH_RESEND`` of ``written_at`` that the Sentinels had
-        replaced the primary (an acquire that found another's hold learns nothing
-        from a free sent where it found it, and sends none). A release whose
+        is there instead), it is freed in the background at once; and it is freed
+        on the new primary should the process learn within ``SWITCH_RESEND`` of
+        ``written_at`` that the Sentinels had replaced a Sentinel-managed one,
+        or that a cluster's slot map puts the key on another primary (an
+        acquire that found another's hold learns nothing from a free sent where
+        it found it, and sends none). A release whose
         answer is lost, sent again in the background, takes a free of the
         reservation along (see :meth:`_send_later`). Only that
         reservation goes, by its owner token and (if known) its fencing token:
@@ -1213,9 +1214,10 @@ class RedisLock:
                 transport.scripts.add(RELEASE_SCRIPT.sha)
                 if reply != _NOT_OWNED:
                     # The usual answer: nothing more to do (but on a primary the
-                    # Sentinels may turn out to have replaced meanwhile, a release
-                    # that freed the lock goes again; one that dropped an inner
-                    # hold, of this owner's other object, would drop another).
+                    # Sentinels, or a cluster failover, may turn out to have
+                    # replaced meanwhile, a release that freed the lock goes
+                    # again; one that dropped an inner hold, of this owner's
+                    # other object, would drop another).
                     if reply == Released.FREED and (transport.follows_switches or self._clustered):
                         self._resend_on_switch(transport, now, resend, until)
                         if self._reserved_by is not None:
@@ -1297,11 +1299,13 @@ class RedisLock:
         self, transport: Transport, written_at: float, resend: tuple[Any, ...], until: float
     ) -> None:
         """A last hold's release written at ``written_at`` was answered by a
-        Sentinel-managed primary: should the transport learn soon that the
-        Sentinels had replaced it, the release goes again, in the background, to
-        the new one (until ``until``, when the hold would have expired). The old
-        primary may have answered it after its replica was promoted (an operator's
-        failover leaves it up), and the lock would stay held there until its TTL.
+        Sentinel-managed primary, or a cluster primary: should the process learn
+        soon that the Sentinels had replaced it, or that the cluster's slot map
+        puts the key on another primary now, the release goes again, in the
+        background, to the new one (until ``until``, when the hold would have
+        expired). The old primary may have answered it after its replica was
+        promoted (an operator's failover leaves it up), or died before its
+        replica had it, and the lock would stay held there until its TTL.
         Sent again, a release that did land changes nothing; one that finds the
         lock taken since by another owner, or anew, leaves it alone."""
         _resend_on_switch(
