@@ -1782,8 +1782,8 @@ class Router:
         self._questions: dict[Transport, _SlotQuestion] = {}
         # Requests answered lately, sent again should the slot map come to put
         # their key on another primary than the one that answered them (see
-        # resend_on_move): (written at, until, that primary's transport, key,
-        # send again), about oldest first.
+        # resend_on_move): (written at, until, that primary's transport, the
+        # key's slot, send again), about oldest first.
         self._answered: collections.deque[_Answered] = collections.deque()
         self._answered_guard = threading.Lock()
         # When this router last changed the slot map (on the monotonic clock).
@@ -1803,7 +1803,11 @@ class Router:
         if self.single is not None:
             return self.single
         client = cast(RedisCluster, self.client)
-        slot = client.keyslot(key)  # type: ignore[no-untyped-call]
+        return self._serving(client, client.keyslot(key))  # type: ignore[no-untyped-call]
+
+    @staticmethod
+    def _serving(client: RedisCluster, slot: int) -> Transport:
+        """The transport of the primary the slot map names for ``slot``."""
         node = client.nodes_manager.get_node_from_slot(slot)
         return transport_for(client.get_redis_connection(node))
 
@@ -1847,7 +1851,7 @@ class Router:
         client = cast(RedisCluster, self.client)
         if isinstance(exc, MovedError):
             move_slot(client.nodes_manager, exc)
-            self._map_changed()
+            self._map_changed(exc.slot_id)
             return True
         if isinstance(exc, AskError):
             # A slot half-way through a migration: its keys settle shortly.
@@ -1915,33 +1919,37 @@ class Router:
         single server."""
         if self.single is not None:
             return
+        slot = cast(RedisCluster, self.client).keyslot(key)  # type: ignore[no-untyped-call]
         with self._answered_guard:
             entries = self._answered
             now = time.monotonic()
             while entries and entries[0][0] < now - SWITCH_RESEND:
                 entries.popleft()
-            entries.append((written_at, until, transport, key, again))
+            entries.append((written_at, until, transport, slot, again))
             moved = self._moved_at >= written_at
         if moved:
             self._map_changed()
 
-    def _map_changed(self) -> None:
-        """This router changed the slot map: send again the requests answered
-        lately (see :meth:`resend_on_move`) whose key it puts on another primary
-        than the one that answered them now. Quick; never raises a
-        :class:`~redis.RedisError`."""
+    def _map_changed(self, slot: int | None = None) -> None:
+        """This router changed the slot map (only where ``slot`` lives, if given):
+        send again the requests answered lately (see :meth:`resend_on_move`)
+        whose key it puts on another primary than the one that answered them
+        now. Quick; never raises a :class:`~redis.RedisError`."""
         now = time.monotonic()
         with self._answered_guard:
             self._moved_at = now
             recent = [
                 entry
                 for entry in self._answered
-                if entry[0] >= now - SWITCH_RESEND and entry[1] > now
+                if entry[0] >= now - SWITCH_RESEND
+                and entry[1] > now
+                and (slot is None or entry[3] == slot)
             ]
         if not recent:
             return
         try:
-            moved = [entry for entry in recent if self.transport(entry[3]) is not entry[2]]
+            client = cast(RedisCluster, self.client)
+            moved = [entry for entry in recent if self._serving(client, entry[3]) is not entry[2]]
         except Exception as exc:  # pragma: no cover - the client is gone
             logger.debug("celery_redislock: could not look the slot map up: %s", exc)
             return
@@ -1962,8 +1970,8 @@ class Router:
 
 
 #: A request answered lately (see :meth:`Router.resend_on_move`): written at,
-#: until, the transport that answered it, its key, what sends it again.
-_Answered = tuple[float, float, Transport, str, Callable[[], object]]
+#: until, the transport that answered it, its key's slot, what sends it again.
+_Answered = tuple[float, float, Transport, int, Callable[[], object]]
 
 
 #: How long, in seconds, one Redis Cluster node is given to say which primary
