@@ -1108,18 +1108,67 @@ def test_cluster_releases_a_primary_lost_in_its_crash_go_again_to_the_promoted_r
 
 
 @pytest.mark.slow
-def test_cluster_release_goes_again_where_a_moved_answer_puts_its_key(
+def test_cluster_releases_go_again_after_a_failover_an_idle_process_learns_by_itself(
     redislock_cluster_factory: Callable[..., ClusterDeployment],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A ``MOVED`` answer, learnt by any request of the process, that puts the key
-    of a release answered lately on another primary sends the release again
-    there: what follows when a primary frozen through a failover comes back,
-    answers a release before it learns that its replica replaced it, and then
-    answers ``MOVED``. Here the slot is moved on purpose, the holds put back on the
-    primary it moved to, and the next acquire of the key learns the move: the
-    releases sent again free the holds, and that acquire then takes the lock.
-    Sent again so: a release answered at once, and one retried in the background
-    (its primary frozen as it was sent) that freed its lock once it came back."""
+    """A process that makes no request after its releases (no lock held, nothing
+    sent) learns all the same, within ``SWITCH_RESEND``, that their primary failed
+    over: the heartbeat's lane of that primary asks it about their keys once a
+    ``MOVE_RECHECK`` has passed since the last, and, finding it gone, has the other
+    nodes asked where its slots live now. The release is then sent again to the
+    promoted replica (what it does there is shown by
+    ``test_cluster_releases_a_primary_lost_in_its_crash_go_again_to_the_promoted_replica``;
+    here the failover may be learnt before the test could put a hold back in
+    place of a lost release). A release on another primary is not sent again."""
+    cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
+    client = cluster.client()
+    sent_again: list[str] = []
+    beat = get_heartbeat()
+    send_where_it_lives = beat.send_where_it_lives
+
+    def noted(router: Any, call: Any, until: float, what: str) -> None:
+        sent_again.append(call.keys[0])
+        send_where_it_lives(router, call, until, what)
+
+    monkeypatch.setattr(beat, "send_where_it_lives", noted)
+    # However long the failover takes on a loaded machine.
+    monkeypatch.setattr(transport_module, "SWITCH_RESEND", 60.0)
+    try:
+        victim, healthy = cluster.primaries()[:2]
+        [name] = _names_on(cluster, client, victim, "cluster-idle-release", 1)
+        [kept_name] = _names_on(cluster, client, healthy, "cluster-idle-kept", 1)
+        released, kept = (RedisLock(client, n, ttl=60) for n in (name, kept_name))
+        for lock in (released, kept):
+            assert lock.acquire(blocking=False)
+            lock.release()
+        cluster.kill(victim)
+        heir = cluster.wait_for_failover(victim, timeout=30)
+        wait_for(lambda: released.key in sent_again, timeout=10, what="the release sent again")
+        assert released.transport is transport_for(
+            client.get_redis_connection(client.get_node(host=heir.host, port=heir.port))  # type: ignore[no-untyped-call]
+        )
+        assert kept.key not in sent_again
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("learnt_by", ["a request", "the heartbeat"])
+def test_cluster_release_goes_again_where_a_moved_answer_puts_its_key(
+    redislock_cluster_factory: Callable[..., ClusterDeployment], learnt_by: str
+) -> None:
+    """A ``MOVED`` answer that puts the key of a release answered lately on
+    another primary sends the release again there: what follows when a primary
+    frozen through a failover comes back, answers a release before it learns
+    that its replica replaced it, and then answers ``MOVED``. Here the slot is
+    moved on purpose, the holds put back on the primary it moves to before the
+    move ends, and the move is learnt by the next acquire of the key, or, in a
+    process that sends nothing, by the heartbeat asking the old primary about
+    the key: the releases sent again free the holds, and that acquire takes the
+    lock. Sent again so: a release answered at once, and one retried in the
+    background (its primary frozen as it was sent) that freed its lock once it
+    came back."""
     cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
     client = cluster.client()
     try:
@@ -1151,12 +1200,22 @@ def test_cluster_release_goes_again_where_a_moved_answer_puts_its_key(
             admin.close()
         source, target = migrating(cluster, slot)
         migrate_keys(source, target, slot)
-        settle(cluster, slot, target)
         direct = target.client()
         try:
+            # Before the move ends (the source answers ASK, not MOVED, meanwhile),
+            # so that no check of the heartbeat learns it first.
+            pipe = direct.pipeline(transaction=False)
             for key, held in holds.items():
                 assert isinstance(held, bytes)
-                direct.restore(key, 60_000, held, replace=True)
+                pipe.execute_command("ASKING")  # type: ignore[no-untyped-call]
+                pipe.restore(key, 60_000, held, replace=True)
+            pipe.execute()
+            settle(cluster, slot, target)
+            if learnt_by == "the heartbeat":
+                for key in holds:
+                    wait_for(
+                        functools.partial(_freed, direct, key), timeout=10, what=f"{key} freed"
+                    )
             # Sent to the source first (the map names it): MOVED.
             for lock in (released, retried):
                 rival = RedisLock(client, name, ttl=10, prefix=lock.prefix)

@@ -320,10 +320,12 @@ class _Lane:
 
     def watch_primary(self) -> None:
         """A request of this lane's transport waits for a switch of primary (see
-        :meth:`~celery_redislock.transport.Transport.resend_on_switch`): have the
-        thread ask the Sentinels in time (:meth:`_check_at`), should no request of
-        the transport ask them first. The thread is woken only if it would not
-        wake by then anyway."""
+        :meth:`~celery_redislock.transport.Transport.resend_on_switch`), or for
+        its key to move to another cluster primary (see
+        :meth:`~celery_redislock.transport.Router.resend_on_move`): have the
+        thread ask the Sentinels, or the cluster primary, in time
+        (:meth:`_check_at`), should no request of the transport ask them first.
+        The thread is woken only if it would not wake by then anyway."""
         if self.pid != _pid:
             return
         with self.lock:
@@ -505,7 +507,7 @@ class _Lane:
                 self.transport.check_primary()
             except BaseException:
                 # As for a round: the thread renews every lock on this server.
-                logger.exception("celery_redislock: asking the Sentinels failed")
+                logger.exception("celery_redislock: asking which server is primary failed")
         try:
             if renewals:
                 self.renew(renewals, lane_thread=True)
@@ -532,9 +534,10 @@ class _Lane:
         read, and whether to ask the Sentinels which server is primary (see
         :meth:`watch_primary`)."""
         idle_since = self.clock()
-        # Only a Sentinel-managed primary's requests wait for a switch (see
-        # watch_primary()): no other lane asks when to check, on every wake.
-        follows_switches = self.transport.follows_switches
+        # Only a Sentinel-managed primary's requests wait for a switch, and a
+        # cluster primary's for a move (see watch_primary()): no other lane asks
+        # when to check, on every wake.
+        transport = self.transport
         while True:
             if self.collected:
                 self._drop_collected()
@@ -547,7 +550,8 @@ class _Lane:
                 times += [p.next_try for p in self.pending]
             if self.drain_at is not None:
                 times.append(self.drain_at)
-            check_at = self._check_at(now) if follows_switches else None
+            watched = transport.follows_switches or transport._move_watchers
+            check_at = self._check_at(now) if watched else None
             if check_at is not None:
                 times.append(check_at)
             if times:
@@ -959,7 +963,9 @@ class _Lane:
                 again = functools.partial(
                     self.heartbeat.send_where_it_lives, router, item.call, item.until, what
                 )
-                router.resend_on_move(router.transport(key), key, written_at, item.until, again)
+                answered = router.transport(key)
+                router.resend_on_move(answered, key, written_at, item.until, again)
+                self.heartbeat.watch_primary(answered)
                 continue
             if not self.transport.follows_switches:
                 continue
@@ -1080,7 +1086,10 @@ class Heartbeat:
     def watch_primary(self, transport: Transport) -> None:
         """Have ``transport``'s lane ask its Sentinels which server is primary while
         requests wait for a switch of primary (see
-        :meth:`~celery_redislock.transport.Transport.resend_on_switch`), should no
+        :meth:`~celery_redislock.transport.Transport.resend_on_switch`), or ask
+        the cluster primary whether it still serves the keys of requests that
+        wait for a move (see
+        :meth:`~celery_redislock.transport.Router.check_moves`), should no
         request of the transport ask them first: a process gone idle learns a
         switch all the same, and sends them again."""
         self._stopping = False

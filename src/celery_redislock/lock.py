@@ -2537,6 +2537,7 @@ def _resend_on_switch(
     if router.single is None:
         again = functools.partial(beat.send_where_it_lives, router, call, until, what)
         router.resend_on_move(transport, call.keys[0], written_at, until, again)
+        beat.watch_primary(transport)
     elif transport.resend_on_switch(
         written_at, until, functools.partial(beat.send_in_background, transport, call, until, what)
     ):

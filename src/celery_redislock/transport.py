@@ -295,6 +295,9 @@ class Transport:
         )
         # Told when a switch of primary is learnt (the heartbeat's lanes).
         self._watchers: weakref.WeakSet[Any] = weakref.WeakSet()
+        # The routers of a cluster whose requests this primary answered wait to
+        # be sent again should their keys move (see Router.resend_on_move).
+        self._move_watchers: weakref.WeakSet[Router] = weakref.WeakSet()
         # Server push notifications (RESP3 only) are the client's business; the
         # client's library name and version are given up with CLIENT SETINFO.
         kwargs = {
@@ -567,9 +570,16 @@ class Transport:
         :meth:`resend_on_switch`), however idle the transport is: a
         :data:`PRIMARY_RECHECK` after they were last asked, or after a rest of
         :data:`SENTINELS_REST` once they did not answer. ``None`` when no request
-        waits (those that can no longer be sent again are dropped)."""
+        waits (those that can no longer be sent again are dropped).
+
+        A cluster primary's: when it is next to be asked whether it still
+        serves the keys of the requests it answered that wait to be sent again
+        should their keys move (see :meth:`Router.check_moves`)."""
         if self._sentinel is None:
-            return None
+            if not self._move_watchers:
+                return None
+            times = [router.move_check_at(self) for router in list(self._move_watchers)]
+            return min((at for at in times if at is not None), default=None)
         with self._guard:
             now = time.monotonic()
             entries = self._on_switch
@@ -585,7 +595,13 @@ class Transport:
         at most) if :meth:`primary_check_at` says it is time: a switch learnt so
         sends again the requests that wait for one. Sentinels that do not answer
         are left alone for :data:`SENTINELS_REST`; never raises a
-        :class:`~redis.RedisError`."""
+        :class:`~redis.RedisError`. A cluster primary is asked instead whether
+        it still serves the keys of the requests that wait to be sent again
+        should they move (see :meth:`Router.check_moves`)."""
+        if self._sentinel is None:
+            for router in list(self._move_watchers):
+                router.check_moves(self)
+            return
         at = self.primary_check_at()
         now = time.monotonic()
         if at is None or at > now:
@@ -1788,6 +1804,11 @@ class Router:
         self._answered_guard = threading.Lock()
         # When this router last changed the slot map (on the monotonic clock).
         self._moved_at = -math.inf
+        # By the primary that answered them: when the last of those requests
+        # was written and its key, and when that primary was last asked whether
+        # it still serves them (see check_moves).
+        self._latest: dict[Transport, tuple[float, str]] = {}
+        self._checked: dict[Transport, float] = {}
         _every_router.add(self)
 
     @property
@@ -1914,9 +1935,15 @@ class Router:
         hold would stay on the new primary until its TTL. The change is learnt
         when a request of this process finds the key's primary gone or moved (a
         renewal, an acquire, a release: see :meth:`redirected` and
-        :meth:`relocate`); at once if the map changed after ``written_at``.
-        ``again`` as for :meth:`Transport.resend_on_switch`. Nothing on a
-        single server."""
+        :meth:`relocate`), or when the heartbeat's lane of ``transport`` asks
+        it, a :data:`MOVE_RECHECK` after the last such request at first, then
+        as often, while any was written within :data:`SWITCH_RESEND` (see
+        :meth:`check_moves`), however idle the process; at once if the map
+        changed after ``written_at``. ``again`` as for
+        :meth:`Transport.resend_on_switch`. Nothing on a single server.
+
+        The caller has the lane watch (see
+        :meth:`~celery_redislock.heartbeat.Heartbeat.watch_primary`)."""
         if self.single is not None:
             return
         slot = cast(RedisCluster, self.client).keyslot(key)  # type: ignore[no-untyped-call]
@@ -1926,9 +1953,60 @@ class Router:
             while entries and entries[0][0] < now - SWITCH_RESEND:
                 entries.popleft()
             entries.append((written_at, until, transport, slot, again))
+            latest = self._latest.get(transport)
+            if latest is None or latest[0] <= written_at:
+                self._latest[transport] = (written_at, key)
             moved = self._moved_at >= written_at
+        transport._move_watchers.add(self)
         if moved:
             self._map_changed()
+
+    def move_check_at(self, transport: Transport) -> float | None:
+        """When (on the monotonic clock) ``transport``'s primary is next to be
+        asked whether it still serves the keys of the requests it answered
+        lately (see :meth:`check_moves`); ``None`` when none was written within
+        :data:`SWITCH_RESEND`."""
+        with self._answered_guard:
+            latest = self._latest.get(transport)
+            if latest is None:
+                return None
+            if latest[0] < time.monotonic() - SWITCH_RESEND:
+                del self._latest[transport]
+                self._checked.pop(transport, None)
+                return None
+            return max(latest[0], self._checked.get(transport, -math.inf)) + MOVE_RECHECK
+
+    def check_moves(self, transport: Transport) -> None:
+        """If :meth:`move_check_at` says it is time, ask ``transport``'s primary
+        about the key of the last request it answered that waits to be sent
+        again should its key move (a ``PTTL``, within :data:`SLOT_QUESTION`): an
+        answer ``MOVED`` (it no longer serves the slot: it came back from a
+        freeze as a replica) puts the slot where it says, and no answer at all
+        (it died, or hangs) has the other nodes asked where its slots live now
+        (see :meth:`relocate`); either sends again the requests whose key lives
+        elsewhere now. A process that makes no request of its own learns so of
+        a failover within :data:`SWITCH_RESEND` of its releases. Never raises
+        a :class:`~redis.RedisError`."""
+        at = self.move_check_at(transport)
+        now = time.monotonic()
+        if at is None or at > now:
+            return
+        with self._answered_guard:
+            self._checked[transport] = now
+            latest = self._latest.get(transport)
+        if latest is None:
+            return
+        key = latest[1]
+        deadline = Deadline.after(SLOT_QUESTION)
+        try:
+            [reply] = run(transport, [("PTTL", key)], deadline, 1)
+        except RedisError as exc:
+            if isinstance(exc, TRANSIENT):
+                # Waited for until the deadline at most: it goes on in its thread.
+                self.relocate(key, transport, deadline)
+            return
+        if isinstance(reply, MovedError):
+            self.redirected(reply)
 
     def _map_changed(self, slot: int | None = None) -> None:
         """This router changed the slot map (only where ``slot`` lives, if given):
@@ -1973,6 +2051,11 @@ class Router:
 #: until, the transport that answered it, its key's slot, what sends it again.
 _Answered = tuple[float, float, Transport, int, Callable[[], object]]
 
+
+#: How often, in seconds, a Redis Cluster primary that answered releases within
+#: :data:`SWITCH_RESEND` is asked whether it still serves their keys (see
+#: :meth:`Router.check_moves`), by the heartbeat's lane of its transport.
+MOVE_RECHECK = 1.0
 
 #: How long, in seconds, one Redis Cluster node is given to say which primary
 #: serves a slot (``CLUSTER SLOTS``) when the primary the slot map names could
@@ -2468,11 +2551,13 @@ def _forget_after_fork() -> None:
         transport._settling = 0
         # The parent's releases are the parent's to send again.
         transport._on_switch.clear()
+        transport._move_watchers = weakref.WeakSet()
     for router in list(_every_router):
         # A refresh under way in the parent has no thread here to end it.
         router._refresh, router._refresh_guard = None, threading.Lock()
         # The parent's releases are the parent's to send again.
         router._answered, router._answered_guard = collections.deque(), threading.Lock()
+        router._latest, router._checked = {}, {}
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
