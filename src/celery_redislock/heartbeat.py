@@ -550,8 +550,7 @@ class _Lane:
                 times += [p.next_try for p in self.pending]
             if self.drain_at is not None:
                 times.append(self.drain_at)
-            watched = transport.follows_switches or transport._move_watchers
-            check_at = self._check_at(now) if watched else None
+            check_at = self._check_at(now) if transport.checks_primary else None
             if check_at is not None:
                 times.append(check_at)
             if times:

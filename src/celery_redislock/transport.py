@@ -564,6 +564,13 @@ class Transport:
         _call_quietly(again)
         return False
 
+    @property
+    def checks_primary(self) -> bool:
+        """Whether the primary may be asked about, however idle the transport
+        (see :meth:`primary_check_at`): a Sentinel-managed one, or a cluster
+        primary whose requests wait to be sent again should their keys move."""
+        return self.follows_switches or bool(self._move_watchers)
+
     def primary_check_at(self) -> float | None:
         """When (on the monotonic clock) the Sentinels are next to be asked which
         server is primary for the requests that wait for a switch (see
