@@ -1038,22 +1038,19 @@ def test_cluster_releases_a_primary_lost_in_its_crash_go_again_to_the_promoted_r
     client = cluster.client()
     try:
         victim, healthy = cluster.primaries()[:2]
-        waited, unwaited, executed, leased, other = (
-            RedisLock(client, name, ttl=60)
-            for name in _names_on(cluster, client, victim, "cluster-crash-release", 5)
-        )
+        names = _names_on(cluster, client, victim, "cluster-crash-release", 5)
+        waited, unwaited, other = (RedisLock(client, names[at], ttl=60) for at in (0, 1, 4))
         [kept_name] = _names_on(cluster, client, healthy, "cluster-crash-kept", 1)
         kept = RedisLock(client, kept_name, ttl=60)
         task_id = f"id-{uuid.uuid4().hex}"
         reservation = RedisLock(
-            client, executed.name, ttl=60, owner=queued_owner(task_id), lease=task_id,
-            heartbeat=False,
-        )  # fmt: skip
+            client, names[2], ttl=60, owner=queued_owner(task_id), lease=task_id, heartbeat=False
+        )
         assert reservation.acquire(blocking=False)
         reserved = client.dump(reservation.key)
-        executed = RedisLock(client, executed.name, ttl=60, lease=task_id)
+        executed = RedisLock(client, names[2], ttl=60, lease=task_id)
         executed._reserved_by = (reservation.owner, reservation.token)
-        leased = RedisLock(client, leased.name, ttl=60, lease="a-lease", heartbeat=False)
+        leased = RedisLock(client, names[3], ttl=60, lease="a-lease", heartbeat=False)
         for lock in (waited, unwaited, executed, leased, kept):
             assert lock.acquire(blocking=False)
         dumps = {lock.key: client.dump(lock.key) for lock in (waited, unwaited, leased, kept)}

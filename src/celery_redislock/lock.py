@@ -2531,9 +2531,10 @@ def _resend_on_switch(
     the cluster's slot map puts the lock's key on another primary now (a
     failover: see :meth:`~celery_redislock.transport.Router.resend_on_move`),
     ``call`` goes again, in the background, to the new one (until ``until``;
-    see :meth:`~celery_redislock.transport.Transport.resend_on_switch`). A
-    Sentinel-managed transport's heartbeat lane asks the Sentinels meanwhile,
-    should no request ask them first (a process gone idle)."""
+    see :meth:`~celery_redislock.transport.Transport.resend_on_switch`). The
+    transport's heartbeat lane asks the Sentinels, or the cluster primary
+    whether it still serves the key, meanwhile, should no request ask first (a
+    process gone idle)."""
     if router.single is None:
         again = functools.partial(beat.send_where_it_lives, router, call, until, what)
         router.resend_on_move(transport, call.keys[0], written_at, until, again)
