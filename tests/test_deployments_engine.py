@@ -1023,6 +1023,7 @@ def test_cluster_release_retried_in_the_background_follows_a_failover(
 @pytest.mark.slow
 def test_cluster_releases_a_primary_lost_in_its_crash_go_again_to_the_promoted_replica(
     redislock_cluster_factory: Callable[..., ClusterDeployment],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A primary answers releases and dies before its replica has them (a replica
     is sent writes once they have run): promoted, the replica still has the holds.
@@ -1033,7 +1034,13 @@ def test_cluster_releases_a_primary_lost_in_its_crash_go_again_to_the_promoted_r
     ``release(wait=False)``, an ``until_executed`` execution's (with the free of
     its message's reservation, which the replica has in place of the take-over),
     and a ``release_lease``. A release whose key stayed on its primary is not
-    sent again: a hold put back there stays."""
+    sent again: a hold put back there stays. (The heartbeat's own question, which
+    could learn the failover before the holds are put back, is shown by
+    ``test_cluster_releases_go_again_after_a_failover_an_idle_process_learns_by_itself``.)"""
+    # The acquire learns the failover, not the heartbeat: no question is due
+    # while the releases wait, however long the failover takes on a loaded machine.
+    monkeypatch.setattr(transport_module, "MOVE_RECHECK", 3600.0)
+    monkeypatch.setattr(transport_module, "SWITCH_RESEND", 60.0)
     cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
     client = cluster.client()
     try:
@@ -1146,6 +1153,101 @@ def test_cluster_releases_go_again_after_a_failover_an_idle_process_learns_by_it
             client.get_redis_connection(client.get_node(host=heir.host, port=heir.port))  # type: ignore[no-untyped-call]
         )
         assert kept.key not in sent_again
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_cluster_release_waits_for_a_failover_learnt_long_after_it(
+    redislock_cluster_factory: Callable[..., ClusterDeployment],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failover is learnt a ``cluster-node-timeout`` and an election after the
+    primary failed (15 s and more by default), later than ``SWITCH_RESEND``
+    after the releases it lost. A release the primary answered within
+    ``SWITCH_RESEND`` before a request of the process first found it failing
+    (here the heartbeat's question about the key) waits for the failover all the
+    same (until its hold would have expired, or ``FAILOVER_WAIT`` for a
+    reservation's free): here ``SWITCH_RESEND`` is 2 s, the failover is learnt
+    later than that (by an acquire), and the hold put back on the
+    promoted replica is freed, and so is the reservation an ``until_executed``
+    execution's take-over left there. A release answered more than
+    ``SWITCH_RESEND`` before the primary failed is not sent again."""
+    monkeypatch.setattr(transport_module, "SWITCH_RESEND", 2.0)
+    monkeypatch.setattr(transport_module, "MOVE_RECHECK", 0.2)
+    sent_again: list[tuple[str, float]] = []
+    beat = get_heartbeat()
+    send_where_it_lives = beat.send_where_it_lives
+
+    def noted(router: Any, call: Any, until: float, what: str) -> None:
+        sent_again.append((call.keys[0], until))
+        send_where_it_lives(router, call, until, what)
+
+    monkeypatch.setattr(beat, "send_where_it_lives", noted)
+    cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
+    client = cluster.client()
+    try:
+        victim = cluster.primaries()[0]
+        names = _names_on(cluster, client, victim, "cluster-late-failover", 4)
+        early, late, other = (RedisLock(client, name, ttl=60) for name in names[:3])
+        task_id = f"id-{uuid.uuid4().hex}"
+        reservation = RedisLock(
+            client, names[3], ttl=60, owner=queued_owner(task_id), lease=task_id, heartbeat=False
+        )
+        assert reservation.acquire(blocking=False)
+        dumps = {reservation.key: client.dump(reservation.key)}
+        # A hold that outlives the failover by less than FAILOVER_WAIT: the
+        # reservation's free waits longer.
+        executed = RedisLock(client, names[3], ttl=20, lease=task_id)
+        executed._reserved_by = (reservation.owner, reservation.token)
+        for lock in (early, late, executed):
+            assert lock.acquire(blocking=False)
+        for lock in (early, late):
+            dumps[lock.key] = client.dump(lock.key)
+        early.release()
+        time.sleep(2.5)  # past SWITCH_RESEND
+        late.release()
+        # As a task's execution releases (the reservation's free goes with it).
+        outcomes: list[str] = []
+        executed.release(wait=False, then=outcomes.append)
+        released_at = time.monotonic()
+        wait_for(lambda: outcomes == ["released"], what="the execution's release answered")
+        direct = victim.client()
+        assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+        direct.close()
+        cluster.kill(victim)
+        # The heartbeat asks the primary about the late release's key, finds it
+        # gone, and is then kept from asking again: an acquire learns the
+        # failover here, once the holds are put back.
+        router = late._router
+        wait_for(lambda: router._failed_at, timeout=5, what="the primary found gone")
+        monkeypatch.setattr(transport_module, "MOVE_RECHECK", 3600.0)
+        heir = cluster.wait_for_failover(victim, timeout=30)
+        admin = heir.client()
+        try:
+            # What the promoted replica would have, had the releases died with
+            # the primary.
+            for key, value in dumps.items():
+                assert isinstance(value, bytes)
+                admin.restore(key, 60_000, value, replace=True)
+            assert not sent_again
+            time.sleep(max(0.0, released_at + 2.2 - time.monotonic()))
+            _until_acquired(other, timeout=10)
+            other.release()
+            for lock in (late, executed):
+                wait_for(
+                    functools.partial(_freed, admin, lock.key),
+                    timeout=10,
+                    what=f"{lock.name!r} freed on the promoted replica",
+                )
+            assert sorted(key for key, _ in sent_again) == sorted([late.key, *[executed.key] * 2])
+            assert not _freed(admin, early.key)
+            # The reservation's free may go until FAILOVER_WAIT after the release.
+            assert max(until for key, until in sent_again if key == executed.key) >= (
+                released_at + transport_module.FAILOVER_WAIT - 1.0
+            )
+        finally:
+            admin.close()
     finally:
         client.close()
 

@@ -100,6 +100,7 @@ from celery_redislock.scripts import (
 )
 from celery_redislock.transport import (
     DEFAULT_CALL_TIMEOUT,
+    FAILOVER_WAIT,
     SLOT_QUESTION,
     SWITCH_RESEND,
     TRANSIENT,
@@ -1142,6 +1143,8 @@ class RedisLock:
         transport = self.transport
         if transport.follows_switches or self._clustered:
             call = self._free_call(owner, fence)
+            # (A cluster's failover may be learnt that long after the release.)
+            until = max(until, written_at + FAILOVER_WAIT)
             _resend_on_switch(self._beat(), self._router, transport, written_at, call, until, what)
 
     def _free_ttl_ms(self, now: float) -> int:
@@ -2585,7 +2588,8 @@ def release_lease(
     transport = router.single or router.transport(key)
     if fence is not None and (transport.follows_switches or router.single is None):
         again = Call(RELEASE_LEASE_SCRIPT, [key, queue], [*call.args, fence])
-        until = written_at + SWITCH_RESEND + max(timeout, MIN_CALL)
+        # (A cluster's failover may be learnt that long after the release.)
+        until = written_at + max(SWITCH_RESEND + max(timeout, MIN_CALL), FAILOVER_WAIT)
         _resend_on_switch(
             get_heartbeat(),
             router,

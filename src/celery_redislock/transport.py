@@ -143,6 +143,12 @@ SENTINELS_REST = 10.0
 #: Sentinels announce a switch a moment after the promotion, learnt here up to
 #: :data:`PRIMARY_RECHECK` later.
 SWITCH_RESEND = 10.0
+#: How long, in seconds, a release that a Redis Cluster primary answered within
+#: :data:`SWITCH_RESEND` before it was found failing waits to be sent again to
+#: the replica promoted in its place (see :meth:`Router.resend_on_move`), at
+#: most: a failover is learnt a ``cluster-node-timeout`` (15 s by default) and
+#: an election after the primary failed, later than :data:`SWITCH_RESEND`.
+FAILOVER_WAIT = 60.0
 
 #: The socket type whose descriptor :meth:`_Link.send` and :meth:`_Link.receive`
 #: may write to and read from directly: a plain one, where a socket is a file descriptor (POSIX); ``None``
@@ -1812,10 +1818,14 @@ class Router:
         # When this router last changed the slot map (on the monotonic clock).
         self._moved_at = -math.inf
         # By the primary that answered them: when the last of those requests
-        # was written and its key, and when that primary was last asked whether
-        # it still serves them (see check_moves).
-        self._latest: dict[Transport, tuple[float, str]] = {}
+        # was written, its key, and until when the last of them may be sent
+        # again; when that primary was last asked whether it still serves them
+        # (see check_moves); and when a request to it first failed, if it has
+        # not answered since (see relocate): those it answered within
+        # SWITCH_RESEND before then wait for the failover, however long it takes.
+        self._latest: dict[Transport, tuple[float, str, float]] = {}
         self._checked: dict[Transport, float] = {}
+        self._failed_at: dict[Transport, float] = {}
         _every_router.add(self)
 
     @property
@@ -1913,6 +1923,9 @@ class Router:
         if self.single is not None:
             return False
         client = cast(RedisCluster, self.client)
+        with self._answered_guard:
+            if failed in self._latest:
+                self._failed_at.setdefault(failed, time.monotonic())
         with self._refresh_guard:
             question = self._questions.get(failed)
             if question is None or question.done.is_set():
@@ -1946,7 +1959,11 @@ class Router:
         it, a :data:`MOVE_RECHECK` after the last such request at first, then
         as often, while any was written within :data:`SWITCH_RESEND` (see
         :meth:`check_moves`), however idle the process; at once if the map
-        changed after ``written_at``. ``again`` as for
+        changed after ``written_at``. Once a request to ``transport`` fails (see
+        :meth:`relocate`), the requests it answered within :data:`SWITCH_RESEND`
+        before then wait for the change until ``until``, however long after them
+        it comes: a failover is learnt a ``cluster-node-timeout`` and an election
+        after the primary failed. ``again`` as for
         :meth:`Transport.resend_on_switch`. Nothing on a single server.
 
         The caller has the lane watch (see
@@ -1957,29 +1974,50 @@ class Router:
         with self._answered_guard:
             entries = self._answered
             now = time.monotonic()
-            while entries and entries[0][0] < now - SWITCH_RESEND:
+            while entries and not self._waits(entries[0], now):
                 entries.popleft()
             entries.append((written_at, until, transport, slot, again))
+            # It answered: not failing (any more).
+            self._failed_at.pop(transport, None)
             latest = self._latest.get(transport)
-            if latest is None or latest[0] <= written_at:
-                self._latest[transport] = (written_at, key)
+            if latest is None:
+                self._latest[transport] = (written_at, key, until)
+            elif latest[0] <= written_at:
+                self._latest[transport] = (written_at, key, max(until, latest[2]))
+            else:
+                self._latest[transport] = (*latest[:2], max(until, latest[2]))
             moved = self._moved_at >= written_at
         transport._move_watchers.add(self)
         if moved:
             self._map_changed()
 
+    def _waits(self, entry: _Answered | tuple[float, float, Transport], now: float) -> bool:
+        """Whether a request answered lately (see :meth:`resend_on_move`), written
+        at, until and by whom its first three items say, may still be sent again:
+        written within :data:`SWITCH_RESEND` before now, or before a request to
+        that primary first failed, and not past its ``until``. Under
+        ``_answered_guard``."""
+        written_at, until, transport = entry[:3]
+        return until > now and written_at >= self._failed_at.get(transport, now) - SWITCH_RESEND
+
+    def _forget(self, transport: Transport) -> None:
+        """No request ``transport`` answered waits any more: it is asked no more
+        (see :meth:`move_check_at`). Under ``_answered_guard``."""
+        self._latest.pop(transport, None)
+        self._checked.pop(transport, None)
+        self._failed_at.pop(transport, None)
+
     def move_check_at(self, transport: Transport) -> float | None:
         """When (on the monotonic clock) ``transport``'s primary is next to be
         asked whether it still serves the keys of the requests it answered
-        lately (see :meth:`check_moves`); ``None`` when none was written within
-        :data:`SWITCH_RESEND`."""
+        lately (see :meth:`check_moves`); ``None`` when none waits to be sent
+        again (see :meth:`resend_on_move`)."""
         with self._answered_guard:
             latest = self._latest.get(transport)
             if latest is None:
                 return None
-            if latest[0] < time.monotonic() - SWITCH_RESEND:
-                del self._latest[transport]
-                self._checked.pop(transport, None)
+            if not self._waits((latest[0], latest[2], transport), time.monotonic()):
+                self._forget(transport)
                 return None
             return max(latest[0], self._checked.get(transport, -math.inf)) + MOVE_RECHECK
 
@@ -2014,6 +2052,10 @@ class Router:
             return
         if isinstance(reply, MovedError):
             self.redirected(reply)
+        elif not isinstance(reply, RedisError):
+            # It answered as the key's primary: not failing (any more).
+            with self._answered_guard:
+                self._failed_at.pop(transport, None)
 
     def _map_changed(self, slot: int | None = None) -> None:
         """This router changed the slot map (only where ``slot`` lives, if given):
@@ -2026,9 +2068,7 @@ class Router:
             recent = [
                 entry
                 for entry in self._answered
-                if entry[0] >= now - SWITCH_RESEND
-                and entry[1] > now
-                and (slot is None or entry[3] == slot)
+                if (slot is None or entry[3] == slot) and self._waits(entry, now)
             ]
         if not recent:
             return
@@ -2046,6 +2086,10 @@ class Router:
             self._answered = collections.deque(
                 entry for entry in self._answered if id(entry) not in gone
             )
+            # A primary none of whose requests wait any more is asked no more.
+            waiting = {entry[2] for entry in self._answered if self._waits(entry, now)}
+            for transport in {entry[2] for entry in moved} - waiting:
+                self._forget(transport)
         logger.info(
             "celery_redislock: the cluster's slot map moved the keys of %d release(s) "
             "answered lately to another primary: sending them again there",
@@ -2564,7 +2608,7 @@ def _forget_after_fork() -> None:
         router._refresh, router._refresh_guard = None, threading.Lock()
         # The parent's releases are the parent's to send again.
         router._answered, router._answered_guard = collections.deque(), threading.Lock()
-        router._latest, router._checked = {}, {}
+        router._latest, router._checked, router._failed_at = {}, {}, {}
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
