@@ -2193,6 +2193,83 @@ def test_a_process_that_exits_after_releasing_on_a_replaced_primary_frees_its_lo
         old_admin.close()
 
 
+@pytest.mark.slow
+def test_a_release_a_sentinel_managed_primary_lost_in_its_crash_waits_for_the_switch(
+    redislock_sentinel_factory: Callable[..., SentinelDeployment],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Sentinels announce a failover a ``down-after-milliseconds`` (30 s by
+    default) and an election after the primary failed, later than
+    ``SWITCH_RESEND`` after the releases it may have lost (answered, and not yet
+    passed on to its replica). A process that sends nothing after its releases
+    finds the primary gone all the same: while they wait, the heartbeat sends it
+    a ``PING`` as it asks the Sentinels. The releases answered within
+    ``SWITCH_RESEND`` before then wait for the switch however long it takes:
+    here ``SWITCH_RESEND`` is 2 s and the switch is learnt later than that (as
+    the process flushes); the hold put back on the new primary is freed, and so
+    is the reservation an ``until_executed`` execution's take-over left there. A
+    release answered more than ``SWITCH_RESEND`` before is not sent again."""
+    monkeypatch.setattr(transport_module, "SWITCH_RESEND", 2.0)
+    deployment = redislock_sentinel_factory(replicas=1, sentinels=3)
+    client = deployment.client()
+    try:
+        early, late = (RedisLock(client, f"sentinel-crash:{n}", ttl=60) for n in ("early", "late"))
+        task_id = f"id-{uuid.uuid4().hex}"
+        reservation = RedisLock(
+            client,
+            "sentinel-crash:executed",
+            ttl=60,
+            owner=queued_owner(task_id),
+            lease=task_id,
+            heartbeat=False,
+        )
+        assert reservation.acquire(blocking=False)
+        dumps = {reservation.key: client.dump(reservation.key)}
+        executed = RedisLock(client, reservation.name, ttl=60, lease=task_id)
+        executed._reserved_by = (reservation.owner, reservation.token)
+        for lock in (early, late, executed):
+            assert lock.acquire(blocking=False)
+        for lock in (early, late):
+            dumps[lock.key] = client.dump(lock.key)
+        early.release()
+        time.sleep(2.5)  # past SWITCH_RESEND
+        late.release()
+        outcomes: list[str] = []
+        executed.release(wait=False, then=outcomes.append)
+        released_at = time.monotonic()
+        wait_for(lambda: outcomes == ["released"], what="the execution's release answered")
+        old = deployment.master()
+        direct = old.client()
+        assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+        direct.close()
+        transport = late.transport
+        old.kill()
+        wait_for(lambda: transport._failed_at is not None, timeout=5, what="the primary found gone")
+        # The Sentinels are asked no more: the switch is learnt once the holds
+        # are put back.
+        monkeypatch.setattr(transport_module, "PRIMARY_RECHECK", 3600.0)
+        new = deployment.wait_for_failover(timeout=30, old=old)
+        admin = new.client()
+        try:
+            # What the new primary would have, had the releases died with the old one.
+            for key, value in dumps.items():
+                assert isinstance(value, bytes)
+                admin.restore(key, 60_000, value, replace=True)
+            time.sleep(max(0.0, released_at + 2.2 - time.monotonic()))
+            transport_module.flush(timeout=5)
+            for lock in (late, executed):
+                wait_for(
+                    functools.partial(_freed, admin, lock.key),
+                    timeout=10,
+                    what=f"{lock.name!r} freed on the new primary",
+                )
+            assert not _freed(admin, early.key)
+        finally:
+            admin.close()
+    finally:
+        client.close()
+
+
 def _announced(deployment: SentinelDeployment) -> tuple[str, int]:
     """The primary's address in the first Sentinel's ``SENTINEL MASTER`` reply."""
     reply = _ask_sentinel(deployment, "MASTER", deployment.master_name)

@@ -1143,7 +1143,7 @@ class RedisLock:
         transport = self.transport
         if transport.follows_switches or self._clustered:
             call = self._free_call(owner, fence)
-            # (A cluster's failover may be learnt that long after the release.)
+            # (A failover may be learnt that long after the release: see FAILOVER_WAIT.)
             until = max(until, written_at + FAILOVER_WAIT)
             _resend_on_switch(self._beat(), self._router, transport, written_at, call, until, what)
 
@@ -2588,7 +2588,7 @@ def release_lease(
     transport = router.single or router.transport(key)
     if fence is not None and (transport.follows_switches or router.single is None):
         again = Call(RELEASE_LEASE_SCRIPT, [key, queue], [*call.args, fence])
-        # (A cluster's failover may be learnt that long after the release.)
+        # (A failover may be learnt that long after the release: see FAILOVER_WAIT.)
         until = written_at + max(SWITCH_RESEND + max(timeout, MIN_CALL), FAILOVER_WAIT)
         _resend_on_switch(
             get_heartbeat(),

@@ -138,16 +138,20 @@ FAILOVER_POLL = 0.1
 #: How long Sentinels that could not be asked are left alone, in seconds.
 SENTINELS_REST = 10.0
 #: How far back, in seconds, a release answered before a switch of primary was
-#: learnt is sent again to the new primary (see :meth:`Transport.resend_on_switch`):
-#: the old primary may have answered it after its replica was promoted, and the
-#: Sentinels announce a switch a moment after the promotion, learnt here up to
-#: :data:`PRIMARY_RECHECK` later.
+#: learnt, or before a request to the primary first failed, is sent again to the
+#: new primary (see :meth:`Transport.resend_on_switch` and
+#: :meth:`Router.resend_on_move`): the old primary may have answered it after
+#: its replica was promoted (the Sentinels announce a switch a moment after the
+#: promotion, learnt here up to :data:`PRIMARY_RECHECK` later), or died before
+#: its replica had it.
 SWITCH_RESEND = 10.0
-#: How long, in seconds, a release that a Redis Cluster primary answered within
-#: :data:`SWITCH_RESEND` before it was found failing waits to be sent again to
-#: the replica promoted in its place (see :meth:`Router.resend_on_move`), at
-#: most: a failover is learnt a ``cluster-node-timeout`` (15 s by default) and
-#: an election after the primary failed, later than :data:`SWITCH_RESEND`.
+#: How long, in seconds, a message reservation's free (or a release by lease)
+#: that a primary answered within :data:`SWITCH_RESEND` before it was found
+#: failing waits to be sent again to the replica promoted in its place, at most:
+#: a failover is learnt a ``cluster-node-timeout`` (Redis Cluster, 15 s by
+#: default) or a ``down-after-milliseconds`` (Sentinel, 30 s by default) and an
+#: election after the primary failed. (A lock's own release waits until its
+#: hold would have expired.)
 FAILOVER_WAIT = 60.0
 
 #: The socket type whose descriptor :meth:`_Link.send` and :meth:`_Link.receive`
@@ -299,6 +303,10 @@ class Transport:
         self._on_switch: collections.deque[tuple[float, float, Callable[[], object]]] = (
             collections.deque()
         )
+        # When a request to the primary first failed, if none was answered
+        # since: the requests answered within SWITCH_RESEND before then wait
+        # for a switch, however long the Sentinels take to announce one.
+        self._failed_at: float | None = None
         # Told when a switch of primary is learnt (the heartbeat's lanes).
         self._watchers: weakref.WeakSet[Any] = weakref.WeakSet()
         # The routers of a cluster whose requests this primary answered wait to
@@ -547,7 +555,12 @@ class Transport:
         the Sentinels replaced the primary: a request written at ``written_at`` and
         answered may have been answered by the old primary after its replica was
         promoted, and never reach the new one. At once if a switch was learnt
-        after it was written. Nothing for a server not managed by Sentinel.
+        after it was written. Once a request to the primary fails, the requests
+        answered within :data:`SWITCH_RESEND` before then wait until their
+        ``until``, however long the Sentinels take to announce a failover (a
+        ``down-after-milliseconds``, 30 s by default, and an election): the
+        primary may have died before its replica had them. Nothing for a server
+        not managed by Sentinel.
 
         Returns whether ``again`` waits for a switch: the Sentinels are then to be
         asked once a :data:`PRIMARY_RECHECK` until it no longer does, whether or
@@ -563,7 +576,8 @@ class Transport:
             now = time.monotonic()
             if self.switched_at < written_at:
                 entries = self._on_switch
-                while entries and entries[0][0] < now - SWITCH_RESEND:
+                since = self._resend_since(now)
+                while entries and entries[0][0] < since:
                     entries.popleft()
                 entries.append((written_at, until, again))
                 return True
@@ -596,21 +610,39 @@ class Transport:
         with self._guard:
             now = time.monotonic()
             entries = self._on_switch
-            while entries and (entries[0][0] < now - SWITCH_RESEND):
+            since = self._resend_since(now)
+            while entries and entries[0][0] < since:
                 entries.popleft()
             if not any(until > now for _, until, _ in entries):
                 entries.clear()
                 return None
             return max(self._asked_at + PRIMARY_RECHECK, self._unanswered_at + SENTINELS_REST)
 
+    def _resend_since(self, now: float) -> float:
+        """Since when the requests answered wait for a switch (see
+        :meth:`resend_on_switch`): :data:`SWITCH_RESEND` before ``now``, or
+        before a request to the primary first failed. Under ``_guard``."""
+        failed_at = self._failed_at
+        return (now if failed_at is None else min(now, failed_at)) - SWITCH_RESEND
+
+    def _failing(self) -> None:
+        """A request to a Sentinel-managed primary failed (see :meth:`resend_on_switch`)."""
+        if self._sentinel is not None and self._failed_at is None:
+            self._failed_at = time.monotonic()
+
     def check_primary(self) -> None:
         """Ask the Sentinels which server is primary (for :data:`PRIMARY_QUESTION`
         at most) if :meth:`primary_check_at` says it is time: a switch learnt so
         sends again the requests that wait for one. Sentinels that do not answer
         are left alone for :data:`SENTINELS_REST`; never raises a
-        :class:`~redis.RedisError`. A cluster primary is asked instead whether
-        it still serves the keys of the requests that wait to be sent again
-        should they move (see :meth:`Router.check_moves`)."""
+        :class:`~redis.RedisError`. While no switch is learnt, the primary is
+        sent a ``PING`` too (for :data:`PRIMARY_QUESTION` at most): one that
+        fails keeps the requests waiting for a switch however long the
+        Sentinels take to announce it, in a process that sends nothing (see
+        :meth:`resend_on_switch`); one answered says the primary is up. A
+        cluster primary is asked instead whether it still serves the keys of
+        the requests that wait to be sent again should they move (see
+        :meth:`Router.check_moves`)."""
         if self._sentinel is None:
             for router in list(self._move_watchers):
                 router.check_moves(self)
@@ -621,7 +653,13 @@ class Transport:
             return
         with self._guard:
             self._asked_at = max(self._asked_at, now)
+        switched = self.switched_at
         self._ask_quietly(now, PRIMARY_QUESTION)
+        if self.switched_at == switched:
+            try:
+                self.execute([("PING",)], Deadline.after(PRIMARY_QUESTION))
+            except RedisError:
+                pass  # Counted as failing as its connection ended (see _failing).
 
     def learn_switch(self, first: Deadline, wait: Deadline) -> None:
         """If requests wait for a switch of primary (see :meth:`resend_on_switch`),
@@ -777,12 +815,14 @@ class Transport:
             if switched:
                 now = time.monotonic()
                 self.switched_at = now
+                since = self._resend_since(now)
                 again = [
                     resend
                     for written_at, until, resend in self._on_switch
-                    if written_at >= now - SWITCH_RESEND and until > now
+                    if written_at >= since and until > now
                 ]
                 self._on_switch.clear()
+                self._failed_at = None
         if switched:
             logger.info(
                 "celery_redislock: the Sentinels name %s the new primary of %r: sending "
@@ -927,6 +967,7 @@ class Transport:
             try:
                 self._connect(conn, deadline)
             except BaseException:
+                self._failing()
                 conn.disconnect()
                 raise
             link = _Link(conn)
@@ -958,6 +999,7 @@ class Transport:
 
     def _checkin(self, link: _Link, healthy: bool) -> None:
         if not healthy:
+            self._failing()
             try:
                 self._fail_owed(
                     link, RedisConnectionError("connection lost before its reply was read")
@@ -968,6 +1010,7 @@ class Transport:
         if self._sentinel is not None:
             # It had an answer now (see _still_primary()).
             link.used = time.monotonic()
+            self._failed_at = None
         guard = self._guard
         # (Not ``with``: see _checkout().)
         guard.acquire()
@@ -2602,6 +2645,7 @@ def _forget_after_fork() -> None:
         transport._settling = 0
         # The parent's releases are the parent's to send again.
         transport._on_switch.clear()
+        transport._failed_at = None
         transport._move_watchers = weakref.WeakSet()
     for router in list(_every_router):
         # A refresh under way in the parent has no thread here to end it.
