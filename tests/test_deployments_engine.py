@@ -1157,6 +1157,54 @@ def test_cluster_releases_go_again_after_a_failover_an_idle_process_learns_by_it
         client.close()
 
 
+@dataclass
+class _Released:
+    """Holds released before their primary fails (see :func:`_release_early_and_late`)."""
+
+    early: RedisLock
+    late: RedisLock
+    executed: RedisLock
+    #: What the store had of each before the releases, by key (for the
+    #: execution's key: its message's reservation, which it took over).
+    dumps: dict[str, bytes]
+    released_at: float
+
+
+def _release_early_and_late(
+    client: Client, early_name: str, late_name: str, executed_name: str, executed_ttl: float
+) -> _Released:
+    """Take three locks, then release ``early``, and ``late`` 2.5 s later (past a
+    ``SWITCH_RESEND`` of 2 s) with an ``until_executed`` execution of
+    ``executed_ttl`` that took its message's reservation over (released as a
+    task's execution releases: the reservation's free goes with it)."""
+    task_id = f"id-{uuid.uuid4().hex}"
+    reservation = RedisLock(
+        client, executed_name, ttl=60, owner=queued_owner(task_id), lease=task_id, heartbeat=False
+    )
+    assert reservation.acquire(blocking=False)
+    reserved = client.dump(reservation.key)
+    executed = RedisLock(client, executed_name, ttl=executed_ttl, lease=task_id)
+    executed._reserved_by = (reservation.owner, reservation.token)
+    early, late = (RedisLock(client, name, ttl=60) for name in (early_name, late_name))
+    for lock in (early, late, executed):
+        assert lock.acquire(blocking=False)
+    dumps: dict[str, bytes] = {}
+    for key, value in (
+        (reservation.key, reserved),
+        *((lock.key, client.dump(lock.key)) for lock in (early, late)),
+    ):
+        assert isinstance(value, bytes)
+        dumps[key] = value
+    early.release()
+    time.sleep(2.5)
+    late.release()
+    outcomes: list[str] = []
+    executed.release(wait=False, then=outcomes.append)
+    released_at = time.monotonic()
+    wait_for(lambda: outcomes == ["released"], what="the execution's release answered")
+    return _Released(early, late, executed, dumps, released_at)
+
+
 @pytest.mark.slow
 def test_cluster_release_waits_for_a_failover_learnt_long_after_it(
     redislock_cluster_factory: Callable[..., ClusterDeployment],
@@ -1189,29 +1237,11 @@ def test_cluster_release_waits_for_a_failover_learnt_long_after_it(
     try:
         victim = cluster.primaries()[0]
         names = _names_on(cluster, client, victim, "cluster-late-failover", 4)
-        early, late, other = (RedisLock(client, name, ttl=60) for name in names[:3])
-        task_id = f"id-{uuid.uuid4().hex}"
-        reservation = RedisLock(
-            client, names[3], ttl=60, owner=queued_owner(task_id), lease=task_id, heartbeat=False
-        )
-        assert reservation.acquire(blocking=False)
-        dumps = {reservation.key: client.dump(reservation.key)}
-        # A hold that outlives the failover by less than FAILOVER_WAIT: the
-        # reservation's free waits longer.
-        executed = RedisLock(client, names[3], ttl=20, lease=task_id)
-        executed._reserved_by = (reservation.owner, reservation.token)
-        for lock in (early, late, executed):
-            assert lock.acquire(blocking=False)
-        for lock in (early, late):
-            dumps[lock.key] = client.dump(lock.key)
-        early.release()
-        time.sleep(2.5)  # past SWITCH_RESEND
-        late.release()
-        # As a task's execution releases (the reservation's free goes with it).
-        outcomes: list[str] = []
-        executed.release(wait=False, then=outcomes.append)
-        released_at = time.monotonic()
-        wait_for(lambda: outcomes == ["released"], what="the execution's release answered")
+        other = RedisLock(client, names[2], ttl=60)
+        # The execution's hold outlives the failover by less than FAILOVER_WAIT:
+        # the reservation's free waits longer.
+        released = _release_early_and_late(client, names[0], names[1], names[3], executed_ttl=20)
+        early, late, executed = released.early, released.late, released.executed
         direct = victim.client()
         assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
         direct.close()
@@ -1227,11 +1257,10 @@ def test_cluster_release_waits_for_a_failover_learnt_long_after_it(
         try:
             # What the promoted replica would have, had the releases died with
             # the primary.
-            for key, value in dumps.items():
-                assert isinstance(value, bytes)
+            for key, value in released.dumps.items():
                 admin.restore(key, 60_000, value, replace=True)
             assert not sent_again
-            time.sleep(max(0.0, released_at + 2.2 - time.monotonic()))
+            time.sleep(max(0.0, released.released_at + 2.2 - time.monotonic()))
             _until_acquired(other, timeout=10)
             other.release()
             for lock in (late, executed):
@@ -1244,7 +1273,7 @@ def test_cluster_release_waits_for_a_failover_learnt_long_after_it(
             assert not _freed(admin, early.key)
             # The reservation's free may go until FAILOVER_WAIT after the release.
             assert max(until for key, until in sent_again if key == executed.key) >= (
-                released_at + transport_module.FAILOVER_WAIT - 1.0
+                released.released_at + transport_module.FAILOVER_WAIT - 1.0
             )
         finally:
             admin.close()
@@ -2213,31 +2242,10 @@ def test_a_release_a_sentinel_managed_primary_lost_in_its_crash_waits_for_the_sw
     deployment = redislock_sentinel_factory(replicas=1, sentinels=3)
     client = deployment.client()
     try:
-        early, late = (RedisLock(client, f"sentinel-crash:{n}", ttl=60) for n in ("early", "late"))
-        task_id = f"id-{uuid.uuid4().hex}"
-        reservation = RedisLock(
-            client,
-            "sentinel-crash:executed",
-            ttl=60,
-            owner=queued_owner(task_id),
-            lease=task_id,
-            heartbeat=False,
+        released = _release_early_and_late(
+            client, "sentinel-crash:early", "sentinel-crash:late", "sentinel-crash:exec", 60
         )
-        assert reservation.acquire(blocking=False)
-        dumps = {reservation.key: client.dump(reservation.key)}
-        executed = RedisLock(client, reservation.name, ttl=60, lease=task_id)
-        executed._reserved_by = (reservation.owner, reservation.token)
-        for lock in (early, late, executed):
-            assert lock.acquire(blocking=False)
-        for lock in (early, late):
-            dumps[lock.key] = client.dump(lock.key)
-        early.release()
-        time.sleep(2.5)  # past SWITCH_RESEND
-        late.release()
-        outcomes: list[str] = []
-        executed.release(wait=False, then=outcomes.append)
-        released_at = time.monotonic()
-        wait_for(lambda: outcomes == ["released"], what="the execution's release answered")
+        early, late, executed = released.early, released.late, released.executed
         old = deployment.master()
         direct = old.client()
         assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
@@ -2252,10 +2260,9 @@ def test_a_release_a_sentinel_managed_primary_lost_in_its_crash_waits_for_the_sw
         admin = new.client()
         try:
             # What the new primary would have, had the releases died with the old one.
-            for key, value in dumps.items():
-                assert isinstance(value, bytes)
+            for key, value in released.dumps.items():
                 admin.restore(key, 60_000, value, replace=True)
-            time.sleep(max(0.0, released_at + 2.2 - time.monotonic()))
+            time.sleep(max(0.0, released.released_at + 2.2 - time.monotonic()))
             transport_module.flush(timeout=5)
             for lock in (late, executed):
                 wait_for(
