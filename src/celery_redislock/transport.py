@@ -2000,8 +2000,8 @@ class Router:
         renewal, an acquire, a release: see :meth:`redirected` and
         :meth:`relocate`), or when the heartbeat's lane of ``transport`` asks
         it, a :data:`MOVE_RECHECK` after the last such request at first, then
-        as often, while any was written within :data:`SWITCH_RESEND` (see
-        :meth:`check_moves`), however idle the process; at once if the map
+        as often, while any waits to be sent again (see :meth:`check_moves`),
+        however idle the process; at once if the map
         changed after ``written_at``. Once a request to ``transport`` fails (see
         :meth:`relocate`), the requests it answered within :data:`SWITCH_RESEND`
         before then wait for the change until ``until``, however long after them
@@ -2073,8 +2073,8 @@ class Router:
         (it died, or hangs) has the other nodes asked where its slots live now
         (see :meth:`relocate`); either sends again the requests whose key lives
         elsewhere now. A process that makes no request of its own learns so of
-        a failover within :data:`SWITCH_RESEND` of its releases. Never raises
-        a :class:`~redis.RedisError`."""
+        a failover, however long it takes once the primary is found gone (see
+        :meth:`resend_on_move`). Never raises a :class:`~redis.RedisError`."""
         at = self.move_check_at(transport)
         now = time.monotonic()
         if at is None or at > now:
