@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
 import logging
 import re
 import socket
@@ -55,7 +56,14 @@ from celery_redislock.reservations import free_queued, queued_owner
 from celery_redislock.revoke import find_and_free_queued
 from celery_redislock.scripts import COUNT_FIELD, OWNER_FIELD, QUEUED_FIELD, queue_entry
 from celery_redislock.server import RedisServer
-from celery_redislock.transport import Client, Deadline, Transport, move_slot, transport_for
+from celery_redislock.transport import (
+    Client,
+    Deadline,
+    Router,
+    Transport,
+    move_slot,
+    transport_for,
+)
 from celery_redislock.wakeups import PROBE_AFTER, hub_for
 from tests.proxy import FaultProxy
 from tests.support import (
@@ -460,6 +468,34 @@ def test_cluster_moved_reply_naming_the_slots_primary_leaves_the_slot_map_as_it_
     move_slot(manager, MovedError(f"{slot} {primary.host}:{primary.port}"))
     assert manager.slots_cache[slot] == before
     assert primary.server_type == PRIMARY
+
+
+def test_releases_another_primary_answered_beside_a_failing_one_are_not_kept_past_their_window(
+    cluster_client: RedisCluster,
+) -> None:
+    """While a cluster primary is counted as failing, the releases it answered
+    just before wait for its failover until their hold would expire (see
+    ``test_cluster_release_waits_for_a_failover_learnt_long_after_it``). The
+    releases other primaries answer meanwhile (a cluster that serves its other
+    slots, ``cluster-require-full-coverage no``) wait only ``SWITCH_RESEND``, and
+    the router's list of them does not keep them past it, though they sit
+    behind the one that waits: it holds what waits, not every release since."""
+    router = Router(cluster_client)
+    failing, other = router.transports()[:2]
+    keys = (f"beside-a-failing-primary-{n}" for n in itertools.count())
+    failing_key = next(key for key in keys if router.transport(key) is failing)
+    other_key = next(key for key in keys if router.transport(key) is other)
+    now = time.monotonic()
+    router.resend_on_move(failing, failing_key, now, now + 3600, lambda: None)
+    # A request to it fails: it is counted as failing (the other nodes, asked
+    # where its slots live, name it still).
+    assert not router.relocate(failing_key, failing, Deadline(now))
+    assert failing in router._failed_at
+    aged = now - transport_module.SWITCH_RESEND - 1
+    for _ in range(1000):
+        router.resend_on_move(other, other_key, aged, now + 3600, lambda: None)
+    assert len(router._answered) <= 2 * transport_module._PRUNE_FLOOR
+    assert router._answered[0][2] is failing
 
 
 def test_cluster_renewal_is_one_round_trip_per_primary(

@@ -1858,6 +1858,8 @@ class Router:
         # key's slot, send again), about oldest first.
         self._answered: collections.deque[_Answered] = collections.deque()
         self._answered_guard = threading.Lock()
+        # How long the list may grow before it is pruned whole (see resend_on_move).
+        self._prune_at = _PRUNE_FLOOR
         # When this router last changed the slot map (on the monotonic clock).
         self._moved_at = -math.inf
         # By the primary that answered them: when the last of those requests
@@ -2019,6 +2021,15 @@ class Router:
             now = time.monotonic()
             while entries and not self._waits(entries[0], now):
                 entries.popleft()
+            if len(entries) >= self._prune_at:
+                # Those that no longer wait, kept behind one that waits for its
+                # primary's failover (answered by another primary, or earlier):
+                # pruned whole once the list has doubled since, so that it holds
+                # what waits and no more, for a constant cost per request.
+                self._answered = entries = collections.deque(
+                    entry for entry in entries if self._waits(entry, now)
+                )
+                self._prune_at = max(_PRUNE_FLOOR, 2 * len(entries))
             entries.append((written_at, until, transport, slot, again))
             # It answered: not failing (any more).
             self._failed_at.pop(transport, None)
@@ -2144,6 +2155,10 @@ class Router:
 #: A request answered lately (see :meth:`Router.resend_on_move`): written at,
 #: until, the transport that answered it, its key's slot, what sends it again.
 _Answered = tuple[float, float, Transport, int, Callable[[], object]]
+
+#: How many requests answered lately a router keeps before it first prunes the
+#: whole list of them (see :meth:`Router.resend_on_move`).
+_PRUNE_FLOOR = 64
 
 
 #: How often, in seconds, a Redis Cluster primary that answered releases within
@@ -2652,6 +2667,7 @@ def _forget_after_fork() -> None:
         router._refresh, router._refresh_guard = None, threading.Lock()
         # The parent's releases are the parent's to send again.
         router._answered, router._answered_guard = collections.deque(), threading.Lock()
+        router._prune_at = _PRUNE_FLOOR
         router._latest, router._checked, router._failed_at = {}, {}, {}
 
 
