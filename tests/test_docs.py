@@ -49,6 +49,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.conftest import LONGEST_FIRST
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -847,10 +849,12 @@ def test_dev_extra_installs_the_docs_tools() -> None:
 def test_tests_run_in_one_process_per_core_taking_whole_files() -> None:
     """As the testing page says: ``pytest`` runs one process per core (pytest-xdist,
     which the dev extra installs), each taking whole test files, so a module's
-    fixtures start once."""
+    fixtures start once, the longest modules first."""
     options = shlex.split(_pyproject()["tool"]["pytest"]["ini_options"]["addopts"])
     assert options[options.index("-n") + 1] == "auto"
     assert options[options.index("--dist") + 1] == "loadfile"
+    # The order tests/conftest.py gives the modules, kept.
+    assert "--no-loadscope-reorder" in options
     assert any(
         r.startswith("pytest-xdist")
         for r in _pyproject()["project"]["optional-dependencies"]["dev"]
@@ -858,6 +862,8 @@ def test_tests_run_in_one_process_per_core_taking_whole_files() -> None:
     page = (ROOT / "docs" / "testing.md").read_text()
     assert "one process per core" in page
     assert "whole test files" in page
+    assert "`LONGEST_FIRST`" in page
+    assert all((ROOT / "tests" / name).is_file() for name in LONGEST_FIRST)
 
 
 # -- The README ----------------------------------------------------------------------

@@ -65,7 +65,7 @@ OTHER_PYTHON_TESTS = ("tests/test_keys.py", "tests/test_lock.py", "tests/test_ta
 
 #: What those tests need besides the package's own dependencies (pytest-xdist: the
 #: project's pytest options name it).
-TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6")
+TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.8", "hypothesis>=6")
 
 
 def requirements() -> list[str]:
