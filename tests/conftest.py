@@ -75,12 +75,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 #: What the fixtures of a test that starts a Redis Cluster or Sentinels are named.
 _DEPLOYMENT_FIXTURE = re.compile("cluster|sentinel")
 
-#: The modules that take longest, longest first (about 290, 260, 230 and 190 s on
-#: two cores): they run first, so that the shorter modules fill the other workers'
-#: time meanwhile and the workers end together (``--no-loadscope-reorder`` in
-#: ``pyproject.toml`` keeps this order; pytest-xdist would otherwise start the
-#: modules with most tests first, and these four-odd minutes of a one-test module
-#: last, while the other worker idled).
+#: The modules that take longest (minutes each on two cores), longest first: they
+#: run first, so that the shorter modules fill the other workers' time meanwhile
+#: and the workers end together (``--no-loadscope-reorder`` in ``pyproject.toml``
+#: keeps this order; pytest-xdist would otherwise start the modules with most
+#: tests first, and so the Redis 6.2 session, a single test, last, while the
+#: other workers idled).
 LONGEST_FIRST = (
     "test_oldest_versions.py",
     "test_oldest_redis.py",
