@@ -10,6 +10,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import json
 import logging
 import re
 import socket
@@ -67,6 +68,8 @@ from celery_redislock.transport import (
 from celery_redislock.wakeups import PROBE_AFTER, hub_for
 from tests.proxy import FaultProxy
 from tests.support import (
+    acquire_in_thread,
+    child_environment,
     fields,
     handed_to_a_waiter,
     hold_count,
@@ -312,9 +315,9 @@ def test_reentry_counts_holds(locks: Store) -> None:
 def test_waiter_is_woken_by_the_release(locks: Store) -> None:
     """A blocked waiter subscribed to the release channel gets the lock right after the
     holder releases it — long before the holder's 60 s TTL would have freed it. Its
-    queue entry asks a release to check that its process is still subscribed only on
-    a single server (not a cluster, whose slots move, nor a Sentinel-managed one,
-    whose primary changes): there its subscription is on the server of the queue."""
+    queue entry asks a release to check that its process is still subscribed on a
+    single server, Sentinel-managed or not (not on a cluster, whose slots move):
+    there its subscription is on the server of the queue."""
     name = f"{locks.kind}:waiter"
     holder = RedisLock(locks.target, name, ttl=60)
     waiter = RedisLock(locks.target, name, ttl=30)
@@ -323,7 +326,7 @@ def test_waiter_is_woken_by_the_release(locks: Store) -> None:
     admin = locks.admin_for(holder.key)
     wait_for(lambda: admin.zcard(holder.queue_key) >= 1, what="the waiter in the queue")
     [(entry, _)] = queue_entries(admin, holder.queue_key)
-    assert entry.endswith(b",1]") == (locks.kind in ("tls", "acl"))
+    assert entry.endswith(b",1]") == (locks.kind != "cluster")
     released = time.monotonic()
     holder.release()
     thread.join(30)
@@ -332,6 +335,118 @@ def test_waiter_is_woken_by_the_release(locks: Store) -> None:
     assert outcome["ended"] - released < WOKEN_WITHIN
     assert waiter.owned()
     waiter.release()
+
+
+#: A process whose two threads wait for a lock on a Sentinel-managed primary
+#: (argv: the Sentinel URL, the master's name, the lock's name), until killed.
+_WAITS_ON_SENTINEL = """
+import sys, threading
+from celery_redislock import RedisLock
+from celery_redislock.client import get_client
+url, service, name = sys.argv[1:]
+client = get_client(url, {"master_name": service})
+threads = [
+    threading.Thread(target=lambda: RedisLock(client, name, ttl=60).acquire(timeout=120))
+    for _ in range(2)
+]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+"""
+
+
+def test_sentinel_waiters_of_a_killed_process_are_passed_over(
+    redislock_sentinel: SentinelDeployment,
+) -> None:
+    """On a Sentinel-managed primary, as on a single server: a process waiting for a
+    lock (two threads) subscribes for its wake-ups on the primary that holds the
+    queue; killed, its subscription goes with its connection, and the next
+    release takes its waiters out of the queue and hands the lock at once to the
+    live waiter behind them, rather than to each dead one for its grant."""
+    client = get_client(redislock_sentinel.sentinel_url, redislock_sentinel.transport_options)
+    admin = redislock_sentinel.master().client()
+    holder = RedisLock(client, "sentinel-handed-killed", ttl=60)
+    assert holder.acquire(blocking=False)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _WAITS_ON_SENTINEL, redislock_sentinel.sentinel_url,
+         redislock_sentinel.master_name, holder.name],
+        env=child_environment(),
+    )  # fmt: skip
+    try:
+        wait_for(lambda: admin.zcard(holder.queue_key) == 2, timeout=30, what="the child to queue")
+        entries = [entry for entry, _ in queue_entries(admin, holder.queue_key)]
+        assert all(entry.endswith(b",1]") for entry in entries)
+        (process,) = {json.loads(entry)[0].split(".")[0] for entry in entries}
+        channel = f"{holder.wake_prefix}{process}"
+        assert admin.pubsub_numsub(channel) == [(channel.encode(), 1)]
+        child.kill()
+        child.wait(10)
+        wait_for(lambda: admin.pubsub_numsub(channel) == [(channel.encode(), 0)])
+        live = RedisLock(client, holder.name, ttl=60)
+        got, thread = acquire_in_thread(live, 30)
+        wait_for(lambda: admin.zcard(holder.queue_key) == 3, what="the live waiter to queue")
+        holder.release()
+        assert fields(admin, holder.key).get(OWNER_FIELD) == live.owner
+        assert admin.zcard(holder.queue_key) == 0
+        thread.join(30)
+        assert got == [True]
+        live.release()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        admin.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["operator", "kill"])
+def test_a_sentinel_waiter_through_a_failover_takes_the_lock_on_the_new_primary(
+    redislock_sentinel_factory: Callable[..., SentinelDeployment], how: str
+) -> None:
+    """A waiter queued on a Sentinel-managed primary asks a release to check that its
+    process is subscribed there. The primary is failed over with the holder's hold
+    and the waiter's entry replicated: killed, the waiter's subscription breaks,
+    and it asks again (without asking to be checked until it is subscribed on the
+    new primary); failed over by an operator's ``SENTINEL FAILOVER``, its process
+    stays subscribed on the old primary, a replica now, so the holder's release on
+    the new one counts no subscriber for it and passes it over, and it asks again
+    (at its next re-check, should it not hear so there). Either way it takes the
+    lock."""
+    deployment = redislock_sentinel_factory(replicas=1, sentinels=3)
+    client = get_client(deployment.sentinel_url, deployment.transport_options)
+    old = deployment.master()
+    direct = old.client()
+    holder = RedisLock(client, "sentinel-waiter-failover", ttl=60)
+    waiter = RedisLock(client, holder.name, ttl=60)
+    try:
+        assert holder.acquire(blocking=False)
+        got, thread = acquire_in_thread(waiter, 60)
+        wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter to queue")
+        [(entry, _)] = queue_entries(direct, holder.queue_key)
+        assert entry.endswith(b",1]")
+        assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+        if how == "operator":
+            assert _ask_sentinel(deployment, "FAILOVER", deployment.master_name) == b"OK"
+            new = deployment.wait_for_failover(timeout=30, old=old)
+        else:
+            deployment.kill_master()
+            new = deployment.wait_for_failover(timeout=60, old=old)
+        admin = new.client()
+        try:
+            wait_for(
+                lambda: fields(admin, holder.key).get(OWNER_FIELD) == holder.owner,
+                what="the hold on the new primary",
+            )
+            holder.release()
+            thread.join(30)
+            assert got == [True]
+            assert fields(admin, holder.key).get(OWNER_FIELD) == waiter.owner
+            waiter.release()
+        finally:
+            admin.close()
+    finally:
+        direct.close()
 
 
 def test_fencing_tokens_increase(locks: Store) -> None:

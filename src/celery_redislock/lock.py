@@ -1938,10 +1938,15 @@ class RedisLock:
         single = self._router.single
         # On a cluster, a try is not held up by a subscription to a node out of reach.
         cluster = single is None
-        # The hub subscribes on the server that holds the queue, unless that can
-        # change (a cluster's slot, a Sentinel's primary): a release may then read
-        # there whether this process still lives (see scripts.WATCHED).
-        watched = single is not None and single.service is None and not hub.unseen
+        # The hub subscribes on the server that holds the queue, unless a
+        # cluster's slot can move it: a release may then read there whether this
+        # process still lives (see scripts.WATCHED). After a Sentinel failover
+        # the hub may stay subscribed on the old primary, a replica now: a
+        # release passes its waiters over, the message that says so reaches the
+        # hub there (a replica is sent what its primary publishes), and its
+        # waiters ask again in their places and no longer ask to be checked
+        # (hub.unseen); should it not, they ask again at their next re-check.
+        watched = single is not None and not hub.unseen
         marked = queue_entry(
             waiter.id,
             self.owner,
