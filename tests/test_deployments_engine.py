@@ -406,13 +406,11 @@ def test_a_sentinel_waiter_through_a_failover_takes_the_lock_on_the_new_primary(
 ) -> None:
     """A waiter queued on a Sentinel-managed primary asks a release to check that its
     process is subscribed there. The primary is failed over with the holder's hold
-    and the waiter's entry replicated: killed, the waiter's subscription breaks,
-    and it asks again (without asking to be checked until it is subscribed on the
-    new primary); failed over by an operator's ``SENTINEL FAILOVER``, its process
-    stays subscribed on the old primary, a replica now, so the holder's release on
-    the new one counts no subscriber for it and passes it over, and it asks again
-    (at its next re-check, should it not hear so there). Either way it takes the
-    lock."""
+    and the waiter's entry replicated: killed, the waiter's subscription breaks;
+    failed over by an operator's ``SENTINEL FAILOVER``, the old primary, a replica
+    now, keeps it, and the process drops it as it learns the switch (here as the
+    holder's release is refused there). Either way the waiter asks again, its
+    process subscribes on the new primary, and it takes the lock."""
     deployment = redislock_sentinel_factory(replicas=1, sentinels=3)
     client = get_client(deployment.sentinel_url, deployment.transport_options)
     old = deployment.master()
@@ -443,6 +441,10 @@ def test_a_sentinel_waiter_through_a_failover_takes_the_lock_on_the_new_primary(
             assert got == [True]
             assert fields(admin, holder.key).get(OWNER_FIELD) == waiter.owner
             waiter.release()
+            # Subscribed on the new primary (the switch, learnt by the release,
+            # dropped a subscription left on the old one).
+            hub = hub_for(waiter.transport, waiter.prefix)
+            assert admin.pubsub_numsub(hub.channel) == [(hub.channel.encode(), 1)]
         finally:
             admin.close()
     finally:

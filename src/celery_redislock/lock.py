@@ -1940,12 +1940,10 @@ class RedisLock:
         cluster = single is None
         # The hub subscribes on the server that holds the queue, unless a
         # cluster's slot can move it: a release may then read there whether this
-        # process still lives (see scripts.WATCHED). After a Sentinel failover
-        # the hub may stay subscribed on the old primary, a replica now: a
-        # release passes its waiters over, the message that says so reaches the
-        # hub there (a replica is sent what its primary publishes), and its
-        # waiters ask again in their places and no longer ask to be checked
-        # (hub.unseen); should it not, they ask again at their next re-check.
+        # process still lives (see scripts.WATCHED). A Sentinel-managed hub
+        # subscribes on the new primary once the process learns of a switch
+        # (WakeHub.primary_switched); a release on the new one before then
+        # passes its waiters over, and they ask again in their places.
         watched = single is not None and not hub.unseen
         marked = queue_entry(
             waiter.id,

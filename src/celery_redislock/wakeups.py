@@ -177,6 +177,7 @@ class WakeHub:
         #: Wake-up messages received, and subscriptions made, for tests and benchmarks.
         self.received = 0
         self.subscriptions = 0
+        transport.watch_switches(self)
 
     @property
     def subscribed(self) -> bool:
@@ -433,6 +434,19 @@ class WakeHub:
                 waiter.fence = int(fence) if granted and fence.isdigit() else None
                 waiter.woken = True
                 waiter.event.set()
+
+    def primary_switched(self) -> None:
+        """The transport learnt that the Sentinels replaced its primary: the
+        subscription, made on the old one, is dropped as if broken, so that the
+        hub subscribes on the new one and its waiters ask again there at once.
+        Left on the old primary, a replica now, they would hear of a release on
+        the new one only once that replica is in step with it, or at their next
+        re-check. Quick; never raises (see
+        :meth:`~celery_redislock.transport.Transport.watch_switches`)."""
+        with self._guard:
+            conn = self._conn
+        if conn is not None:
+            self._broke(conn, RedisConnectionError("the Sentinels named a new primary"))
 
     def _broke(self, conn: Any, error: RedisError) -> None:
         """A reader found ``conn`` broken: have the hub's thread subscribe again,
