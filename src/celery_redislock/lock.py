@@ -1935,16 +1935,16 @@ class RedisLock:
         count of failures afresh.
         """
         hub, waiter = wakeups.join(self.transport, self.prefix)
-        single = self._router.single
         # On a cluster, a try is not held up by a subscription to a node out of reach.
-        cluster = single is None
-        # The hub subscribes on the server that holds the queue, unless a
-        # cluster's slot can move it: a release may then read there whether this
-        # process still lives (see scripts.WATCHED). A Sentinel-managed hub
-        # subscribes on the new primary once the process learns of a switch
-        # (WakeHub.primary_switched); a release on the new one before then
-        # passes its waiters over, and they ask again in their places.
-        watched = single is not None and not hub.unseen
+        cluster = self._router.single is None
+        # The hub subscribes on the server that holds the queue: a release may
+        # read there whether this process still lives (see scripts.WATCHED).
+        # Where that server changes (a Sentinel switch, a cluster's slot that
+        # moves), a release there before the process follows passes its
+        # waiters over, and they ask again in their places: a cluster sends
+        # every node what is published, and a Sentinel-managed hub subscribes
+        # on the new primary as the switch is learnt (WakeHub.primary_switched).
+        watched = not hub.unseen
         marked = queue_entry(
             waiter.id,
             self.owner,

@@ -2070,7 +2070,9 @@ class Router:
             latest = self._latest.get(transport)
             if latest is None:
                 return None
-            if not self._waits((latest[0], latest[2], transport), time.monotonic()):
+            # Nothing can be sent again through a client that was dropped.
+            waits = self._client() is not None
+            if not waits or not self._waits((latest[0], latest[2], transport), time.monotonic()):
                 self._forget(transport)
                 return None
             return max(latest[0], self._checked.get(transport, -math.inf)) + MOVE_RECHECK

@@ -413,12 +413,14 @@ class WakeHub:
         was handed to, if it says so)."""
         self.received += 1
         if message.endswith(PASSED_MARK):
-            # Passed over as dead: woken to ask again (and keep its place).
-            self.unseen = True
             message = message.removesuffix(PASSED_MARK)
             with self._guard:
                 waiter = self._waiters.get(message)
                 if waiter is not None:
+                    # Passed over as dead: woken to ask again (and keep its place).
+                    # (A cluster sends every node what is published: the hubs of
+                    # this process on other nodes hear it too, and are not unseen.)
+                    self.unseen = True
                     waiter.passed = waiter.woken = True
                     waiter.event.set()
             return
