@@ -423,7 +423,10 @@ def test_a_sentinel_waiter_through_a_failover_takes_the_lock_on_the_new_primary(
     failed over by an operator's ``SENTINEL FAILOVER``, the old primary, a replica
     now, keeps it, and the process drops it as it learns the switch (here as the
     holder's release is refused there). Either way the waiter asks again, its
-    process subscribes on the new primary, and it takes the lock."""
+    process subscribes on the new primary, and it takes the lock. What the hub
+    heard before the switch (a release that passed a waiter of the process over
+    on a server that did not count its subscription) no longer keeps its waiters
+    from asking to be checked: it subscribes on the primary itself now."""
     deployment = redislock_sentinel_factory(replicas=1, sentinels=3)
     client = get_client(deployment.sentinel_url, deployment.transport_options)
     old = deployment.master()
@@ -432,10 +435,14 @@ def test_a_sentinel_waiter_through_a_failover_takes_the_lock_on_the_new_primary(
     waiter = RedisLock(client, holder.name, ttl=60)
     try:
         assert holder.acquire(blocking=False)
+        hub = hub_for(waiter.transport, waiter.prefix)
         got, thread = acquire_in_thread(waiter, 60)
         wait_for(lambda: direct.zcard(holder.queue_key) == 1, what="the waiter to queue")
         [(entry, _)] = queue_entries(direct, holder.queue_key)
         assert entry.endswith(b",1]")
+        # As if a release had passed a waiter of this process over on a server
+        # that does not count its subscription.
+        hub.unseen = True
         assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
         if how == "operator":
             assert _ask_sentinel(deployment, "FAILOVER", deployment.master_name) == b"OK"
@@ -455,9 +462,10 @@ def test_a_sentinel_waiter_through_a_failover_takes_the_lock_on_the_new_primary(
             assert fields(admin, holder.key).get(OWNER_FIELD) == waiter.owner
             waiter.release()
             # Subscribed on the new primary (the switch, learnt by the release,
-            # dropped a subscription left on the old one).
-            hub = hub_for(waiter.transport, waiter.prefix)
+            # dropped a subscription left on the old one), and counted there
+            # whatever the hub heard before.
             assert admin.pubsub_numsub(hub.channel) == [(hub.channel.encode(), 1)]
+            assert not hub.unseen
         finally:
             admin.close()
     finally:
@@ -1619,7 +1627,9 @@ def test_a_cluster_waiter_whose_slot_moves_takes_the_lock_on_its_new_primary(
     node of a cluster, the waiter's hub among them, which no longer has its
     waiters checked; the process's hub on a third node hears it too, and still
     has its own checked), or hands it the lock: either way the waiter takes the
-    lock, its re-checks put off so that nothing else can bring it."""
+    lock, its re-checks put off so that nothing else can bring it. The first
+    primary still counts the process's hub there: the next waiter of a key that
+    lives there asks to be checked."""
     monkeypatch.setattr(lock_module, "RECHECK", 600.0)
     monkeypatch.setattr(lock_module, "UNSUBSCRIBED_RECHECK", 600.0)
     cluster = resharding_cluster
@@ -1661,6 +1671,23 @@ def test_a_cluster_waiter_whose_slot_moves_takes_the_lock_on_its_new_primary(
         assert hub.unseen == (seen == 0)
         assert bystander.received > heard
         assert not bystander.unseen
+        waiter.release()
+        # The first primary counts its hub all the same: a waiter of a key that
+        # lives there still asks to be checked.
+        [name] = _names_on(cluster, client, source, "still-on-the-first-primary", 1)
+        holder = RedisLock(client, name, ttl=30)
+        assert holder.acquire(blocking=False)
+        waiter = RedisLock(client, name, ttl=30)
+        assert hub_for(waiter.transport, waiter.prefix) is hub
+        got, thread = acquire_in_thread(waiter, 30)
+        admin = source.client()
+        wait_for(lambda: admin.zcard(holder.queue_key) == 1, what="the second waiter to queue")
+        [(entry, _)] = queue_entries(admin, holder.queue_key)
+        admin.close()
+        assert entry.endswith(b",1]")
+        holder.release()
+        thread.join(30)
+        assert got == [True]
         waiter.release()
     finally:
         client.close()

@@ -1944,7 +1944,10 @@ class RedisLock:
         # waiters over, and they ask again in their places: a cluster sends
         # every node what is published, and a Sentinel-managed hub subscribes
         # on the new primary as the switch is learnt (WakeHub.primary_switched).
-        watched = not hub.unseen
+        # A cluster's hub is on the node itself, which counts it, whatever it
+        # heard (a waiter passed over there has its key on another primary now,
+        # whose hub it moves to).
+        watched = cluster or not hub.unseen
         marked = queue_entry(
             waiter.id,
             self.owner,

@@ -172,7 +172,9 @@ class WakeHub:
         #: Whether a release passed over one of this hub's waiters as dead (its
         #: channel had no subscriber on the lock's server) though its message came
         #: here: the server's subscriber count does not see this subscription, and
-        #: this process's waiters no longer ask to be checked by it.
+        #: this process's waiters no longer ask to be checked by it (but on a
+        #: cluster, see ``RedisLock._wait``). Cleared as a Sentinel-managed hub
+        #: follows a switch (see :meth:`primary_switched`).
         self.unseen = False
         #: Wake-up messages received, and subscriptions made, for tests and benchmarks.
         self.received = 0
@@ -443,8 +445,10 @@ class WakeHub:
         hub subscribes on the new one and its waiters ask again there at once.
         Left on the old primary, a replica now, they would hear of a release on
         the new one only once that replica is in step with it, or at their next
-        re-check. Quick; never raises (see
+        re-check. What this hub heard before (:attr:`unseen`) no longer counts:
+        it subscribes on the primary itself from now on. Quick; never raises (see
         :meth:`~celery_redislock.transport.Transport.watch_switches`)."""
+        self.unseen = False
         with self._guard:
             conn = self._conn
         if conn is not None:
