@@ -1388,9 +1388,8 @@ def queue_entry(
     only, leaves it out). Otherwise the description is handed over as given.
 
     ``watched``: the waiter's process is subscribed to its wake channel on the
-    server that holds the queue (one server, a Sentinel-managed primary, or a
-    cluster's primary for the key), so a release may read there whether the
-    process still is; the
+    server that holds the queue (one server, Sentinel-managed or not, not a
+    cluster), so a release may read there whether the process still is; the
     description is then padded to all of :data:`HOLDER_FIELDS`, and
     :data:`WATCHED` follows it."""
     described: list[str | int | list[str]] = list(info.split(SEPARATOR)) if info else []
