@@ -406,9 +406,10 @@ def is_redis_6_2(binary: str) -> bool:
 
 
 #: How the tests that run a part of this suite in another session (another
-#: Python, the oldest releases, Redis 6.2) run it: in one process (this
-#: session's own processes run beside it), quietly, without the slow tests.
-CHILD_PYTEST_OPTIONS = ("-n", "0", "-q", "-p", "no:cacheprovider", "--skip-slow")
+#: Python, the oldest releases, Redis 6.2) run it: in two processes, each
+#: taking whole test files (like this session's, most of their time is spent
+#: waiting; these sessions are the longest tests), quietly, without the slow tests.
+CHILD_PYTEST_OPTIONS = ("-n", "2", "-q", "-p", "no:cacheprovider", "--skip-slow")
 
 
 def child_environment() -> dict[str, str]:

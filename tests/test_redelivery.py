@@ -1361,7 +1361,12 @@ def test_a_send_of_its_own_id_that_ends_unrun_as_its_sender_runs_leaves_the_lock
         task_failure.disconnect(on_failure, sender=job)
         task_revoked.disconnect(on_revoked, sender=job)
     assert runs == [first.id, again.id]
-    assert _words(redislock_client) == []
+    # A revoke this worker handles before it has the new message finds the
+    # sender's hold by a search, and cannot tell whether the sender also sent a
+    # retry: it leaves word about retry 1 too, which nobody reads; it expires.
+    left = _words(redislock_client) if drop == "revoked" else []
+    assert all(key.endswith(b":1") and redislock_client.pttl(key) > 0 for key in left)
+    assert [key for key in _words(redislock_client) if key not in left] == []
 
 
 def test_a_delivery_behind_its_sender_that_cannot_leave_word_logs_it(
