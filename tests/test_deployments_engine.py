@@ -315,11 +315,8 @@ def test_reentry_counts_holds(locks: Store) -> None:
 def test_waiter_is_woken_by_the_release(locks: Store) -> None:
     """A blocked waiter subscribed to the release channel gets the lock right after the
     holder releases it — long before the holder's 60 s TTL would have freed it. Its
-    queue entry asks a release to check that its process is still subscribed on a
-    single server, Sentinel-managed or not, where its subscription is on the
-    server of the queue; not on a cluster, whose slots move (a waiter passed over
-    after its slot moved would ask again, and a slot half-way moved refuses that
-    until the move ends)."""
+    queue entry asks a release to check that its process is still subscribed, on
+    every deployment: its subscription is on the server of the queue."""
     name = f"{locks.kind}:waiter"
     holder = RedisLock(locks.target, name, ttl=60)
     waiter = RedisLock(locks.target, name, ttl=30)
@@ -328,7 +325,7 @@ def test_waiter_is_woken_by_the_release(locks: Store) -> None:
     admin = locks.admin_for(holder.key)
     wait_for(lambda: admin.zcard(holder.queue_key) >= 1, what="the waiter in the queue")
     [(entry, _)] = queue_entries(admin, holder.queue_key)
-    assert entry.endswith(b",1]") == (locks.kind != "cluster")
+    assert entry.endswith(b",1]")
     released = time.monotonic()
     holder.release()
     thread.join(30)
@@ -339,14 +336,18 @@ def test_waiter_is_woken_by_the_release(locks: Store) -> None:
     waiter.release()
 
 
-#: A process whose two threads wait for a lock on a Sentinel-managed primary
-#: (argv: the Sentinel URL, the master's name, the lock's name), until killed.
-_WAITS_ON_SENTINEL = """
+#: A process whose two threads wait for a lock (argv: the lock's name, then a
+#: Sentinel URL and the master's name, or a cluster node's port), until killed.
+_WAITS = """
 import sys, threading
+from redis.cluster import RedisCluster
 from celery_redislock import RedisLock
 from celery_redislock.client import get_client
-url, service, name = sys.argv[1:]
-client = get_client(url, {"master_name": service})
+name, *store = sys.argv[1:]
+if len(store) == 2:
+    client = get_client(store[0], {"master_name": store[1]})
+else:
+    client = RedisCluster(host="127.0.0.1", port=int(store[0]))
 threads = [
     threading.Thread(target=lambda: RedisLock(client, name, ttl=60).acquire(timeout=120))
     for _ in range(2)
@@ -358,23 +359,33 @@ for thread in threads:
 """
 
 
-def test_sentinel_waiters_of_a_killed_process_are_passed_over(
-    redislock_sentinel: SentinelDeployment,
+@pytest.mark.parametrize("kind", ["sentinel", "cluster"])
+def test_waiters_of_a_killed_process_are_passed_over_on_sentinel_and_cluster(
+    request: pytest.FixtureRequest, kind: str
 ) -> None:
-    """On a Sentinel-managed primary, as on a single server: a process waiting for a
-    lock (two threads) subscribes for its wake-ups on the primary that holds the
-    queue; killed, its subscription goes with its connection, and the next
-    release takes its waiters out of the queue and hands the lock at once to the
-    live waiter behind them, rather than to each dead one for its grant."""
-    client = get_client(redislock_sentinel.sentinel_url, redislock_sentinel.transport_options)
-    admin = redislock_sentinel.master().client()
-    holder = RedisLock(client, "sentinel-handed-killed", ttl=60)
+    """On a Sentinel-managed primary or a cluster, as on a single server: a process
+    waiting for a lock (two threads) subscribes for its wake-ups on the primary
+    that holds the queue; killed, its subscription goes with its connection, and
+    the next release takes its waiters out of the queue and hands the lock at
+    once to the live waiter behind them, rather than to each dead one for its
+    grant."""
+    name = f"{kind}-handed-killed"
+    client: Client
+    if kind == "sentinel":
+        sentinels: SentinelDeployment = request.getfixturevalue("redislock_sentinel")
+        client = get_client(sentinels.sentinel_url, sentinels.transport_options)
+        store = [sentinels.sentinel_url, sentinels.master_name]
+        admin = sentinels.master().client()
+    else:
+        cluster: ClusterDeployment = request.getfixturevalue("redislock_cluster")
+        client = request.getfixturevalue("cluster_client")
+        store = [str(cluster.primaries()[0].port)]
+        admin = cluster.primary_for_key(lock_keys(name)[0]).client()
+    holder = RedisLock(client, name, ttl=60)
     assert holder.acquire(blocking=False)
     child = subprocess.Popen(
-        [sys.executable, "-c", _WAITS_ON_SENTINEL, redislock_sentinel.sentinel_url,
-         redislock_sentinel.master_name, holder.name],
-        env=child_environment(),
-    )  # fmt: skip
+        [sys.executable, "-c", _WAITS, holder.name, *store], env=child_environment()
+    )
     try:
         wait_for(lambda: admin.zcard(holder.queue_key) == 2, timeout=30, what="the child to queue")
         entries = [entry for entry, _ in queue_entries(admin, holder.queue_key)]
@@ -1601,6 +1612,128 @@ def test_cluster_locks_follow_their_slot_through_a_migration(
         assert other.token > held.token
         other.release()
         assert not held.lost
+    finally:
+        client.close()
+
+
+def test_a_cluster_waiter_whose_slot_moves_takes_the_lock_on_its_new_primary(
+    resharding_cluster: ClusterDeployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter queued on a cluster primary asks a release to check that its
+    process is subscribed there. Its slot then moves to another primary
+    (resharding), the queue with it, while its process stays subscribed on the
+    first. The holder's release on the new primary passes it over if it counts
+    no subscriber of the process there (the message that says so reaches every
+    node of a cluster, the waiter's hub among them, which no longer has its
+    waiters checked; the process's hub on a third node hears it too, and still
+    has its own checked), or hands it the lock: either way the waiter takes the
+    lock, its re-checks put off so that nothing else can bring it. The first
+    primary still counts the process's hub there: the next waiter of a key that
+    lives there asks to be checked."""
+    monkeypatch.setattr(lock_module, "RECHECK", 600.0)
+    monkeypatch.setattr(lock_module, "UNSUBSCRIBED_RECHECK", 600.0)
+    cluster = resharding_cluster
+    client = cluster.client()
+    try:
+        holder = RedisLock(client, "slot-moves-under-a-waiter", ttl=30)
+        assert holder.acquire(blocking=False)
+        waiter = RedisLock(client, holder.name, ttl=30)
+        hub = hub_for(waiter.transport, waiter.prefix)
+        got, thread = acquire_in_thread(waiter, 60)
+        slot = client.keyslot(holder.key)  # type: ignore[no-untyped-call]
+        source = cluster.primary_for_slot(slot)
+        admin = source.client()
+        wait_for(lambda: admin.zcard(holder.queue_key) == 1, what="the waiter to queue")
+        [(entry, _)] = queue_entries(admin, holder.queue_key)
+        assert entry.endswith(b",1]")
+        admin.close()
+        source, target = migrating(cluster, slot)
+        migrate_keys(source, target, slot)
+        settle(cluster, slot, target)
+        admin = target.client()
+        [(_, seen)] = admin.pubsub_numsub(hub.channel)
+        admin.close()
+        # The process's hub on the third primary, read by a waiter of its own
+        # that nothing wakes: it hears what the release publishes too.
+        [third] = [node for node in cluster.primaries() if node not in (source, target)]
+        node = client.get_node(host=third.host, port=third.port)  # type: ignore[no-untyped-call]
+        bystander = hub_for(transport_for(client.get_redis_connection(node)), waiter.prefix)
+        idle = bystander.join()
+        assert bystander.wait_ready(Deadline.after(10))
+        heard = bystander.received
+        reading = threading.Thread(target=bystander.wait, args=(idle, 3.0))
+        reading.start()
+        holder.release()
+        thread.join(30)
+        reading.join(10)
+        bystander.leave(idle)
+        assert got == [True]
+        assert hub.unseen == (seen == 0)
+        assert bystander.received > heard
+        assert not bystander.unseen
+        waiter.release()
+        # The first primary counts its hub all the same: a waiter of a key that
+        # lives there still asks to be checked.
+        [name] = _names_on(cluster, client, source, "still-on-the-first-primary", 1)
+        holder = RedisLock(client, name, ttl=30)
+        assert holder.acquire(blocking=False)
+        waiter = RedisLock(client, name, ttl=30)
+        assert hub_for(waiter.transport, waiter.prefix) is hub
+        got, thread = acquire_in_thread(waiter, 30)
+        admin = source.client()
+        wait_for(lambda: admin.zcard(holder.queue_key) == 1, what="the second waiter to queue")
+        [(entry, _)] = queue_entries(admin, holder.queue_key)
+        admin.close()
+        assert entry.endswith(b",1]")
+        holder.release()
+        thread.join(30)
+        assert got == [True]
+        waiter.release()
+    finally:
+        client.close()
+
+
+def test_a_cluster_release_on_a_slot_half_moved_hands_the_lock_to_its_live_waiter(
+    resharding_cluster: ClusterDeployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter queued on a cluster primary asks a release to check that its
+    process is subscribed there. The slot then starts to move to another
+    primary, and the lock's keys move before the slot does (resharding under
+    way): the holder's release runs on the new primary (``ASK``), which counts no
+    subscriber of the waiter's process (it subscribes on the first, which still
+    serves the slot). The release hands the waiter the lock all the same rather
+    than pass it over: passed over, it would ask again, and a request about both
+    of the lock's keys is refused (``TRYAGAIN``) until the move ends. Its
+    re-checks are put off, so that nothing else can bring it the lock."""
+    monkeypatch.setattr(lock_module, "RECHECK", 600.0)
+    monkeypatch.setattr(lock_module, "UNSUBSCRIBED_RECHECK", 600.0)
+    cluster = resharding_cluster
+    client = cluster.client()
+    try:
+        # A prefix of its own: no hub of this process on the new primary.
+        holder = RedisLock(client, "half-moved-under-a-waiter", ttl=30, prefix="half-moved")
+        assert holder.acquire(blocking=False)
+        waiter = RedisLock(client, holder.name, ttl=30, prefix=holder.prefix)
+        hub = hub_for(waiter.transport, waiter.prefix)
+        got, thread = acquire_in_thread(waiter, 20)
+        slot = client.keyslot(holder.key)  # type: ignore[no-untyped-call]
+        admin = cluster.primary_for_slot(slot).client()
+        wait_for(lambda: admin.zcard(holder.queue_key) == 1, what="the waiter to queue")
+        [(entry, _)] = queue_entries(admin, holder.queue_key)
+        admin.close()
+        assert entry.endswith(b",1]")
+        source, target = migrating(cluster, slot)
+        migrate_keys(source, target, slot)
+        admin = target.client()
+        [(_, seen)] = admin.pubsub_numsub(hub.channel)
+        admin.close()
+        assert seen == 0
+        holder.release()
+        thread.join(30)
+        assert got == [True]
+        assert not hub.unseen
+        settle(cluster, slot, target)
+        waiter.release()
     finally:
         client.close()
 

@@ -1937,15 +1937,17 @@ class RedisLock:
         hub, waiter = wakeups.join(self.transport, self.prefix)
         # On a cluster, a try is not held up by a subscription to a node out of reach.
         cluster = self._router.single is None
-        # The hub subscribes on the server that holds the queue, unless a
-        # cluster's slot can move it: a release may then read there whether this
-        # process still lives (see scripts.WATCHED). (A waiter passed over after
-        # its slot moved would ask again, and a slot half-way moved refuses a
-        # request about both of the lock's keys until the move ends.) A
-        # Sentinel-managed hub subscribes on the new primary as a switch is
-        # learnt (WakeHub.primary_switched); a release on the new one before
-        # then passes its waiters over, and they ask again in their places.
-        watched = not cluster and not hub.unseen
+        # The hub subscribes on the server that holds the queue: a release may
+        # read there whether this process still lives (see scripts.WATCHED).
+        # Where that server changes (a Sentinel switch, a cluster's slot that
+        # moves), a release there before the process follows passes its
+        # waiters over, and they ask again in their places: a cluster sends
+        # every node what is published, and a Sentinel-managed hub subscribes
+        # on the new primary as the switch is learnt (WakeHub.primary_switched).
+        # A cluster's hub is on the node itself, which counts it, whatever it
+        # heard (a waiter passed over there has its key on another primary now,
+        # whose hub it moves to).
+        watched = cluster or not hub.unseen
         marked = queue_entry(
             waiter.id,
             self.owner,

@@ -610,12 +610,42 @@ local function entry(member)
     return member, nil
 end
 
+-- Whether this server's count of subscribers stands for the waiters of the lock:
+-- it is no cluster node, or the cluster primary that serves the lock's slot. A
+-- slot half-way moved here (resharding: its keys here, the slot not yet) has its
+-- requests sent with ASKING, while the waiters' processes still subscribe on the
+-- slot's primary, which publishes to every node but counts only its own
+-- subscribers; a waiter passed over here would ask again, and be refused until
+-- the move ends. Read once per call, where the ACL lets the user (else this is
+-- taken for no cluster node: a cluster user asks for the check with
+-- +cluster|myid +cluster|keyslot +cluster|slots).
+local serves_slot = nil
+local function counts_here()
+    if serves_slot ~= nil then return serves_slot end
+    serves_slot = true
+    if not redis.acl_check_cmd('cluster', 'myid') then return serves_slot end
+    local me = redis.pcall('CLUSTER', 'MYID')
+    if type(me) ~= 'string' then return serves_slot end  -- cluster support disabled
+    serves_slot = false
+    if redis.acl_check_cmd('cluster', 'keyslot', KEYS[1])
+            and redis.acl_check_cmd('cluster', 'slots') then
+        local slot = redis.call('CLUSTER', 'KEYSLOT', KEYS[1])
+        for _, range in ipairs(redis.call('CLUSTER', 'SLOTS')) do
+            if range[1] <= slot and slot <= range[2] then
+                serves_slot = range[3][3] == me
+            end
+        end
+    end
+    return serves_slot
+end
+
 -- Whether a queue entry's waiter has died with its process: its entry says the
 -- process is subscribed to its wake channel on this server (WATCHED), and the
 -- channel has no subscriber here (the server dropped it as the process's
--- connection closed). ``known`` keeps what was learnt of each process. Asked
--- only where the ACL can be checked first (Redis 7, Valkey) and lets the user
--- ask: a refusal would be logged; a count the server does not give is one.
+-- connection closed), where that count stands for it (counts_here()).
+-- ``known`` keeps what was learnt of each process. Asked only where the ACL can
+-- be checked first (Redis 7, Valkey) and lets the user ask: a refusal would be
+-- logged; a count the server does not give is one.
 local function dead(member, known)
     if string.sub(member, -#$WATCHED_END) ~= $WATCHED_END then return false end
     local ok, value = pcall(cjson.decode, member)
@@ -631,6 +661,7 @@ local function dead(member, known)
         if redis.acl_check_cmd and redis.acl_check_cmd('pubsub', 'numsub', channel) then
             local reply = redis.pcall('PUBSUB', 'NUMSUB', channel)
             gone = type(reply) == 'table' and not reply.err and tonumber(reply[2]) == 0
+                and counts_here()
         end
         known[process] = gone
     end
@@ -1388,8 +1419,9 @@ def queue_entry(
     only, leaves it out). Otherwise the description is handed over as given.
 
     ``watched``: the waiter's process is subscribed to its wake channel on the
-    server that holds the queue (one server, Sentinel-managed or not, not a
-    cluster), so a release may read there whether the process still is; the
+    server that holds the queue (one server, a Sentinel-managed primary, or a
+    cluster's primary for the key), so a release may read there whether the
+    process still is; the
     description is then padded to all of :data:`HOLDER_FIELDS`, and
     :data:`WATCHED` follows it."""
     described: list[str | int | list[str]] = list(info.split(SEPARATOR)) if info else []

@@ -172,8 +172,9 @@ class WakeHub:
         #: Whether a release passed over one of this hub's waiters as dead (its
         #: channel had no subscriber on the lock's server) though its message came
         #: here: the server's subscriber count does not see this subscription, and
-        #: this process's waiters no longer ask to be checked by it. Cleared as a
-        #: Sentinel-managed hub follows a switch (see :meth:`primary_switched`).
+        #: this process's waiters no longer ask to be checked by it (but on a
+        #: cluster, see ``RedisLock._wait``). Cleared as a Sentinel-managed hub
+        #: follows a switch (see :meth:`primary_switched`).
         self.unseen = False
         #: Wake-up messages received, and subscriptions made, for tests and benchmarks.
         self.received = 0
@@ -414,12 +415,14 @@ class WakeHub:
         was handed to, if it says so)."""
         self.received += 1
         if message.endswith(PASSED_MARK):
-            # Passed over as dead: woken to ask again (and keep its place).
-            self.unseen = True
             message = message.removesuffix(PASSED_MARK)
             with self._guard:
                 waiter = self._waiters.get(message)
                 if waiter is not None:
+                    # Passed over as dead: woken to ask again (and keep its place).
+                    # (A cluster sends every node what is published: the hubs of
+                    # this process on other nodes hear it too, and are not unseen.)
+                    self.unseen = True
                     waiter.passed = waiter.woken = True
                     waiter.event.set()
             return
