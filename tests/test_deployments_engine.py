@@ -1352,6 +1352,95 @@ def test_cluster_releases_go_again_after_a_failover_an_idle_process_learns_by_it
         client.close()
 
 
+#: A process that takes a lock on a cluster, releases it once told on its stdin,
+#: and exits once told again; while it runs, nothing asks the key's primary
+#: whether it still serves the key (``MOVE_RECHECK`` raised). Arguments: a node's
+#: port, the lock's name.
+_RELEASES_ON_A_CLUSTER_AND_EXITS = """
+import atexit, logging, sys, threading
+from redis.cluster import RedisCluster
+from celery_redislock import RedisLock, transport
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+
+def refuse_threads():
+    # As Python 3.12 and later do at exit (this runs before the flush: last in, first out).
+    def refused(thread):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+    threading.Thread.start = refused
+
+atexit.register(refuse_threads)
+transport.MOVE_RECHECK = 3600.0
+# However long the failover takes on a loaded machine.
+transport.SWITCH_RESEND = 600.0
+port, name = sys.argv[1:]
+client = RedisCluster(host="127.0.0.1", port=int(port))
+lock = RedisLock(client, name, ttl=60)
+assert lock.acquire(blocking=False)
+print("acquired", flush=True)
+sys.stdin.readline()
+lock.release()
+print("released", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.slow
+def test_a_process_that_exits_after_a_cluster_primary_lost_its_release_frees_the_lock_there(
+    redislock_cluster_factory: Callable[..., ClusterDeployment],
+) -> None:
+    """A cluster primary answers a process's release and dies before its replica
+    has it: promoted, the replica still has the hold. The process, idle, exits
+    before it would have learnt so (the heartbeat asks the primary a
+    ``MOVE_RECHECK`` after the release, raised here): as it flushes, it asks the
+    primary whether it still serves the key, finds it gone, learns from the
+    other nodes where its slots live now, and sends the release there before it
+    ends, in its own thread (a process at exit may start none). The lock is not
+    left held on the promoted replica until its TTL."""
+    cluster = redislock_cluster_factory(masters=3, replicas_per_master=1)
+    client = cluster.client()
+    victim = cluster.primaries()[0]
+    [name] = _names_on(cluster, client, victim, "cluster-exit-release", 1)
+    key = lock_keys(name)[0]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _RELEASES_ON_A_CLUSTER_AND_EXITS, str(victim.port), name],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_environment(),
+    )
+    admin: redis.Redis | None = None
+    try:
+        assert child.stdin is not None
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "acquired"
+        held = client.dump(key)
+        assert isinstance(held, bytes)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "released"
+        direct = victim.client()
+        assert direct.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+        direct.close()
+        cluster.kill(victim)
+        heir = cluster.wait_for_failover(victim, timeout=30)
+        admin = heir.client()
+        # What the promoted replica would have, had the release died with the primary.
+        admin.restore(key, 60_000, held, replace=True)
+        assert not _freed(admin, key)
+        out, _ = child.communicate("\n", timeout=60)
+        assert child.returncode == 0, out
+        assert _freed(admin, key), out
+        assert "answered lately to another primary: sending them again there" in out
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+        if admin is not None:
+            admin.close()
+        client.close()
+
+
 @dataclass
 class _Released:
     """Holds released before their primary fails (see :func:`_release_early_and_late`)."""

@@ -94,7 +94,8 @@ entry ends in :data:`WATCHED` (its process subscribes on this server), a release
 counts the subscribers of its wake channel (``PUBSUB NUMSUB``, before the first
 write), and takes the entry out of the queue, waking the next instead, when
 there is none: the server dropped the subscription as the process's connection
-closed. Each such waiter is sent :data:`PASSED_MARK` all the same, which only a
+closed. A cluster node counts only where it serves the lock's slot: one that a
+slot is half-way moved to (reached with ``ASKING``) passes nobody over. Each such waiter is sent :data:`PASSED_MARK` all the same, which only a
 process subscribed where the server does not count it hears (it then asks again,
 in its place, and no longer asks to be checked). Up to
 :data:`PASSED_OVER_LIMIT` entries go per release.

@@ -1949,7 +1949,9 @@ class Router:
             return refresh.wait(deadline)
         return False
 
-    def relocate(self, key: str, failed: Transport, deadline: Deadline) -> bool:
+    def relocate(
+        self, key: str, failed: Transport, deadline: Deadline, inline: bool = False
+    ) -> bool:
         """After ``failed``, the primary the slot map names for ``key``, could not
         be reached: learn from the cluster's other nodes which primaries serve
         the slots the map gives ``failed`` now, and put them in the slot map (the
@@ -1962,8 +1964,10 @@ class Router:
         not even a refusal) costs no more than that. The question runs in a
         thread of its own, one per failed primary at a time, and is waited for until
         ``deadline`` at most: one whose caller's time is up (a past ``deadline``)
-        goes on there, so the next request finds the new primary. A single
-        server has nowhere else to go: ``False``.
+        goes on there, so the next request finds the new primary. ``inline``: it
+        runs in the caller's thread instead, until ``deadline`` (a process about
+        to exit may start no thread). A single server has nowhere else to go:
+        ``False``.
         """
         if self.single is not None:
             return False
@@ -1971,6 +1975,9 @@ class Router:
         with self._answered_guard:
             if failed in self._latest:
                 self._failed_at.setdefault(failed, time.monotonic())
+        if inline:
+            _SlotQuestion.ask(client, failed, self._map_changed, deadline)
+            return self.transport(key) is not failed
         with self._refresh_guard:
             question = self._questions.get(failed)
             if question is None or question.done.is_set():
@@ -2077,7 +2084,7 @@ class Router:
                 return None
             return max(latest[0], self._checked.get(transport, -math.inf)) + MOVE_RECHECK
 
-    def check_moves(self, transport: Transport) -> None:
+    def check_moves(self, transport: Transport, now_by: Deadline | None = None) -> None:
         """If :meth:`move_check_at` says it is time, ask ``transport``'s primary
         about the key of the last request it answered that waits to be sent
         again should its key move (a ``PTTL``, within :data:`SLOT_QUESTION`): an
@@ -2087,10 +2094,12 @@ class Router:
         (see :meth:`relocate`); either sends again the requests whose key lives
         elsewhere now. A process that makes no request of its own learns so of
         a failover, however long it takes once the primary is found gone (see
-        :meth:`resend_on_move`). Never raises a :class:`~redis.RedisError`."""
+        :meth:`resend_on_move`). ``now_by``: ask now, whenever it was last
+        asked, all in the caller's thread and by then (a process about to exit,
+        see :func:`flush`). Never raises a :class:`~redis.RedisError`."""
         at = self.move_check_at(transport)
         now = time.monotonic()
-        if at is None or at > now:
+        if at is None or (at > now and now_by is None):
             return
         with self._answered_guard:
             self._checked[transport] = now
@@ -2099,12 +2108,16 @@ class Router:
             return
         key = latest[1]
         deadline = Deadline.after(SLOT_QUESTION)
+        if now_by is not None:
+            deadline = Deadline(min(deadline.at, now_by.at))
         try:
             [reply] = run(transport, [("PTTL", key)], deadline, 1)
         except RedisError as exc:
             if isinstance(exc, TRANSIENT):
-                # Waited for until the deadline at most: it goes on in its thread.
-                self.relocate(key, transport, deadline)
+                # Waited for until the deadline at most: it goes on in its thread
+                # (asked in this one by a process about to exit).
+                inline = now_by is not None
+                self.relocate(key, transport, now_by or deadline, inline)
             return
         if isinstance(reply, MovedError):
             self.redirected(reply)
@@ -2112,6 +2125,22 @@ class Router:
             # It answered as the key's primary: not failing (any more).
             with self._answered_guard:
                 self._failed_at.pop(transport, None)
+
+    def learn_moves(self, deadline: Deadline) -> None:
+        """Ask each primary of this process whose releases wait to be sent again
+        should their keys move (see :meth:`resend_on_move`) whether it still
+        serves them, now and one after another, all by ``deadline`` (see
+        :meth:`check_moves`): a process about to exit learns the failover or
+        move that the heartbeat would have learnt within :data:`MOVE_RECHECK`
+        had it gone on running, and those releases go again (handed to the
+        heartbeat, whose requests :func:`flush` sends next). Never raises a
+        :class:`~redis.RedisError`."""
+        with self._answered_guard:
+            waiting = [t for t in self._latest if t._pid == _process_id]
+        for transport in waiting:
+            if deadline.expired():
+                return
+            self.check_moves(transport, deadline)
 
     def _map_changed(self, slot: int | None = None) -> None:
         """This router changed the slot map (only where ``slot`` lives, if given):
@@ -2191,6 +2220,20 @@ class _SlotQuestion:
 
     def _run(self, client: RedisCluster, failed: Transport, moved: Callable[[], None]) -> None:
         try:
+            self.ask(client, failed, moved)
+        finally:
+            self.done.set()
+
+    @staticmethod
+    def ask(
+        client: RedisCluster,
+        failed: Transport,
+        moved: Callable[[], None],
+        deadline: Deadline | None = None,
+    ) -> None:
+        """Ask the nodes, in the caller's thread, by ``deadline`` if given (each
+        node :data:`SLOT_QUESTION` at most). Never raises."""
+        try:
             nodes = sorted(
                 client.get_nodes(),  # type: ignore[no-untyped-call]
                 key=lambda node: node.server_type != PRIMARY,
@@ -2199,10 +2242,13 @@ class _SlotQuestion:
                 transport = transport_for(client.get_redis_connection(node))
                 if transport is failed:
                     continue
+                question = Deadline.after(SLOT_QUESTION)
+                if deadline is not None:
+                    if deadline.expired():
+                        return
+                    question = Deadline(min(question.at, deadline.at))
                 try:
-                    [reply] = run(
-                        transport, [("CLUSTER", "SLOTS")], Deadline.after(SLOT_QUESTION), 1
-                    )
+                    [reply] = run(transport, [("CLUSTER", "SLOTS")], question, 1)
                 except RedisError:
                     continue
                 served = _served(reply, node.host)
@@ -2231,8 +2277,6 @@ class _SlotQuestion:
                 failed.describe(),
                 exc,
             )
-        finally:
-            self.done.set()
 
 
 def _served(reply: Any, host: str) -> list[tuple[int, int, str, int]]:
@@ -2579,6 +2623,11 @@ def flush(timeout: float | None = None, final: bool = False) -> None:
     ``final``: the process is about to exit (at exit, or a pool child's end), so
     nothing is left to the background: a request that could not be sent is
     logged as given up.
+
+    Before sending, the Sentinels of a Sentinel-managed primary, and a cluster's
+    primaries, that answered releases which may have to go again are asked
+    whether the primary was replaced or the keys moved (see
+    :func:`_learn_switches` and :func:`_learn_moves`): such releases go then.
     """
     global exiting
     if timeout is None:
@@ -2601,6 +2650,7 @@ def flush(timeout: float | None = None, final: bool = False) -> None:
         try:
             try:
                 _learn_switches(deadline)
+                _learn_moves(deadline)
             finally:
                 for send in list(_after_drain):
                     send(deadline, final)
@@ -2633,6 +2683,25 @@ def _learn_switches(deadline: Deadline) -> None:
                 "celery_redislock: asking the Sentinels of %s before sending failed",
                 transport.describe(),
             )
+
+
+def _learn_moves(deadline: Deadline) -> None:
+    """For :func:`flush`: have each cluster router of this process ask, by
+    ``deadline``, the primaries whose releases wait to be sent again should
+    their keys move, whether they still serve them (see
+    :meth:`Router.learn_moves`). A failover or move learnt so hands those
+    releases to the heartbeat, which the flush then sends where the keys live
+    now: a process that exits right after a primary answered its releases and
+    died before its replica had them (or came back from a freeze as a replica)
+    leaves no lock held on the new primary until its TTL."""
+    for router in list(_every_router):
+        if router.single is not None:
+            continue
+        try:
+            router.learn_moves(deadline)
+        except Exception:
+            # One router's failure keeps no other's requests from going.
+            logger.exception("celery_redislock: asking a cluster where its keys live failed")
 
 
 def _flush_at_exit() -> None:
