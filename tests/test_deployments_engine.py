@@ -316,7 +316,8 @@ def test_waiter_is_woken_by_the_release(locks: Store) -> None:
     """A blocked waiter subscribed to the release channel gets the lock right after the
     holder releases it — long before the holder's 60 s TTL would have freed it. Its
     queue entry asks a release to check that its process is still subscribed, on
-    every deployment: its subscription is on the server of the queue."""
+    every deployment: its subscription is on the server of the queue (on a
+    cluster, with a mark of its own: a node counts only for a slot it serves)."""
     name = f"{locks.kind}:waiter"
     holder = RedisLock(locks.target, name, ttl=60)
     waiter = RedisLock(locks.target, name, ttl=30)
@@ -325,7 +326,7 @@ def test_waiter_is_woken_by_the_release(locks: Store) -> None:
     admin = locks.admin_for(holder.key)
     wait_for(lambda: admin.zcard(holder.queue_key) >= 1, what="the waiter in the queue")
     [(entry, _)] = queue_entries(admin, holder.queue_key)
-    assert entry.endswith(b",1]")
+    assert entry.endswith(b",2]" if locks.kind == "cluster" else b",1]")
     released = time.monotonic()
     holder.release()
     thread.join(30)
@@ -389,7 +390,8 @@ def test_waiters_of_a_killed_process_are_passed_over_on_sentinel_and_cluster(
     try:
         wait_for(lambda: admin.zcard(holder.queue_key) == 2, timeout=30, what="the child to queue")
         entries = [entry for entry, _ in queue_entries(admin, holder.queue_key)]
-        assert all(entry.endswith(b",1]") for entry in entries)
+        mark = b",2]" if kind == "cluster" else b",1]"
+        assert all(entry.endswith(mark) for entry in entries)
         (process,) = {json.loads(entry)[0].split(".")[0] for entry in entries}
         channel = f"{holder.wake_prefix}{process}"
         assert admin.pubsub_numsub(channel) == [(channel.encode(), 1)]
@@ -410,6 +412,58 @@ def test_waiters_of_a_killed_process_are_passed_over_on_sentinel_and_cluster(
             child.kill()
             child.wait(10)
         admin.close()
+
+
+def test_a_cluster_user_that_may_not_ask_which_slots_a_node_serves_passes_nobody_over(
+    redislock_cluster: ClusterDeployment,
+) -> None:
+    """On a cluster, a release counts the subscribers of a waiter's process only
+    once it has read that its node serves the lock's slot (``CLUSTER MYID``,
+    ``KEYSLOT`` and ``SLOTS``): one half-way moved to it does not, and the
+    waiters there are alive all the same. A user whom the ACL refuses ``CLUSTER
+    MYID`` passes nobody over, not even the waiters of a killed process: the
+    first is handed the lock, for its grant, as where the release cannot tell.
+    Nothing is refused (the release asks the ACL first)."""
+    name = "cluster-acl-no-myid"
+    rules = ("~*", "&*", "+@all", "-cluster|myid")
+    for node in redislock_cluster.nodes:
+        node.add_user("no-myid", "no-myid-password", rules)
+    client = redislock_cluster.client(username="no-myid", password="no-myid-password")
+    holder = RedisLock(client, name, ttl=60)
+    admin = redislock_cluster.primary_for_key(holder.key).client()
+    child = None
+    try:
+        admin.execute_command("ACL", "LOG", "RESET")  # type: ignore[no-untyped-call]
+        assert holder.acquire(blocking=False)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _WAITS, holder.name, str(redislock_cluster.nodes[0].port)],
+            env=child_environment(),
+        )
+        wait_for(lambda: admin.zcard(holder.queue_key) == 2, timeout=30, what="the child to queue")
+        entries = [entry for entry, _ in queue_entries(admin, holder.queue_key)]
+        assert all(entry.endswith(b",2]") for entry in entries)
+        (process,) = {json.loads(entry)[0].split(".")[0] for entry in entries}
+        channel = f"{holder.wake_prefix}{process}"
+        child.kill()
+        child.wait(10)
+        wait_for(lambda: admin.pubsub_numsub(channel) == [(channel.encode(), 0)])
+        holder.release()
+        # Handed to the first of the dead waiters; the second is still queued.
+        owner = fields(admin, holder.key).get(OWNER_FIELD)
+        assert owner not in (None, holder.owner)
+        assert admin.zcard(holder.queue_key) == 1
+        assert admin.execute_command("ACL", "LOG") == []  # type: ignore[no-untyped-call]
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait(10)
+        admin.delete(holder.key, holder.queue_key)
+        admin.close()
+        client.close()
+        for node in redislock_cluster.nodes:
+            direct = node.client()
+            direct.execute_command("ACL", "DELUSER", "no-myid")  # type: ignore[no-untyped-call]
+            direct.close()
 
 
 @pytest.mark.slow
@@ -1734,7 +1788,7 @@ def test_a_cluster_waiter_whose_slot_moves_takes_the_lock_on_its_new_primary(
         admin = source.client()
         wait_for(lambda: admin.zcard(holder.queue_key) == 1, what="the waiter to queue")
         [(entry, _)] = queue_entries(admin, holder.queue_key)
-        assert entry.endswith(b",1]")
+        assert entry.endswith(b",2]")
         admin.close()
         source, target = migrating(cluster, slot)
         migrate_keys(source, target, slot)
@@ -1773,7 +1827,7 @@ def test_a_cluster_waiter_whose_slot_moves_takes_the_lock_on_its_new_primary(
         wait_for(lambda: admin.zcard(holder.queue_key) == 1, what="the second waiter to queue")
         [(entry, _)] = queue_entries(admin, holder.queue_key)
         admin.close()
-        assert entry.endswith(b",1]")
+        assert entry.endswith(b",2]")
         holder.release()
         thread.join(30)
         assert got == [True]
@@ -1810,7 +1864,7 @@ def test_a_cluster_release_on_a_slot_half_moved_hands_the_lock_to_its_live_waite
         wait_for(lambda: admin.zcard(holder.queue_key) == 1, what="the waiter to queue")
         [(entry, _)] = queue_entries(admin, holder.queue_key)
         admin.close()
-        assert entry.endswith(b",1]")
+        assert entry.endswith(b",2]")
         source, target = migrating(cluster, slot)
         migrate_keys(source, target, slot)
         admin = target.client()

@@ -1946,7 +1946,8 @@ class RedisLock:
         # on the new primary as the switch is learnt (WakeHub.primary_switched).
         # A cluster's hub is on the node itself, which counts it, whatever it
         # heard (a waiter passed over there has its key on another primary now,
-        # whose hub it moves to).
+        # whose hub it moves to). A cluster node counts only for a slot it serves
+        # (see scripts.WATCHED_ON_CLUSTER).
         watched = cluster or not hub.unseen
         marked = queue_entry(
             waiter.id,
@@ -1956,6 +1957,7 @@ class RedisLock:
             self._info,
             watched,
             since_at_grant=self._since_kept,
+            cluster=cluster,
         )
         # Sent while the subscription is down (or after a release passed the waiter
         # over all the same), lest every release take the waiter for dead.

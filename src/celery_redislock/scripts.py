@@ -94,8 +94,10 @@ entry ends in :data:`WATCHED` (its process subscribes on this server), a release
 counts the subscribers of its wake channel (``PUBSUB NUMSUB``, before the first
 write), and takes the entry out of the queue, waking the next instead, when
 there is none: the server dropped the subscription as the process's connection
-closed. A cluster node counts only where it serves the lock's slot: one that a
-slot is half-way moved to (reached with ``ASKING``) passes nobody over. Each such waiter is sent :data:`PASSED_MARK` all the same, which only a
+closed. A cluster waiter's entry ends in :data:`WATCHED_ON_CLUSTER`: a node
+counts it only where it serves the lock's slot (one that a slot is half-way
+moved to, reached with ``ASKING``, passes nobody over). Each such waiter is
+sent :data:`PASSED_MARK` all the same, which only a
 process subscribed where the server does not count it hears (it then asks again,
 in its place, and no longer asks to be checked). Up to
 :data:`PASSED_OVER_LIMIT` entries go per release.
@@ -272,6 +274,13 @@ PASSED_MARK = " passed"
 #: subscription as its connection closed).
 WATCHED = 1
 
+#: :data:`WATCHED` for a waiter on a Redis Cluster: a release counts the
+#: subscribers of the waiter's process only where its server serves the lock's
+#: slot (not on one that a slot is half-way moved to, which the waiters'
+#: processes do not subscribe on yet), and where the user may ask the server
+#: (``CLUSTER MYID``, ``KEYSLOT`` and ``SLOTS``).
+WATCHED_ON_CLUSTER = 2
+
 #: The most queue entries of dead processes (:data:`WATCHED`) one release takes out
 #: of the queue; the next release takes out more.
 PASSED_OVER_LIMIT = 100
@@ -385,8 +394,10 @@ def _lua(text: str) -> str:
         GRANT_MS=GRANT_MS,
         PASSED=f"'{PASSED_MARK}'",
         WATCHED=WATCHED,
+        WATCHED_ON_CLUSTER=WATCHED_ON_CLUSTER,
         WATCHED_AT=4 + len(HOLDER_FIELDS) + 1,
         WATCHED_END=f"',{WATCHED}]'",
+        CLUSTER_END=f"',{WATCHED_ON_CLUSTER}]'",
         PASSED_OVER_LIMIT=PASSED_OVER_LIMIT,
         RELEASE_HISTORY=RELEASES_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
         DROP_HISTORY=DROPS_REMEMBERED * (REQUEST_ID_DIGITS + 1) - 1,
@@ -611,25 +622,21 @@ local function entry(member)
     return member, nil
 end
 
--- Whether this server's count of subscribers stands for the waiters of the lock:
--- it is no cluster node, or the cluster primary that serves the lock's slot. A
+-- Whether this cluster node's count of subscribers stands for the waiters of the
+-- lock (WATCHED_ON_CLUSTER): it is the primary that serves the lock's slot. A
 -- slot half-way moved here (resharding: its keys here, the slot not yet) has its
 -- requests sent with ASKING, while the waiters' processes still subscribe on the
 -- slot's primary, which publishes to every node but counts only its own
 -- subscribers; a waiter passed over here would ask again, and be refused until
--- the move ends. Read once per call, where the ACL lets the user (else this is
--- taken for no cluster node: a cluster user asks for the check with
--- +cluster|myid +cluster|keyslot +cluster|slots).
+-- the move ends. Read once per call, where the ACL lets the user (else the count
+-- does not stand: +cluster|myid +cluster|keyslot +cluster|slots ask for it).
 local serves_slot = nil
 local function counts_here()
     if serves_slot ~= nil then return serves_slot end
-    serves_slot = true
-    if not redis.acl_check_cmd('cluster', 'myid') then return serves_slot end
-    local me = redis.pcall('CLUSTER', 'MYID')
-    if type(me) ~= 'string' then return serves_slot end  -- cluster support disabled
     serves_slot = false
-    if redis.acl_check_cmd('cluster', 'keyslot', KEYS[1])
-            and redis.acl_check_cmd('cluster', 'slots') then
+    if redis.acl_check_cmd('cluster', 'myid') and redis.acl_check_cmd('cluster', 'slots')
+            and redis.acl_check_cmd('cluster', 'keyslot', KEYS[1]) then
+        local me = redis.call('CLUSTER', 'MYID')
         local slot = redis.call('CLUSTER', 'KEYSLOT', KEYS[1])
         for _, range in ipairs(redis.call('CLUSTER', 'SLOTS')) do
             if range[1] <= slot and slot <= range[2] then
@@ -641,19 +648,21 @@ local function counts_here()
 end
 
 -- Whether a queue entry's waiter has died with its process: its entry says the
--- process is subscribed to its wake channel on this server (WATCHED), and the
--- channel has no subscriber here (the server dropped it as the process's
--- connection closed), where that count stands for it (counts_here()).
--- ``known`` keeps what was learnt of each process. Asked only where the ACL can
--- be checked first (Redis 7, Valkey) and lets the user ask: a refusal would be
--- logged; a count the server does not give is one.
+-- process is subscribed to its wake channel on this server (WATCHED, or
+-- WATCHED_ON_CLUSTER where this server serves the lock's slot), and the channel
+-- has no subscriber here (the server dropped it as the process's connection
+-- closed). ``known`` keeps what was learnt of each process. Asked only where the
+-- ACL can be checked first (Redis 7, Valkey) and lets the user ask: a refusal
+-- would be logged; a count the server does not give is one.
 local function dead(member, known)
-    if string.sub(member, -#$WATCHED_END) ~= $WATCHED_END then return false end
+    local tail = string.sub(member, -#$WATCHED_END)
+    if tail ~= $WATCHED_END and tail ~= $CLUSTER_END then return false end
     local ok, value = pcall(cjson.decode, member)
-    if not ok or type(value) ~= 'table' or value[$WATCHED_AT] ~= $WATCHED
-            or type(value[1]) ~= 'string' then
+    if not ok or type(value) ~= 'table' or type(value[1]) ~= 'string'
+            or (value[$WATCHED_AT] ~= $WATCHED and value[$WATCHED_AT] ~= $WATCHED_ON_CLUSTER) then
         return false
     end
+    local cluster = value[$WATCHED_AT] == $WATCHED_ON_CLUSTER
     local process = string.match(value[1], '^([^.]+)%.')
     if not process then return false end
     if known[process] == nil then
@@ -662,7 +671,7 @@ local function dead(member, known)
         if redis.acl_check_cmd and redis.acl_check_cmd('pubsub', 'numsub', channel) then
             local reply = redis.pcall('PUBSUB', 'NUMSUB', channel)
             gone = type(reply) == 'table' and not reply.err and tonumber(reply[2]) == 0
-                and counts_here()
+                and (not cluster or counts_here())
         end
         known[process] = gone
     end
@@ -794,15 +803,18 @@ local function released_here(lock)
 end
 """)
 
-# A waiter's queue entry in its other form: marked WATCHED if it is not, and the
-# other way round (see unwatched()). A waiter sends one or the other as its
-# subscription comes and goes, and keeps one entry in the queue.
+# A waiter's queue entry in its other forms: unmarked if it is marked (WATCHED or
+# WATCHED_ON_CLUSTER), else marked either way (see unwatched()). A waiter sends
+# its own marked form or the unmarked one as its subscription comes and goes,
+# and keeps one entry in the queue.
 _OTHER_ENTRY = _lua("""
-local function other_entry(member)
-    if string.sub(member, -#$WATCHED_END) == $WATCHED_END then
-        return string.sub(member, 1, -#$WATCHED_END - 1) .. ']'
+local function other_entries(member)
+    local tail = string.sub(member, -#$WATCHED_END)
+    if tail == $WATCHED_END or tail == $CLUSTER_END then
+        return {string.sub(member, 1, -#$WATCHED_END - 1) .. ']'}
     end
-    return string.sub(member, 1, -2) .. $WATCHED_END
+    local open = string.sub(member, 1, -2)
+    return {open .. $WATCHED_END, open .. $CLUSTER_END}
 end
 """)
 
@@ -973,7 +985,7 @@ end
 if wait_ms then
     local fence = tonumber(lock[$FENCE]) or 0
     if ARGV[5] == '' then return {0, wait_ms, holder, '', fence, owner, taken} end
-    local position, other = ARGV[6], other_entry(ARGV[5])
+    local position, others = ARGV[6], other_entries(ARGV[5])
     bad = denied('pexpire', KEYS[2], '1') or (not lock[$QUEUED] and denied('set', KEYS[1], 'w'))
     if bad then return bad end
     if position == '' then
@@ -981,14 +993,16 @@ if wait_ms then
         -- its entry has, in either form (see unwatched()), else a new one. (An
         -- increment of 0 reads a score with ZADD, which the ACL gives already.)
         position = redis.call('ZADD', KEYS[2], 'XX', 'INCR', 0, ARGV[5])
-            or redis.call('ZADD', KEYS[2], 'XX', 'INCR', 0, other)
+        for _, other in ipairs(others) do
+            position = position or redis.call('ZADD', KEYS[2], 'XX', 'INCR', 0, other)
+        end
         if not position then
             local now = redis.call('TIME')
             position = now[1] .. string.format('%06d', tonumber(now[2]))
         end
     end
     -- The waiter's entry in its other form, if it is there.
-    redis.call('ZREM', KEYS[2], other)
+    redis.call('ZREM', KEYS[2], unpack(others))
     redis.call('ZADD', KEYS[2], 'NX', position, ARGV[5])
     if redis.call('PTTL', KEYS[2]) < wait_ms + tonumber(ARGV[2]) then
         redis.call('PEXPIRE', KEYS[2], wait_ms + tonumber(ARGV[2]))
@@ -1020,7 +1034,7 @@ if ARGV[5] ~= '' then
 end
 write(new, ARGV[2])
 if ARGV[5] ~= '' then
-    redis.call('ZREM', KEYS[2], ARGV[5], other_entry(ARGV[5]))
+    redis.call('ZREM', KEYS[2], ARGV[5], unpack(other_entries(ARGV[5])))
 elseif (ARGV[11] or '') ~= '' and new[$QUEUED] and ARGV[3] ~= '' then
     -- A hold moved to a reservation: the queued waiters of its lease are woken
     -- to ask again. Only a wake-up, after the write (a read or a publish the
@@ -1292,7 +1306,7 @@ if lock[$OWNER] == ARGV[1] and lock[$REQ] == $GRANTED_TO .. waiter then
     if bad ~= 1 then return bad end
     return 2
 end
-return math.min(1, redis.call('ZREM', KEYS[2], ARGV[5], other_entry(ARGV[5])))
+return math.min(1, redis.call('ZREM', KEYS[2], ARGV[5], unpack(other_entries(ARGV[5]))))
 """
 )
 
@@ -1405,6 +1419,7 @@ def queue_entry(
     info: str,
     watched: bool = False,
     since_at_grant: bool = False,
+    cluster: bool = False,
 ) -> str:
     """A waiter's entry in the lock's queue (ACQUIRE's ARGV[5]): what a release
     needs to hand the lock over to it, as one JSON array; ``info`` is the holder's
@@ -1424,14 +1439,14 @@ def queue_entry(
     cluster's primary for the key), so a release may read there whether the
     process still is; the
     description is then padded to all of :data:`HOLDER_FIELDS`, and
-    :data:`WATCHED` follows it."""
+    :data:`WATCHED` follows it (:data:`WATCHED_ON_CLUSTER` with ``cluster``)."""
     described: list[str | int | list[str]] = list(info.split(SEPARATOR)) if info else []
     if watched or since_at_grant:
         described += [""] * (len(HOLDER_FIELDS) - len(described))
     if since_at_grant:
         described[-1] = [str(described[-1])]
     if watched:
-        described.append(WATCHED)
+        described.append(WATCHED_ON_CLUSTER if cluster else WATCHED)
     return json.dumps([waiter, owner, ttl_ms, lease, *described], separators=(",", ":"))
 
 
@@ -1439,10 +1454,12 @@ def unwatched(entry: str) -> str:
     """``entry``, a :func:`queue_entry` made ``watched``, without the mark: what
     the waiter sends while its subscription is down, so that a release no longer
     takes it for a waiter whose process died and passes it over at every release
-    until it is back. ACQUIRE and LEAVE take the entry's other form out of the
+    until it is back. ACQUIRE and LEAVE take the entry's other forms out of the
     queue as they queue or remove one, so a waiter has one entry either way."""
-    mark = f",{WATCHED}]"
-    return entry[: -len(mark)] + "]" if entry.endswith(mark) else entry
+    for mark in (f",{WATCHED}]", f",{WATCHED_ON_CLUSTER}]"):
+        if entry.endswith(mark):
+            return entry[: -len(mark)] + "]"
+    return entry
 
 
 class Script:
